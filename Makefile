@@ -1,0 +1,38 @@
+# kvfleet developer entry points. `make demo` and `make test` are the two commands in the README.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+UV := $(VENV)/bin/uv
+export UV_CACHE_DIR ?= $(HOME)/.cache/kvfleet/uv
+export UV_LINK_MODE ?= copy
+
+.PHONY: help venv test test-fast lint demo cluster-up cluster-down crds
+
+help:
+	@echo "make demo         bring up the local cluster with GPU nodes and show them"
+	@echo "make test         lint, type-check and run every CPU test (unit and e2e)"
+	@echo "make cluster-up   start the local control plane (prints export KUBECONFIG=...)"
+	@echo "make cluster-down stop it"
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(UV) || $(PY) -m pip install -q 'uv==0.9.7'
+	$(UV) pip install --python $(PY) -q -e '.[engine,operator]' --group dev
+	@touch $@
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+test-fast: venv
+	$(PY) -m pytest tests -q
+
+test: lint
+	$(PY) -m pytest -q
+
+include e2e/cluster.mk

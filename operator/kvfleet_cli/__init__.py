@@ -1,0 +1,1 @@
+"""The `kvfleet` command: a dispatcher whose subcommands import lazily."""

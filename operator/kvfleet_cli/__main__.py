@@ -1,0 +1,3 @@
+from kvfleet_cli.main import main
+
+raise SystemExit(main())
