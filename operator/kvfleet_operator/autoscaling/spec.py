@@ -293,7 +293,7 @@ class AutoscalingSpec(_Model):
                     "autoscaling.source: Prometheus applies to controller: Builtin; an HPA reads "
                     "the custom metrics API"
                 )
-            unsupported = [name for name in ("ttft", "tpot") if name in signals]
+            unsupported: list[str] = [name for name in ("ttft", "tpot") if name in signals]
             for name in ("generation_token_rate", "prompt_token_rate"):
                 rate = getattr(self.targets, name)
                 if rate is not None and rate.capacity_fraction is not None:
