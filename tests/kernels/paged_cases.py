@@ -1,0 +1,103 @@
+"""Random paged-attention problems and a dense reference computed without the paged cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PagedCase:
+    query: torch.Tensor  # [num_tokens, num_q_heads, head_dim], sequences back to back
+    keys: list[torch.Tensor]  # per sequence [context_len, num_kv_heads, head_dim]
+    values: list[torch.Tensor]  # per sequence [context_len, num_kv_heads, head_dim]
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim], NaN where unused
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, blocks in random order
+    slot_mapping: torch.Tensor  # [sum(context_lens)] int64, every context token's slot
+    cu_query_lens: torch.Tensor  # [num_seqs + 1] int32
+    context_lens: torch.Tensor  # [num_seqs] int32
+    scale: float
+
+
+def make_paged_case(
+    context_lens: list[int],
+    query_lens: list[int],
+    num_q_heads: int = 8,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    seed: int = 0,
+) -> PagedCase:
+    """Scatter random K/V of each sequence into shuffled cache blocks (unused slots hold NaN, so
+    a kernel that reads past a context shows it) and draw queries for each sequence's last
+    `query_lens[s]` positions."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+
+    blocks_per_seq = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = max(blocks_per_seq) + 1
+    # Padding entries point at a real (NaN-filled or foreign) block: kernels must not read them.
+    block_tables = torch.full((len(context_lens), max_blocks), order[-1], dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    keys, values, slots = [], [], []
+    for seq, (n, nb) in enumerate(zip(context_lens, blocks_per_seq, strict=True)):
+        ids = [order.pop(0) for _ in range(nb)]
+        block_tables[seq, :nb] = torch.tensor(ids, dtype=torch.int32)
+        positions = torch.arange(n)
+        seq_slots = torch.tensor(ids)[positions // block_size] * block_size + positions % block_size
+        k, v = randn(n, num_kv_heads, head_dim), randn(n, num_kv_heads, head_dim)
+        k_cache.view(-1, num_kv_heads, head_dim)[seq_slots.to(device)] = k
+        v_cache.view(-1, num_kv_heads, head_dim)[seq_slots.to(device)] = v
+        keys.append(k)
+        values.append(v)
+        slots.append(seq_slots)
+    cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return PagedCase(
+        query=randn(sum(query_lens), num_q_heads, head_dim),
+        keys=keys,
+        values=values,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=block_tables.to(device),
+        slot_mapping=torch.cat(slots).to(device),
+        cu_query_lens=cu.to(device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        scale=head_dim**-0.5,
+    )
+
+
+def dense_attention(case: PagedCase) -> torch.Tensor:
+    """Causal grouped-query attention in float64, straight from the unpaged K/V."""
+    num_q_heads = case.query.shape[1]
+    cu = case.cu_query_lens.tolist()
+    out = torch.empty(case.query.shape, dtype=torch.float64)
+    for seq, (k, v) in enumerate(zip(case.keys, case.values, strict=True)):
+        context_len = k.shape[0]
+        group = num_q_heads // k.shape[1]
+        for token in range(cu[seq], cu[seq + 1]):
+            position = context_len - (cu[seq + 1] - token)
+            for head in range(num_q_heads):
+                q = case.query[token, head].double().cpu()
+                kh = k[: position + 1, head // group].double().cpu()
+                vh = v[: position + 1, head // group].double().cpu()
+                weights = torch.softmax(kh @ q * case.scale, dim=0)
+                out[token, head] = weights @ vh
+    return out
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out64 = out.double().cpu()
+    assert torch.isfinite(out64).all(), (
+        "output has NaN/inf (unwritten rows or reads past a context)"
+    )
+    return float((out64 - ref).norm() / ref.norm())
