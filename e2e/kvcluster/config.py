@@ -1,0 +1,82 @@
+"""Versions, ports and paths of the local control plane, read once from the environment."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import astuple, dataclass, field
+from pathlib import Path
+
+E2E_DIR = Path(__file__).resolve().parent.parent
+REPO_DIR = E2E_DIR.parent
+TOOLS_DIR = E2E_DIR / "tools"
+KWOK_STAGES_DIR = E2E_DIR / "kwok-stages"
+
+KUBERNETES_VERSION = "v1.37.2"
+ETCD_VERSION = "v3.6.16"
+KWOK_VERSION = "v0.8.0"
+
+# Pod IPs come from here. The whole 127.0.0.0/8 is local on Linux, so a test can bind a real
+# process (an engine) to a pod's IP and anything scraping the pod reaches it.
+POD_CIDR = "127.1.0.0/16"
+SERVICE_CIDR = "10.96.0.0/16"
+GPU_RESOURCE = "nvidia.com/gpu"
+GPUS_PER_NODE = 8
+GPU_PRODUCT = "NVIDIA-H100-80GB-HBM3"
+GPU_MEMORY_MIB = 81559
+
+
+@dataclass(frozen=True)
+class Ports:
+    """TCP ports on 127.0.0.1, one per listening endpoint."""
+
+    etcd_client: int = 2379  # etcd client URL
+    etcd_peer: int = 2380  # etcd peer URL (single member, still must listen)
+    apiserver: int = 6443  # kube-apiserver HTTPS
+    controller_manager: int = 10257  # kube-controller-manager /healthz (HTTPS)
+    scheduler: int = 10259  # kube-scheduler /healthz (HTTPS)
+    kwok: int = 10247  # kwok's fake kubelet server
+
+    def shifted(self, offset: int) -> Ports:
+        """The same layout moved by `offset`, for a second cluster beside the first."""
+        return Ports(*(port + offset for port in astuple(self)))
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Everything `up` needs; built at the edge (CLI, pytest fixture)."""
+
+    state_dir: Path  # pki/, etcd/, logs/, kubeconfig and state.json live here
+    bin_root: Path  # cache of built binaries, one sub-directory per version key
+    num_nodes: int = 2  # fake GPU nodes to create
+    ports: Ports = field(default_factory=Ports)
+    ready_timeout_s: float = 90.0  # per component
+    gpu_product: str = GPU_PRODUCT  # nvidia.com/gpu.product label of every node
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.state_dir / "logs"
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.state_dir / "kubeconfig"
+
+    def log_path(self, component: str) -> Path:
+        return self.logs_dir / f"{component}.log"
+
+
+def cache_root() -> Path:
+    """~/.cache/kvfleet, or $KVFLEET_CACHE_DIR."""
+    env = os.environ.get("KVFLEET_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "kvfleet"
+
+
+def default_state_dir() -> Path:
+    """<repo>/.kvfleet/cluster (gitignored), or $KVFLEET_CLUSTER_DIR."""
+    env = os.environ.get("KVFLEET_CLUSTER_DIR")
+    return Path(env) if env else REPO_DIR / ".kvfleet" / "cluster"
+
+
+def default_config(num_nodes: int = 2) -> ClusterConfig:
+    return ClusterConfig(
+        state_dir=default_state_dir(), bin_root=cache_root() / "bin", num_nodes=num_nodes
+    )

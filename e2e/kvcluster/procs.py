@@ -1,0 +1,108 @@
+"""Start, probe and stop the control-plane processes (plain POSIX processes, no supervisor)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """True if something listens on host:port (a TIME_WAIT leftover does not count)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return True
+            raise
+    return False
+
+
+def spawn(argv: tuple[str, ...], log_path: Path) -> int:
+    """Start a process detached from our session (it outlives `cluster.py up`); returns its pid."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log_file:
+        log_file.write(f"\n=== {time.strftime('%F %T')} {' '.join(argv)}\n".encode())
+        log_file.flush()
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            close_fds=True,
+        )
+    return proc.pid
+
+
+def is_alive(pid: int, binary: str | None = None) -> bool:
+    """The process exists, is not a zombie, and (if given) runs `binary`."""
+    _reap(pid)
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rsplit(b")", 1)[1].split()[0]
+        if state in (b"Z", b"X"):
+            return False
+        if binary is not None:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                return cmdline.read().split(b"\0", 1)[0].decode() == binary
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return True
+
+
+def _reap(pid: int) -> None:
+    """Collect the exit status if `pid` is our own child, so it does not linger as a zombie."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def stop(pid: int, binary: str | None, grace_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after `grace_s`; returns once the process is gone."""
+    if not is_alive(pid, binary):
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if not is_alive(pid):
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    while is_alive(pid):
+        time.sleep(0.05)
+
+
+def probe(url: str, ssl_context: ssl.SSLContext | None, timeout_s: float = 2.0) -> bool:
+    """GET url answers 200."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s, context=ssl_context) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, ConnectionError, TimeoutError, ssl.SSLError, OSError):
+        return False
+
+
+def client_ssl_context(ca_cert: Path, client_cert: Path, client_key: Path) -> ssl.SSLContext:
+    """Trusts our CA and presents the admin certificate. Components whose serving certificate
+    is self-generated are not verified (they only answer /healthz)."""
+    context = ssl.create_default_context(cafile=str(ca_cert))
+    context.load_cert_chain(str(client_cert), str(client_key))
+    return context
+
+
+def tail(path: Path, num_lines: int = 15) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return "(no log written)"
+    return "\n".join(lines[-num_lines:])
