@@ -1,0 +1,341 @@
+"""The autoscaling decision: a pure function of the spec, one observation and the saved state.
+
+    decide(spec, observation, state) -> Decision
+
+No clock, no cluster, no I/O: time arrives in `observation.now`, and everything that must
+survive to the next tick (windows, stabilization history, scale events, panic, drain) leaves in
+`Decision.state`. The formulas are in README.md, section "Autoscaling".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from kvfleet_operator.autoscaling.samples import Observation
+from kvfleet_operator.autoscaling.spec import AutoscalingSpec
+from kvfleet_operator.autoscaling.state import (
+    HISTORY_LENGTH,
+    Drain,
+    ScaleEvent,
+    ScalerState,
+)
+from kvfleet_operator.autoscaling.window import (
+    LATENCY_SIGNALS,
+    counted_pods,
+    make_tick,
+    quantile,
+    snapshot,
+    window_histogram,
+    window_total,
+)
+
+Mode = Literal["Stable", "Panic"]
+
+# ScalingLimited reasons (condition type ScalingLimited on the InferenceDeployment).
+INSUFFICIENT_CAPACITY = "InsufficientCapacity"
+METRICS_UNAVAILABLE = "MetricsUnavailable"
+DESIRED_ABOVE_MAX = "DesiredAboveMax"
+DESIRED_BELOW_MIN = "DesiredBelowMin"
+
+
+@dataclass(frozen=True)
+class SignalReading:
+    """One signal in one decision, as status.autoscaling.signals shows it."""
+
+    name: str  # camelCase target name, e.g. kvCacheUtilization
+    value: float | None  # stable-window value per replica (latency: the percentile, seconds)
+    target: float  # the per-replica target it is compared to
+    desired: int | None  # replicas this signal alone asks for (stable window); None: no data
+    panic_desired: int | None  # the same over the panic window, without tolerance
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do now and what to remember."""
+
+    desired_replicas: int  # write this to the child Deployment's spec.replicas
+    mode: Mode  # Stable, or Panic (only grows)
+    signals: tuple[SignalReading, ...]  # every configured signal
+    reason: str  # why desired_replicas is what it is, in words
+    limited: str  # ScalingLimited reason, "" when not limited
+    victims: tuple[str, ...]  # pods to remove first on scale-down (least work in flight)
+    state: ScalerState  # pass back in on the next tick
+
+
+def decide(spec: AutoscalingSpec, observation: Observation, state: ScalerState) -> Decision:
+    """One autoscaling step (see the module docstring)."""
+    behavior = spec.behavior
+    now = observation.now
+    current = observation.replicas
+    ready = observation.ready_replicas
+
+    tick = make_tick(spec, observation, state.snapshots)
+    snapshots = {p.name: snapshot(p.sample) for p in observation.pods if p.sample is not None}
+    ticks = tuple(t for t in (*state.ticks, tick) if t.time > now - behavior.stable_window_seconds)
+    signals = _read_signals(spec, ticks, now, current, ready)
+    state = replace(state, snapshots=snapshots, ticks=ticks)
+
+    if ready == 0 or not counted_pods(spec, observation):
+        why = "no ready pods" if ready == 0 else "no metrics from ready pods past warm-up"
+        return _finish(
+            spec,
+            observation,
+            state,
+            signals,
+            "Stable",
+            current,
+            f"hold: {why}",
+            METRICS_UNAVAILABLE,
+        )
+    missing = [s.name for s in signals if s.desired is None and s.name not in LATENCY_SIGNALS]
+    with_data = [s for s in signals if s.desired is not None]
+    if missing and not with_data:
+        return _finish(
+            spec,
+            observation,
+            state,
+            signals,
+            "Stable",
+            current,
+            f"hold: no data yet for {', '.join(missing)}",
+            METRICS_UNAVAILABLE,
+        )
+
+    stable = max((s.desired for s in with_data if s.desired is not None), default=spec.min_replicas)
+    panic = max((s.panic_desired for s in with_data if s.panic_desired is not None), default=stable)
+    if panic >= behavior.panic_threshold * ready:
+        state = replace(state, panic_until=now + behavior.stable_window_seconds)
+    mode: Mode = "Panic" if now < state.panic_until else "Stable"
+
+    if mode == "Panic":
+        recommendation = max(panic, stable, current)
+        reason = f"panic: {_top(with_data, panic=True)}"
+    else:
+        recommendation = stable
+        reason = _top(with_data, panic=False) if with_data else "no load"
+    if missing and recommendation < current:
+        recommendation = current
+        reason = f"hold: no data for {', '.join(missing)}"
+
+    limited = ""
+    if recommendation > spec.max_replicas:
+        limited = DESIRED_ABOVE_MAX
+    elif recommendation < spec.min_replicas:
+        limited = DESIRED_BELOW_MIN
+    recommendation = _clamp(spec, recommendation)
+
+    state, desired = _stabilize(spec, state, now, current, recommendation)
+    if desired != recommendation:
+        reason += f"; stabilized at {desired}"
+    desired, rate_note = _rate_limit(spec, state, now, current, desired)
+    if rate_note:
+        reason += f"; {rate_note}"
+
+    if desired > current:
+        if observation.unschedulable_replicas > 0:
+            desired, limited = current, INSUFFICIENT_CAPACITY
+            reason = (
+                f"hold: {observation.unschedulable_replicas} replica(s) Unschedulable; "
+                f"not asking for more than {current}"
+            )
+        elif current > ready and mode == "Stable":
+            desired = current
+            reason = f"hold: {current - ready} replica(s) pending; {reason}"
+    return _finish(spec, observation, state, signals, mode, desired, reason, limited)
+
+
+def _read_signals(
+    spec: AutoscalingSpec, ticks: tuple, now: float, current: int, ready: int
+) -> tuple[SignalReading, ...]:
+    """Every configured signal over the stable and panic windows."""
+    behavior = spec.behavior
+    targets = spec.targets
+    readings = []
+    per_replica = {
+        "generationTokenRate": targets.generation_token_rate,
+        "promptTokenRate": targets.prompt_token_rate,
+        "kvCacheUtilization": targets.kv_cache_utilization,
+        "waitingRequestsPerReplica": targets.waiting_requests_per_replica,
+    }
+    for name, target_spec in per_replica.items():
+        if target_spec is None:
+            continue
+        if isinstance(target_spec, float | int):
+            target = float(target_spec)
+        else:
+            target = target_spec.tokens_per_second or target_spec.capacity_fraction or 0.0
+        totals = [
+            window_total(ticks, name, now - window)
+            for window in (behavior.stable_window_seconds, behavior.panic_window_seconds)
+        ]
+        desired = (
+            None
+            if totals[0] is None
+            else _desired_from_total(totals[0], target, current, ready, spec),
+            None if totals[1] is None else math.ceil(totals[1] / target - 1e-9),
+        )
+        value = None if totals[0] is None or ready == 0 else totals[0] / ready
+        readings.append(SignalReading(name, value, target, desired[0], desired[1]))
+    for name in LATENCY_SIGNALS:
+        latency = getattr(targets, name)
+        if latency is None:
+            continue
+        values = []
+        for window in (behavior.stable_window_seconds, behavior.panic_window_seconds):
+            histogram = window_histogram(ticks, name, now - window)
+            values.append(None if histogram is None else quantile(histogram, latency.quantile))
+        desired = (
+            None
+            if values[0] is None
+            else _desired_from_ratio(values[0] / latency.seconds, current, ready, spec),
+            None if values[1] is None else math.ceil(ready * values[1] / latency.seconds - 1e-9),
+        )
+        readings.append(SignalReading(name, values[0], latency.seconds, desired[0], desired[1]))
+    return tuple(readings)
+
+
+def _desired_from_total(
+    total: float, target: float, current: int, ready: int, spec: AutoscalingSpec
+) -> int:
+    """ceil(fleet total / per-replica target), unless within tolerance of the target."""
+    if ready > 0 and abs(total / (ready * target) - 1) <= spec.behavior.tolerance:
+        return current
+    return math.ceil(total / target - 1e-9)
+
+
+def _desired_from_ratio(ratio: float, current: int, ready: int, spec: AutoscalingSpec) -> int:
+    """ceil(ready x value / target) for signals that do not add up across replicas."""
+    if abs(ratio - 1) <= spec.behavior.tolerance:
+        return current
+    return math.ceil(ready * ratio - 1e-9)
+
+
+def _top(signals: list[SignalReading], panic: bool) -> str:
+    """The signal that asks for the most replicas, in words."""
+    if not signals:
+        return "no signal has data"
+    key = (lambda s: s.panic_desired or 0) if panic else (lambda s: s.desired or 0)
+    top = max(signals, key=key)
+    value = "n/a" if top.value is None else f"{top.value:.3g}"
+    return f"{top.name} {value}/{top.target:.3g} per replica -> {key(top)}"
+
+
+def _clamp(spec: AutoscalingSpec, replicas: int) -> int:
+    return max(spec.min_replicas, min(spec.max_replicas, replicas))
+
+
+def _stabilize(
+    spec: AutoscalingSpec, state: ScalerState, now: float, current: int, recommendation: int
+) -> tuple[ScalerState, int]:
+    """HPA stabilization: scale up to the lowest recommendation of the scale-up window, down to
+    the highest recommendation of the scale-down window."""
+    up = spec.behavior.scale_up.stabilization_window_seconds
+    down = spec.behavior.scale_down.stabilization_window_seconds
+    keep = max(up, down)
+    history = tuple(r for r in state.recommendations if r[0] > now - keep)
+    history = (*history, (now, recommendation))
+    up_recommendation = min(r for t, r in history if t > now - up or t == now)
+    down_recommendation = max(r for t, r in history if t > now - down or t == now)
+    desired = current
+    if desired < up_recommendation:
+        desired = up_recommendation
+    if desired > down_recommendation:
+        desired = down_recommendation
+    return replace(state, recommendations=history), desired
+
+
+def _rate_limit(
+    spec: AutoscalingSpec, state: ScalerState, now: float, current: int, desired: int
+) -> tuple[int, str]:
+    """HPA-style policies: within one period, change by at most max(replicas, percent) of the
+    replica count at the start of the period."""
+    if desired > current:
+        rules_up = spec.behavior.scale_up
+        start = _replicas_at(state, now - rules_up.period_seconds, current)
+        allowed = start + max(
+            rules_up.max_replicas_per_period,
+            math.ceil(start * rules_up.max_percent_per_period / 100),
+        )
+        if desired > allowed:
+            return max(current, allowed), f"scale-up limited to {max(current, allowed)}"
+    elif desired < current:
+        rules_down = spec.behavior.scale_down
+        start = _replicas_at(state, now - rules_down.period_seconds, current)
+        allowed = start - max(
+            rules_down.max_replicas_per_period,
+            math.floor(start * rules_down.max_percent_per_period / 100),
+        )
+        if desired < allowed:
+            return min(current, allowed), f"scale-down limited to {min(current, allowed)}"
+    return desired, ""
+
+
+def _replicas_at(state: ScalerState, since: float, current: int) -> int:
+    """Replica count before the scale events after `since`."""
+    replicas = current
+    for event in reversed(state.events):
+        if event.time <= since:
+            break
+        replicas = event.from_replicas
+    return replicas
+
+
+def _finish(
+    spec: AutoscalingSpec,
+    observation: Observation,
+    state: ScalerState,
+    signals: tuple[SignalReading, ...],
+    mode: Mode,
+    desired: int,
+    reason: str,
+    limited: str,
+) -> Decision:
+    """Apply min/max, the scale-down drain, and record the decision."""
+    now, current = observation.now, observation.replicas
+    clamped = _clamp(spec, desired)
+    if clamped != desired:
+        reason = f"{reason}; clamped to [{spec.min_replicas}, {spec.max_replicas}]"
+        desired = clamped
+    victims: tuple[str, ...] = ()
+    drain = None
+    if desired < current:
+        victims, busy = _pick_victims(observation, current - desired)
+        previous = state.drain
+        started = previous.started if previous and previous.to_replicas == desired else now
+        waited = now - started
+        if busy and waited < spec.behavior.scale_down.drain_timeout_seconds:
+            drain = Drain(started, desired, victims)
+            reason = (
+                f"draining {', '.join(victims)} ({busy:g} requests in flight) before "
+                f"scaling {current} -> {desired}; {reason}"
+            )
+            desired = current
+    state = replace(state, drain=drain)
+    events = state.events
+    if desired != current or limited != state.limited:
+        events = (*events, ScaleEvent(now, current, desired, reason))[-HISTORY_LENGTH:]
+    state = replace(state, events=events, limited=limited)
+    return Decision(desired, mode, signals, reason, limited, victims, state)
+
+
+def _pick_victims(observation: Observation, count: int) -> tuple[tuple[str, ...], float]:
+    """The `count` pods to remove: pods that are not ready first, then the ready pods with the
+    least work in flight. Returns them and the requests still in flight on them."""
+
+    def work(pod_index: int) -> tuple[int, float, str]:
+        pod = observation.pods[pod_index]
+        if pod.ready_since is None:
+            return (0, 0.0, pod.name)
+        in_flight = pod.sample.in_flight if pod.sample is not None else math.inf
+        return (1, in_flight, pod.name)
+
+    order = sorted(range(len(observation.pods)), key=work)[:count]
+    chosen = [observation.pods[i] for i in order]
+    busy = sum(
+        pod.sample.in_flight if pod.sample is not None else 0.0
+        for pod in chosen
+        if pod.ready_since is not None
+    )
+    return tuple(pod.name for pod in chosen), busy

@@ -1,0 +1,130 @@
+"""Parse the Prometheus text exposition format (what an engine's /metrics returns) into samples,
+and read the kvfleet metric contract out of them."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from kvfleet_operator.autoscaling.samples import EngineSample
+
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)(?:\s+\S+)?$")
+_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One line of the exposition format."""
+
+    name: str  # metric name, e.g. kvfleet_generation_tokens_total
+    labels: dict[str, str]  # label name -> unescaped value
+    value: float  # sample value (+Inf/-Inf/NaN allowed)
+
+
+class ParseError(ValueError):
+    """The text is not in the Prometheus exposition format."""
+
+
+def parse(text: str) -> list[Sample]:
+    """Every sample line of `text`; comments and blank lines skipped."""
+    samples = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = _LINE.match(line)
+        if match is None:
+            raise ParseError(f"line {number}: not a metric sample: {line[:80]!r}")
+        name, label_text, value_text = match.groups()
+        try:
+            value = float(value_text)
+        except ValueError:
+            raise ParseError(f"line {number}: bad value {value_text!r}") from None
+        samples.append(Sample(name, _parse_labels(label_text or "", number), value))
+    return samples
+
+
+def _parse_labels(text: str, number: int) -> dict[str, str]:
+    inner = text[1:-1] if text else ""
+    labels: dict[str, str] = {}
+    position = 0
+    while position < len(inner):
+        match = _LABEL.match(inner, position)
+        if match is None:
+            if inner[position:].strip():
+                raise ParseError(f"line {number}: bad labels {text[:80]!r}")
+            break
+        value = match.group(2).replace("\\\\", "\0").replace('\\"', '"').replace("\\n", "\n")
+        labels[match.group(1)] = value.replace("\0", "\\")
+        position = match.end()
+    return labels
+
+
+# The metric contract (README "Metrics"): what the autoscaler reads from each engine.
+GENERATION_TOKENS = "kvfleet_generation_tokens_total"
+PROMPT_TOKENS = "kvfleet_prompt_tokens_total"
+KV_CACHE_USAGE = "kvfleet_kv_cache_usage_ratio"
+REQUESTS_WAITING = "kvfleet_requests_waiting"
+REQUESTS_RUNNING = "kvfleet_requests_running"
+CAPACITY = "kvfleet_engine_capacity_tokens_per_second"
+TTFT = "kvfleet_time_to_first_token_seconds"
+TPOT = "kvfleet_inter_token_latency_seconds"
+
+# Label values of CAPACITY that mean prompt (prefill) or generation (decode) capacity.
+_PROMPT_KINDS = {"prompt", "prefill"}
+_GENERATION_KINDS = {"generation", "decode"}
+
+
+def engine_sample(samples: list[Sample], time: float) -> EngineSample:
+    """The autoscaler's view of one engine's /metrics. Raises ParseError when a metric the
+    autoscaler needs is absent, so a wrong target shows up as missing metrics, never as zero."""
+    totals: dict[str, float] = {}
+    capacity_prompt = capacity_generation = None
+    ttft: dict[float, float] = {}
+    tpot: dict[float, float] = {}
+    for sample in samples:
+        if sample.name in (GENERATION_TOKENS, PROMPT_TOKENS, REQUESTS_WAITING, REQUESTS_RUNNING):
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+        elif sample.name == KV_CACHE_USAGE:
+            totals[sample.name] = max(totals.get(sample.name, 0.0), sample.value)
+        elif sample.name == CAPACITY:
+            kind = (
+                sample.labels.get("kind")
+                or sample.labels.get("phase")
+                or sample.labels.get("type")
+                or ""
+            ).lower()
+            if kind in _PROMPT_KINDS:
+                capacity_prompt = sample.value
+            elif kind in _GENERATION_KINDS:
+                capacity_generation = sample.value
+            elif not kind:
+                capacity_prompt = capacity_generation = sample.value
+        elif sample.name in (TTFT + "_bucket", TPOT + "_bucket") and "le" in sample.labels:
+            buckets = ttft if sample.name.startswith(TTFT) else tpot
+            le = float(sample.labels["le"])
+            buckets[le] = buckets.get(le, 0.0) + sample.value
+    missing = [
+        name
+        for name in (GENERATION_TOKENS, PROMPT_TOKENS, KV_CACHE_USAGE, REQUESTS_WAITING)
+        if name not in totals
+    ]
+    if missing:
+        raise ParseError(f"missing metrics: {', '.join(missing)}")
+    return EngineSample(
+        time=time,
+        generation_tokens_total=totals[GENERATION_TOKENS],
+        prompt_tokens_total=totals[PROMPT_TOKENS],
+        kv_cache_usage=totals[KV_CACHE_USAGE],
+        requests_waiting=totals[REQUESTS_WAITING],
+        requests_running=totals.get(REQUESTS_RUNNING, 0.0),
+        capacity_generation=_finite(capacity_generation),
+        capacity_prompt=_finite(capacity_prompt),
+        ttft_buckets=tuple(sorted(ttft.items())),
+        tpot_buckets=tuple(sorted(tpot.items())),
+    )
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) and value > 0 else None
