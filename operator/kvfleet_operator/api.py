@@ -1,0 +1,27 @@
+"""Names shared by every part of the operator: API group, kinds, labels, field managers."""
+
+from __future__ import annotations
+
+GROUP = "kvfleet.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+INFERENCE_DEPLOYMENT = "InferenceDeployment"
+INFERENCE_DEPLOYMENTS = "inferencedeployments"
+ACCELERATOR_PROFILE = "AcceleratorProfile"
+ACCELERATOR_PROFILES = "acceleratorprofiles"
+
+# Server-side-apply field managers: the reconciler owns everything it renders; the autoscaler
+# owns only the child workload's spec.replicas.
+FIELD_MANAGER = "kvfleet-operator"
+AUTOSCALER_FIELD_MANAGER = "kvfleet-autoscaler"
+
+# The one label every child carries; the Deployment selector and status.selector use it.
+DEPLOYMENT_LABEL = f"{GROUP}/deployment"
+
+# Optional CRDs the operator adapts to.
+SERVICE_MONITOR_CRD = "servicemonitors.monitoring.coreos.com"
+LEADER_WORKER_SET_CRD = "leaderworkersets.leaderworkerset.x-k8s.io"
+
+ENGINE_PORT = 8000
+DEFAULT_ENGINE_IMAGE = "ghcr.io/kvfleet/kvfleet-engine:0.1.0"

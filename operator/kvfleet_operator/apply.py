@@ -1,0 +1,216 @@
+"""The one module that talks to the Kubernetes API server.
+
+Every write of a child object goes through `Cluster.apply`: server-side apply under one field
+manager, with the owner's controller reference, forced (the operator owns what it renders). The
+autoscaler writes the child workload's replicas through `Cluster.scale` under its own manager.
+Reads return plain dicts; a missing object is `None`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import quote
+
+from kubernetes_asyncio import client, config
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from kvfleet_operator import api
+
+log = logging.getLogger(__name__)
+
+Manifest = dict[str, Any]
+
+# (apiVersion, kind) -> (plural, namespaced): the kinds the operator reads or writes.
+RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
+    ("v1", "Pod"): ("pods", True),
+    ("v1", "Service"): ("services", True),
+    ("v1", "Event"): ("events", True),
+    ("apps/v1", "Deployment"): ("deployments", True),
+    ("policy/v1", "PodDisruptionBudget"): ("poddisruptionbudgets", True),
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): ("servicemonitors", True),
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): ("leaderworkersets", True),
+    ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): ("customresourcedefinitions", False),
+    (api.API_VERSION, api.INFERENCE_DEPLOYMENT): (api.INFERENCE_DEPLOYMENTS, True),
+    (api.API_VERSION, api.ACCELERATOR_PROFILE): (api.ACCELERATOR_PROFILES, False),
+}
+CRD_CACHE_SECONDS = 30.0
+
+
+class Cluster:
+    """A connection to the API server; create with `await Cluster.connect()`."""
+
+    def __init__(self, api_client: client.ApiClient) -> None:
+        self._client = api_client
+        self._crds: dict[str, tuple[float, bool]] = {}
+
+    @classmethod
+    async def connect(cls) -> Cluster:
+        """In-cluster service account when running in a pod, else $KUBECONFIG / ~/.kube/config."""
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            await config.load_kube_config()
+        return cls(client.ApiClient())
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    # -- reads ------------------------------------------------------------------------------
+
+    async def get(
+        self, api_version: str, kind: str, name: str, namespace: str | None = None
+    ) -> Manifest | None:
+        return await self._request("GET", _path(api_version, kind, namespace, name))
+
+    async def list(
+        self, api_version: str, kind: str, namespace: str | None = None, selector: str = ""
+    ) -> list[Manifest]:
+        query = {"labelSelector": selector} if selector else None
+        found = await self._request("GET", _path(api_version, kind, namespace), query=query)
+        return found["items"] if found else []
+
+    async def has_crd(self, name: str) -> bool:
+        """Whether a CRD is installed (cached for CRD_CACHE_SECONDS)."""
+        now = time.monotonic()
+        cached = self._crds.get(name)
+        if cached and now - cached[0] < CRD_CACHE_SECONDS:
+            return cached[1]
+        present = (
+            await self.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", name) is not None
+        )
+        self._crds[name] = (now, present)
+        return present
+
+    # -- writes -----------------------------------------------------------------------------
+
+    async def apply(
+        self,
+        manifest: Manifest,
+        *,
+        owner: Manifest | None = None,
+        field_manager: str = api.FIELD_MANAGER,
+    ) -> Manifest:
+        """Server-side apply `manifest` (with `owner` as its controller), forced. An unchanged
+        manifest is a no-op on the server: the object's resourceVersion stays the same."""
+        if owner is not None:
+            manifest = with_owner(manifest, owner)
+        meta = manifest["metadata"]
+        path = _path(manifest["apiVersion"], manifest["kind"], meta.get("namespace"), meta["name"])
+        query = {"fieldManager": field_manager, "force": "true"}
+        result = await self._request(
+            "PATCH", path, body=manifest, query=query, content_type="application/apply-patch+yaml"
+        )
+        assert result is not None
+        return result
+
+    async def scale(
+        self,
+        namespace: str,
+        name: str,
+        replicas: int,
+        *,
+        field_manager: str = api.AUTOSCALER_FIELD_MANAGER,
+    ) -> Manifest:
+        """Set the replicas of the child Deployment `name`, owning only that field."""
+        manifest = {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"replicas": replicas},
+        }
+        return await self.apply(manifest, field_manager=field_manager)
+
+    async def patch_status(
+        self, api_version: str, kind: str, name: str, namespace: str | None, status: Manifest
+    ) -> Manifest | None:
+        """JSON-merge-patch the status subresource; keys set to None are removed."""
+        path = _path(api_version, kind, namespace, name) + "/status"
+        return await self._request(
+            "PATCH",
+            path,
+            body={"status": status},
+            content_type="application/merge-patch+json",
+        )
+
+    async def post_event(self, involved: Manifest, type_: str, reason: str, message: str) -> None:
+        """A core/v1 Event about `involved` (best effort: failures are logged, not raised)."""
+        meta = involved["metadata"]
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": involved["apiVersion"],
+                "kind": involved["kind"],
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta["uid"],
+            },
+            "type": type_,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": api.FIELD_MANAGER},
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            await self._request("POST", _path("v1", "Event", meta["namespace"]), body=event)
+        except ApiException as exc:
+            log.warning("could not post event %s on %s: %s", reason, meta["name"], exc.reason)
+
+    # -- transport --------------------------------------------------------------------------
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Manifest | None = None,
+        query: dict[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> Manifest | None:
+        try:
+            response = await self._client.call_api(
+                path,
+                method,
+                query_params=list((query or {}).items()),
+                header_params={"Accept": "application/json", "Content-Type": content_type},
+                body=body,
+                auth_settings=["BearerToken"],
+                response_types_map={200: "object", 201: "object"},
+                _return_http_data_only=True,
+            )
+        except ApiException as exc:
+            if exc.status == 404 and method in ("GET", "PATCH"):
+                return None
+            raise
+        decoded: Manifest = response
+        return decoded
+
+
+def _path(api_version: str, kind: str, namespace: str | None, name: str | None = None) -> str:
+    plural, namespaced = RESOURCES[(api_version, kind)]
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    if namespaced and namespace:
+        prefix += f"/namespaces/{quote(namespace)}"
+    path = f"{prefix}/{plural}"
+    return f"{path}/{quote(name)}" if name else path
+
+
+def with_owner(manifest: Manifest, owner: Manifest) -> Manifest:
+    """A copy of `manifest` with `owner` as its controlling owner reference."""
+    meta = owner["metadata"]
+    reference = {
+        "apiVersion": owner["apiVersion"],
+        "kind": owner["kind"],
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+    return {**manifest, "metadata": {**manifest["metadata"], "ownerReferences": [reference]}}

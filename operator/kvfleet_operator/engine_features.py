@@ -1,0 +1,44 @@
+"""What the kvfleet engine can do today (see ENGINE_CONTRACT: `--tensor-parallel-size` accepts 1
+and `--quantization` accepts none). The CRD accepts the full API so that plans for larger
+topologies are computed and reported; an InferenceDeployment that needs more than this list is
+reported as Stalled with reason FeatureUnavailable, and nothing is rolled out for it. Widen these
+sets when the engine gains the feature; no CRD change is needed."""
+
+from __future__ import annotations
+
+from kvfleet_operator.models import InferenceDeploymentSpec
+
+TENSOR_PARALLEL_SIZES = frozenset({1})
+PIPELINE_PARALLEL_SIZES = frozenset({1})
+WEIGHT_QUANTIZATIONS = frozenset({"none"})
+KV_CACHE_QUANTIZATIONS = frozenset({"auto"})
+
+
+def unavailable_features(spec: InferenceDeploymentSpec) -> list[str]:
+    """One message per spec field whose value the engine cannot serve yet."""
+    missing = []
+    if spec.parallelism.tensor not in TENSOR_PARALLEL_SIZES:
+        missing.append(
+            f"parallelism.tensor={spec.parallelism.tensor}: the engine serves tensor parallel "
+            f"size {_one_of(TENSOR_PARALLEL_SIZES)} only for now"
+        )
+    if spec.parallelism.pipeline not in PIPELINE_PARALLEL_SIZES:
+        missing.append(
+            f"parallelism.pipeline={spec.parallelism.pipeline}: the engine serves pipeline "
+            f"parallel size {_one_of(PIPELINE_PARALLEL_SIZES)} only for now"
+        )
+    if spec.quantization.weights not in WEIGHT_QUANTIZATIONS:
+        missing.append(
+            f"quantization.weights={spec.quantization.weights}: the engine serves "
+            f"{_one_of(WEIGHT_QUANTIZATIONS)} weights only for now"
+        )
+    if spec.quantization.kv_cache not in KV_CACHE_QUANTIZATIONS:
+        missing.append(
+            f"quantization.kvCache={spec.quantization.kv_cache}: the engine keeps the KV cache "
+            f"in the model dtype ({_one_of(KV_CACHE_QUANTIZATIONS)}) only for now"
+        )
+    return missing
+
+
+def _one_of(values: frozenset[object]) -> str:
+    return " or ".join(sorted(str(v) for v in values))

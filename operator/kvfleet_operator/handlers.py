@@ -1,0 +1,76 @@
+"""kopf wiring, and nothing else: every trigger ends in `reconcile`."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+
+from kvfleet_operator import api
+from kvfleet_operator.apply import Cluster
+from kvfleet_operator.autoscaling.autoscaler import run_autoscaler
+from kvfleet_operator.reconcile import reconcile
+
+RESYNC_SECONDS = 15.0
+RETRY_SECONDS = 10.0
+INFD = (api.GROUP, api.VERSION, api.INFERENCE_DEPLOYMENTS)
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    # kopf's bookkeeping goes to status.kopf, never to annotations on Git-managed objects.
+    settings.persistence.progress_storage = kopf.StatusProgressStorage()
+    settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage()
+    # Our own events explain transitions; kopf's per-handler chatter is kept to warnings.
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 120
+    settings.watching.client_timeout = 150
+    memo.cluster = await Cluster.connect()
+
+
+@kopf.on.cleanup()
+async def close(memo: kopf.Memo, **_: Any) -> None:
+    await memo.cluster.close()
+
+
+@kopf.on.resume(*INFD)
+@kopf.on.create(*INFD)
+@kopf.on.update(*INFD, field="spec")
+async def spec_changed(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
+    await _reconcile(memo, namespace, name)
+
+
+@kopf.timer(*INFD, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
+async def resync(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
+    """Level-based safety net: profiles, optional CRDs and drift are re-read periodically."""
+    await _reconcile(memo, namespace, name)
+
+
+@kopf.on.event("apps", "v1", "deployments", labels={api.DEPLOYMENT_LABEL: kopf.PRESENT})
+async def child_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """A child Deployment's status moved (pods ready, rollout done): refresh the owner."""
+    for owner in body.metadata.get("ownerReferences", []):
+        if owner.get("kind") == api.INFERENCE_DEPLOYMENT and owner.get("controller"):
+            await _reconcile(memo, body.metadata["namespace"], owner["name"])
+
+
+def _autoscaled(spec: kopf.Spec, **_: Any) -> bool:
+    return bool(spec.get("autoscaling")) and not spec.get("suspend")
+
+
+@kopf.daemon(*INFD, when=_autoscaled, cancellation_timeout=10.0)
+async def autoscaler(
+    namespace: str | None, name: str, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any
+) -> None:
+    """The Builtin autoscaler: one loop per autoscaled InferenceDeployment (autoscaling/)."""
+    assert namespace is not None, "InferenceDeployment is namespaced"
+    await run_autoscaler(memo.cluster, namespace, name, stopped)
+
+
+async def _reconcile(memo: kopf.Memo, namespace: str | None, name: str) -> None:
+    assert namespace is not None, "InferenceDeployment is namespaced"
+    try:
+        await reconcile(memo.cluster, namespace, name)
+    except Exception as exc:  # API errors, timeouts: retried, not fatal
+        raise kopf.TemporaryError(f"reconcile failed: {exc}", delay=RETRY_SECONDS) from exc

@@ -1,0 +1,330 @@
+"""Typed models of the kvfleet.io/v1alpha1 kinds. The CRDs in crds/ are generated from them
+(`kvfleet crds`), and the reconciler parses every object through them.
+
+Field names are camelCase on the wire (aliases) and snake_case in Python. Rules that need more than
+one field, or the old object, are CEL rules attached with `cel(...)`; they run in the API server.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from kvfleet_operator.autoscaling.spec import AutoscalingSpec
+
+MODEL_URI_PATTERN = r"^(hf|pvc|s3|file)://.+"
+TENSOR_PARALLEL_SIZES = (1, 2, 4, 8, 16)
+
+WeightQuantization = Literal["none", "int8", "fp8", "int4-awq", "int4-gptq"]
+KVCacheQuantization = Literal["auto", "fp8"]
+
+
+def cel(*rules: tuple[str, str]) -> dict[str, Any]:
+    """x-kubernetes-validations for a model's JSON schema: (rule, message) pairs."""
+    return {"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in rules]}
+
+
+class Model(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
+
+
+class SecretReference(Model):
+    name: str = Field(max_length=253, description="Name of a Secret in the same namespace.")
+
+
+class ModelHints(Model):
+    """Architecture numbers for models that are not in the built-in catalog; used to plan memory
+    and to check tensor parallelism."""
+
+    num_parameters: int = Field(ge=1, description="Total parameter count, e.g. 8030261248.")
+    num_layers: int = Field(ge=1, description="Transformer layers (num_hidden_layers).")
+    num_attention_heads: int = Field(ge=1, description="Query heads (num_attention_heads).")
+    num_key_value_heads: int = Field(ge=1, description="KV heads (num_key_value_heads).")
+    head_dim: int = Field(ge=1, description="Dimension of one attention head.")
+    max_position_embeddings: int | None = Field(
+        default=None, ge=1, description="Longest context the model supports."
+    )
+
+
+class ModelSpec(Model):
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            (
+                "has(self.servedModelName) == has(oldSelf.servedModelName) && "
+                "(!has(self.servedModelName) || self.servedModelName == oldSelf.servedModelName)",
+                "model.servedModelName is immutable: it cannot be added, removed or changed "
+                "after creation (clients address the model by it)",
+            ),
+        )
+    )
+
+    uri: str = Field(
+        max_length=2048,
+        pattern=MODEL_URI_PATTERN,
+        description="Where the weights are: hf://ORG/NAME, pvc://CLAIM/PATH, s3://BUCKET/PREFIX "
+        "or file:///PATH (a directory on the node).",
+    )
+    revision: str | None = Field(
+        default=None, max_length=128, description="hf:// only: branch, tag or commit to download."
+    )
+    served_model_name: str | None = Field(
+        default=None,
+        max_length=253,
+        description="Name clients pass as `model`; defaults to metadata.name. Immutable.",
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=16, description="Longest prompt + output per sequence, in tokens."
+    )
+    credentials_secret: SecretReference | None = Field(
+        default=None,
+        description="Secret whose keys become environment variables of the download init "
+        "container (HF_TOKEN for hf://, AWS_* for s3://).",
+    )
+    hints: ModelHints | None = Field(
+        default=None, description="Architecture numbers for a model not in the built-in catalog."
+    )
+
+
+class QuantizationSpec(Model):
+    weights: WeightQuantization = Field(
+        default="none", description="Weight format: none (bf16), int8, fp8, int4-awq, int4-gptq."
+    )
+    kv_cache: KVCacheQuantization = Field(
+        default="auto", description="KV-cache format: auto (model dtype) or fp8."
+    )
+
+
+class ParallelismSpec(Model):
+    tensor: int = Field(
+        default=1,
+        ge=1,
+        le=16,
+        description="Tensor-parallel size: 1, 2, 4, 8 or 16 GPUs per model shard group.",
+        json_schema_extra=cel(
+            ("self in [1, 2, 4, 8, 16]", "parallelism.tensor must be one of 1, 2, 4, 8, 16")
+        ),
+    )
+    pipeline: int = Field(default=1, ge=1, le=16, description="Pipeline-parallel stages.")
+
+
+class ResourcesSpec(Model):
+    accelerator: str = Field(
+        max_length=63,
+        description="Accelerator profile: a built-in name (a100-40gb, a100-80gb, h100-80gb, "
+        "h200-141gb, l4, l40s, b200) or an AcceleratorProfile object.",
+    )
+    cpu: str | None = Field(default=None, max_length=32, description="CPU request and limit.")
+    memory: str | None = Field(default=None, max_length=32, description="Memory request and limit.")
+    shared_memory: str = Field(default="8Gi", max_length=32, description="Size of /dev/shm.")
+
+
+class EngineSpec(Model):
+    image: str | None = Field(
+        default=None, max_length=512, description="Engine image; defaults to the operator's."
+    )
+    block_size: int = Field(default=16, ge=1, le=256, description="Tokens per KV-cache block.")
+    gpu_memory_utilization: float = Field(
+        default=0.9, gt=0, le=1, description="Fraction of GPU memory the engine may use."
+    )
+    max_num_seqs: int = Field(default=256, ge=1, description="Sequences batched per step.")
+    max_num_batched_tokens: int = Field(default=8192, ge=1, description="Token budget per step.")
+    enable_prefix_caching: bool = Field(default=True, description="Reuse cached prompt prefixes.")
+    extra_args: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Extra `kvfleet serve` arguments, appended after the generated ones.",
+    )
+
+
+class SLASpec(Model):
+    ttft_ms: int | None = Field(
+        default=None, ge=1, description="Time-to-first-token target (ms), passed to the engine."
+    )
+    tpot_ms: int | None = Field(
+        default=None, ge=1, description="Time-per-output-token target (ms), passed to the engine."
+    )
+    concurrent_sequences: int = Field(
+        default=1,
+        ge=1,
+        description="Full-length sequences one replica must hold in KV cache at once; sizes the "
+        "memory plan.",
+    )
+
+
+class RolloutSpec(Model):
+    max_surge: int = Field(default=0, ge=0, description="Extra pods during a rollout.")
+    max_unavailable: int = Field(default=1, ge=0, description="Pods that may be down in a rollout.")
+    drain_timeout_seconds: int = Field(
+        default=30, ge=0, le=3600, description="Time a stopping engine finishes in-flight requests."
+    )
+    startup_timeout_seconds: int | None = Field(
+        default=None,
+        ge=30,
+        description="Time allowed for loading weights; defaults to 120 s + 10 s per GiB.",
+    )
+
+
+def _one_rate_target(name: str) -> tuple[str, str]:
+    rate = f"self.autoscaling.targets.{name}"
+    return (
+        f"!has(self.autoscaling) || !has({rate}) || "
+        f"has({rate}.tokensPerSecond) != has({rate}.capacityFraction)",
+        f"autoscaling.targets.{name}: set exactly one of tokensPerSecond or capacityFraction",
+    )
+
+
+# CEL mirrors of AutoscalingSpec's own validators, so kubectl rejects what the operator would.
+_AUTOSCALING_RULES = (
+    (
+        "!has(self.autoscaling) || has(self.autoscaling.targets.generationTokenRate) || "
+        "has(self.autoscaling.targets.promptTokenRate) || "
+        "has(self.autoscaling.targets.kvCacheUtilization) || "
+        "has(self.autoscaling.targets.waitingRequestsPerReplica) || "
+        "has(self.autoscaling.targets.ttft) || has(self.autoscaling.targets.tpot)",
+        "autoscaling.targets: set at least one of generationTokenRate, promptTokenRate, "
+        "kvCacheUtilization, waitingRequestsPerReplica, ttft, tpot",
+    ),
+    (
+        "!has(self.autoscaling) || !has(self.autoscaling.behavior) || "
+        "self.autoscaling.behavior.panicWindowSeconds <= "
+        "self.autoscaling.behavior.stableWindowSeconds",
+        "autoscaling.behavior.panicWindowSeconds must be <= stableWindowSeconds",
+    ),
+    _one_rate_target("generationTokenRate"),
+    _one_rate_target("promptTokenRate"),
+)
+
+
+class InferenceDeploymentSpec(Model):
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            (
+                "!(has(self.replicas) && has(self.autoscaling))",
+                "set either replicas or autoscaling, not both",
+            ),
+            (
+                "!has(self.autoscaling) || "
+                "self.autoscaling.minReplicas <= self.autoscaling.maxReplicas",
+                "autoscaling.minReplicas must be <= autoscaling.maxReplicas",
+            ),
+            *_AUTOSCALING_RULES,
+        )
+    )
+
+    model: ModelSpec = Field(description="What to serve.")
+    quantization: QuantizationSpec = Field(
+        default_factory=QuantizationSpec, description="Weight and KV-cache formats."
+    )
+    parallelism: ParallelismSpec = Field(
+        default_factory=ParallelismSpec, description="How one replica is split across GPUs."
+    )
+    resources: ResourcesSpec = Field(description="GPU type, CPU, memory, /dev/shm.")
+    engine: EngineSpec = Field(default_factory=EngineSpec, description="Engine settings.")
+    replicas: int | None = Field(
+        default=None, ge=0, description="Fixed replica count (exclusive with autoscaling)."
+    )
+    autoscaling: AutoscalingSpec | None = Field(
+        default=None, description="Metric-driven replica count (exclusive with replicas)."
+    )
+    sla: SLASpec = Field(default_factory=SLASpec, description="Latency targets and concurrency.")
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="Rollout and draining.")
+    suspend: bool = Field(default=False, description="Scale to zero, keep every object.")
+
+    def effective_replicas(self) -> int | None:
+        """Replicas the reconciler writes; None when the autoscaler owns them."""
+        if self.suspend:
+            return 0
+        if self.autoscaling is not None:
+            return None
+        return 1 if self.replicas is None else self.replicas
+
+
+class Toleration(Model):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class AcceleratorProfileSpec(Model):
+    resource_name: str = Field(
+        default="nvidia.com/gpu", description="Extended resource a pod requests for one device."
+    )
+    devices_per_node: int = Field(default=8, ge=1, le=64, description="Devices on one node.")
+    memory_gib: float = Field(gt=0, description="Memory of one device, GiB.")
+    compute_capability: str = Field(
+        pattern=r"^[0-9]+\.[0-9]+$", description='CUDA compute capability, e.g. "9.0".'
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Labels of nodes that carry this device."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, description="Tolerations for taints on those nodes."
+    )
+
+
+class Condition(Model):
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str
+    message: str = ""
+    observed_generation: int | None = None
+    last_transition_time: str = Field(json_schema_extra={"format": "date-time"})
+
+
+class MemoryPlan(Model):
+    weights_gib: float = Field(description="Weights per GPU.")
+    kv_cache_gib: float = Field(description="KV cache per GPU for the planned concurrency.")
+    overhead_gib: float = Field(description="Activations and runtime reserve per GPU.")
+    required_gib: float = Field(description="Sum of the above.")
+    available_gib: float = Field(description="GPU memory × gpuMemoryUtilization.")
+    fits: bool
+
+
+class Topology(Model):
+    kind: Literal["Deployment", "LeaderWorkerSet"]
+    gpus_per_replica: int
+    pods_per_replica: int
+    gpus_per_pod: int
+
+
+class Endpoint(Model):
+    url: str
+    served_model_name: str
+
+
+class InferenceDeploymentStatus(Model):
+    model_config = ConfigDict(extra="allow")
+
+    observed_generation: int | None = None
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["type"],
+        },
+    )
+    replicas: int | None = None
+    ready_replicas: int | None = None
+    updated_replicas: int | None = None
+    replicas_summary: str | None = Field(default=None, description="ready/desired, for kubectl.")
+    scaling: str | None = Field(default=None, description="Manual or Auto(min-max).")
+    selector: str | None = None
+    endpoint: Endpoint | None = None
+    topology: Topology | None = None
+    memory_plan: MemoryPlan | None = None
+    autoscaling: dict[str, Any] | None = Field(
+        default=None,
+        description="Written by the autoscaler.",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+    kopf: dict[str, Any] | None = Field(
+        default=None,
+        description="The kopf framework's bookkeeping.",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )

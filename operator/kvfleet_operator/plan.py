@@ -1,0 +1,236 @@
+"""Planning, pure: from a spec, its accelerator profile and what the cluster offers, decide the
+topology of one replica, estimate its memory and list every reason it cannot run.
+
+Memory per GPU, all in bytes (documented in the README):
+  weights  = parameters × bytes per weight (none 2, int8/fp8 1, int4-* 0.5) / (tensor × pipeline)
+  kv cache = 2 (K and V) × ceil(layers / pipeline) × ceil(kv heads / tensor) × head dim
+             × bytes per KV element (2, fp8 1) × maxModelLen × sla.concurrentSequences
+  overhead = RUNTIME_RESERVE_GIB (CUDA context, activations, sampler buffers)
+  fits when weights + kv cache + overhead <= device memory × engine.gpuMemoryUtilization
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvfleet_operator.engine_features import unavailable_features
+from kvfleet_operator.models import (
+    AcceleratorProfileSpec,
+    InferenceDeploymentSpec,
+    MemoryPlan,
+    ModelHints,
+    Topology,
+)
+
+GIB = 1024**3
+RUNTIME_RESERVE_GIB = 1.5
+FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
+BYTES_PER_WEIGHT = {"none": 2.0, "int8": 1.0, "fp8": 1.0, "int4-awq": 0.5, "int4-gptq": 0.5}
+# Startup probe budget: loading reads weights from local disk or a volume.
+STARTUP_BASE_SECONDS = 120
+STARTUP_SECONDS_PER_GIB = 10
+STARTUP_UNKNOWN_MODEL_SECONDS = 900
+
+
+@dataclass(frozen=True)
+class ClusterFeatures:
+    """Optional APIs found in the cluster."""
+
+    leader_worker_set: bool  # leaderworkersets.leaderworkerset.x-k8s.io is installed
+    service_monitor: bool  # servicemonitors.monitoring.coreos.com is installed
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One reason the deployment cannot run as specified."""
+
+    reason: str  # CamelCase, used as the Stalled condition's reason
+    message: str  # names the field and the numbers
+
+
+@dataclass(frozen=True)
+class Plan:
+    served_model_name: str  # what clients pass as `model`
+    topology: Topology | None  # None when the accelerator is unknown
+    memory: MemoryPlan | None  # None when the model architecture is unknown
+    startup_timeout_seconds: int  # startup probe budget for loading weights
+    problems: tuple[Problem, ...]  # empty when the plan can be rolled out
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def plan_deployment(
+    name: str,
+    spec: InferenceDeploymentSpec,
+    profile: AcceleratorProfileSpec | None,
+    model: ModelHints | None,
+    cluster: ClusterFeatures,
+) -> Plan:
+    served_model_name = spec.model.served_model_name or name
+    if profile is None:
+        problem = Problem(
+            "UnknownAccelerator",
+            f"resources.accelerator={spec.resources.accelerator!r} is neither built in nor an "
+            "AcceleratorProfile in the cluster",
+        )
+        return Plan(served_model_name, None, None, STARTUP_UNKNOWN_MODEL_SECONDS, (problem,))
+
+    topology, topology_problem = plan_topology(spec, profile)
+    memory = plan_memory(spec, profile, model) if model is not None else None
+    problems = [
+        *check_parallelism(spec, model),
+        *([topology_problem] if topology_problem else []),
+        *check_quantization(spec, profile),
+    ]
+    if memory is not None and not memory.fits:
+        problems.append(Problem("InsufficientGPUMemory", _memory_message(spec, profile, memory)))
+    if topology.kind == "LeaderWorkerSet" and not cluster.leader_worker_set:
+        problems.append(
+            Problem(
+                "MultiNodeUnavailable",
+                f"one replica needs {topology.gpus_per_replica} GPUs on "
+                f"{topology.pods_per_replica} nodes of {profile.devices_per_node}; that needs "
+                "the LeaderWorkerSet CRD (leaderworkerset.x-k8s.io), which is not installed",
+            )
+        )
+    problems += [Problem("FeatureUnavailable", m) for m in unavailable_features(spec)]
+    return Plan(
+        served_model_name=served_model_name,
+        topology=topology,
+        memory=memory,
+        startup_timeout_seconds=_startup_timeout(spec, memory, topology),
+        problems=tuple(problems),
+    )
+
+
+def plan_topology(
+    spec: InferenceDeploymentSpec, profile: AcceleratorProfileSpec
+) -> tuple[Topology, Problem | None]:
+    """One pod when a replica fits on a node, else one pod per node (a LeaderWorkerSet group)."""
+    gpus = spec.parallelism.tensor * spec.parallelism.pipeline
+    per_node = profile.devices_per_node
+    if gpus <= per_node:
+        return Topology(
+            kind="Deployment", gpus_per_replica=gpus, pods_per_replica=1, gpus_per_pod=gpus
+        ), None
+    pods = math.ceil(gpus / per_node)
+    topology = Topology(
+        kind="LeaderWorkerSet", gpus_per_replica=gpus, pods_per_replica=pods, gpus_per_pod=per_node
+    )
+    if gpus % per_node:
+        return topology, Problem(
+            "InvalidParallelism",
+            f"parallelism.tensor × parallelism.pipeline = {gpus} GPUs does not split evenly "
+            f"over nodes of {per_node} devices ({spec.resources.accelerator})",
+        )
+    return topology, None
+
+
+def check_parallelism(spec: InferenceDeploymentSpec, model: ModelHints | None) -> list[Problem]:
+    if model is None:
+        return []
+    tp, pp = spec.parallelism.tensor, spec.parallelism.pipeline
+    problems = []
+    if model.num_attention_heads % tp:
+        problems.append(
+            Problem(
+                "InvalidParallelism",
+                f"parallelism.tensor={tp} does not divide the model's "
+                f"{model.num_attention_heads} attention heads",
+            )
+        )
+    elif model.num_key_value_heads % tp and tp % model.num_key_value_heads:
+        problems.append(
+            Problem(
+                "InvalidParallelism",
+                f"parallelism.tensor={tp} and the model's {model.num_key_value_heads} KV heads: "
+                "one must divide the other",
+            )
+        )
+    if pp > model.num_layers:
+        problems.append(
+            Problem(
+                "InvalidParallelism",
+                f"parallelism.pipeline={pp} exceeds the model's {model.num_layers} layers",
+            )
+        )
+    return problems
+
+
+def check_quantization(
+    spec: InferenceDeploymentSpec, profile: AcceleratorProfileSpec
+) -> list[Problem]:
+    major, minor = (int(p) for p in profile.compute_capability.split("."))
+    if (major, minor) >= FP8_MIN_COMPUTE_CAPABILITY:
+        return []
+    fp8_fields = [
+        f"quantization.{field}=fp8"
+        for field, value in (
+            ("weights", spec.quantization.weights),
+            ("kvCache", spec.quantization.kv_cache),
+        )
+        if value == "fp8"
+    ]
+    need = ".".join(str(p) for p in FP8_MIN_COMPUTE_CAPABILITY)
+    return [
+        Problem(
+            "UnsupportedQuantization",
+            f"{field} needs compute capability >= {need}; {spec.resources.accelerator} has "
+            f"{profile.compute_capability}",
+        )
+        for field in fp8_fields
+    ]
+
+
+def plan_memory(
+    spec: InferenceDeploymentSpec, profile: AcceleratorProfileSpec, model: ModelHints
+) -> MemoryPlan:
+    tp, pp = spec.parallelism.tensor, spec.parallelism.pipeline
+    weights = model.num_parameters * BYTES_PER_WEIGHT[spec.quantization.weights] / (tp * pp)
+    kv_element_bytes = 1 if spec.quantization.kv_cache == "fp8" else 2
+    kv_per_token = (
+        2
+        * math.ceil(model.num_layers / pp)
+        * math.ceil(model.num_key_value_heads / tp)
+        * model.head_dim
+        * kv_element_bytes
+    )
+    max_len = spec.model.max_model_len or model.max_position_embeddings or 0
+    kv = kv_per_token * max_len * spec.sla.concurrent_sequences
+    required = weights / GIB + kv / GIB + RUNTIME_RESERVE_GIB
+    available = profile.memory_gib * spec.engine.gpu_memory_utilization
+    return MemoryPlan(
+        weights_gib=round(weights / GIB, 2),
+        kv_cache_gib=round(kv / GIB, 2),
+        overhead_gib=RUNTIME_RESERVE_GIB,
+        required_gib=round(required, 2),
+        available_gib=round(available, 2),
+        fits=required <= available,
+    )
+
+
+def _memory_message(
+    spec: InferenceDeploymentSpec, profile: AcceleratorProfileSpec, memory: MemoryPlan
+) -> str:
+    return (
+        f"needs {memory.required_gib} GiB per GPU (weights {memory.weights_gib} + KV cache "
+        f"{memory.kv_cache_gib} + overhead {memory.overhead_gib}) but "
+        f"{spec.resources.accelerator} offers {memory.available_gib} GiB "
+        f"({profile.memory_gib:g} GiB × gpuMemoryUtilization "
+        f"{spec.engine.gpu_memory_utilization:g}); raise parallelism.tensor, quantize the "
+        "weights, or lower model.maxModelLen / sla.concurrentSequences"
+    )
+
+
+def _startup_timeout(
+    spec: InferenceDeploymentSpec, memory: MemoryPlan | None, topology: Topology
+) -> int:
+    if spec.rollout.startup_timeout_seconds is not None:
+        return spec.rollout.startup_timeout_seconds
+    if memory is None:
+        return STARTUP_UNKNOWN_MODEL_SECONDS
+    weights_per_pod = memory.weights_gib * topology.gpus_per_pod
+    return STARTUP_BASE_SECONDS + math.ceil(STARTUP_SECONDS_PER_GIB * weights_per_pod)

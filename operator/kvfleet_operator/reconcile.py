@@ -1,0 +1,123 @@
+"""One reconcile of one InferenceDeployment, in the order of DESIGN §3: read, plan, render,
+apply, status. Level-based and idempotent: run it as often as you like; when nothing changed it
+writes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from kvfleet_operator import api
+from kvfleet_operator.accelerators import resolve_accelerator
+from kvfleet_operator.apply import Cluster
+from kvfleet_operator.model_catalog import model_architecture
+from kvfleet_operator.models import AcceleratorProfileSpec, InferenceDeploymentSpec
+from kvfleet_operator.plan import ClusterFeatures, plan_deployment
+from kvfleet_operator.render import render_children, selector_string
+from kvfleet_operator.status import (
+    compute_status,
+    invalid_spec_status,
+    summarize_workload,
+    transition_events,
+)
+
+log = logging.getLogger(__name__)
+
+# One reconcile at a time per object: change handlers, the resync timer and child events all
+# end up here.
+_locks: defaultdict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
+
+
+async def reconcile(cluster: Cluster, namespace: str, name: str) -> None:
+    async with _locks[(namespace, name)]:
+        body = await cluster.get(api.API_VERSION, api.INFERENCE_DEPLOYMENT, name, namespace)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return  # gone: owner references let the garbage collector remove the children
+        await _reconcile(cluster, body)
+
+
+async def _reconcile(cluster: Cluster, body: dict[str, Any]) -> None:
+    meta = body["metadata"]
+    name, namespace, generation = meta["name"], meta["namespace"], meta["generation"]
+    old_status = body.get("status") or {}
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    try:
+        spec = InferenceDeploymentSpec.model_validate(body.get("spec", {}))
+    except ValidationError as exc:
+        message = "; ".join(_describe(error) for error in exc.errors())
+        status = invalid_spec_status(
+            generation=generation, message=message, old_status=old_status, now=now
+        )
+        await _write_status(cluster, body, old_status, status)
+        return
+
+    profiles = await read_accelerator_profiles(cluster)
+    profile = resolve_accelerator(spec.resources.accelerator, profiles)
+    features = ClusterFeatures(
+        leader_worker_set=await cluster.has_crd(api.LEADER_WORKER_SET_CRD),
+        service_monitor=await cluster.has_crd(api.SERVICE_MONITOR_CRD),
+    )
+    plan = plan_deployment(name, spec, profile, model_architecture(spec.model), features)
+    if plan.ok:
+        assert profile is not None
+        children = render_children(
+            name, namespace, spec, plan, profile, service_monitor=features.service_monitor
+        )
+        for child in children:
+            await cluster.apply(child, owner=body)
+    else:
+        log.info("%s/%s not rolled out: %s", namespace, name, plan.problems[0].message)
+
+    deployment = await cluster.get("apps/v1", "Deployment", name, namespace)
+    workload = None
+    if deployment is not None:
+        pods = await cluster.list("v1", "Pod", namespace, selector_string(name))
+        workload = summarize_workload(deployment, pods)
+    status = compute_status(
+        name=name,
+        namespace=namespace,
+        generation=generation,
+        spec=spec,
+        plan=plan,
+        workload=workload,
+        old_status=old_status,
+        now=now,
+    )
+    await _write_status(cluster, body, old_status, status)
+
+
+async def read_accelerator_profiles(cluster: Cluster) -> dict[str, AcceleratorProfileSpec]:
+    """AcceleratorProfile objects by name; invalid ones are logged and skipped."""
+    profiles = {}
+    for item in await cluster.list(api.API_VERSION, api.ACCELERATOR_PROFILE):
+        try:
+            profiles[item["metadata"]["name"]] = AcceleratorProfileSpec.model_validate(
+                item.get("spec", {})
+            )
+        except ValidationError as exc:
+            log.warning("ignoring AcceleratorProfile %s: %s", item["metadata"]["name"], exc)
+    return profiles
+
+
+async def _write_status(
+    cluster: Cluster, body: dict[str, Any], old: dict[str, Any], new: dict[str, Any]
+) -> None:
+    """Patch only what changed; an unchanged status is not written (no watch event, no loop)."""
+    if all(old.get(key) == value for key, value in new.items()):
+        return
+    meta = body["metadata"]
+    await cluster.patch_status(
+        api.API_VERSION, api.INFERENCE_DEPLOYMENT, meta["name"], meta["namespace"], new
+    )
+    for event in transition_events(old, new):
+        await cluster.post_event(body, event.type, event.reason, event.message)
+
+
+def _describe(error: Any) -> str:
+    where = ".".join(str(part) for part in error["loc"])
+    return f"spec.{where}: {error['msg']}" if where else f"spec: {error['msg']}"

@@ -1,0 +1,303 @@
+"""Rendering, pure: the child objects of one InferenceDeployment as plain dicts.
+
+Owner references are added by `apply`, the one place objects are sent to the API server.
+`app.kubernetes.io/instance` is deliberately absent: Argo CD tracks its applications by that
+label by default and would treat the children as its own.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from kvfleet_operator import api
+from kvfleet_operator.models import AcceleratorProfileSpec, InferenceDeploymentSpec
+from kvfleet_operator.plan import Plan
+
+MODEL_DIR = "/models"
+PRE_STOP_SECONDS = 5
+STARTUP_PERIOD_SECONDS = 10
+S3_IMAGE = "amazon/aws-cli:2.22.35"
+Manifest = dict[str, Any]
+
+
+def labels(name: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "kvfleet-engine",
+        "app.kubernetes.io/component": "inference-server",
+        "app.kubernetes.io/part-of": "kvfleet",
+        "app.kubernetes.io/managed-by": api.FIELD_MANAGER,
+        api.DEPLOYMENT_LABEL: name,
+    }
+
+
+def selector(name: str) -> dict[str, str]:
+    return {api.DEPLOYMENT_LABEL: name}
+
+
+def selector_string(name: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in selector(name).items())
+
+
+def endpoint_url(name: str, namespace: str) -> str:
+    return f"http://{name}.{namespace}.svc:{api.ENGINE_PORT}/v1"
+
+
+def render_children(
+    name: str,
+    namespace: str,
+    spec: InferenceDeploymentSpec,
+    plan: Plan,
+    profile: AcceleratorProfileSpec,
+    *,
+    service_monitor: bool,
+) -> list[Manifest]:
+    """Every child, in apply order."""
+    children = [
+        render_deployment(name, namespace, spec, plan, profile),
+        render_service(name, namespace),
+        render_pod_disruption_budget(name, namespace),
+    ]
+    if service_monitor:
+        children.append(render_service_monitor(name, namespace))
+    return children
+
+
+def _metadata(name: str, namespace: str) -> dict[str, Any]:
+    return {"name": name, "namespace": namespace, "labels": labels(name)}
+
+
+def render_deployment(
+    name: str,
+    namespace: str,
+    spec: InferenceDeploymentSpec,
+    plan: Plan,
+    profile: AcceleratorProfileSpec,
+) -> Manifest:
+    assert plan.topology is not None and plan.topology.kind == "Deployment", plan.topology
+    model_path, model_volume, init_containers = _model_source(spec)
+    drain = spec.rollout.drain_timeout_seconds
+    deployment_spec: dict[str, Any] = {
+        "selector": {"matchLabels": selector(name)},
+        "strategy": {
+            "type": "RollingUpdate",
+            "rollingUpdate": {
+                "maxSurge": spec.rollout.max_surge,
+                "maxUnavailable": spec.rollout.max_unavailable,
+            },
+        },
+        "progressDeadlineSeconds": max(600, plan.startup_timeout_seconds + 120),
+        "revisionHistoryLimit": 3,
+        "template": {
+            "metadata": {"labels": labels(name)},
+            "spec": {
+                "securityContext": {
+                    "runAsNonRoot": True,
+                    "runAsUser": 1000,
+                    "runAsGroup": 1000,
+                    "fsGroup": 1000,
+                    "seccompProfile": {"type": "RuntimeDefault"},
+                },
+                "terminationGracePeriodSeconds": PRE_STOP_SECONDS + drain + 10,
+                "nodeSelector": dict(profile.node_selector),
+                "tolerations": [
+                    t.model_dump(by_alias=True, exclude_none=True) for t in profile.tolerations
+                ],
+                "initContainers": init_containers,
+                "containers": [_engine_container(name, spec, plan, profile, model_path)],
+                "volumes": [
+                    {
+                        "name": "dshm",
+                        "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shared_memory},
+                    },
+                    {"name": "tmp", "emptyDir": {}},
+                    model_volume,
+                ],
+            },
+        },
+    }
+    replicas = spec.effective_replicas()
+    if replicas is not None:  # left out when the autoscaler owns it
+        deployment_spec = {"replicas": replicas, **deployment_spec}
+    if not init_containers:
+        del deployment_spec["template"]["spec"]["initContainers"]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(name, namespace),
+        "spec": deployment_spec,
+    }
+
+
+def engine_args(spec: InferenceDeploymentSpec, plan: Plan, model_path: str) -> list[str]:
+    """`kvfleet serve` arguments for the spec."""
+    engine = spec.engine
+    args = [
+        "--model", model_path,
+        "--served-model-name", plan.served_model_name,
+        "--host", "0.0.0.0",
+        "--port", str(api.ENGINE_PORT),
+        "--block-size", str(engine.block_size),
+        "--gpu-memory-utilization", f"{engine.gpu_memory_utilization:g}",
+        "--max-num-seqs", str(engine.max_num_seqs),
+        "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
+    ]  # fmt: skip
+    if spec.model.max_model_len is not None:
+        args += ["--max-model-len", str(spec.model.max_model_len)]
+    if spec.parallelism.tensor != 1:
+        args += ["--tensor-parallel-size", str(spec.parallelism.tensor)]
+    if spec.quantization.weights != "none":
+        args += ["--quantization", spec.quantization.weights]
+    args.append(
+        "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching"
+    )
+    if spec.sla.ttft_ms is not None:
+        args += ["--ttft-slo-ms", str(spec.sla.ttft_ms)]
+    if spec.sla.tpot_ms is not None:
+        args += ["--tpot-slo-ms", str(spec.sla.tpot_ms)]
+    args += ["--drain-timeout", str(spec.rollout.drain_timeout_seconds)]
+    return args + list(engine.extra_args)
+
+
+def _engine_container(
+    name: str,
+    spec: InferenceDeploymentSpec,
+    plan: Plan,
+    profile: AcceleratorProfileSpec,
+    model_path: str,
+) -> dict[str, Any]:
+    assert plan.topology is not None
+    limits: dict[str, Any] = {profile.resource_name: plan.topology.gpus_per_pod}
+    requests: dict[str, Any] = {}
+    for key, value in (("cpu", spec.resources.cpu), ("memory", spec.resources.memory)):
+        if value is not None:
+            limits[key] = requests[key] = value
+    resources: dict[str, Any] = {"limits": limits}
+    if requests:
+        resources["requests"] = requests
+    ready = {"path": "/ready", "port": "http"}
+    return {
+        "name": "engine",
+        "image": spec.engine.image or api.DEFAULT_ENGINE_IMAGE,
+        "command": ["kvfleet", "serve"],
+        "args": engine_args(spec, plan, model_path),
+        "ports": [{"name": "http", "containerPort": api.ENGINE_PORT, "protocol": "TCP"}],
+        "env": _cache_env(),
+        "resources": resources,
+        "startupProbe": {
+            "httpGet": dict(ready),
+            "periodSeconds": STARTUP_PERIOD_SECONDS,
+            "timeoutSeconds": 5,
+            "failureThreshold": math.ceil(plan.startup_timeout_seconds / STARTUP_PERIOD_SECONDS),
+        },
+        "readinessProbe": {
+            "httpGet": dict(ready),
+            "periodSeconds": 5,
+            "timeoutSeconds": 3,
+            "failureThreshold": 3,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 6,
+        },
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}},
+        "securityContext": _container_security(),
+        "volumeMounts": [
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "model", "mountPath": MODEL_DIR, "readOnly": True},
+        ],
+    }
+
+
+def _container_security() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _cache_env() -> list[dict[str, str]]:
+    # The root filesystem is read-only: every cache goes to the /tmp emptyDir.
+    return [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "HF_HOME", "value": "/tmp/hf"},
+        {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"},
+    ]
+
+
+def _model_source(
+    spec: InferenceDeploymentSpec,
+) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
+    """(model path in the engine container, the `model` volume, init containers)."""
+    scheme, rest = spec.model.uri.split("://", 1)
+    if scheme == "pvc":
+        claim, _, sub_path = rest.partition("/")
+        volume = {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+        return f"{MODEL_DIR}/{sub_path}".rstrip("/"), volume, []
+    if scheme == "file":
+        volume = {"name": "model", "hostPath": {"path": rest, "type": "Directory"}}
+        return MODEL_DIR, volume, []
+    target = f"{MODEL_DIR}/model"
+    if scheme == "hf":
+        command = ["hf", "download", rest, "--local-dir", target]
+        if spec.model.revision:
+            command += ["--revision", spec.model.revision]
+        image = spec.engine.image or api.DEFAULT_ENGINE_IMAGE
+    else:
+        assert scheme == "s3", scheme
+        command = ["aws", "s3", "sync", spec.model.uri, target, "--no-progress"]
+        image = S3_IMAGE
+    fetch: dict[str, Any] = {
+        "name": "fetch-model",
+        "image": image,
+        "command": command,
+        "env": _cache_env(),
+        "securityContext": _container_security(),
+        "volumeMounts": [
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "model", "mountPath": MODEL_DIR},
+        ],
+    }
+    if spec.model.credentials_secret is not None:
+        fetch["envFrom"] = [{"secretRef": {"name": spec.model.credentials_secret.name}}]
+    return target, {"name": "model", "emptyDir": {}}, [fetch]
+
+
+def render_service(name: str, namespace: str) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(name, namespace),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector(name),
+            "ports": [
+                {"name": "http", "port": api.ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}
+            ],
+        },
+    }
+
+
+def render_pod_disruption_budget(name: str, namespace: str) -> Manifest:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(name, namespace),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(name)}},
+    }
+
+
+def render_service_monitor(name: str, namespace: str) -> Manifest:
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": _metadata(name, namespace),
+        "spec": {
+            "selector": {"matchLabels": selector(name)},
+            "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
+        },
+    }

@@ -1,0 +1,295 @@
+"""Status, pure: what the cluster reports about the children, turned into the InferenceDeployment's
+status (kstatus conditions Ready / Reconciling / Stalled plus Planned and Available) and the
+events that explain each transition."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvfleet_operator.models import InferenceDeploymentSpec
+from kvfleet_operator.plan import Plan
+from kvfleet_operator.render import endpoint_url, selector_string
+
+OWN_CONDITIONS = ("Ready", "Reconciling", "Stalled", "Planned", "Available")
+# Container waiting reasons that mean the pod will not serve without a change.
+FAILING_WAIT_REASONS = frozenset(
+    {
+        "CrashLoopBackOff",
+        "ImagePullBackOff",
+        "ErrImagePull",
+        "InvalidImageName",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+    }
+)
+
+
+@dataclass(frozen=True)
+class WorkloadState:
+    """The child Deployment and its pods, summarized."""
+
+    desired: int  # Deployment spec.replicas (the autoscaler's number when it owns it)
+    replicas: int  # pods of any revision
+    updated: int  # pods of the current template
+    ready: int  # pods passing readiness
+    current: bool  # the Deployment controller has seen the latest template
+    deadline_exceeded: bool  # Progressing=False, ProgressDeadlineExceeded
+    failing_pods: tuple[str, ...]  # "pod: reason" for pods stuck in a failing state
+    unschedulable: str | None  # the scheduler's message for a pending pod, if any
+
+
+def summarize_workload(deployment: dict[str, Any], pods: list[dict[str, Any]]) -> WorkloadState:
+    spec, status = deployment.get("spec", {}), deployment.get("status", {})
+    progressing = _find(status.get("conditions", []), "Progressing")
+    failing, unschedulable = [], None
+    for pod in pods:
+        if pod["metadata"].get("deletionTimestamp"):
+            continue
+        pod_status = pod.get("status", {})
+        statuses = pod_status.get("initContainerStatuses", []) + pod_status.get(
+            "containerStatuses", []
+        )
+        for container in statuses:
+            reason = (container.get("state", {}).get("waiting") or {}).get("reason")
+            if reason in FAILING_WAIT_REASONS:
+                failing.append(f"{pod['metadata']['name']}: {reason}")
+                break
+        scheduled = _find(pod_status.get("conditions", []), "PodScheduled")
+        if scheduled and scheduled.get("reason") == "Unschedulable":
+            unschedulable = scheduled.get("message", "Unschedulable")
+    return WorkloadState(
+        desired=spec.get("replicas", 1),
+        replicas=status.get("replicas", 0),
+        updated=status.get("updatedReplicas", 0),
+        ready=status.get("readyReplicas", 0),
+        current=status.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 0),
+        deadline_exceeded=bool(
+            progressing and progressing.get("reason") == "ProgressDeadlineExceeded"
+        ),
+        failing_pods=tuple(sorted(failing)),
+        unschedulable=unschedulable,
+    )
+
+
+def compute_status(
+    *,
+    name: str,
+    namespace: str,
+    generation: int,
+    spec: InferenceDeploymentSpec,
+    plan: Plan,
+    workload: WorkloadState | None,
+    old_status: dict[str, Any],
+    now: str,
+) -> dict[str, Any]:
+    """The status fields the reconciler owns (camelCase), ready for a merge patch."""
+    conditions = _conditions(spec, plan, workload)
+    desired = _desired(spec, workload)
+    ready = workload.ready if workload else 0
+    status: dict[str, Any] = {
+        "observedGeneration": generation,
+        "conditions": _merge_conditions(
+            old_status.get("conditions", []), conditions, generation, now
+        ),
+        "replicas": workload.replicas if workload else 0,
+        "readyReplicas": ready,
+        "updatedReplicas": workload.updated if workload else 0,
+        "replicasSummary": f"{ready}/{desired}",
+        "scaling": _scaling(spec),
+        "selector": selector_string(name),
+        "endpoint": {
+            "url": endpoint_url(name, namespace),
+            "servedModelName": plan.served_model_name,
+        },
+        "topology": plan.topology.model_dump(by_alias=True) if plan.topology else None,
+        "memoryPlan": plan.memory.model_dump(by_alias=True) if plan.memory else None,
+    }
+    return status
+
+
+def _desired(spec: InferenceDeploymentSpec, workload: WorkloadState | None) -> int:
+    replicas = spec.effective_replicas()
+    if replicas is not None:
+        return replicas
+    if workload is not None:
+        return workload.desired
+    assert spec.autoscaling is not None
+    return spec.autoscaling.min_replicas
+
+
+def _scaling(spec: InferenceDeploymentSpec) -> str:
+    if spec.suspend:
+        return "Suspended"
+    if spec.autoscaling is not None:
+        return f"Auto({spec.autoscaling.min_replicas}-{spec.autoscaling.max_replicas})"
+    return "Manual"
+
+
+Cond = tuple[str, str, str]  # status, reason, message
+
+
+def _conditions(
+    spec: InferenceDeploymentSpec, plan: Plan, workload: WorkloadState | None
+) -> dict[str, Cond]:
+    conditions: dict[str, Cond] = {}
+    if plan.problems:
+        reason = plan.problems[0].reason
+        message = "; ".join(p.message for p in plan.problems)
+        conditions["Planned"] = ("False", reason, message)
+        conditions["Stalled"] = ("True", reason, message)
+        conditions["Reconciling"] = ("False", "Stalled", "waiting for a spec that can run")
+        conditions["Ready"] = ("False", reason, message)
+    else:
+        conditions["Planned"] = ("True", "Planned", _plan_summary(spec, plan))
+        conditions.update(_rollout_conditions(spec, workload))
+    conditions["Available"] = _available(spec, workload)
+    return conditions
+
+
+def _rollout_conditions(
+    spec: InferenceDeploymentSpec, workload: WorkloadState | None
+) -> dict[str, Cond]:
+    if workload is None:
+        message = "creating the Deployment"
+        return {
+            "Stalled": ("False", "Progressing", message),
+            "Reconciling": ("True", "Creating", message),
+            "Ready": ("False", "Creating", message),
+        }
+    desired = _desired(spec, workload)
+    if workload.failing_pods:
+        message = f"pods are not starting: {', '.join(workload.failing_pods)}"
+        reason = "EngineFailing"
+        return {
+            "Stalled": ("True", reason, message),
+            "Reconciling": ("False", reason, message),
+            "Ready": ("False", reason, message),
+        }
+    if workload.deadline_exceeded:
+        message = "the rollout exceeded its progress deadline"
+        return {
+            "Stalled": ("True", "ProgressDeadlineExceeded", message),
+            "Reconciling": ("False", "ProgressDeadlineExceeded", message),
+            "Ready": ("False", "ProgressDeadlineExceeded", message),
+        }
+    done = (
+        workload.current
+        and workload.updated >= desired
+        and workload.ready >= desired
+        and workload.replicas == desired
+    )
+    if done:
+        reason = "Suspended" if desired == 0 else "AllReplicasReady"
+        message = f"{workload.ready}/{desired} replicas ready"
+        return {
+            "Stalled": ("False", "Healthy", message),
+            "Reconciling": ("False", "Reconciled", message),
+            "Ready": ("True", reason, message),
+        }
+    message = f"{workload.ready}/{desired} replicas ready, {workload.updated}/{desired} updated" + (
+        f"; unschedulable: {workload.unschedulable}" if workload.unschedulable else ""
+    )
+    return {
+        "Stalled": ("False", "Progressing", message),
+        "Reconciling": ("True", "RollingOut", message),
+        "Ready": ("False", "RollingOut", message),
+    }
+
+
+def _available(spec: InferenceDeploymentSpec, workload: WorkloadState | None) -> Cond:
+    if spec.suspend:
+        return ("False", "Suspended", "spec.suspend is true")
+    if workload is not None and workload.ready > 0:
+        return ("True", "MinimumReplicasAvailable", f"{workload.ready} replicas serve")
+    return ("False", "NoReplicasAvailable", "no replica serves yet")
+
+
+def _plan_summary(spec: InferenceDeploymentSpec, plan: Plan) -> str:
+    assert plan.topology is not None
+    text = (
+        f"{plan.topology.pods_per_replica} pod(s) × {plan.topology.gpus_per_pod} GPU(s) "
+        f"({spec.resources.accelerator}) per replica"
+    )
+    if plan.memory is None:
+        return text + "; memory not estimated (model not in the catalog: set model.hints)"
+    return text + f"; {plan.memory.required_gib}/{plan.memory.available_gib} GiB per GPU"
+
+
+def _merge_conditions(
+    old: list[dict[str, Any]], new: dict[str, Cond], generation: int, now: str
+) -> list[dict[str, Any]]:
+    """Our conditions in a fixed order, then others' (e.g. the autoscaler's) untouched.
+    lastTransitionTime changes only when a condition's status does."""
+    merged = []
+    for kind in OWN_CONDITIONS:
+        status, reason, message = new[kind]
+        previous = _find(old, kind)
+        since = now
+        if previous is not None and previous.get("status") == status:
+            since = previous.get("lastTransitionTime", now)
+        merged.append(
+            {
+                "type": kind,
+                "status": status,
+                "reason": reason,
+                "message": message,
+                "observedGeneration": generation,
+                "lastTransitionTime": since,
+            }
+        )
+    merged += [c for c in old if c.get("type") not in OWN_CONDITIONS]
+    return merged
+
+
+def _find(conditions: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:
+    return next((c for c in conditions if c.get("type") == kind), None)
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # Normal or Warning
+    reason: str  # CamelCase
+    message: str
+
+
+def transition_events(old_status: dict[str, Any], new_status: dict[str, Any]) -> list[Event]:
+    """Events for conditions that changed status or reason since the last status write."""
+    events = []
+    old = old_status.get("conditions", [])
+    for condition in new_status["conditions"]:
+        kind = condition["type"]
+        if kind not in ("Ready", "Stalled"):
+            continue
+        before = _find(old, kind)
+        if before and (before["status"], before["reason"]) == (
+            condition["status"],
+            condition["reason"],
+        ):
+            continue
+        if kind == "Stalled" and condition["status"] == "True":
+            events.append(Event("Warning", condition["reason"], condition["message"]))
+        elif kind == "Ready" and condition["status"] == "True":
+            events.append(Event("Normal", "Ready", condition["message"]))
+        elif kind == "Ready" and before is not None and before["status"] == "True":
+            events.append(Event("Warning", "NotReady", condition["message"]))
+    return events
+
+
+def invalid_spec_status(
+    *, generation: int, message: str, old_status: dict[str, Any], now: str
+) -> dict[str, Any]:
+    """Status for a spec the typed model rejects (a rule the CRD schema could not express)."""
+    conditions: dict[str, Cond] = {
+        "Ready": ("False", "InvalidSpec", message),
+        "Reconciling": ("False", "Stalled", "waiting for a valid spec"),
+        "Stalled": ("True", "InvalidSpec", message),
+        "Planned": ("False", "InvalidSpec", message),
+        "Available": ("False", "InvalidSpec", message),
+    }
+    return {
+        "observedGeneration": generation,
+        "conditions": _merge_conditions(
+            old_status.get("conditions", []), conditions, generation, now
+        ),
+    }

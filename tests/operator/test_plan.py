@@ -1,0 +1,136 @@
+"""Planning: topology, memory, hardware and engine checks, without a cluster."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfleet_operator.accelerators import BUILTIN_ACCELERATORS, resolve_accelerator
+from kvfleet_operator.model_catalog import model_architecture
+from kvfleet_operator.models import AcceleratorProfileSpec
+from kvfleet_operator.plan import ClusterFeatures, plan_deployment
+
+NO_EXTRAS = ClusterFeatures(leader_worker_set=False, service_monitor=False)
+WITH_LWS = ClusterFeatures(leader_worker_set=True, service_monitor=False)
+
+
+def plan(spec, cluster=NO_EXTRAS, profiles=None):
+    profile = resolve_accelerator(spec.resources.accelerator, profiles or {})
+    return plan_deployment("llama", spec, profile, model_architecture(spec.model), cluster)
+
+
+def reasons(p) -> list[str]:
+    return [problem.reason for problem in p.problems]
+
+
+def test_llama_8b_on_one_h100_fits_in_one_pod(make_spec) -> None:
+    p = plan(make_spec())
+    assert p.ok and p.served_model_name == "llama"
+    assert p.topology.kind == "Deployment"
+    assert (p.topology.gpus_per_replica, p.topology.pods_per_replica) == (1, 1)
+    # 8.03e9 params × 2 bytes = 14.96 GiB; KV = 2 × 32 × 8 × 128 × 2 B × 8192 = 1 GiB.
+    assert p.memory.weights_gib == pytest.approx(14.96, abs=0.01)
+    assert p.memory.kv_cache_gib == pytest.approx(1.0, abs=0.01)
+    assert p.memory.available_gib == pytest.approx(72.0)
+    assert p.memory.fits
+    # 120 s + 10 s per GiB of weights in the pod.
+    assert p.startup_timeout_seconds == 120 + 150
+
+
+def test_served_model_name_from_spec(make_spec) -> None:
+    assert plan(make_spec(model={"servedModelName": "chat"})).served_model_name == "chat"
+
+
+def test_model_too_large_is_insufficient_gpu_memory_with_numbers(make_spec) -> None:
+    spec = make_spec(
+        model={"uri": "hf://meta-llama/Llama-3.1-70B-Instruct"}, resources={"accelerator": "l4"}
+    )
+    p = plan(spec)
+    assert reasons(p) == ["InsufficientGPUMemory"]
+    message = p.problems[0].message
+    assert (
+        "needs 135.42 GiB per GPU (weights 131.42 + KV cache 2.5" in message
+        and "l4 offers 21.6 GiB" in message
+    )
+
+
+def test_kv_cache_scales_with_length_and_concurrency(make_spec) -> None:
+    p = plan(make_spec(model={"maxModelLen": 131072}, sla={"concurrentSequences": 4}))
+    assert p.memory.kv_cache_gib == pytest.approx(64.0)
+    assert reasons(p)[0] == "InsufficientGPUMemory"
+
+
+def test_quantization_shrinks_weights_and_fp8_kv_halves_cache(make_spec) -> None:
+    p = plan(make_spec(quantization={"weights": "int4-awq", "kvCache": "fp8"}))
+    assert p.memory.weights_gib == pytest.approx(14.96 / 4, abs=0.01)
+    assert p.memory.kv_cache_gib == pytest.approx(0.5, abs=0.01)
+
+
+def test_fp8_needs_compute_capability_8_9(make_spec) -> None:
+    p = plan(make_spec(quantization={"weights": "fp8"}, resources={"accelerator": "a100-80gb"}))
+    assert reasons(p)[0] == "UnsupportedQuantization"
+    assert "quantization.weights=fp8 needs compute capability >= 8.9" in p.problems[0].message
+    assert "a100-80gb has 8.0" in p.problems[0].message
+    # On Hopper fp8 is fine for the hardware; only the engine gate remains.
+    assert reasons(plan(make_spec(quantization={"weights": "fp8"}))) == ["FeatureUnavailable"]
+
+
+def test_heads_must_divide_by_tensor_parallel(make_spec) -> None:
+    # Qwen2.5-7B: 28 query heads, 4 KV heads.
+    spec = make_spec(model={"uri": "hf://Qwen/Qwen2.5-7B-Instruct"}, parallelism={"tensor": 8})
+    p = plan(spec)
+    assert reasons(p)[0] == "InvalidParallelism"
+    assert "does not divide the model's 28 attention heads" in p.problems[0].message
+
+
+def test_gpus_per_replica_is_tensor_times_pipeline(make_spec) -> None:
+    p = plan(make_spec(parallelism={"tensor": 4, "pipeline": 2}))
+    assert p.topology.gpus_per_replica == 8 and p.topology.kind == "Deployment"
+    assert p.memory.weights_gib == pytest.approx(14.96 / 8, abs=0.01)
+
+
+def test_replica_larger_than_a_node_needs_leader_worker_set(make_spec) -> None:
+    spec = make_spec(
+        model={"uri": "hf://meta-llama/Llama-3.1-405B-Instruct"},
+        parallelism={"tensor": 8, "pipeline": 2},
+    )
+    p = plan(spec)
+    assert p.topology.kind == "LeaderWorkerSet"
+    assert (p.topology.pods_per_replica, p.topology.gpus_per_pod) == (2, 8)
+    assert reasons(p)[0] == "MultiNodeUnavailable"
+    # With the LWS CRD installed the plan is valid; only the engine cannot serve it yet.
+    assert set(reasons(plan(spec, WITH_LWS))) == {"FeatureUnavailable"}
+
+
+def test_engine_feature_gate_names_each_field(make_spec) -> None:
+    p = plan(make_spec(parallelism={"tensor": 2}, quantization={"kvCache": "fp8"}))
+    assert reasons(p) == ["FeatureUnavailable", "FeatureUnavailable"]
+    assert "parallelism.tensor=2" in p.problems[0].message
+    assert "quantization.kvCache=fp8" in p.problems[1].message
+
+
+def test_unknown_accelerator_and_custom_profile(make_spec) -> None:
+    spec = make_spec(resources={"accelerator": "mi300x"})
+    assert reasons(plan(spec)) == ["UnknownAccelerator"]
+    custom = AcceleratorProfileSpec(
+        resource_name="amd.com/gpu", memory_gib=192, compute_capability="9.4"
+    )
+    p = plan(spec, profiles={"mi300x": custom})
+    assert p.ok and p.memory.available_gib == pytest.approx(172.8)
+
+
+def test_profile_object_overrides_builtin(make_spec) -> None:
+    override = BUILTIN_ACCELERATORS["h100-80gb"].model_copy(update={"devices_per_node": 4})
+    p = plan(make_spec(parallelism={"tensor": 8}), WITH_LWS, {"h100-80gb": override})
+    assert p.topology.kind == "LeaderWorkerSet" and p.topology.pods_per_replica == 2
+
+
+def test_unknown_model_plans_without_memory_and_hints_fill_in(make_spec) -> None:
+    spec = make_spec(model={"uri": "pvc://models/my-finetune"})
+    p = plan(spec)
+    assert p.ok and p.memory is None and p.startup_timeout_seconds == 900
+    hints = {
+        "numParameters": 3_000_000_000, "numLayers": 26, "numAttentionHeads": 16,
+        "numKeyValueHeads": 8, "headDim": 128,
+    }  # fmt: skip
+    p = plan(make_spec(model={"uri": "pvc://models/my-finetune", "hints": hints}))
+    assert p.memory.weights_gib == pytest.approx(5.59, abs=0.01)

@@ -1,0 +1,116 @@
+"""Rendering against golden YAML (regenerate with UPDATE_GOLDEN=1 after a deliberate change)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvfleet_operator.accelerators import resolve_accelerator
+from kvfleet_operator.model_catalog import model_architecture
+from kvfleet_operator.plan import ClusterFeatures, plan_deployment
+from kvfleet_operator.render import engine_args, render_children, render_deployment
+
+GOLDEN = Path(__file__).parent / "golden"
+CLUSTER = ClusterFeatures(leader_worker_set=False, service_monitor=True)
+
+
+def children(spec, name="llama", service_monitor=True):
+    profile = resolve_accelerator(spec.resources.accelerator, {})
+    p = plan_deployment(name, spec, profile, model_architecture(spec.model), CLUSTER)
+    assert p.ok, p.problems
+    return render_children(name, "team-a", spec, p, profile, service_monitor=service_monitor)
+
+
+def check_golden(name: str, objects: list[dict]) -> None:
+    text = yaml.safe_dump_all(objects, sort_keys=False, width=100)
+    path = GOLDEN / f"{name}.yaml"
+    if os.environ.get("UPDATE_GOLDEN") == "1":
+        path.write_text(text)
+    assert path.exists(), f"{path} missing: run with UPDATE_GOLDEN=1"
+    assert text == path.read_text(), f"{path} differs: review, then UPDATE_GOLDEN=1"
+
+
+def test_hf_model_with_fixed_replicas(make_spec) -> None:
+    spec = make_spec(
+        model={"credentialsSecret": {"name": "hf-token"}, "revision": "0e9e39f"},
+        sla={"ttftMs": 500, "tpotMs": 50},
+        resources={"cpu": "8", "memory": "64Gi"},
+    )
+    check_golden("hf-fixed-replicas", children(spec))
+
+
+def test_pvc_model_with_autoscaling_and_no_service_monitor(make_spec) -> None:
+    spec = make_spec(
+        model={"uri": "pvc://models/llama-3.1-8b-instruct"},
+        replicas=None,
+        autoscaling={
+            "minReplicas": 1,
+            "maxReplicas": 4,
+            "targets": {"kvCacheUtilization": 0.7},
+        },
+        engine={"enablePrefixCaching": False, "extraArgs": ["--seed", "1"]},
+    )
+    objects = children(spec, service_monitor=False)
+    assert [o["kind"] for o in objects] == ["Deployment", "Service", "PodDisruptionBudget"]
+    check_golden("pvc-autoscaling", objects)
+
+
+def test_autoscaling_leaves_replicas_to_the_autoscaler(make_spec) -> None:
+    spec = make_spec(
+        replicas=None, autoscaling={"maxReplicas": 3, "targets": {"kvCacheUtilization": 0.7}}
+    )
+    assert "replicas" not in children(spec)[0]["spec"]
+    assert children(make_spec(replicas=3))[0]["spec"]["replicas"] == 3
+    assert children(make_spec(replicas=3, suspend=True))[0]["spec"]["replicas"] == 0
+
+
+def test_s3_and_file_sources(make_spec) -> None:
+    s3 = children(make_spec(model={"uri": "s3://bucket/llama-3.1-8b-instruct"}))[0]
+    pod = s3["spec"]["template"]["spec"]
+    assert pod["initContainers"][0]["command"][:3] == ["aws", "s3", "sync"]
+    assert pod["volumes"][-1] == {"name": "model", "emptyDir": {}}
+    local = children(make_spec(model={"uri": "file:///var/models/llama-3.1-8b-instruct"}))[0]
+    pod = local["spec"]["template"]["spec"]
+    assert "initContainers" not in pod
+    assert pod["volumes"][-1]["hostPath"] == {
+        "path": "/var/models/llama-3.1-8b-instruct",
+        "type": "Directory",
+    }
+    assert engine_args_of(local)[:2] == ["--model", "/models"]
+
+
+def engine_args_of(deployment: dict) -> list[str]:
+    return deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_gpu_limit_follows_parallelism_and_profile(make_spec) -> None:
+    spec = make_spec(parallelism={"tensor": 2}, resources={"accelerator": "l40s"})
+    profile = resolve_accelerator("l40s", {})
+    p = plan_deployment("x", spec, profile, model_architecture(spec.model), CLUSTER)
+    # Tensor parallel 2 is gated by the engine, but rendering itself is ready for it.
+    assert [problem.reason for problem in p.problems] == ["FeatureUnavailable"]
+    deployment = render_deployment("x", "ns", spec, p, profile)
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 2}
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-L40S"}
+    assert "--tensor-parallel-size" in engine_args(spec, p, "/models/model")
+
+
+def test_spec_change_changes_the_pod_template(make_spec) -> None:
+    before = children(make_spec())[0]["spec"]["template"]
+    after = children(make_spec(engine={"maxNumSeqs": 64}))[0]["spec"]["template"]
+    assert before != after
+    assert "64" in after["spec"]["containers"][0]["args"]
+
+
+@pytest.mark.parametrize("drain", [0, 30, 120])
+def test_termination_grace_covers_prestop_and_drain(make_spec, drain: int) -> None:
+    pod = children(make_spec(rollout={"drainTimeoutSeconds": drain}))[0]["spec"]["template"]
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 5 + drain + 10
+    assert engine_args_of({"spec": pod and {"template": pod}})[-2:] == [
+        "--drain-timeout",
+        str(drain),
+    ]

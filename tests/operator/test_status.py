@@ -1,0 +1,162 @@
+"""Status: kstatus conditions from what the cluster reports, and the events for transitions."""
+
+from __future__ import annotations
+
+from kvfleet_operator.accelerators import resolve_accelerator
+from kvfleet_operator.model_catalog import model_architecture
+from kvfleet_operator.plan import ClusterFeatures, plan_deployment
+from kvfleet_operator.status import (
+    WorkloadState,
+    compute_status,
+    invalid_spec_status,
+    summarize_workload,
+    transition_events,
+)
+
+T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z"
+CLUSTER = ClusterFeatures(leader_worker_set=False, service_monitor=False)
+
+
+def status_for(spec, workload, old=None, now=T0, generation=3):
+    profile = resolve_accelerator(spec.resources.accelerator, {})
+    plan = plan_deployment("llama", spec, profile, model_architecture(spec.model), CLUSTER)
+    return compute_status(
+        name="llama",
+        namespace="team-a",
+        generation=generation,
+        spec=spec,
+        plan=plan,
+        workload=workload,
+        old_status=old or {},
+        now=now,
+    )
+
+
+def conditions(status) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+
+
+def workload(**kw) -> WorkloadState:
+    base = dict(
+        desired=2, replicas=2, updated=2, ready=2, current=True, deadline_exceeded=False,
+        failing_pods=(), unschedulable=None,
+    )  # fmt: skip
+    return WorkloadState(**{**base, **kw})
+
+
+def test_all_replicas_ready_is_ready_and_current(make_spec) -> None:
+    status = status_for(make_spec(), workload())
+    assert conditions(status) == {
+        "Ready": ("True", "AllReplicasReady"),
+        "Reconciling": ("False", "Reconciled"),
+        "Stalled": ("False", "Healthy"),
+        "Planned": ("True", "Planned"),
+        "Available": ("True", "MinimumReplicasAvailable"),
+    }
+    assert status["observedGeneration"] == 3
+    assert all(c["observedGeneration"] == 3 for c in status["conditions"])
+    assert status["replicasSummary"] == "2/2" and status["scaling"] == "Manual"
+    assert status["selector"] == "kvfleet.io/deployment=llama"
+    assert status["endpoint"] == {
+        "url": "http://llama.team-a.svc:8000/v1",
+        "servedModelName": "llama",
+    }
+    assert status["memoryPlan"]["fits"] is True
+    assert status["topology"]["gpusPerReplica"] == 1
+
+
+def test_rollout_in_progress_is_reconciling(make_spec) -> None:
+    status = status_for(make_spec(), workload(updated=1, ready=1, replicas=3))
+    assert conditions(status)["Reconciling"] == ("True", "RollingOut")
+    assert conditions(status)["Ready"] == ("False", "RollingOut")
+    assert conditions(status)["Available"][0] == "True"
+
+
+def test_crash_looping_pods_are_never_ready(make_spec) -> None:
+    failing = workload(ready=0, failing_pods=("llama-abc: CrashLoopBackOff",))
+    status = status_for(make_spec(), failing)
+    assert conditions(status)["Ready"] == ("False", "EngineFailing")
+    assert conditions(status)["Stalled"] == ("True", "EngineFailing")
+    assert "llama-abc: CrashLoopBackOff" in status["conditions"][0]["message"]
+
+
+def test_plan_problem_is_stalled_with_reason(make_spec) -> None:
+    spec = make_spec(quantization={"weights": "fp8"}, resources={"accelerator": "a100-40gb"})
+    status = status_for(spec, None)
+    assert conditions(status)["Stalled"] == ("True", "UnsupportedQuantization")
+    assert conditions(status)["Planned"] == ("False", "UnsupportedQuantization")
+    assert conditions(status)["Reconciling"][0] == "False"
+
+
+def test_transition_time_moves_only_when_status_changes(make_spec) -> None:
+    first = status_for(make_spec(), workload(ready=1, updated=1))
+    second = status_for(make_spec(), workload(ready=1, updated=1), old=first, now=T1)
+    assert second == first  # nothing changed: nothing to write
+    third = status_for(make_spec(), workload(), old=first, now=T1)
+    times = {c["type"]: c["lastTransitionTime"] for c in third["conditions"]}
+    assert times["Ready"] == T1 and times["Planned"] == T0
+
+
+def test_foreign_conditions_are_kept(make_spec) -> None:
+    old = {"conditions": [{"type": "ScalingActive", "status": "True", "reason": "ValidMetrics"}]}
+    status = status_for(make_spec(), workload(), old=old)
+    assert status["conditions"][-1]["type"] == "ScalingActive"
+
+
+def test_autoscaled_desired_comes_from_the_deployment(make_spec) -> None:
+    spec = make_spec(
+        replicas=None, autoscaling={"maxReplicas": 5, "targets": {"kvCacheUtilization": 0.7}}
+    )
+    status = status_for(spec, workload(desired=3, replicas=3, updated=3, ready=3))
+    assert status["replicasSummary"] == "3/3" and status["scaling"] == "Auto(1-5)"
+
+
+def test_events_for_ready_and_stalled_transitions(make_spec) -> None:
+    rolling = status_for(make_spec(), workload(ready=0, updated=0))
+    ready = status_for(make_spec(), workload(), old=rolling)
+    assert [(e.type, e.reason) for e in transition_events(rolling, ready)] == [("Normal", "Ready")]
+    assert transition_events(ready, ready) == []
+    bad = make_spec(quantization={"weights": "fp8"}, resources={"accelerator": "a100-80gb"})
+    stalled = status_for(bad, workload(), old=ready)
+    kinds = [(e.type, e.reason) for e in transition_events(ready, stalled)]
+    assert kinds == [("Warning", "NotReady"), ("Warning", "UnsupportedQuantization")]
+
+
+def test_summarize_workload_reads_deployment_and_pods() -> None:
+    deployment = {
+        "metadata": {"generation": 4},
+        "spec": {"replicas": 2},
+        "status": {"observedGeneration": 4, "replicas": 2, "updatedReplicas": 2,
+                   "readyReplicas": 1},
+    }  # fmt: skip
+    pods = [
+        {
+            "metadata": {"name": "a"},
+            "status": {
+                "containerStatuses": [{"state": {"waiting": {"reason": "CrashLoopBackOff"}}}]
+            },
+        },
+        {
+            "metadata": {"name": "b"},
+            "status": {
+                "conditions": [
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": "0/2 nodes: insufficient nvidia.com/gpu",
+                    }
+                ]
+            },
+        },
+        {"metadata": {"name": "c", "deletionTimestamp": T0}, "status": {}},
+    ]
+    state = summarize_workload(deployment, pods)
+    assert state.current and state.ready == 1
+    assert state.failing_pods == ("a: CrashLoopBackOff",)
+    assert state.unschedulable == "0/2 nodes: insufficient nvidia.com/gpu"
+
+
+def test_invalid_spec_is_stalled() -> None:
+    status = invalid_spec_status(generation=2, message="spec.x: bad", old_status={}, now=T0)
+    assert {c["type"]: c["reason"] for c in status["conditions"]}["Stalled"] == "InvalidSpec"
