@@ -1,0 +1,1 @@
+"""Benchmarks: `kvfleet bench <name>`."""

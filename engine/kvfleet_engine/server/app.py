@@ -1,0 +1,167 @@
+"""FastAPI app factory: routes, error handlers, and the start-up warm-up."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvfleet_engine.server.capacity import measure_capacity
+from kvfleet_engine.server.errors import APIError, error_body, param_from_location
+from kvfleet_engine.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from kvfleet_engine.server.serving import OpenAIServing
+from kvfleet_engine.server.state import ServerState
+
+log = logging.getLogger(__name__)
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 404, 429, 503)
+}
+_PriorityHeader = Annotated[
+    int | None,
+    Header(
+        alias="X-Priority",
+        ge=-(2**31),
+        le=2**31 - 1,
+        description="Scheduling priority (lower runs first); the body's `priority` wins.",
+    ),
+]
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The HTTP app over `state.engine`; its lifespan starts the engine thread and warms up."""
+    engine = state.engine
+    serving = OpenAIServing(engine, state)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        warm_up = asyncio.create_task(_warm_up(state))
+        try:
+            yield
+        finally:
+            warm_up.cancel()
+            engine.shutdown()
+
+    app = FastAPI(title="kvfleet engine", version=state.metrics.info.version, lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": ("body",), "msg": "invalid request"}
+        param = param_from_location(first.get("loc", ("body",)))
+        if first.get("type") == "json_invalid":
+            message = f"request body is not valid JSON: {first.get('msg')}"
+        elif first.get("type") == "extra_forbidden":
+            message = f"{param}: unrecognized request argument"
+        else:
+            message = f"{param}: {first.get('msg')}"
+        return JSONResponse(error_body(message, type_="invalid_request_error", param=param), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        body = error_body(str(exc.detail), type_="invalid_request_error")
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body(f"internal error: {exc}", type_="internal_error"), 500)
+
+    @app.get("/health", summary="Liveness: the engine thread is running")
+    async def health() -> JSONResponse:
+        if engine.error is not None:
+            return JSONResponse({"status": "dead", "error": str(engine.error)}, 503)
+        if state.startup_error is not None:
+            return JSONResponse({"status": "dead", "error": state.startup_error}, 503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready", summary="Readiness: weights loaded, warmed up, not draining")
+    async def ready() -> JSONResponse:
+        if state.ready:
+            return JSONResponse({"status": "ready"})
+        reason = "draining" if state.draining else "starting"
+        if engine.error is not None:
+            reason = "dead"
+        return JSONResponse({"status": reason}, 503)
+
+    @app.get("/metrics", summary="Prometheus metrics (contract v1)")
+    async def metrics() -> Response:
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        card = ModelCard(
+            id=state.settings.served_model_name,
+            created=int(state.started_at),
+            max_model_len=state.settings.max_model_len,
+        )
+        return ModelList(data=[card])
+
+    @app.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}}},
+    )
+    async def completions(
+        body: CompletionRequest, request: Request, x_priority: _PriorityHeader = None
+    ) -> Any:
+        return await serving.completions(body, request, x_priority)
+
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}}},
+    )
+    async def chat_completions(
+        body: ChatCompletionRequest, request: Request, x_priority: _PriorityHeader = None
+    ) -> Any:
+        return await serving.chat(body, request, x_priority)
+
+    return app
+
+
+async def _warm_up(state: ServerState) -> None:
+    """Self-benchmark, apply the SLA token budget, publish capacity; then report ready."""
+    engine = state.engine
+    settings = state.settings
+    prefill_tokens = max(2, min(settings.max_num_batched_tokens, settings.max_model_len - 2, 512))
+    decode_batch = max(1, min(settings.max_num_seqs, 16))
+    try:
+        report = await engine.call(
+            lambda e: measure_capacity(e, decode_batch=decode_batch, prefill_tokens=prefill_tokens)
+        )
+        budget = state.policy.calibrate(report.step_model)
+        if budget is not None:
+            await engine.call(lambda e: e.scheduler.set_token_budget(budget))
+            log.info("SLA mode: step token budget %d to hold TPOT", budget)
+        max_batch = min(settings.max_num_seqs, state.policy.token_budget)
+        state.metrics.set_capacity(report.capacity_tokens_per_second(max_batch))
+        state.metrics.set_baseline(await engine.call(lambda e: e.stats()))
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        log.exception("start-up self-benchmark failed; the server will not become ready")
+        state.startup_error = f"start-up self-benchmark failed: {exc}"
+        return
+    state.warmed_up = True
+    log.info("ready: serving %s", settings.served_model_name)

@@ -1,0 +1,199 @@
+"""`kvfleet serve`: load a model, warm up, serve it over HTTP; drain on SIGTERM.
+
+    kvfleet serve --model PATH [--served-model-name N] [--host H] [--port P] [engine flags]
+
+Without --model it writes the embedded tiny model to a temporary directory and serves that.
+SIGTERM: /ready turns 503, new requests get 503, in-flight requests finish (up to
+--drain-timeout seconds, then they are aborted), and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import tempfile
+from pathlib import Path
+from types import FrameType
+
+import uvicorn
+
+from kvfleet_engine.server.admission import AdmissionConfig
+
+log = logging.getLogger(__name__)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvfleet_engine.config import EngineConfig
+
+    parser = argparse.ArgumentParser(
+        prog="kvfleet serve",
+        description="Serve a model over an OpenAI-compatible HTTP API.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    server = parser.add_argument_group("server")
+    server.add_argument("--served-model-name", help="model name clients send (default: --model)")
+    server.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on")
+    server.add_argument(
+        "--max-queued-requests",
+        type=_positive_int,
+        help="requests that may wait for their first token; beyond it: 429 (default: no limit)",
+    )
+    server.add_argument(
+        "--max-queued-tokens",
+        type=_positive_int,
+        help="prompt tokens that may wait; beyond it: 429 (default: no limit)",
+    )
+    server.add_argument(
+        "--ttft-slo-ms",
+        type=_positive_float,
+        help="SLA mode: refuse (429) requests whose estimated time to first token exceeds this",
+    )
+    server.add_argument(
+        "--tpot-slo-ms",
+        type=_positive_float,
+        help="SLA mode: cap each step's token budget so time per output token stays below this",
+    )
+    server.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may take to finish after SIGTERM",
+    )
+    server.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    EngineConfig.add_cli_args(parser)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.drain_timeout < 0:
+        parser.error("--drain-timeout: must be >= 0")
+    with tempfile.TemporaryDirectory(prefix="kvfleet-tiny-") as tiny_dir:
+        if not args.model:
+            from kvfleet_engine.tiny_model import write_tiny_model
+
+            log.info("no --model given: serving the embedded tiny model from %s", tiny_dir)
+            write_tiny_model(Path(tiny_dir))
+            args.model = tiny_dir
+            args.served_model_name = args.served_model_name or "kvfleet-tiny"
+        return _serve(parser, args)
+
+
+def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from kvfleet_engine import __version__
+    from kvfleet_engine.async_engine import AsyncEngine
+    from kvfleet_engine.config import EngineConfig
+    from kvfleet_engine.engine import LLMEngine
+    from kvfleet_engine.metrics import EngineInfo, EngineMetrics
+    from kvfleet_engine.server.app import build_app
+    from kvfleet_engine.server.state import ServerSettings, ServerState
+
+    try:
+        config = EngineConfig.from_cli_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    engine = LLMEngine.from_config(config)
+    served_name = args.served_model_name or args.model
+    metrics = EngineMetrics(
+        EngineInfo(
+            model=served_name,
+            version=__version__,
+            quantization=str(getattr(args, "quantization", None) or "none"),
+            tensor_parallel_size=int(getattr(args, "tensor_parallel_size", 1) or 1),
+        )
+    )
+    settings = ServerSettings(
+        served_model_name=served_name,
+        max_model_len=engine.model_config.max_model_len,
+        vocab_size=engine.model_config.vocab_size,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        admission=AdmissionConfig(
+            max_queued_requests=args.max_queued_requests,
+            max_queued_tokens=args.max_queued_tokens,
+            ttft_slo_s=args.ttft_slo_ms / 1000 if args.ttft_slo_ms else None,
+            tpot_slo_s=args.tpot_slo_ms / 1000 if args.tpot_slo_ms else None,
+        ),
+        drain_timeout_s=args.drain_timeout,
+    )
+    state = ServerState(settings, AsyncEngine(engine, metrics), metrics)
+    app = build_app(state)
+    server = DrainingServer(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level), state
+    )
+    server.run()
+    log.info("server stopped")
+    return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that SIGTERM drains: stop admitting, finish in-flight work, then exit."""
+
+    def __init__(self, config: uvicorn.Config, state: object) -> None:
+        super().__init__(config)
+        from kvfleet_engine.server.state import ServerState
+
+        assert isinstance(state, ServerState)
+        self.state = state
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)  # type: ignore[arg-type]
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig != signal.SIGTERM or self.state.draining or self._loop is None:
+            super().handle_exit(sig, frame)
+            return
+        log.info(
+            "SIGTERM: draining %d in-flight requests (up to %.0f s)",
+            self.state.engine.num_in_flight,
+            self.state.settings.drain_timeout_s,
+        )
+        self.state.draining = True
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        engine = self.state.engine
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.state.settings.drain_timeout_s
+        while engine.num_in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if engine.num_in_flight:
+            log.warning("drain timeout: aborting %d requests", engine.num_in_flight)
+            engine.abort_all()
+            await asyncio.sleep(0.1)  # let their responses end
+        log.info("drained; shutting down")
+        self.should_exit = True
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

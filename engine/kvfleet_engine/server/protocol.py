@@ -1,0 +1,243 @@
+"""OpenAI-compatible request and response models (the subset kvfleet implements).
+
+Requests forbid unknown fields, so a typo or a parameter we do not implement is a 400 naming
+it rather than a silent no-op. Parameters that OpenAI defines but kvfleet cannot honour yet
+(`logit_bias`, `tools`, `echo`, ...) are declared so the schema documents them, and are
+rejected by `unsupported_fields` when a client sets them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# --- requests --------------------------------------------------------------------------------
+
+NonNegInt = Annotated[int, Field(ge=0)]
+TokenIds = Annotated[list[NonNegInt], Field(min_length=1)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False  # send one last chunk with token counts before [DONE]
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1)
+    n: int = Field(default=1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    user: str | None = None  # accepted for compatibility; not used
+    logit_bias: dict[str, float] | None = None  # not implemented: rejected when non-empty
+    # kvfleet / vLLM extensions
+    top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: off
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    stop_token_ids: list[NonNegInt] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    priority: int | None = Field(
+        default=None,
+        ge=-(2**31),
+        le=2**31 - 1,
+        description="Scheduling priority; lower runs first. Overrides the X-Priority header.",
+    )
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | TokenIds | list[TokenIds] = Field(
+        description="A string, a list of strings, token ids, or a list of token-id lists."
+    )
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False  # not implemented: rejected when true
+    suffix: str | None = None  # not implemented: rejected when set
+    best_of: int | None = Field(default=None, ge=1, le=128)  # only best_of == n accepted
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: bool = True
+    # not implemented: rejected when set
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+def unsupported_fields(request: SamplingFields) -> list[tuple[str, str]]:
+    """(field, reason) for every declared-but-unimplemented parameter the client set."""
+    found: list[tuple[str, str]] = []
+    if request.logit_bias:
+        found.append(("logit_bias", "is not supported"))
+    if isinstance(request, CompletionRequest):
+        if request.echo:
+            found.append(("echo", "is not supported"))
+        if request.suffix:
+            found.append(("suffix", "is not supported"))
+        if request.best_of is not None and request.best_of != request.n:
+            found.append(("best_of", "must equal n (beam/best-of search is not supported)"))
+    if isinstance(request, ChatCompletionRequest):
+        if request.tools:
+            found.append(("tools", "tool calling is not supported"))
+        if request.tool_choice not in (None, "none"):
+            found.append(("tool_choice", "tool calling is not supported"))
+        if request.parallel_tool_calls:
+            found.append(("parallel_tool_calls", "tool calling is not supported"))
+        if request.response_format and request.response_format.get("type") != "text":
+            found.append(("response_format", "only {'type': 'text'} is supported"))
+        if request.top_logprobs and not request.logprobs:
+            found.append(("top_logprobs", "requires logprobs=true"))
+    if request.stream_options is not None and not request.stream:
+        found.append(("stream_options", "is only allowed when stream=true"))
+    return found
+
+
+# --- responses -------------------------------------------------------------------------------
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kvfleet"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

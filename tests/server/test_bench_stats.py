@@ -1,0 +1,35 @@
+"""`kvfleet bench serve` statistics (the load itself runs in test_openai_api.py)."""
+
+import math
+
+import pytest
+
+from kvfleet_engine.bench.serve import RequestResult, main, percentile, random_requests, summarize
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    assert math.isnan(percentile([], 50))
+
+
+def test_summary_throughput_tpot_and_goodput() -> None:
+    fast = RequestResult(True, "", 10, 5, ttft_s=0.1, e2e_s=0.5, itls_s=[0.1] * 4)
+    slow = RequestResult(True, "", 10, 5, ttft_s=1.0, e2e_s=3.0, itls_s=[0.5] * 4)
+    failed = RequestResult(False, "HTTP 429: busy")
+    s = summarize([fast, slow, failed], 2.0, [50, 99], {"ttft": 500.0})
+    assert (s["completed"], s["failed"], s["errors"]) == (2, 1, {"HTTP 429: busy": 1})
+    assert s["output_token_throughput"] == 5.0 and s["request_throughput"] == 1.0
+    assert s["tpot_ms"]["p50"] == pytest.approx((100 + 500) / 2)
+    assert s["request_goodput"] == 0.5  # only `fast` met TTFT <= 500 ms
+
+
+def test_random_dataset_lengths_and_bad_flags() -> None:
+    reqs = random_requests(20, 100, 10, 0.5, (3, 250), seed=1)
+    assert all(
+        50 <= r.num_prompt_tokens <= 150 and len(r.prompt) == r.num_prompt_tokens for r in reqs
+    )
+    assert all(3 <= t <= 250 for r in reqs for t in r.prompt)  # type: ignore[union-attr]
+    with pytest.raises(SystemExit) as exc:
+        main(["--url", "http://x", "--request-rate", "1", "--concurrency", "2"])
+    assert exc.value.code == 2

@@ -1,0 +1,77 @@
+"""The metrics module renders every contract name from plain records."""
+
+from dataclasses import dataclass
+
+from kvfleet_engine.metrics import EngineInfo, EngineMetrics, FinishedRequestStats, IterationStats
+
+CONTRACT_NAMES = [
+    "kvfleet_requests_running",
+    "kvfleet_requests_waiting",
+    "kvfleet_kv_cache_usage_ratio",
+    "kvfleet_prompt_tokens_total",
+    "kvfleet_generation_tokens_total",
+    "kvfleet_request_success_total",
+    "kvfleet_requests_rejected_total",
+    "kvfleet_preemptions_total",
+    "kvfleet_prefix_cache_queries_total",
+    "kvfleet_prefix_cache_hits_total",
+    "kvfleet_time_to_first_token_seconds_bucket",
+    "kvfleet_inter_token_latency_seconds_bucket",
+    "kvfleet_e2e_request_latency_seconds_bucket",
+    "kvfleet_request_queue_time_seconds_bucket",
+    "kvfleet_engine_capacity_tokens_per_second",
+    "kvfleet_engine_info",
+    "vllm:num_requests_waiting",
+    "vllm:num_requests_running",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:time_to_first_token_seconds_bucket",
+    "vllm:inter_token_latency_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_bucket",
+]
+
+
+@dataclass(frozen=True)
+class Stats:
+    num_running: int = 3
+    num_waiting: int = 2
+    kv_cache_usage: float = 0.25
+    num_preemptions_total: int = 1
+    prefix_cache_queries_total: int = 160
+    prefix_cache_hits_total: int = 32
+    num_prompt_tokens_total: int = 500
+    num_generation_tokens_total: int = 70
+
+
+def sample(text: str, line_start: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{line_start} not in metrics")
+
+
+def test_every_contract_name_is_exported_with_values_from_the_records() -> None:
+    m = EngineMetrics(EngineInfo("tiny", "0.1.0", "none", 1))
+    m.set_baseline(Stats(num_prompt_tokens_total=100, num_generation_tokens_total=20))
+    m.observe_scheduler(Stats())
+    m.set_capacity(1234.5)
+    m.observe_iteration(
+        IterationStats([0.05], [0.01, 0.02], [FinishedRequestStats("length", 0.9, 0.003)])
+    )
+    m.observe_rejected("queue_full")
+    text = m.render()[0].decode()
+    for name in CONTRACT_NAMES:
+        assert f"\n{name}{{" in text, name
+    assert sample(text, 'vllm:num_requests_running{model_name="tiny"}') == 3
+    assert sample(text, 'kvfleet_kv_cache_usage_ratio{model_name="tiny"}') == 0.25
+    # The self-benchmark's tokens (the baseline) are left out of the totals.
+    assert sample(text, 'kvfleet_prompt_tokens_total{model_name="tiny"}') == 400
+    assert sample(text, 'vllm:generation_tokens_total{model_name="tiny"}') == 50
+    assert sample(text, 'kvfleet_request_success_total{finish_reason="length"') == 1
+    assert (
+        sample(text, 'kvfleet_requests_rejected_total{model_name="tiny",reason="queue_full"}') == 1
+    )
+    assert sample(text, 'kvfleet_inter_token_latency_seconds_count{model_name="tiny"}') == 2
+    assert sample(text, 'kvfleet_engine_capacity_tokens_per_second{model_name="tiny"}') == 1234.5
+    assert 'kvfleet_engine_info{model="tiny",quantization="none",tensor_parallel_size="1"' in text
