@@ -1,0 +1,41 @@
+"""kvfleet engine: paged-KV, continuous-batching LLM inference.
+
+`from kvfleet_engine import LLM, SamplingParams` — the names are imported lazily, so importing
+the package does not import torch."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvfleet_engine.config import EngineConfig
+    from kvfleet_engine.engine import LLMEngine
+    from kvfleet_engine.llm import LLM
+    from kvfleet_engine.outputs import CompletionOutput, RequestOutput
+    from kvfleet_engine.sampling import SamplingParams
+
+_EXPORTS = {
+    "LLM": "kvfleet_engine.llm",
+    "LLMEngine": "kvfleet_engine.engine",
+    "EngineConfig": "kvfleet_engine.config",
+    "SamplingParams": "kvfleet_engine.sampling",
+    "RequestOutput": "kvfleet_engine.outputs",
+    "CompletionOutput": "kvfleet_engine.outputs",
+}
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvfleet_engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

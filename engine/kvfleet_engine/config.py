@@ -1,0 +1,341 @@
+"""Typed engine settings, read once at the edge (CLI flags or LLM(...) keywords), then split into
+small sub-configs; each component receives only its own. No torch here."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvfleet_engine.models.registry import check_architecture
+
+log = logging.getLogger(__name__)
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {
+    "fp32": "float32",
+    "float": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+}
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # Directory with config.json, *.safetensors and the tokenizer files.
+    path: str
+    # Hugging Face architecture name, e.g. "LlamaForCausalLM".
+    architecture: str
+    # Weight and activation dtype: float32 | bfloat16 | float16.
+    dtype: str
+    # Longest sequence (prompt + generated tokens) the engine accepts.
+    max_model_len: int
+    # Token ids that end generation (config.json / generation_config.json).
+    eos_token_ids: frozenset[int]
+    # The parsed config.json.
+    hf_config: dict[str, Any] = field(repr=False, compare=False)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str, dtype: str = "auto", max_model_len: int | None = None
+    ) -> ModelConfig:
+        directory = Path(path)
+        config_file = directory / "config.json"
+        if not config_file.is_file():
+            raise ValueError(f"model: {path!r} is not a model directory (no config.json)")
+        hf_config = json.loads(config_file.read_text())
+        architectures = hf_config.get("architectures") or [None]
+        check_architecture(architectures[0])
+        return cls(
+            path=str(directory),
+            architecture=architectures[0],
+            dtype=_resolve_dtype(dtype, hf_config),
+            max_model_len=_resolve_max_model_len(max_model_len, hf_config),
+            eos_token_ids=_eos_token_ids(directory, hf_config),
+            hf_config=hf_config,
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config["num_hidden_layers"])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(
+            self.hf_config.get("num_key_value_heads") or self.hf_config["num_attention_heads"]
+        )
+
+    @property
+    def head_dim(self) -> int:
+        head_dim = self.hf_config.get("head_dim")
+        if head_dim:
+            return int(head_dim)
+        return int(self.hf_config["hidden_size"]) // int(self.hf_config["num_attention_heads"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    # Tokens per KV block.
+    block_size: int = 16
+    # Number of KV blocks; None sizes the cache from free memory.
+    num_blocks: int | None = None
+    # Fraction of GPU memory the engine may use (weights + activations + KV cache).
+    gpu_memory_utilization: float = 0.9
+    # Reuse the KV of full blocks shared with earlier prompts.
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    # Most requests computed in one step.
+    max_num_seqs: int = 256
+    # Most tokens computed in one step (decodes plus prefill chunks).
+    max_num_batched_tokens: int = 8192
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    # "auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N".
+    device: str = "auto"
+    # Paged attention implementation: auto (triton on cuda, torch on cpu) | torch | triton.
+    attention_backend: str = "auto"
+    # Never capture CUDA graphs.
+    enforce_eager: bool = False
+    # Seed of the global generator (requests without their own seed).
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    runner: RunnerConfig
+
+    @classmethod
+    def create(
+        cls,
+        model: str,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        block_size: int = 16,
+        kv_cache_blocks: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        attention_backend: str = "auto",
+        enforce_eager: bool = False,
+        seed: int = 0,
+        tensor_parallel_size: int = 1,
+        quantization: str | None = None,
+    ) -> EngineConfig:
+        """Validate the settings and read the model's config.json (the only I/O)."""
+        if tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} is not supported yet; only 1 is"
+            )
+        if quantization not in (None, "none"):
+            raise ValueError(f"quantization={quantization!r} is not supported yet; only none is")
+        _check(
+            isinstance(block_size, int)
+            and 1 <= block_size <= 256
+            and block_size & (block_size - 1) == 0,
+            "block_size",
+            block_size,
+            "a power of two in [1, 256]",
+        )
+        _check(
+            kv_cache_blocks is None or kv_cache_blocks >= 1,
+            "kv_cache_blocks",
+            kv_cache_blocks,
+            "an integer >= 1 or None (size from memory)",
+        )
+        _check(
+            0.0 < gpu_memory_utilization <= 1.0,
+            "gpu_memory_utilization",
+            gpu_memory_utilization,
+            "in (0, 1]",
+        )
+        _check(max_num_seqs >= 1, "max_num_seqs", max_num_seqs, "an integer >= 1")
+        _check(
+            max_num_batched_tokens >= max_num_seqs,
+            "max_num_batched_tokens",
+            max_num_batched_tokens,
+            f">= max_num_seqs ({max_num_seqs})",
+        )
+        _check(
+            device == "auto" or device == "cpu" or device.startswith("cuda"),
+            "device",
+            device,
+            "auto, cpu, cuda or cuda:N",
+        )
+        _check(
+            attention_backend in ATTENTION_BACKENDS,
+            "attention_backend",
+            attention_backend,
+            " | ".join(ATTENTION_BACKENDS),
+        )
+        return cls(
+            model=ModelConfig.from_pretrained(model, dtype=dtype, max_model_len=max_model_len),
+            cache=CacheConfig(
+                block_size=block_size,
+                num_blocks=kv_cache_blocks,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+            ),
+            runner=RunnerConfig(
+                device=device,
+                attention_backend=attention_backend,
+                enforce_eager=enforce_eager,
+                seed=seed,
+            ),
+        )
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("engine")
+        group.add_argument("--model", required=True, help="Hugging Face model directory")
+        group.add_argument(
+            "--dtype",
+            default="auto",
+            choices=DTYPES,
+            help="weights/activations dtype (auto: the checkpoint's)",
+        )
+        group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+        group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+        group.add_argument(
+            "--kv-cache-blocks",
+            type=int,
+            default=None,
+            help="number of KV blocks (default: sized from free memory)",
+        )
+        group.add_argument(
+            "--gpu-memory-utilization",
+            type=float,
+            default=0.9,
+            help="fraction of GPU memory the engine may use",
+        )
+        group.add_argument("--max-num-seqs", type=int, default=256, help="most requests per step")
+        group.add_argument(
+            "--max-num-batched-tokens",
+            type=int,
+            default=8192,
+            help="most tokens per step (decodes + prefill chunks)",
+        )
+        group.add_argument(
+            "--max-model-len",
+            type=int,
+            default=None,
+            help="longest prompt + output (default: the model's)",
+        )
+        group.add_argument(
+            "--enable-prefix-caching",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="reuse KV of shared prompt prefixes",
+        )
+        group.add_argument(
+            "--attention-backend",
+            default="auto",
+            choices=ATTENTION_BACKENDS,
+            help="paged attention implementation",
+        )
+        group.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
+        group.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+        group.add_argument(
+            "--tensor-parallel-size",
+            type=int,
+            default=1,
+            help="GPUs per replica (only 1 is supported yet)",
+        )
+        group.add_argument(
+            "--quantization",
+            default="none",
+            help="weight quantization (only none is supported yet)",
+        )
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineConfig:
+        return cls.create(
+            ns.model,
+            dtype=ns.dtype,
+            device=ns.device,
+            block_size=ns.block_size,
+            kv_cache_blocks=ns.kv_cache_blocks,
+            gpu_memory_utilization=ns.gpu_memory_utilization,
+            max_num_seqs=ns.max_num_seqs,
+            max_num_batched_tokens=ns.max_num_batched_tokens,
+            max_model_len=ns.max_model_len,
+            enable_prefix_caching=ns.enable_prefix_caching,
+            attention_backend=ns.attention_backend,
+            enforce_eager=ns.enforce_eager,
+            seed=ns.seed,
+            tensor_parallel_size=ns.tensor_parallel_size,
+            quantization=ns.quantization,
+        )
+
+    @classmethod
+    def keyword_names(cls) -> frozenset[str]:
+        """The keywords create() accepts (LLM(**kwargs) checks against them)."""
+        return frozenset(inspect.signature(cls.create).parameters)
+
+
+def _check(ok: bool, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _resolve_dtype(dtype: str, hf_config: dict[str, Any]) -> str:
+    dtype = _DTYPE_ALIASES.get(dtype, dtype)
+    _check(dtype in DTYPES, "dtype", dtype, " | ".join(DTYPES))
+    if dtype != "auto":
+        return dtype
+    saved = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
+    return (
+        _DTYPE_ALIASES.get(saved, saved) if saved in DTYPES + tuple(_DTYPE_ALIASES) else "float32"
+    )
+
+
+def _resolve_max_model_len(requested: int | None, hf_config: dict[str, Any]) -> int:
+    limit = int(hf_config.get("max_position_embeddings") or 2048)
+    window = hf_config.get("sliding_window")
+    uses_window = window and hf_config.get("use_sliding_window", True)
+    if uses_window and int(window) < limit:
+        # We compute full attention, which equals sliding-window attention up to the window.
+        log.info("capping max_model_len at the sliding window (%d tokens)", window)
+        limit = int(window)
+    if requested is None:
+        return limit
+    _check(
+        1 < requested <= limit,
+        "max_model_len",
+        requested,
+        f"in [2, {limit}] (the model's maximum length)",
+    )
+    return requested
+
+
+def _eos_token_ids(directory: Path, hf_config: dict[str, Any]) -> frozenset[int]:
+    value = hf_config.get("eos_token_id")
+    generation_file = directory / "generation_config.json"
+    if generation_file.is_file():
+        value = json.loads(generation_file.read_text()).get("eos_token_id", value)
+    if value is None:
+        return frozenset()
+    return frozenset([value] if isinstance(value, int) else value)

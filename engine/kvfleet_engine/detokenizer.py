@@ -1,0 +1,72 @@
+"""Incremental detokenization with stop strings.
+
+Each new token re-decodes only a short window (the tokens since the last emitted text), so the
+cost per token does not grow with the output. A byte-level token that ends inside a multi-byte
+character is held back until the character completes. While running, the text also holds back
+the last (longest stop string - 1) characters, so a stop string is never streamed in part.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvfleet_engine.sampling import SamplingParams
+
+# Prompt tokens decoded with the first output tokens (some tokenizers need left context,
+# e.g. to decide on a leading space).
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams):
+        self.tokenizer = tokenizer
+        self.params = params
+        self.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+        self.text = ""
+        self.stop_buffer = max((len(s) for s in params.stop), default=1) - 1
+        self.finished = False
+
+    def update(self, new_token_ids: list[int]) -> str | None:
+        """Add generated tokens; returns the stop string that matched (text is cut before it)."""
+        for token_id in new_token_ids:
+            self.token_ids.append(token_id)
+            delta = self._decode_delta()
+            if not delta:
+                continue
+            checked_from = max(len(self.text) - self.stop_buffer, 0)
+            self.text += delta
+            stop = self._find_stop(checked_from)
+            if stop is not None:
+                return stop
+        return None
+
+    def output_text(self, finished: bool) -> str:
+        """The text so far; while running, minus the tail a stop string could still claim."""
+        if finished or self.stop_buffer == 0:
+            return self.text
+        return self.text[: max(len(self.text) - self.stop_buffer, 0)]
+
+    def _decode_delta(self) -> str:
+        skip = self.params.skip_special_tokens
+        ids = self.token_ids
+        prefix = self.tokenizer.decode(
+            ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip
+        )
+        full = self.tokenizer.decode(ids[self.prefix_offset :], skip_special_tokens=skip)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        return full[len(prefix) :]
+
+    def _find_stop(self, start: int) -> str | None:
+        best: tuple[int, str] | None = None
+        for stop in self.params.stop:
+            index = self.text.find(stop, start)
+            if index >= 0 and (best is None or index < best[0]):
+                best = (index, stop)
+        if best is None:
+            return None
+        self.text = self.text[: best[0]]
+        return best[1]

@@ -1,0 +1,91 @@
+"""The attention layer over the paged KV cache: store this step's K/V, then attend with one
+backend (ENGINE_CONTRACT.md: the torch reference or the Triton kernels)."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+from torch import nn
+
+BACKEND_MODULES = {
+    "torch": "kvfleet_engine.layers.attention_torch",
+    "triton": "kvfleet_engine.kernels",
+}
+_BACKEND_FUNCTIONS = ("store_kv", "paged_decode_attention", "prefill_attention")
+
+
+def load_backend(name: str) -> ModuleType:
+    """The module providing store_kv, paged_decode_attention and prefill_attention."""
+    if name not in BACKEND_MODULES:
+        raise ValueError(
+            f"attention_backend must be one of {sorted(BACKEND_MODULES)}, got {name!r}"
+        )
+    try:
+        module = importlib.import_module(BACKEND_MODULES[name])
+    except ImportError as error:
+        raise ValueError(f"attention_backend {name!r} is unavailable: {error}") from error
+    missing = [f for f in _BACKEND_FUNCTIONS if not hasattr(module, f)]
+    if missing:
+        raise ValueError(f"attention_backend {name!r} lacks {', '.join(missing)}")
+    return module
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the paged cache and what each sequence attends to."""
+
+    # [num_tokens] int64: cache slot of each token (block_id * block_size + offset), -1 = skip.
+    slot_mapping: torch.Tensor
+    # [num_seqs, max_blocks_per_seq] int32: each sequence's block table, padded with 0.
+    block_tables: torch.Tensor
+    # [num_seqs] int32: tokens in the cache per sequence after this step's are stored.
+    context_lens: torch.Tensor
+    # [num_seqs + 1] int32: prefix sums of the query lengths (tokens packed back to back).
+    cu_query_lens: torch.Tensor
+    # Every sequence has exactly one query token (pure decode step).
+    is_decode: bool
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+        self.backend: ModuleType | None = None
+
+    def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: ModuleType) -> None:
+        """Attach this layer's slice of the KV cache, [num_blocks, block_size, kv_heads, dim]."""
+        self.k_cache, self.v_cache, self.backend = k_cache, v_cache, backend
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+        backend = self.backend
+        assert backend is not None, "Attention.bind() was not called (no KV cache)"
+        backend.store_kv(key, value, self.k_cache, self.v_cache, meta.slot_mapping)
+        if meta.is_decode:
+            out = backend.paged_decode_attention(
+                query, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale
+            )
+        else:
+            out = backend.prefill_attention(
+                query,
+                self.k_cache,
+                self.v_cache,
+                meta.block_tables,
+                meta.cu_query_lens,
+                meta.context_lens,
+                self.scale,
+            )
+        return out.reshape(out.shape[0], -1)

@@ -1,0 +1,315 @@
+"""The model runner: owns the model, the KV cache tensors and the sampler; turns a
+SchedulerOutput into batch tensors, runs one forward pass and samples."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kvfleet_engine.config import EngineConfig
+from kvfleet_engine.layers.attention import Attention, AttentionMetadata, load_backend
+from kvfleet_engine.layers.sampler import Penalties, Sampler, SamplerOutput, SamplingMetadata
+from kvfleet_engine.models.loader import DTYPES, load_model
+from kvfleet_engine.outputs import ModelRunnerOutput
+from kvfleet_engine.scheduler import ScheduledRequest, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+# KV cache memory when sizing it on the CPU (there is no memory probe worth trusting).
+CPU_KV_CACHE_BYTES = 2 << 30
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+@dataclass
+class ModelInputs:
+    """One step's batch on the device."""
+
+    # [num_tokens] int64: token ids, sequences back to back.
+    input_ids: torch.Tensor
+    # [num_tokens] int64: position of each token in its sequence.
+    positions: torch.Tensor
+    # Paged-cache addressing for the attention layers.
+    attention: AttentionMetadata
+    # [num_sampling_rows] int64: index into the tokens of each row whose logits are sampled.
+    logits_indices: torch.Tensor
+    # Request id of each sampling row, in row order.
+    sampling_request_ids: list[str]
+    # Settings of each sampling row.
+    sampling: SamplingMetadata
+    # Top-n logprobs wanted per sampling row (None: none).
+    num_logprobs: list[int | None]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.runner.device)
+        self.dtype = DTYPES[config.model.dtype]
+        self.block_size = config.cache.block_size
+        backend_name = config.runner.attention_backend
+        if backend_name == "auto":
+            backend_name = "triton" if self.device.type == "cuda" else "torch"
+        self.backend = load_backend(backend_name)
+        torch.manual_seed(config.runner.seed)
+        self.model = load_model(config.model, self.device)
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.num_blocks = self._num_kv_blocks()
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+        log.info(
+            "model %s on %s (%s, attention %s), %d KV blocks of %d tokens",
+            config.model.architecture,
+            self.device,
+            config.model.dtype,
+            backend_name,
+            self.num_blocks,
+            self.block_size,
+        )
+
+    # ---- the step -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in scheduled.finished_request_ids:
+            self.generators.pop(request_id, None)
+        if not scheduled.requests:
+            return ModelRunnerOutput(sampled_token_ids={}, logprobs={})
+        inputs = self.prepare_inputs(scheduled)
+        logits = self.compute_logits(inputs)
+        sampled = self.sampler(logits, inputs.sampling)
+        return self._runner_output(inputs, sampled)
+
+    @torch.inference_mode()
+    def compute_logits(self, inputs: ModelInputs) -> torch.Tensor:  # [num_sampling_rows, vocab]
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)
+        return self.model.compute_logits(hidden[inputs.logits_indices]).float()
+
+    def prepare_inputs(self, scheduled: SchedulerOutput) -> ModelInputs:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        context_lens: list[int] = []
+        cu_query_lens = [0]
+        logits_indices: list[int] = []
+        sampling_requests: list[ScheduledRequest] = []
+        block_size = self.block_size
+        for item in scheduled.requests:
+            start, num_tokens = item.start_position, len(item.token_ids)
+            input_ids.extend(item.token_ids)
+            token_positions = range(start, start + num_tokens)
+            positions.extend(token_positions)
+            block_ids = item.block_ids
+            slot_mapping.extend(
+                block_ids[p // block_size] * block_size + p % block_size for p in token_positions
+            )
+            context_lens.append(start + num_tokens)
+            cu_query_lens.append(cu_query_lens[-1] + num_tokens)
+            if item.sample:
+                logits_indices.append(cu_query_lens[-1] - 1)
+                sampling_requests.append(item)
+        max_blocks = max(len(item.block_ids) for item in scheduled.requests)
+        block_tables = [
+            item.block_ids + [0] * (max_blocks - len(item.block_ids)) for item in scheduled.requests
+        ]
+        attention = AttentionMetadata(
+            slot_mapping=self._tensor(slot_mapping, torch.int64),
+            block_tables=self._tensor(block_tables, torch.int32),
+            context_lens=self._tensor(context_lens, torch.int32),
+            cu_query_lens=self._tensor(cu_query_lens, torch.int32),
+            is_decode=len(input_ids) == len(scheduled.requests),
+        )
+        return ModelInputs(
+            input_ids=self._tensor(input_ids, torch.int64),
+            positions=self._tensor(positions, torch.int64),
+            attention=attention,
+            logits_indices=self._tensor(logits_indices, torch.int64),
+            sampling_request_ids=[item.request_id for item in sampling_requests],
+            sampling=self._sampling_metadata(sampling_requests),
+            num_logprobs=[item.params.logprobs for item in sampling_requests],
+        )
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[type-arg]
+        if self.device.type == "cpu":
+            return torch.tensor(data, dtype=dtype)
+        return torch.tensor(data, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
+
+    def _sampling_metadata(self, requests: list[ScheduledRequest]) -> SamplingMetadata:
+        params = [item.params for item in requests]
+        vocab_size = self.config.model.vocab_size
+        generators = {}
+        for row, item in enumerate(requests):
+            if item.params.seed is not None and not item.params.greedy:
+                generators[row] = self._generator(item.request_id, item.params.seed)
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        return SamplingMetadata(
+            temperatures=self._tensor([p.temperature for p in params], torch.float32),
+            top_ks=self._tensor(
+                [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], torch.int64
+            ),
+            top_ps=self._tensor([p.top_p for p in params], torch.float32),
+            min_ps=self._tensor([p.min_p for p in params], torch.float32),
+            all_greedy=all(p.greedy for p in params),
+            generators=generators,
+            penalties=self._penalties(requests) if any(p.has_penalties for p in params) else None,
+            max_num_logprobs=max(wanted) if wanted else None,
+        )
+
+    def _penalties(self, requests: list[ScheduledRequest]) -> Penalties:
+        vocab_size = self.config.model.vocab_size
+        num_rows = len(requests)
+        prompt_mask = torch.zeros(num_rows, vocab_size, dtype=torch.bool)
+        output_counts = torch.zeros(num_rows, vocab_size, dtype=torch.int32)
+        for row, item in enumerate(requests):
+            prompt_mask[row, torch.tensor(item.prompt_token_ids, dtype=torch.int64)] = True
+            if item.output_token_ids:
+                tokens = torch.tensor(item.output_token_ids, dtype=torch.int64)
+                output_counts[row].index_add_(0, tokens, torch.ones_like(tokens, dtype=torch.int32))
+        params = [item.params for item in requests]
+        return Penalties(
+            repetition=self._tensor([p.repetition_penalty for p in params], torch.float32),
+            presence=self._tensor([p.presence_penalty for p in params], torch.float32),
+            frequency=self._tensor([p.frequency_penalty for p in params], torch.float32),
+            prompt_mask=prompt_mask.to(self.device),
+            output_counts=output_counts.to(self.device),
+        )
+
+    def _generator(self, request_id: str, seed: int) -> torch.Generator:
+        generator = self.generators.get(request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed)
+            self.generators[request_id] = generator
+        return generator
+
+    def _runner_output(self, inputs: ModelInputs, sampled: SamplerOutput) -> ModelRunnerOutput:
+        token_ids = sampled.token_ids.tolist()
+        request_ids = inputs.sampling_request_ids
+        logprobs: dict[str, dict[int, float]] = {}
+        if sampled.sampled_logprobs is not None:
+            assert sampled.top_token_ids is not None and sampled.top_logprobs is not None
+            sampled_logprobs = sampled.sampled_logprobs.tolist()
+            top_ids = sampled.top_token_ids.tolist()
+            top_values = sampled.top_logprobs.tolist()
+            for row, num in enumerate(inputs.num_logprobs):
+                if num is None:
+                    continue
+                entry = dict(zip(top_ids[row][:num], top_values[row][:num], strict=True))
+                entry[token_ids[row]] = sampled_logprobs[row]
+                logprobs[request_ids[row]] = entry
+        return ModelRunnerOutput(
+            sampled_token_ids=dict(zip(request_ids, token_ids, strict=True)), logprobs=logprobs
+        )
+
+    # ---- KV cache -------------------------------------------------------------------------
+
+    def _block_bytes(self) -> int:
+        model = self.config.model
+        element_size = torch.empty(0, dtype=self.dtype).element_size()
+        per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * element_size
+        return per_token * self.block_size
+
+    def _num_kv_blocks(self) -> int:
+        requested = self.config.cache.num_blocks
+        max_model_len = self.config.model.max_model_len
+        if requested is not None:
+            num_blocks = requested
+        elif self.device.type == "cuda":
+            num_blocks = self._profile_free_blocks()
+        else:
+            blocks_per_seq = -(-max_model_len // self.block_size)
+            wanted = blocks_per_seq * self.config.scheduler.max_num_seqs
+            num_blocks = min(wanted, CPU_KV_CACHE_BYTES // self._block_bytes())
+        if num_blocks * self.block_size < max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks x {self.block_size} tokens = "
+                f"{num_blocks * self.block_size} tokens, fewer than max_model_len "
+                f"({max_model_len}); raise kv_cache_blocks / gpu_memory_utilization or lower "
+                f"max_model_len"
+            )
+        return num_blocks
+
+    def _profile_free_blocks(self) -> int:
+        """Run the largest step once to measure peak activation memory, then give the KV cache
+        what gpu_memory_utilization leaves."""
+        tokens = self.config.scheduler.max_num_batched_tokens
+        seq_len = min(tokens, self.config.model.max_model_len)
+        num_seqs = -(-tokens // seq_len)
+        scratch_blocks = num_seqs * -(-seq_len // self.block_size)
+        self.kv_caches = self._allocate_kv_cache(scratch_blocks)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._dummy_prefill(num_seqs, seq_len, tokens)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        scratch_bytes = scratch_blocks * self._block_bytes()
+        self.kv_caches = []
+        for layer in self.attention_layers:
+            layer.bind(torch.empty(0), torch.empty(0), self.backend)
+        torch.cuda.empty_cache()
+        _, total = torch.cuda.mem_get_info(self.device)
+        budget = total * self.config.cache.gpu_memory_utilization - (peak - scratch_bytes)
+        return max(int(budget // self._block_bytes()), 0)
+
+    @torch.inference_mode()
+    def _dummy_prefill(self, num_seqs: int, seq_len: int, num_tokens: int) -> None:
+        blocks_per_seq = -(-seq_len // self.block_size)
+        lens = [min(seq_len, num_tokens - i * seq_len) for i in range(num_seqs)]
+        block_tables = [
+            list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)
+        ]
+        positions = [p for n in lens for p in range(n)]
+        slots = [
+            block_tables[i][p // self.block_size] * self.block_size + p % self.block_size
+            for i, n in enumerate(lens)
+            for p in range(n)
+        ]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.int64),
+            block_tables=self._tensor(block_tables, torch.int32),
+            context_lens=self._tensor(lens, torch.int32),
+            cu_query_lens=self._tensor(cu, torch.int32),
+            is_decode=False,
+        )
+        input_ids = torch.zeros(len(positions), dtype=torch.int64, device=self.device)
+        hidden = self.model(input_ids, self._tensor(positions, torch.int64), meta)
+        logits = self.model.compute_logits(hidden[torch.tensor(cu[1:], device=self.device) - 1])
+        self.sampler.forward(
+            logits,
+            SamplingMetadata(
+                temperatures=torch.ones(num_seqs, device=self.device),
+                top_ks=torch.full((num_seqs,), 1, device=self.device),
+                top_ps=torch.full((num_seqs,), 0.9, device=self.device),
+                min_ps=torch.zeros(num_seqs, device=self.device),
+                all_greedy=False,
+                generators={},
+                penalties=None,
+                max_num_logprobs=None,
+            ),
+        )
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        model = self.config.model
+        shape = (num_blocks, self.block_size, model.num_kv_heads, model.head_dim)
+        caches = []
+        for layer in self.attention_layers:
+            k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.bind(k_cache, v_cache, self.backend)
+            caches.append((k_cache, v_cache))
+        return caches

@@ -1,0 +1,140 @@
+"""The Llama family in one file: Llama 2/3 (grouped-query attention, llama3 rope scaling),
+Mistral, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm). Single device, plain tensor code;
+names mirror the Hugging Face checkpoints so weights load by name."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvfleet_engine.layers.attention import Attention, AttentionMetadata
+from kvfleet_engine.layers.linear import Linear, MergedLinear
+from kvfleet_engine.layers.norm import RMSNorm
+from kvfleet_engine.layers.rotary import RotaryEmbedding, rope_parameters
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: dict[str, Any], arch: str) -> None:
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        self.num_heads = cfg["num_attention_heads"]
+        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
+        self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        qkv_bias = arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
+        o_bias = arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False))
+        self.qkv_proj = MergedLinear(
+            hidden, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=qkv_bias
+        )
+        self.o_proj = Linear(self.q_size, hidden, bias=o_bias)
+        self.qk_norm = arch == "Qwen3ForCausalLM"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"])
+            self.k_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"])
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        positions: torch.Tensor,  # [num_tokens]
+        rotary: RotaryEmbedding,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        hidden, inner = cfg["hidden_size"], cfg["intermediate_size"]
+        bias = bool(cfg.get("mlp_bias", False))
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported; only silu is")
+        self.gate_up_proj = MergedLinear(hidden, {"gate": inner, "up": inner}, bias=bias)
+        self.down_proj = Linear(inner, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: dict[str, Any], arch: str) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, arch)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rotary, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: dict[str, Any], arch: str) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, arch) for _ in range(cfg["num_hidden_layers"])
+        )
+        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        self.rotary = RotaryEmbedding(
+            head_dim, cfg.get("max_position_embeddings", 2048), rope_parameters(cfg)
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        for layer in self.layers:
+            hidden = layer(hidden, positions, self.rotary, meta)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint tensor name part -> (our fused module name part, shard).
+    packed_modules: ClassVar[dict[str, tuple[str, str]]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, cfg: dict[str, Any], arch: str) -> None:
+        super().__init__()
+        self.model = LlamaModel(cfg, arch)
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        self.lm_head = Linear(cfg["hidden_size"], cfg["vocab_size"])
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, vocab]
+        return self.lm_head(hidden)

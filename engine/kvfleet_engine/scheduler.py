@@ -1,0 +1,263 @@
+"""The scheduler: each step, a token budget shared by every request that has tokens to compute.
+
+There is no prefill or decode phase. Each request has num_computed_tokens (KV in the cache) and
+num_tokens (prompt + generated); a step gives it tokens so the first catches up with the second.
+A long prompt is thereby computed in chunks, and decodes share steps with prefills. Running
+requests go first, by (priority, arrival); when blocks run out the lowest-priority, newest running
+request is preempted (its KV is freed and recomputed later). Waiting requests are admitted in the
+same order while nothing was preempted; the head of the queue is never skipped, so nobody starves.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvfleet_engine.config import SchedulerConfig
+from kvfleet_engine.kv_cache import KVCacheManager
+from kvfleet_engine.outputs import ModelRunnerOutput, SchedulerStats
+from kvfleet_engine.request import Request, RequestStatus
+from kvfleet_engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's share of a step. Lists are the request's own: read, never modify."""
+
+    # The request's id.
+    request_id: str
+    # Token ids to compute now: a prompt chunk, or the newest token when decoding.
+    token_ids: list[int]
+    # Position of token_ids[0]; the KV of every earlier token is already in the cache.
+    start_position: int
+    # The request's block table: KV block ids in order.
+    block_ids: list[int]
+    # True when this step reaches the request's last known token, so a new token is sampled.
+    sample: bool
+    # How to sample.
+    params: SamplingParams
+    # Prompt token ids (repetition penalty looks at them).
+    prompt_token_ids: list[int]
+    # Tokens generated so far (penalties look at them).
+    output_token_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """What the model runner computes in one step."""
+
+    # Requests in batch order; the runner packs their token_ids back to back.
+    requests: list[ScheduledRequest]
+    # Sum of len(token_ids) over requests.
+    num_batched_tokens: int
+    # Requests that ended since the last step; the runner drops any state it keeps for them.
+    finished_request_ids: frozenset[str]
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int
+    ) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []
+        self.waiting: list[tuple[tuple[int, float, int], Request]] = []  # heap by sort_key
+        self.finished_request_ids: set[str] = set()
+        self._seq_numbers = itertools.count()
+        self.num_preemptions_total = 0
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+
+    # ---- queue verbs -------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        request.seq_no = next(self._seq_numbers)
+        self.requests[request.request_id] = request
+        self._push_waiting(request)
+
+    def finish(
+        self,
+        request_ids: Iterable[str],
+        status: RequestStatus,
+        stop_reason: int | str | None = None,
+    ) -> list[Request]:
+        """End requests now (abort, or a stop string found by the detokenizer); frees blocks.
+        Unknown or already finished ids are ignored. Returns the requests that ended."""
+        assert status.is_finished
+        ended = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            request.stop_reason = stop_reason
+            self._finish(request, status)
+            ended.append(request)
+        return ended
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.requests) - len(self.running)
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted = False
+        self.running.sort(key=Request.sort_key)
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv_cache.allocate_slots(request, num_new_tokens) is None:
+                victim = self.running.pop()  # lowest priority, newest
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                scheduled.append((request, num_new_tokens))
+                budget -= num_new_tokens
+                index += 1
+
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0][1]
+            if request.is_finished:  # aborted while waiting
+                heapq.heappop(self.waiting)
+                continue
+            computed_block_ids = self.kv_cache.get_computed_blocks(request)
+            num_cached_tokens = len(computed_block_ids) * self.kv_cache.block_size
+            num_new_tokens = min(request.num_tokens - num_cached_tokens, budget)
+            if self.kv_cache.allocate_slots(request, num_new_tokens, computed_block_ids) is None:
+                break  # the head waits for blocks; nobody behind it jumps the queue
+            heapq.heappop(self.waiting)
+            self._admit(request, num_cached_tokens)
+            scheduled.append((request, num_new_tokens))
+            budget -= num_new_tokens
+
+        finished_ids = frozenset(self.finished_request_ids)
+        self.finished_request_ids.clear()
+        return SchedulerOutput(
+            requests=[self._scheduled_request(r, n) for r, n in scheduled],
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            finished_request_ids=finished_ids,
+        )
+
+    def update(self, scheduled: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Advance the computed tokens, append sampled tokens, finish stopped requests.
+        Returns the requests that got a new token this step, finished or not."""
+        now = time.time()
+        progressed = []
+        for item in scheduled.requests:
+            request = self.requests[item.request_id]
+            request.num_computed_tokens += len(item.token_ids)
+            if not item.sample:
+                continue
+            token_id = result.sampled_token_ids[item.request_id]
+            request.append_output_token(token_id)
+            logprobs = result.logprobs.get(item.request_id)
+            if logprobs is not None:
+                request.output_logprobs.append(logprobs)
+                request.cumulative_logprob += logprobs[token_id]
+            self.num_generation_tokens_total += 1
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.metrics.last_token_time = now
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            progressed.append(request)
+        return progressed
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=self.num_waiting,
+            kv_cache_usage=self.kv_cache.usage,
+            num_preemptions_total=self.num_preemptions_total,
+            prefix_cache_queries_total=self.kv_cache.prefix_cache_queries_total,
+            prefix_cache_hits_total=self.kv_cache.prefix_cache_hits_total,
+            num_prompt_tokens_total=self.num_prompt_tokens_total,
+            num_generation_tokens_total=self.num_generation_tokens_total,
+            num_blocks_total=self.kv_cache.num_blocks,
+            num_blocks_free=self.kv_cache.num_free_blocks,
+        )
+
+    # ---- internals --------------------------------------------------------------------
+
+    def _push_waiting(self, request: Request) -> None:
+        heapq.heappush(self.waiting, (request.sort_key(), request))
+
+    def _admit(self, request: Request, num_cached_tokens: int) -> None:
+        request.num_computed_tokens = num_cached_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        if request.num_cached_tokens < 0:  # first admission, not a resume after preemption
+            request.num_cached_tokens = num_cached_tokens
+            request.metrics.first_scheduled_time = time.time()
+            self.num_prompt_tokens_total += request.num_prompt_tokens
+            self.kv_cache.record_prefix_query(request.num_tokens, num_cached_tokens)
+
+    def _preempt(self, request: Request) -> None:
+        log.debug("preempting %s (%d tokens)", request.request_id, request.num_tokens)
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self._push_waiting(request)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        request.metrics.finished_time = time.time()
+        self.kv_cache.free(request)
+        del self.requests[request.request_id]
+        self.finished_request_ids.add(request.request_id)
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.params
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _scheduled_request(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        end = start + num_new_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:end],
+            start_position=start,
+            block_ids=request.block_ids,
+            sample=end == request.num_tokens,
+            params=request.params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+        )
