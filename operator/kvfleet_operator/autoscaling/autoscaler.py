@@ -1,0 +1,224 @@
+"""The Builtin autoscaler's tick for one InferenceDeployment: read, decide, act, report.
+
+    read   the InferenceDeployment, its child Deployment and pods; each ready pod's metrics
+    decide `decide(spec, observation, state)` (pure, decision.py)
+    act    mark the scale-down victims (pod-deletion-cost) and write the Deployment's
+           spec.replicas by server-side apply under the field manager `kvfleet-autoscaler`
+    report status.autoscaling (signals, desired, mode, last 10 decisions, the saved state) and
+           the ScalingLimited condition; never the InferenceDeployment's spec
+
+All API traffic goes through `kvfleet_operator.apply.Cluster`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable
+from typing import Any, Protocol
+
+import httpx
+from pydantic import ValidationError
+
+from kvfleet_operator import api
+from kvfleet_operator.apply import Cluster
+from kvfleet_operator.autoscaling.decision import Decision, decide
+from kvfleet_operator.autoscaling.pods import DELETION_COST, PodFacts, format_time, pod_facts
+from kvfleet_operator.autoscaling.samples import EngineSample, Observation, PodObservation
+from kvfleet_operator.autoscaling.sources import query_prometheus, scrape_pods
+from kvfleet_operator.autoscaling.spec import AutoscalingSpec
+from kvfleet_operator.autoscaling.state import ScalerState
+from kvfleet_operator.render import selector_string
+
+log = logging.getLogger(__name__)
+
+VICTIM_DELETION_COST = (
+    "-1000"  # lower than any unannotated pod (0): the ReplicaSet removes it first
+)
+CONDITION = "ScalingLimited"
+IDLE_PERIOD_SECONDS = 5.0  # next look when there is nothing to scale yet
+
+
+class Stopped(Protocol):
+    """kopf's DaemonStopped: falsy while running, `wait(timeout)` sleeps until stop or timeout."""
+
+    def __bool__(self) -> bool: ...
+
+    def wait(self, timeout: float | None = None) -> Awaitable[Any]: ...
+
+
+async def run_autoscaler(cluster: Cluster, namespace: str, name: str, stopped: Stopped) -> None:
+    """Tick every behavior.syncPeriodSeconds until `stopped` (the kopf daemon's flag). A failed
+    tick is logged and retried on the next one: the replicas stay as they are meanwhile."""
+    async with httpx.AsyncClient(trust_env=False) as http:
+        while not stopped:
+            period = IDLE_PERIOD_SECONDS
+            try:
+                _, period = await autoscale_once(cluster, http, namespace, name, time.time())
+            except Exception:
+                log.exception("autoscaling %s/%s failed; retrying", namespace, name)
+            await stopped.wait(period)
+
+
+async def autoscale_once(
+    cluster: Cluster, http: httpx.AsyncClient, namespace: str, name: str, now: float
+) -> tuple[Decision | None, float]:
+    """One tick. Returns the decision, or None when there is nothing to scale (no autoscaling,
+    another controller, suspended, invalid spec, child Deployment not created yet), and the
+    seconds until the next tick."""
+    body = await cluster.get(api.API_VERSION, api.INFERENCE_DEPLOYMENT, name, namespace)
+    idle = None, IDLE_PERIOD_SECONDS
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return idle
+    raw_spec = body.get("spec") or {}
+    if not raw_spec.get("autoscaling") or raw_spec.get("suspend"):
+        return idle
+    try:
+        spec = AutoscalingSpec.model_validate(raw_spec["autoscaling"])
+    except ValidationError:
+        return idle  # the reconciler reports an invalid spec as Stalled
+    if spec.controller != "Builtin":
+        return idle  # an HPA or a ScaledObject owns the replicas
+    deployment = await cluster.get("apps/v1", "Deployment", name, namespace)
+    if deployment is None:
+        return idle
+
+    pods = [
+        facts
+        for pod in await cluster.list("v1", "Pod", namespace, selector_string(name))
+        if (facts := pod_facts(pod)) is not None
+    ]
+    samples = await _read_metrics(spec, http, namespace, pods, now)
+    observation = Observation(
+        now=now,
+        replicas=int(deployment.get("spec", {}).get("replicas", 1)),
+        ready_replicas=sum(1 for pod in pods if pod.ready_since is not None),
+        unschedulable_replicas=sum(1 for pod in pods if pod.unschedulable),
+        pods=tuple(PodObservation(p.name, p.ready_since, samples.get(p.name)) for p in pods),
+    )
+    status = body.get("status") or {}
+    state = ScalerState.from_dict((status.get("autoscaling") or {}).get("state"))
+    decision = decide(spec, observation, state)
+
+    await _mark_victims(cluster, namespace, pods, decision.victims)
+    if decision.desired_replicas != observation.replicas:
+        await cluster.scale(namespace, name, decision.desired_replicas)
+        verb = "ScaledUp" if decision.desired_replicas > observation.replicas else "ScaledDown"
+        message = f"{observation.replicas} -> {decision.desired_replicas}: {decision.reason}"
+        log.info("%s/%s %s %s", namespace, name, verb, message)
+        await cluster.post_event(body, "Normal", verb, message)
+    await cluster.patch_status(
+        api.API_VERSION,
+        api.INFERENCE_DEPLOYMENT,
+        name,
+        namespace,
+        {
+            "autoscaling": autoscaling_status(spec, decision, observation),
+            "conditions": _with_condition(status.get("conditions", []), decision, body, now),
+        },
+    )
+    return decision, spec.behavior.sync_period_seconds
+
+
+async def _read_metrics(
+    spec: AutoscalingSpec,
+    http: httpx.AsyncClient,
+    namespace: str,
+    pods: list[PodFacts],
+    now: float,
+) -> dict[str, EngineSample | None]:
+    if spec.source == "Prometheus":
+        assert spec.prometheus is not None, "validated by AutoscalingSpec"
+        return await query_prometheus(http, spec.prometheus.url, namespace, pods, now)
+    return await scrape_pods(http, pods, now)
+
+
+async def _mark_victims(
+    cluster: Cluster, namespace: str, pods: list[PodFacts], victims: tuple[str, ...]
+) -> None:
+    """pod-deletion-cost: the chosen victims get a low cost, former victims lose theirs (the
+    annotation is owned by the autoscaler's field manager, so applying without it removes it)."""
+    for pod in pods:
+        wanted = VICTIM_DELETION_COST if pod.name in victims else None
+        if pod.deletion_cost == wanted:
+            continue
+        annotations = {DELETION_COST: wanted} if wanted else {}
+        await cluster.apply(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": pod.name, "namespace": namespace, "annotations": annotations},
+            },
+            field_manager=api.AUTOSCALER_FIELD_MANAGER,
+        )
+
+
+def autoscaling_status(
+    spec: AutoscalingSpec, decision: Decision, observation: Observation
+) -> dict[str, Any]:
+    """status.autoscaling (pure): what a user reads with kubectl, plus the saved state."""
+    signals = [
+        {
+            "name": s.name,
+            "value": None if s.value is None else round(s.value, 4),
+            "target": s.target,
+            "desiredReplicas": s.desired,
+        }
+        for s in decision.signals
+    ]
+    shown = [s for s in decision.signals if s.value is not None]
+    summary = ", ".join(f"{_short(s.name)} {s.value:.3g}/{s.target:.3g}" for s in shown)
+    return {
+        "controller": spec.controller,
+        "source": spec.source,
+        "currentReplicas": observation.replicas,
+        "readyReplicas": observation.ready_replicas,
+        "desiredReplicas": decision.desired_replicas,
+        "mode": decision.mode,
+        "reason": decision.reason,
+        "summary": f"{decision.mode} {summary}".strip() if summary else decision.mode,
+        "lastDecisionTime": format_time(observation.now),
+        "signals": signals,
+        "history": [
+            {
+                "time": format_time(event.time),
+                "fromReplicas": event.from_replicas,
+                "toReplicas": event.to_replicas,
+                "reason": event.reason,
+            }
+            for event in decision.state.events
+        ],
+        "state": decision.state.to_dict(),
+    }
+
+
+def _short(signal: str) -> str:
+    return {
+        "generationTokenRate": "gen",
+        "promptTokenRate": "prompt",
+        "kvCacheUtilization": "kv",
+        "waitingRequestsPerReplica": "queue",
+    }.get(signal, signal)
+
+
+def _with_condition(
+    conditions: list[dict[str, Any]], decision: Decision, body: dict[str, Any], now: float
+) -> list[dict[str, Any]]:
+    """The conditions list with ScalingLimited set from the decision (others untouched)."""
+    if decision.limited:
+        status, reason, message = "True", decision.limited, decision.reason
+    else:
+        status, reason, message = "False", "DesiredWithinRange", "the desired count is reachable"
+    previous = next((c for c in conditions if c.get("type") == CONDITION), None)
+    since = format_time(now)
+    if previous is not None and previous.get("status") == status:
+        since = previous.get("lastTransitionTime", since)
+    condition = {
+        "type": CONDITION,
+        "status": status,
+        "reason": reason,
+        "message": message[:1024],
+        "observedGeneration": body["metadata"].get("generation", 0),
+        "lastTransitionTime": since,
+    }
+    return [c for c in conditions if c.get("type") != CONDITION] + [condition]

@@ -1,0 +1,99 @@
+"""Where engine metrics come from: each ready pod's /metrics (Direct), or Prometheus.
+
+Both return one `EngineSample` per pod (None where the read failed), so the decision function
+is the same for both: Prometheus only replaces the HTTP scrape, the windows stay ours.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections import defaultdict
+
+import httpx
+
+from kvfleet_operator.api import ENGINE_PORT
+from kvfleet_operator.autoscaling import promtext
+from kvfleet_operator.autoscaling.pods import PodFacts
+from kvfleet_operator.autoscaling.samples import EngineSample
+
+log = logging.getLogger(__name__)
+
+SCRAPE_TIMEOUT_SECONDS = 2.0
+_METRIC_NAMES = (
+    promtext.GENERATION_TOKENS,
+    promtext.PROMPT_TOKENS,
+    promtext.KV_CACHE_USAGE,
+    promtext.REQUESTS_WAITING,
+    promtext.REQUESTS_RUNNING,
+    promtext.CAPACITY,
+    promtext.TTFT + "_bucket",
+    promtext.TPOT + "_bucket",
+)
+
+
+async def scrape_pods(
+    http: httpx.AsyncClient, pods: list[PodFacts], now: float, port: int = ENGINE_PORT
+) -> dict[str, EngineSample | None]:
+    """GET http://<podIP>:<port>/metrics of every ready pod, concurrently."""
+    ready = [pod for pod in pods if pod.ready_since is not None and pod.ip]
+    results = await asyncio.gather(*(_scrape(http, pod, now, port) for pod in ready))
+    return {pod.name: sample for pod, sample in zip(ready, results, strict=True)}
+
+
+async def _scrape(
+    http: httpx.AsyncClient, pod: PodFacts, now: float, port: int
+) -> EngineSample | None:
+    host = f"[{pod.ip}]" if pod.ip and ":" in pod.ip else pod.ip
+    url = f"http://{host}:{port}/metrics"
+    try:
+        response = await http.get(url, timeout=SCRAPE_TIMEOUT_SECONDS)
+        response.raise_for_status()
+        return promtext.engine_sample(promtext.parse(response.text), time=now)
+    except (httpx.HTTPError, promtext.ParseError) as exc:
+        log.info("no metrics from pod %s (%s): %s", pod.name, url, exc)
+        return None
+
+
+async def query_prometheus(
+    http: httpx.AsyncClient, base_url: str, namespace: str, pods: list[PodFacts], now: float
+) -> dict[str, EngineSample | None]:
+    """One instant query for the contract's series of the ready pods (by `namespace` and `pod`
+    target labels); each pod's sample carries the time of its newest series."""
+    ready = [pod for pod in pods if pod.ready_since is not None]
+    if not ready:
+        return {}
+    names = "|".join(re.escape(name) for name in _METRIC_NAMES)
+    pod_names = "|".join(re.escape(pod.name) for pod in ready)
+    query = f'{{__name__=~"{names}",namespace="{namespace}",pod=~"{pod_names}"}}'
+    try:
+        response = await http.get(
+            base_url.rstrip("/") + "/api/v1/query",
+            params={"query": query, "time": f"{now:.3f}"},
+            timeout=SCRAPE_TIMEOUT_SECONDS * 2,
+        )
+        response.raise_for_status()
+        body = response.json()
+        if body.get("status") != "success":
+            raise ValueError(body.get("error", "query failed"))
+        series = body["data"]["result"]
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        log.warning("Prometheus query at %s failed: %s", base_url, exc)
+        return {pod.name: None for pod in ready}
+    by_pod: dict[str, list[promtext.Sample]] = defaultdict(list)
+    newest: dict[str, float] = defaultdict(float)
+    for item in series:
+        labels = dict(item["metric"])
+        pod_name = labels.get("pod", "")
+        timestamp, value = item["value"]
+        by_pod[pod_name].append(promtext.Sample(labels.pop("__name__"), labels, float(value)))
+        newest[pod_name] = max(newest[pod_name], float(timestamp))
+    samples: dict[str, EngineSample | None] = {}
+    for pod in ready:
+        try:
+            samples[pod.name] = promtext.engine_sample(by_pod[pod.name], time=newest[pod.name])
+        except promtext.ParseError as exc:
+            log.info("incomplete series for pod %s in Prometheus: %s", pod.name, exc)
+            samples[pod.name] = None
+    return samples
