@@ -88,6 +88,10 @@ def test_kopf_state_has_room_in_status() -> None:
 
 
 def test_generated_yaml_has_no_anchors() -> None:
-    for text in render_crds().values():
+    files = render_crds()
+    for name, text in files.items():
         assert "&id" not in text and "*id" not in text
-        assert yaml.safe_load(text)["kind"] == "CustomResourceDefinition"
+        kind = yaml.safe_load(text)["kind"]
+        assert kind == ("Kustomization" if name == "Kustomization" else "CustomResourceDefinition")
+    kustomization = yaml.safe_load(files["Kustomization"])
+    assert sorted(kustomization["resources"]) == sorted(n for n in files if n.endswith(".yaml"))

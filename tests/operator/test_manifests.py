@@ -1,0 +1,101 @@
+"""Install manifests, samples and the Argo CD health check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lupa
+import pytest
+import yaml
+
+from kvfleet_operator.accelerators import resolve_accelerator
+from kvfleet_operator.model_catalog import model_architecture
+from kvfleet_operator.models import InferenceDeploymentSpec
+from kvfleet_operator.plan import ClusterFeatures, plan_deployment
+
+MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
+
+
+def _plan(path: str):
+    sample = yaml.safe_load((MANIFESTS / "samples" / path).read_text())
+    spec = InferenceDeploymentSpec.model_validate(sample["spec"])
+    profile = resolve_accelerator(spec.resources.accelerator, {})
+    cluster = ClusterFeatures(leader_worker_set=False, service_monitor=False)
+    return plan_deployment(
+        sample["metadata"]["name"], spec, profile, model_architecture(spec.model), cluster
+    )
+
+
+def test_small_sample_plans_cleanly() -> None:
+    p = _plan("small.yaml")
+    assert p.ok and p.memory is not None and p.memory.fits
+
+
+def test_large_sample_fits_but_waits_for_the_engine() -> None:
+    p = _plan("large.yaml")
+    assert p.memory is not None and p.memory.fits
+    assert {problem.reason for problem in p.problems} == {"FeatureUnavailable"}
+
+
+def test_kustomization_lists_existing_files() -> None:
+    kustomization = yaml.safe_load((MANIFESTS / "kustomization.yaml").read_text())
+    for resource in kustomization["resources"]:
+        assert (MANIFESTS / resource).exists(), resource
+
+
+def test_rbac_never_writes_inference_deployment_spec_or_deletes() -> None:
+    role = next(yaml.safe_load_all((MANIFESTS / "rbac.yaml").read_text()))
+    for rule in role["rules"]:
+        assert "delete" not in rule["verbs"] and "*" not in rule["verbs"]
+        if "inferencedeployments" in rule["resources"]:
+            assert set(rule["verbs"]) <= {"get", "list", "watch"}
+
+
+def health(obj: dict[str, Any]) -> tuple[str, str]:
+    runtime = lupa.LuaRuntime(unpack_returned_tuples=True)
+    runtime.globals().obj = _to_lua(runtime, obj)
+    result = runtime.execute((MANIFESTS / "argocd" / "health.lua").read_text())
+    return result["status"], result["message"]
+
+
+def _to_lua(runtime: Any, value: Any) -> Any:
+    if isinstance(value, dict):
+        return runtime.table_from({k: _to_lua(runtime, v) for k, v in value.items()})
+    if isinstance(value, list):
+        return runtime.table_from([_to_lua(runtime, v) for v in value])
+    return value
+
+
+def _obj(conditions: list[tuple[str, str, str]], observed: int = 2, suspend: bool = False):
+    return {
+        "metadata": {"generation": 2},
+        "spec": {"suspend": suspend},
+        "status": {
+            "observedGeneration": observed,
+            "conditions": [
+                {"type": t, "status": s, "reason": r, "message": f"{t} {r}"}
+                for t, s, r in conditions
+            ],
+        },
+    }
+
+
+@pytest.mark.parametrize(
+    ("obj", "expected"),
+    [
+        ({"metadata": {"generation": 1}, "spec": {}}, "Progressing"),
+        (_obj([("Ready", "True", "AllReplicasReady")], observed=1), "Progressing"),
+        (_obj([("Ready", "True", "AllReplicasReady"), ("Stalled", "False", "Healthy")]), "Healthy"),
+        (_obj([("Ready", "False", "RollingOut"), ("Reconciling", "True", "RollingOut")]),
+         "Progressing"),
+        (_obj([("Ready", "False", "X"), ("Stalled", "True", "InsufficientGPUMemory")]),
+         "Degraded"),
+        (_obj([("Ready", "True", "Suspended")], suspend=True), "Suspended"),
+    ],
+)  # fmt: skip
+def test_argocd_health(obj: dict[str, Any], expected: str) -> None:
+    status, message = health(obj)
+    assert status == expected
+    if expected == "Degraded":
+        assert message.startswith("InsufficientGPUMemory: ")
