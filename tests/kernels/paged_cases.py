@@ -82,16 +82,17 @@ def dense_attention(case: PagedCase) -> torch.Tensor:
     cu = case.cu_query_lens.tolist()
     out = torch.empty(case.query.shape, dtype=torch.float64)
     for seq, (k, v) in enumerate(zip(case.keys, case.values, strict=True)):
-        context_len = k.shape[0]
-        group = num_q_heads // k.shape[1]
-        for token in range(cu[seq], cu[seq + 1]):
-            position = context_len - (cu[seq + 1] - token)
-            for head in range(num_q_heads):
-                q = case.query[token, head].double().cpu()
-                kh = k[: position + 1, head // group].double().cpu()
-                vh = v[: position + 1, head // group].double().cpu()
-                weights = torch.softmax(kh @ q * case.scale, dim=0)
-                out[token, head] = weights @ vh
+        context_len, num_kv_heads, _ = k.shape
+        q = case.query[cu[seq] : cu[seq + 1]].double().cpu()  # [q_len, num_q_heads, head_dim]
+        q_len = q.shape[0]
+        kv_head_of = torch.arange(num_q_heads) // (num_q_heads // num_kv_heads)
+        kh = k.double().cpu()[:, kv_head_of]  # [context_len, num_q_heads, head_dim]
+        vh = v.double().cpu()[:, kv_head_of]
+        positions = torch.arange(context_len - q_len, context_len)
+        mask = torch.arange(context_len)[None, :] > positions[:, None]  # [q_len, context_len]
+        scores = torch.einsum("thd,chd->htc", q, kh) * case.scale
+        weights = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
+        out[cu[seq] : cu[seq + 1]] = torch.einsum("htc,chd->thd", weights, vh)
     return out
 
 

@@ -1,0 +1,51 @@
+"""Input checks shared by the kernel wrappers: a kernel launched on bad input reads garbage or
+faults, so wrappers reject it first with a message naming the argument."""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    require(k_cache.dim() == 4, "k_cache must be [num_blocks, block_size, num_kv_heads, head_dim]")
+    require(v_cache.shape == k_cache.shape, "v_cache must have the shape of k_cache")
+    require(v_cache.stride() == k_cache.stride(), "v_cache must have the strides of k_cache")
+    require(k_cache.dtype == v_cache.dtype, "k_cache and v_cache must share a dtype")
+    require(k_cache.dtype in FLOAT_DTYPES, f"cache dtype must be one of {FLOAT_DTYPES}")
+    require(k_cache.stride(-1) == 1, "k_cache/v_cache must be contiguous in head_dim")
+    block_size = k_cache.shape[1]
+    require(block_size & (block_size - 1) == 0, "block_size must be a power of two")
+
+
+def check_heads(x: torch.Tensor, name: str, k_cache: torch.Tensor, per_kv_head: bool) -> None:
+    """x: [num_tokens, num_heads, head_dim] on the cache's device, in the cache's dtype."""
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    require(x.dim() == 3, f"{name} must be [num_tokens, num_heads, head_dim]")
+    require(x.shape[2] == head_dim, f"{name} head_dim {x.shape[2]} != cache head_dim {head_dim}")
+    if per_kv_head:
+        require(x.shape[1] == num_kv_heads, f"{name} must have {num_kv_heads} kv heads")
+    else:
+        require(x.shape[1] % num_kv_heads == 0, f"{name} heads must be a multiple of kv heads")
+    require(x.dtype == k_cache.dtype, f"{name} dtype {x.dtype} != cache dtype {k_cache.dtype}")
+    require(x.device == k_cache.device, f"{name} must be on the cache's device")
+    require(x.stride(-1) == 1, f"{name} must be contiguous in head_dim")
+
+
+def check_index(
+    x: torch.Tensor, name: str, dim: int, dtype: torch.dtype, device: torch.device
+) -> None:
+    require(x.dim() == dim, f"{name} must have {dim} dimension(s)")
+    require(x.dtype == dtype, f"{name} must be {dtype}, got {x.dtype}")
+    require(x.device == device, f"{name} must be on {device}")
+    require(x.stride(-1) == 1, f"{name} must be contiguous in its last dimension")
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()

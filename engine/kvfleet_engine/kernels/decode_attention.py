@@ -1,0 +1,237 @@
+"""Paged decode attention, split-K ("flash-decoding"): one new query token per sequence.
+
+Each program owns (sequence, kv head, split): it loads the query heads that share the kv head as
+the rows of one tile, so every K/V tile is read once per group, and walks its share of the context
+with an online softmax. A second kernel merges the splits by their log-sum-exp. The grid depends
+only on tensor shapes (context lengths are read on the device), so the launch can be captured in a
+CUDA graph and replayed with new lengths.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kvfleet_engine.kernels.checks import (
+    check_cache,
+    check_heads,
+    check_index,
+    next_power_of_2,
+    require,
+)
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(
+    query_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    partial_out_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS, HEAD_DIM] float32
+    partial_lse_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS] float32, log2 domain
+    scale_log2,
+    stride_qs,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    num_q_heads,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    tiles_per_split = tl.cdiv(tl.cdiv(context_len, BLOCK_N), NUM_SPLITS)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len)
+
+    rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + rows
+    row_mask = rows < GROUP
+    dim_mask = dims < HEAD_DIM
+    q = tl.load(
+        query_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :],
+        mask=row_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    kv_offset = kv_head * stride_ch + dims[None, :]
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
+    for tile_start in range(start, end, BLOCK_N):
+        positions = tile_start + tl.arange(0, BLOCK_N)
+        valid = positions < end
+        block_ids = tl.load(block_table + positions // BLOCK_SIZE, mask=valid, other=0)
+        rows_off = block_ids.to(tl.int64) * stride_cb + (positions % BLOCK_SIZE) * stride_cs
+        kv_mask = valid[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + rows_off[:, None] + kv_offset, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + rows_off[:, None] + kv_offset, mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    nonempty = l_i > 0
+    out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    partial_row = (seq * num_q_heads + heads) * NUM_SPLITS + split
+    tl.store(partial_lse_ptr + partial_row, lse, mask=row_mask)
+    tl.store(
+        partial_out_ptr + partial_row[:, None] * HEAD_DIM + dims[None, :],
+        out,
+        mask=row_mask[:, None] & dim_mask[None, :],
+    )
+
+
+@triton.jit
+def _decode_merge_kernel(
+    partial_out_ptr,
+    partial_lse_ptr,
+    out_ptr,
+    stride_os,
+    stride_oh,
+    num_q_heads,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, BLOCK_D)
+    row = (seq * num_q_heads + head) * NUM_SPLITS + splits
+    lse = tl.load(partial_lse_ptr + row, mask=splits < NUM_SPLITS, other=float("-inf"))
+    # A sequence with no context at all (padding in a captured batch) gets zeros, not NaN.
+    lse_max = tl.maximum(tl.max(lse, axis=0), -1e30)
+    weights = tl.exp2(lse - lse_max)
+    parts = tl.load(
+        partial_out_ptr + row[:, None] * HEAD_DIM + dims[None, :],
+        mask=(splits < NUM_SPLITS)[:, None] & (dims < HEAD_DIM)[None, :],
+        other=0.0,
+    )
+    total = tl.sum(weights, axis=0)
+    out = tl.sum(parts * weights[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(
+        out_ptr + seq * stride_os + head * stride_oh + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(
+    num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int
+) -> int:
+    """Enough (sequence, kv head, split) programs for about two waves over the SMs, never more
+    splits than the longest possible context has tiles. Depends on shapes only."""
+    wanted = -(-2 * num_sms // max(num_seqs * num_kv_heads, 1))
+    max_tiles = max(-(-max_context // block_n), 1)
+    return max(1, min(wanted, max_tiles, 64))
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [num_seqs, num_q_heads, head_dim], one new token per sequence
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32, including the new token
+    scale: float,
+    *,
+    num_splits: int | None = None,  # override the heuristic (benchmarks)
+    block_n: int = 64,  # context tokens per tile
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
+    check_cache(k_cache, v_cache)
+    check_heads(query, "query", k_cache, per_kv_head=False)
+    check_index(block_tables, "block_tables", 2, torch.int32, k_cache.device)
+    check_index(context_lens, "context_lens", 1, torch.int32, k_cache.device)
+    num_seqs, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    require(block_tables.shape[0] == num_seqs, "block_tables must have one row per sequence")
+    require(context_lens.shape[0] == num_seqs, "context_lens must have one entry per sequence")
+    out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    max_context = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = choose_num_splits(
+            num_seqs, num_kv_heads, max_context, block_n, _num_sms(query.device)
+        )
+    partial_out = torch.empty(
+        (num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+    )
+    partial_lse = torch.empty(
+        (num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=query.device
+    )
+    block_d = next_power_of_2(head_dim)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        partial_out,
+        partial_lse,
+        scale * LOG2E,
+        query.stride(0),
+        query.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        num_q_heads,
+        GROUP=group,
+        GROUP_PAD=max(16, next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        BLOCK_SIZE=block_size,
+        NUM_SPLITS=num_splits,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    _decode_merge_kernel[(num_seqs, num_q_heads)](
+        partial_out,
+        partial_lse,
+        out,
+        out.stride(0),
+        out.stride(1),
+        num_q_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        NUM_SPLITS=num_splits,
+        SPLITS_PAD=next_power_of_2(num_splits),
+    )
+    return out

@@ -1,0 +1,184 @@
+"""Paged prefill/extend attention: query tokens of several sequences, packed back to back, attend
+causally to their sequence's cached prefix and to each other, all read through the block table.
+
+Each program owns one tile of query rows (BLOCK_Q tokens × the query heads of one kv head, so K/V
+are loaded once per group) and walks the context from position 0 up to its last row's position
+with an online softmax. Programs find their sequence from `cu_query_lens` on the device, so the
+launch needs no host-side maximum query length.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvfleet_engine.kernels.checks import (
+    check_cache,
+    check_heads,
+    check_index,
+    next_power_of_2,
+    require,
+)
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(
+    query_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    cu_query_lens_ptr,
+    context_lens_ptr,
+    scale_log2,
+    num_seqs,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    # Sequence s owns tiles [cu_query_lens[s] // BLOCK_Q + s, cu_query_lens[s+1] // BLOCK_Q + s+1):
+    # enough for its query length, so the grid needs only num_tokens // BLOCK_Q + num_seqs.
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(cu_query_lens_ptr + mid) // BLOCK_Q + mid <= tile_id:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
+    query_start = tl.load(cu_query_lens_ptr + seq)
+    query_len = tl.load(cu_query_lens_ptr + seq + 1) - query_start
+    first_token = (tile_id - (query_start // BLOCK_Q + seq)) * BLOCK_Q
+    if first_token < query_len:
+        context_len = tl.load(context_lens_ptr + seq)
+        prefix_len = context_len - query_len
+        rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+        tokens = first_token + rows // GROUP_PAD
+        heads = kv_head * GROUP + rows % GROUP_PAD
+        dims = tl.arange(0, BLOCK_D)
+        dim_mask = dims < HEAD_DIM
+        row_mask = (tokens < query_len) & (rows % GROUP_PAD < GROUP)
+        io_mask = row_mask[:, None] & dim_mask[None, :]
+        token_ids = (query_start + tokens).to(tl.int64)
+        q = tl.load(
+            query_ptr + token_ids[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+            mask=io_mask,
+            other=0.0,
+        )
+        row_positions = prefix_len + tokens
+        end = tl.minimum(context_len, prefix_len + first_token + BLOCK_Q)
+        block_table = block_tables_ptr + seq * stride_bt
+        kv_offset = kv_head * stride_ch + dims[None, :]
+
+        m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], dtype=tl.float32)
+        # Tile 0 holds position 0, visible to every row: m_i is finite from the first tile on.
+        for tile_start in range(0, end, BLOCK_N):
+            positions = tile_start + tl.arange(0, BLOCK_N)
+            valid = positions < end
+            block_ids = tl.load(block_table + positions // BLOCK_SIZE, mask=valid, other=0)
+            rows_off = block_ids.to(tl.int64) * stride_cb + (positions % BLOCK_SIZE) * stride_cs
+            kv_mask = valid[:, None] & dim_mask[None, :]
+            k = tl.load(k_cache_ptr + rows_off[:, None] + kv_offset, mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + rows_off[:, None] + kv_offset, mask=kv_mask, other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+            visible = valid[None, :] & (positions[None, :] <= row_positions[:, None])
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr + token_ids[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=io_mask,
+        )
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], sequences back to back
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    cu_query_lens: torch.Tensor,  # [num_seqs + 1] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32 = cached prefix + this step's query tokens
+    scale: float,
+    *,
+    block_m: int = 64,  # query rows (tokens × heads of one group) per program
+    block_n: int = 64,  # context tokens per tile
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
+    check_cache(k_cache, v_cache)
+    check_heads(query, "query", k_cache, per_kv_head=False)
+    check_index(block_tables, "block_tables", 2, torch.int32, k_cache.device)
+    check_index(cu_query_lens, "cu_query_lens", 1, torch.int32, k_cache.device)
+    check_index(context_lens, "context_lens", 1, torch.int32, k_cache.device)
+    num_seqs = context_lens.shape[0]
+    require(cu_query_lens.shape[0] == num_seqs + 1, "cu_query_lens must have num_seqs + 1 entries")
+    require(block_tables.shape[0] == num_seqs, "block_tables must have one row per sequence")
+    num_tokens, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty_like(query)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    group_pad = next_power_of_2(group)
+    block_q = max(1, block_m // group_pad)
+    if block_q * group_pad < 16:  # tl.dot needs at least 16 rows
+        block_q = 16 // group_pad
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _prefill_kernel[grid](
+        query,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        cu_query_lens,
+        context_lens,
+        scale * LOG2E,
+        num_seqs,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        HEAD_DIM=head_dim,
+        BLOCK_D=next_power_of_2(head_dim),
+        BLOCK_N=block_n,
+        BLOCK_SIZE=block_size,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out

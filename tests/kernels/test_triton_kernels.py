@@ -1,0 +1,191 @@
+"""The Triton kernels against dense attention and the torch reference.
+
+Without a GPU the kernels run under TRITON_INTERPRET=1 on CPU at small sizes (in CI); with one,
+the `gpu`-marked cases run them natively in bf16/fp16 at model-like sizes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+from paged_cases import dense_attention, make_paged_case, relative_error
+
+from kvfleet_engine.layers import attention_torch as ref
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"  # read when a @triton.jit function is defined
+
+
+def _let_interpreter_index_with_scalars() -> None:
+    """The interpreter keeps scalars as 1-element arrays and turns them into loop bounds with
+    int(array), which numpy >= 2.4 refuses; index through the element instead."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "kvfleet_patched", False):
+        return
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched.kvfleet_patched = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched
+
+
+if not ON_GPU:
+    _let_interpreter_index_with_scalars()
+
+
+def _kernel_module(name: str):
+    """Import a kernel module, re-defining its kernels if they were made in the other mode."""
+    module = importlib.import_module(f"kvfleet_engine.kernels.{name}")
+    kernels = [v for k, v in vars(module).items() if k.startswith("_") and k.endswith("_kernel")]
+    interpreted = all(type(k).__name__ == "InterpretedFunction" for k in kernels)
+    if interpreted == ON_GPU:
+        module = importlib.reload(module)
+    return module
+
+
+kv_store = _kernel_module("kv_store")
+decode = _kernel_module("decode_attention")
+prefill = _kernel_module("prefill_attention")
+
+# (device, dtype, tolerance, sizes): small interpreted cases on CPU; model-like sizes on the GPU.
+SMALL = {"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 32}
+LLAMA = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+TARGETS = [
+    pytest.param("cpu", torch.float32, 1e-4, SMALL, id="interpret-fp32"),
+    pytest.param("cuda", torch.bfloat16, 1e-2, LLAMA, id="gpu-bf16", marks=pytest.mark.gpu),
+    pytest.param("cuda", torch.float16, 2e-3, LLAMA, id="gpu-fp16", marks=pytest.mark.gpu),
+    pytest.param("cuda", torch.float32, 1e-4, SMALL, id="gpu-fp32", marks=pytest.mark.gpu),
+]
+
+
+def _skip_if_unavailable(device: str) -> None:
+    if (device == "cuda") != ON_GPU:
+        pytest.skip(f"this run uses {'cuda' if ON_GPU else 'the interpreter on cpu'}")
+
+
+@pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
+def test_store_kv_matches_reference(device, dtype, tol, sizes) -> None:
+    _skip_if_unavailable(device)
+    case = make_paged_case([23, 9], [23, 9], **sizes, dtype=dtype, device=device, seed=1)
+    key, value = torch.cat(case.keys).to(device), torch.cat(case.values).to(device)
+    slots = case.slot_mapping.clone()
+    slots[::5] = -1
+    expected_k, expected_v = case.k_cache.clone(), case.v_cache.clone()
+    ref.store_kv(key, value, expected_k, expected_v, slots)
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    kv_store.store_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache.nan_to_num(7.0), expected_k.nan_to_num(7.0))
+    assert torch.equal(v_cache.nan_to_num(7.0), expected_v.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
+@pytest.mark.parametrize("num_splits", [None, 1, 5])
+def test_decode_matches_dense_attention(device, dtype, tol, sizes, num_splits) -> None:
+    _skip_if_unavailable(device)
+    lens = [1, 17, 64, 130] if device == "cpu" else [1, 17, 300, 2049, 4096]
+    case = make_paged_case(lens, [1] * len(lens), **sizes, dtype=dtype, device=device, seed=2)
+    out = decode.paged_decode_attention(
+        case.query,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        case.context_lens,
+        case.scale,
+        num_splits=num_splits,
+    )
+    assert out.shape == case.query.shape and out.dtype == dtype
+    assert relative_error(out, dense_attention(case)) < tol
+
+
+@pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
+def test_decode_gives_zeros_for_a_padding_sequence_of_length_zero(device, dtype, tol, sizes):
+    _skip_if_unavailable(device)
+    case = make_paged_case([20, 1], [1, 1], **sizes, dtype=dtype, device=device, seed=3)
+    context_lens = case.context_lens.clone()
+    context_lens[1] = 0
+    out = decode.paged_decode_attention(
+        case.query, case.k_cache, case.v_cache, case.block_tables, context_lens, case.scale
+    )
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert relative_error(out[:1], dense_attention(case)[:1]) < tol
+
+
+@pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
+@pytest.mark.parametrize(
+    ("context_lens", "query_lens"),
+    [
+        ([5, 40, 16], [5, 40, 16]),  # fresh prompts
+        ([40, 70, 9], [8, 1, 9]),  # cached prefixes, a decode-like token, a fresh prompt
+        ([33, 20], [0, 20]),  # a sequence with no query tokens this step
+    ],
+)
+def test_prefill_matches_dense_causal_attention(
+    device, dtype, tol, sizes, context_lens, query_lens
+) -> None:
+    _skip_if_unavailable(device)
+    if device == "cuda":  # long prompts and prefixes on the GPU
+        context_lens = [n * 25 for n in context_lens]
+        query_lens = [n * 25 if n > 1 else n for n in query_lens]
+    case = make_paged_case(context_lens, query_lens, **sizes, dtype=dtype, device=device, seed=4)
+    out = prefill.prefill_attention(
+        case.query,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        case.cu_query_lens,
+        case.context_lens,
+        case.scale,
+    )
+    assert relative_error(out, dense_attention(case)) < tol
+
+
+@pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
+def test_prefill_with_an_odd_group_size_and_block_size_32(device, dtype, tol, sizes) -> None:
+    _skip_if_unavailable(device)
+    sizes = {**sizes, "num_q_heads": 3 * sizes["num_kv_heads"]}
+    case = make_paged_case(
+        [50, 7], [30, 7], **sizes, block_size=32, dtype=dtype, device=device, seed=5
+    )
+    args = (case.k_cache, case.v_cache, case.block_tables)
+    out = prefill.prefill_attention(
+        case.query, *args, case.cu_query_lens, case.context_lens, case.scale
+    )
+    assert relative_error(out, dense_attention(case)) < tol
+    last = case.cu_query_lens[1:].long() - 1  # each sequence's newest token, as a decode step
+    out = decode.paged_decode_attention(case.query[last], *args, case.context_lens, case.scale)
+    assert relative_error(out, dense_attention(case)[last.cpu()]) < tol
+
+
+def test_wrappers_reject_bad_input_naming_the_argument() -> None:
+    case = make_paged_case([8], [1])
+    with pytest.raises(ValueError, match=r"block_tables must be torch\.int32"):
+        decode.paged_decode_attention(
+            case.query,
+            case.k_cache,
+            case.v_cache,
+            case.block_tables.long(),
+            case.context_lens,
+            case.scale,
+        )
+    with pytest.raises(ValueError, match="query dtype"):
+        prefill.prefill_attention(
+            case.query.double(),
+            case.k_cache,
+            case.v_cache,
+            case.block_tables,
+            case.cu_query_lens,
+            case.context_lens,
+            case.scale,
+        )
+    with pytest.raises(ValueError, match=r"slot_mapping must be torch\.int64"):
+        kv_store.store_kv(
+            case.keys[0], case.values[0], case.k_cache, case.v_cache, case.slot_mapping.int()
+        )
