@@ -53,12 +53,12 @@ def test_engine_sample_reads_the_metric_contract() -> None:
     assert sample.ttft_buckets == ((0.1, 2.0), (1.0, 9.0), (math.inf, 10.0))
 
 
-def test_unlabelled_capacity_counts_for_both() -> None:
+def test_unlabelled_capacity_is_generation_capacity() -> None:
     text = METRICS.replace('{kind="prompt"} 9000', " 800").replace(
         'kvfleet_engine_capacity_tokens_per_second{kind="generation"} 1500\n', ""
     )
     sample = engine_sample(parse(text), time=0.0)
-    assert (sample.capacity_prompt, sample.capacity_generation) == (800.0, 800.0)
+    assert (sample.capacity_prompt, sample.capacity_generation) == (None, 800.0)
 
 
 def test_missing_contract_metric_is_an_error_not_a_zero() -> None:

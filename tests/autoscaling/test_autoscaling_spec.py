@@ -64,6 +64,10 @@ def test_camel_case_round_trip() -> None:
             {"controller": "HPA", "targets": {"generationTokenRate": {"capacityFraction": 0.5}}},
             "HPA cannot express targets generationTokenRate.capacityFraction",
         ),
+        (
+            {"targets": {"promptTokenRate": {"capacityFraction": 0.5}}},
+            "promptTokenRate.capacityFraction is not supported",
+        ),
         ({"controller": "HPA", "targets": {"ttft": {"seconds": 1}}}, "cannot express targets ttft"),
         ({"targets": {"kvCacheUtilization": 1.5}}, "kvCacheUtilization"),
         ({"maxReplicas": 0}, "maxReplicas"),

@@ -71,7 +71,8 @@ CAPACITY = "kvfleet_engine_capacity_tokens_per_second"
 TTFT = "kvfleet_time_to_first_token_seconds"
 TPOT = "kvfleet_inter_token_latency_seconds"
 
-# Label values of CAPACITY that mean prompt (prefill) or generation (decode) capacity.
+# Label values of CAPACITY that mean prompt (prefill) or generation (decode) capacity; the kvfleet
+# engine exports only generation capacity, without such a label.
 _PROMPT_KINDS = {"prompt", "prefill"}
 _GENERATION_KINDS = {"generation", "decode"}
 
@@ -99,8 +100,8 @@ def engine_sample(samples: list[Sample], time: float) -> EngineSample:
                 capacity_prompt = sample.value
             elif kind in _GENERATION_KINDS:
                 capacity_generation = sample.value
-            elif not kind:
-                capacity_prompt = capacity_generation = sample.value
+            elif not kind:  # the engine's own metric: generation capacity
+                capacity_generation = sample.value
         elif sample.name in (TTFT + "_bucket", TPOT + "_bucket") and "le" in sample.labels:
             buckets = ttft if sample.name.startswith(TTFT) else tpot
             le = float(sample.labels["le"])

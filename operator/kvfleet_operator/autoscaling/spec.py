@@ -278,6 +278,12 @@ class AutoscalingSpec(_Model):
                 "autoscaling.targets: set at least one of generationTokenRate, promptTokenRate, "
                 "kvCacheUtilization, waitingRequestsPerReplica, ttft, tpot"
             )
+        prompt_rate = self.targets.prompt_token_rate
+        if prompt_rate is not None and prompt_rate.capacity_fraction is not None:
+            raise ValueError(
+                "autoscaling.targets.promptTokenRate.capacityFraction is not supported: the engine "
+                "measures generation capacity only; use promptTokenRate.tokensPerSecond"
+            )
         needs_prometheus = self.source == "Prometheus" or self.controller == "KEDA"
         if needs_prometheus and self.prometheus is None:
             raise ValueError(

@@ -1,0 +1,202 @@
+"""The autoscaler's tick against a fake API server and fake engines: what it writes and where."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import httpx
+
+from kvfleet_operator.autoscaling.autoscaler import autoscale_once
+from kvfleet_operator.autoscaling.pods import DELETION_COST
+
+NS, NAME = "team", "llama"
+T0 = 1_700_000_000.0  # after the pods became ready (2020)
+
+
+def metrics(generated: float, running: float = 0, kv: float = 0.1) -> str:
+    return (
+        f'kvfleet_generation_tokens_total{{model_name="m"}} {generated}\n'
+        f'kvfleet_prompt_tokens_total{{model_name="m"}} {generated}\n'
+        f'kvfleet_kv_cache_usage_ratio{{model_name="m"}} {kv}\n'
+        f'kvfleet_requests_waiting{{model_name="m"}} 0\n'
+        f'kvfleet_requests_running{{model_name="m"}} {running}\n'
+        'kvfleet_engine_capacity_tokens_per_second{model_name="m"} 400\n'
+    )
+
+
+def pod(name: str, ip: str, ready: bool = True, unschedulable: bool = False) -> dict[str, Any]:
+    conditions = [
+        {
+            "type": "Ready",
+            "status": "True" if ready else "False",
+            "lastTransitionTime": "2020-01-01T00:00:00Z",
+        }
+    ]
+    if unschedulable:
+        conditions.append({"type": "PodScheduled", "status": "False", "reason": "Unschedulable"})
+    return {
+        "metadata": {"name": name, "namespace": NS, "creationTimestamp": "2020-01-01T00:00:00Z"},
+        "status": {"podIP": ip, "phase": "Running", "conditions": conditions},
+    }
+
+
+class FakeCluster:
+    """The subset of kvfleet_operator.apply.Cluster the autoscaler uses, recording writes."""
+
+    def __init__(self, autoscaling: dict[str, Any], replicas: int, pods: list[dict[str, Any]]):
+        self.infd = {
+            "apiVersion": "kvfleet.io/v1alpha1",
+            "kind": "InferenceDeployment",
+            "metadata": {"name": NAME, "namespace": NS, "uid": "u1", "generation": 3},
+            "spec": {"model": {"uri": "file:///m"}, "autoscaling": autoscaling},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}]},
+        }
+        self.deployment = {"spec": {"replicas": replicas}}
+        self.pods = pods
+        self.writes: list[tuple[str, Any]] = []
+
+    async def get(self, api_version: str, kind: str, name: str, namespace: str | None = None):
+        if kind == "InferenceDeployment":
+            return copy.deepcopy(self.infd)
+        if kind == "Deployment":
+            return copy.deepcopy(self.deployment)
+        return None
+
+    async def list(
+        self, api_version: str, kind: str, namespace: str | None = None, selector: str = ""
+    ):
+        assert selector == f"kvfleet.io/deployment={NAME}"
+        return copy.deepcopy(self.pods)
+
+    async def scale(self, namespace: str, name: str, replicas: int) -> dict[str, Any]:
+        self.writes.append(("scale", replicas))
+        self.deployment["spec"]["replicas"] = replicas
+        return {}
+
+    async def apply(self, manifest: dict[str, Any], *, field_manager: str, owner=None):
+        self.writes.append(("apply", (manifest, field_manager)))
+        return manifest
+
+    async def patch_status(self, api_version, kind, name, namespace, status):
+        self.writes.append(("status", status))
+        self.infd["status"].update(status)
+        return self.infd
+
+    async def post_event(self, involved, type_, reason, message) -> None:
+        self.writes.append(("event", reason))
+
+
+def engines(counters: dict[str, str]) -> httpx.AsyncClient:
+    def handle(request: httpx.Request) -> httpx.Response:
+        body = counters.get(request.url.host)
+        if body is None:
+            return httpx.Response(503)
+        assert request.url.port == 8000 and request.url.path == "/metrics"
+        return httpx.Response(200, text=body)
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(handle))
+
+
+SPEC = {
+    "minReplicas": 1,
+    "maxReplicas": 5,
+    "targets": {"generationTokenRate": {"tokensPerSecond": 100}},
+    "behavior": {"warmupSeconds": 0, "scaleDown": {"stabilizationWindowSeconds": 0}},
+}
+
+
+async def test_scales_up_writes_replicas_and_status_never_spec() -> None:
+    cluster = FakeCluster(SPEC, 1, [pod("p1", "127.1.0.2")])
+    spec_before = copy.deepcopy(cluster.infd["spec"])
+    decision = None
+    for now, generated in ((T0, 0.0), (T0 + 5, 2000.0)):  # 400 tok/s on one pod
+        async with engines({"127.1.0.2": metrics(generated)}) as http:
+            decision, period = await autoscale_once(cluster, http, NS, NAME, now)  # type: ignore[arg-type]
+    assert decision is not None and decision.desired_replicas == 4
+    assert period == 5
+    assert ("scale", 4) in cluster.writes
+    assert ("event", "ScaledUp") in cluster.writes
+    assert cluster.infd["spec"] == spec_before
+    status = cluster.infd["status"]["autoscaling"]
+    assert status["desiredReplicas"] == 4
+    assert status["mode"] == "Panic"
+    assert status["signals"][0] == {
+        "name": "generationTokenRate",
+        "value": 400.0,
+        "target": 100.0,
+        "desiredReplicas": 4,
+    }
+    # The first tick cannot measure a rate yet (it holds, and says so); the second scales.
+    history = [(h["fromReplicas"], h["toReplicas"], h["reason"]) for h in status["history"]]
+    assert history[0][:2] == (1, 1) and "no data yet" in history[0][2]
+    assert history[1][:2] == (1, 4) and history[1][2].startswith("panic: generationTokenRate")
+    conditions = {c["type"]: c for c in cluster.infd["status"]["conditions"]}
+    assert conditions["Ready"] == {"type": "Ready", "status": "True"}  # others' untouched
+    assert conditions["ScalingLimited"]["status"] == "False"
+    assert conditions["ScalingLimited"]["observedGeneration"] == 3
+
+
+async def test_state_in_status_carries_over_a_restart() -> None:
+    cluster = FakeCluster(SPEC, 1, [pod("p1", "127.1.0.2")])
+    async with engines({"127.1.0.2": metrics(0.0)}) as http:
+        await autoscale_once(cluster, http, NS, NAME, T0)  # type: ignore[arg-type]
+    # A new operator process: nothing in memory, only what is in status.
+    async with engines({"127.1.0.2": metrics(2000.0)}) as http:
+        decision, _ = await autoscale_once(cluster, http, NS, NAME, T0 + 5)  # type: ignore[arg-type]
+    assert decision is not None and decision.desired_replicas == 4
+
+
+async def test_unreachable_engines_hold_and_report() -> None:
+    cluster = FakeCluster(SPEC, 3, [pod(f"p{i}", f"127.1.0.{i}") for i in range(3)])
+    async with engines({}) as http:
+        decision, _ = await autoscale_once(cluster, http, NS, NAME, T0)  # type: ignore[arg-type]
+    assert decision is not None and decision.desired_replicas == 3
+    assert not [w for w in cluster.writes if w[0] == "scale"]
+    limited = {c["type"]: c for c in cluster.infd["status"]["conditions"]}["ScalingLimited"]
+    assert (limited["status"], limited["reason"]) == ("True", "MetricsUnavailable")
+
+
+async def test_unschedulable_pod_sets_insufficient_capacity() -> None:
+    pods = [pod("p1", "127.1.0.2"), pod("p2", "", ready=False, unschedulable=True)]
+    cluster = FakeCluster(SPEC, 2, pods)
+    for now, generated in ((T0, 0.0), (T0 + 5, 5000.0)):
+        async with engines({"127.1.0.2": metrics(generated)}) as http:
+            decision, _ = await autoscale_once(cluster, http, NS, NAME, now)  # type: ignore[arg-type]
+    assert decision is not None and decision.desired_replicas == 2
+    limited = {c["type"]: c for c in cluster.infd["status"]["conditions"]}["ScalingLimited"]
+    assert (limited["status"], limited["reason"]) == ("True", "InsufficientCapacity")
+
+
+async def test_scale_down_marks_the_idle_pod_for_deletion() -> None:
+    pods = [pod("busy", "127.1.0.2"), pod("idle", "127.1.0.3")]
+    cluster = FakeCluster(SPEC, 2, pods)
+    for now in (T0, T0 + 5):
+        bodies = {"127.1.0.2": metrics(100.0, running=2), "127.1.0.3": metrics(100.0)}
+        async with engines(bodies) as http:
+            decision, _ = await autoscale_once(cluster, http, NS, NAME, now)  # type: ignore[arg-type]
+    assert decision is not None and decision.desired_replicas == 1
+    applied = [w[1] for w in cluster.writes if w[0] == "apply"]
+    assert applied == [
+        (
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": "idle",
+                    "namespace": NS,
+                    "annotations": {DELETION_COST: "-1000"},
+                },
+            },
+            "kvfleet-autoscaler",
+        )
+    ]
+    assert cluster.writes.index(("scale", 1)) > cluster.writes.index(("apply", applied[0]))
+
+
+async def test_other_controllers_and_suspended_objects_are_left_alone() -> None:
+    hpa = {**SPEC, "controller": "HPA"}
+    cluster = FakeCluster(hpa, 2, [pod("p1", "127.1.0.2")])
+    async with engines({}) as http:
+        decision, _ = await autoscale_once(cluster, http, NS, NAME, T0)  # type: ignore[arg-type]
+    assert decision is None and cluster.writes == []
