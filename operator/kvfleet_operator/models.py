@@ -133,6 +133,12 @@ class EngineSpec(Model):
     max_num_seqs: int = Field(default=256, ge=1, description="Sequences batched per step.")
     max_num_batched_tokens: int = Field(default=8192, ge=1, description="Token budget per step.")
     enable_prefix_caching: bool = Field(default=True, description="Reuse cached prompt prefixes.")
+    max_queued_requests: int | None = Field(
+        default=None, ge=1, description="Requests that may wait; beyond it the engine answers 429."
+    )
+    max_queued_tokens: int | None = Field(
+        default=None, ge=1, description="Prompt tokens that may wait; beyond it, 429."
+    )
     extra_args: list[str] = Field(
         default_factory=list,
         max_length=64,
@@ -142,10 +148,16 @@ class EngineSpec(Model):
 
 class SLASpec(Model):
     ttft_ms: int | None = Field(
-        default=None, ge=1, description="Time-to-first-token target (ms), passed to the engine."
+        default=None,
+        ge=1,
+        description="Time-to-first-token target (ms): the engine refuses (429) requests it "
+        "estimates would miss it.",
     )
     tpot_ms: int | None = Field(
-        default=None, ge=1, description="Time-per-output-token target (ms), passed to the engine."
+        default=None,
+        ge=1,
+        description="Time-per-output-token target (ms): the engine caps each step's token "
+        "budget to hold it.",
     )
     concurrent_sequences: int = Field(
         default=1,

@@ -151,6 +151,10 @@ def engine_args(spec: InferenceDeploymentSpec, plan: Plan, model_path: str) -> l
     args.append(
         "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching"
     )
+    if engine.max_queued_requests is not None:
+        args += ["--max-queued-requests", str(engine.max_queued_requests)]
+    if engine.max_queued_tokens is not None:
+        args += ["--max-queued-tokens", str(engine.max_queued_tokens)]
     if spec.sla.ttft_ms is not None:
         args += ["--ttft-slo-ms", str(spec.sla.ttft_ms)]
     if spec.sla.tpot_ms is not None:

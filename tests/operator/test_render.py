@@ -51,7 +51,12 @@ def test_pvc_model_with_autoscaling_and_no_service_monitor(make_spec) -> None:
             "maxReplicas": 4,
             "targets": {"kvCacheUtilization": 0.7},
         },
-        engine={"enablePrefixCaching": False, "extraArgs": ["--seed", "1"]},
+        engine={
+            "enablePrefixCaching": False,
+            "maxQueuedRequests": 512,
+            "maxQueuedTokens": 65536,
+            "extraArgs": ["--seed", "1"],
+        },
     )
     objects = children(spec, service_monitor=False)
     assert [o["kind"] for o in objects] == ["Deployment", "Service", "PodDisruptionBudget"]

@@ -1,0 +1,40 @@
+"""The operator and the engine meet only at the `kvfleet serve` command line: every argument list
+the operator renders must parse with the engine's own parser."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfleet_operator.accelerators import resolve_accelerator
+from kvfleet_operator.model_catalog import model_architecture
+from kvfleet_operator.plan import ClusterFeatures, plan_deployment
+from kvfleet_operator.render import engine_args
+
+cli = pytest.importorskip("kvfleet_engine.server.cli")
+
+
+def test_rendered_args_parse_with_the_engine_parser(make_spec) -> None:
+    spec = make_spec(
+        model={"servedModelName": "chat"},
+        engine={
+            "blockSize": 32,
+            "gpuMemoryUtilization": 0.85,
+            "maxNumSeqs": 64,
+            "maxNumBatchedTokens": 4096,
+            "enablePrefixCaching": False,
+            "maxQueuedRequests": 100,
+            "maxQueuedTokens": 50000,
+        },
+        sla={"ttftMs": 500, "tpotMs": 40},
+        rollout={"drainTimeoutSeconds": 90},
+    )
+    profile = resolve_accelerator("h100-80gb", {})
+    cluster = ClusterFeatures(leader_worker_set=False, service_monitor=False)
+    plan = plan_deployment("x", spec, profile, model_architecture(spec.model), cluster)
+    args = cli.build_parser().parse_args(engine_args(spec, plan, "/models/model"))
+    assert (args.model, args.served_model_name, args.port) == ("/models/model", "chat", 8000)
+    assert (args.block_size, args.max_num_seqs, args.max_num_batched_tokens) == (32, 64, 4096)
+    assert args.gpu_memory_utilization == pytest.approx(0.85)
+    assert args.max_model_len == 8192 and args.enable_prefix_caching is False
+    assert (args.max_queued_requests, args.max_queued_tokens) == (100, 50000)
+    assert (args.ttft_slo_ms, args.tpot_slo_ms, args.drain_timeout) == (500, 40, 90)
