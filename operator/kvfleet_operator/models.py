@@ -207,7 +207,13 @@ _AUTOSCALING_RULES = (
         "autoscaling.behavior.panicWindowSeconds must be <= stableWindowSeconds",
     ),
     _one_rate_target("generationTokenRate"),
-    _one_rate_target("promptTokenRate"),
+    (
+        "!has(self.autoscaling) || !has(self.autoscaling.targets.promptTokenRate) || "
+        "(has(self.autoscaling.targets.promptTokenRate.tokensPerSecond) && "
+        "!has(self.autoscaling.targets.promptTokenRate.capacityFraction))",
+        "autoscaling.targets.promptTokenRate: set tokensPerSecond (capacityFraction is not "
+        "supported: the engine measures generation capacity only)",
+    ),
 )
 
 
