@@ -32,6 +32,8 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
     ("policy/v1", "PodDisruptionBudget"): ("poddisruptionbudgets", True),
     ("monitoring.coreos.com/v1", "ServiceMonitor"): ("servicemonitors", True),
     ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): ("leaderworkersets", True),
+    ("autoscaling/v2", "HorizontalPodAutoscaler"): ("horizontalpodautoscalers", True),
+    ("keda.sh/v1alpha1", "ScaledObject"): ("scaledobjects", True),
     ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): ("customresourcedefinitions", False),
     (api.API_VERSION, api.INFERENCE_DEPLOYMENT): (api.INFERENCE_DEPLOYMENTS, True),
     (api.API_VERSION, api.ACCELERATOR_PROFILE): (api.ACCELERATOR_PROFILES, False),
@@ -122,6 +124,18 @@ class Cluster:
             "spec": {"replicas": replicas},
         }
         return await self.apply(manifest, field_manager=field_manager)
+
+    async def delete(
+        self, api_version: str, kind: str, name: str, namespace: str | None = None
+    ) -> bool:
+        """Delete an object; False when it was not there."""
+        try:
+            await self._request("DELETE", _path(api_version, kind, namespace, name))
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
 
     async def patch_status(
         self, api_version: str, kind: str, name: str, namespace: str | None, status: Manifest

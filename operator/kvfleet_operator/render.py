@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 from kvfleet_operator import api
+from kvfleet_operator.autoscaling.actuators import render_external_autoscaler
 from kvfleet_operator.models import AcceleratorProfileSpec, InferenceDeploymentSpec
 from kvfleet_operator.plan import Plan
 
@@ -60,6 +61,8 @@ def render_children(
     ]
     if service_monitor:
         children.append(render_service_monitor(name, namespace))
+    if spec.autoscaling is not None and spec.autoscaling.controller != "Builtin":
+        children.append(render_external_autoscaler(name, namespace, labels(name), spec.autoscaling))
     return children
 
 

@@ -55,8 +55,15 @@ class FakeCluster:
         self.deployment = {"spec": {"replicas": replicas}}
         self.pods = pods
         self.writes: list[tuple[str, Any]] = []
+        self.external: dict[str, dict[str, Any]] = {}
+
+    async def delete(self, api_version: str, kind: str, name: str, namespace: str | None = None):
+        self.writes.append(("delete", kind))
+        return self.external.pop(kind, None) is not None
 
     async def get(self, api_version: str, kind: str, name: str, namespace: str | None = None):
+        if kind in self.external:
+            return copy.deepcopy(self.external[kind])
         if kind == "InferenceDeployment":
             return copy.deepcopy(self.infd)
         if kind == "Deployment":
@@ -200,3 +207,13 @@ async def test_other_controllers_and_suspended_objects_are_left_alone() -> None:
     async with engines({}) as http:
         decision, _ = await autoscale_once(cluster, http, NS, NAME, T0)  # type: ignore[arg-type]
     assert decision is None and cluster.writes == []
+
+
+async def test_switch_back_to_builtin_deletes_the_hpa_it_rendered() -> None:
+    cluster = FakeCluster(SPEC, 1, [pod("p1", "127.1.0.2")])
+    owned = {"metadata": {"ownerReferences": [{"uid": "u1"}]}}
+    cluster.external = {"HorizontalPodAutoscaler": owned, "ScaledObject": {"metadata": {}}}
+    async with engines({"127.1.0.2": metrics(0.0)}) as http:
+        await autoscale_once(cluster, http, NS, NAME, T0)  # type: ignore[arg-type]
+    assert ("delete", "HorizontalPodAutoscaler") in cluster.writes
+    assert ("delete", "ScaledObject") not in cluster.writes  # not ours: left alone

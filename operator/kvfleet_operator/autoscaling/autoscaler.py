@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from kvfleet_operator import api
 from kvfleet_operator.apply import Cluster
+from kvfleet_operator.autoscaling.actuators import EXTERNAL_KINDS
 from kvfleet_operator.autoscaling.decision import Decision, decide
 from kvfleet_operator.autoscaling.pods import DELETION_COST, PodFacts, format_time, pod_facts
 from kvfleet_operator.autoscaling.samples import EngineSample, Observation, PodObservation
@@ -79,6 +80,7 @@ async def autoscale_once(
         return idle  # the reconciler reports an invalid spec as Stalled
     if spec.controller != "Builtin":
         return idle  # an HPA or a ScaledObject owns the replicas
+    await _remove_external_autoscalers(cluster, body)
     deployment = await cluster.get("apps/v1", "Deployment", name, namespace)
     if deployment is None:
         return idle
@@ -118,6 +120,26 @@ async def autoscale_once(
         },
     )
     return decision, spec.behavior.sync_period_seconds
+
+
+async def _remove_external_autoscalers(cluster: Cluster, body: dict[str, Any]) -> None:
+    """After a switch back to Builtin, the HPA or ScaledObject rendered for controller HPA/KEDA
+    would fight over the replicas: delete the ones this InferenceDeployment owns."""
+    meta = body["metadata"]
+    for api_version, kind in EXTERNAL_KINDS:
+        found = await cluster.get(api_version, kind, meta["name"], meta["namespace"])
+        owners = (found or {}).get("metadata", {}).get("ownerReferences", [])
+        if any(owner.get("uid") == meta["uid"] for owner in owners):
+            await cluster.delete(api_version, kind, meta["name"], meta["namespace"])
+            log.info(
+                "%s/%s: deleted %s (controller is Builtin now)",
+                meta["namespace"],
+                meta["name"],
+                kind,
+            )
+            await cluster.post_event(
+                body, "Normal", "ExternalAutoscalerRemoved", f"deleted {kind} {meta['name']}"
+            )
 
 
 async def _read_metrics(
