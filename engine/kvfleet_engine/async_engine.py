@@ -246,7 +246,9 @@ class AsyncEngine:
         try:
             while not self._stop.is_set():
                 busy = engine.has_unfinished_requests()
-                self._apply_commands(block=not busy)
+                if self._apply_commands(block=not busy) and not engine.has_unfinished_requests():
+                    # An abort emptied the engine: no step will report the freed blocks.
+                    self._post(self._observe_stats, engine.stats())
                 if not engine.has_unfinished_requests():
                     continue
                 outputs = engine.step()
@@ -257,16 +259,18 @@ class AsyncEngine:
             self.error = exc
             self._post(self._fail_all, exc)
 
-    def _apply_commands(self, block: bool) -> None:
-        """Apply every queued command; when idle, first wait briefly for one."""
+    def _apply_commands(self, block: bool) -> int:
+        """Apply every queued command (when idle, first wait briefly for one); how many."""
+        applied = 0
         try:
             get = self._commands.get
             command = get(timeout=_IDLE_POLL_S) if block else self._commands.get_nowait()
             while True:
                 self._apply(command)
+                applied += 1
                 command = self._commands.get_nowait()
         except queue.Empty:
-            return
+            return applied
 
     def _apply(self, command: _Add | _Abort | _Call | None) -> None:
         engine = self.engine
@@ -304,6 +308,11 @@ class AsyncEngine:
                 pass
 
     # --- event-loop side -------------------------------------------------------------------
+
+    def _observe_stats(self, stats: Any) -> None:
+        self._num_running = stats.num_running
+        if self.metrics is not None:
+            self.metrics.observe_scheduler(stats)
 
     def _dispatch(self, outputs: list[RequestOutput], stats: Any, now: float) -> None:
         self._num_running = stats.num_running

@@ -69,6 +69,7 @@ def build_app(state: ServerState) -> FastAPI:
         first = exc.errors()[0] if exc.errors() else {"loc": ("body",), "msg": "invalid request"}
         param = param_from_location(first.get("loc", ("body",)))
         if first.get("type") == "json_invalid":
+            param = "body"
             message = f"request body is not valid JSON: {first.get('msg')}"
         elif first.get("type") == "extra_forbidden":
             message = f"{param}: unrecognized request argument"

@@ -90,25 +90,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    if args.drain_timeout < 0:
-        parser.error("--drain-timeout: must be >= 0")
     with tempfile.TemporaryDirectory(prefix="kvfleet-tiny-") as tiny_dir:
-        if not args.model:
+        embedded = not any(a == "--model" or a.startswith("--model=") for a in argv)
+        if embedded and not any(a in ("-h", "--help") for a in argv):
+            argv = [*argv, "--model", tiny_dir]
+        args = parser.parse_args(argv)
+        logging.basicConfig(
+            level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+        if args.drain_timeout < 0:
+            parser.error("--drain-timeout: must be >= 0")
+        if embedded:
             from kvfleet_engine.tiny_model import write_tiny_model
 
             log.info("no --model given: serving the embedded tiny model from %s", tiny_dir)
             write_tiny_model(Path(tiny_dir))
-            args.model = tiny_dir
             args.served_model_name = args.served_model_name or "kvfleet-tiny"
         return _serve(parser, args)
 
 
 def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from kvfleet_engine import __version__
     from kvfleet_engine.async_engine import AsyncEngine
     from kvfleet_engine.config import EngineConfig
     from kvfleet_engine.engine import LLMEngine
@@ -125,7 +126,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     metrics = EngineMetrics(
         EngineInfo(
             model=served_name,
-            version=__version__,
+            version=_version(),
             quantization=str(getattr(args, "quantization", None) or "none"),
             tensor_parallel_size=int(getattr(args, "tensor_parallel_size", 1) or 1),
         )
@@ -152,6 +153,15 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     server.run()
     log.info("server stopped")
     return 0
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvfleet")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 class DrainingServer(uvicorn.Server):
