@@ -18,6 +18,7 @@ from collections.abc import Awaitable
 from typing import Any, Protocol
 
 import httpx
+from kubernetes_asyncio.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from kvfleet_operator import api
@@ -130,7 +131,19 @@ async def _remove_external_autoscalers(cluster: Cluster, body: dict[str, Any]) -
         found = await cluster.get(api_version, kind, meta["name"], meta["namespace"])
         owners = (found or {}).get("metadata", {}).get("ownerReferences", [])
         if any(owner.get("uid") == meta["uid"] for owner in owners):
-            await cluster.delete(api_version, kind, meta["name"], meta["namespace"])
+            try:
+                await cluster.delete(api_version, kind, meta["name"], meta["namespace"])
+            except ApiException as exc:  # e.g. 403: the install's RBAC grants no delete
+                log.warning(
+                    "%s/%s: could not delete the %s left from controller %s (%s); delete it by "
+                    "hand or it keeps scaling too",
+                    meta["namespace"],
+                    meta["name"],
+                    kind,
+                    kind,
+                    exc.reason,
+                )
+                continue
             log.info(
                 "%s/%s: deleted %s (controller is Builtin now)",
                 meta["namespace"],
