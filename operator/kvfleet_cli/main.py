@@ -13,6 +13,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "tiny-model": ("kvfleet_engine.tiny_model:main", "write a tiny random Llama checkpoint"),
     "operator": ("kvfleet_operator.main:main", "run the InferenceDeployment operator (kopf)"),
     "crds": ("kvfleet_operator.crd:main", "write the CRDs generated from the typed models"),
+    "bench": ("kvfleet_engine.bench.cli:main", "benchmarks: throughput, latency, serve"),
 }
 
 

@@ -8,6 +8,8 @@ import sys
 # name -> ("module:function", one-line help). The function takes argv and returns an exit code.
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "serve": ("kvfleet_engine.bench.serve:main", "load an OpenAI-compatible server"),
+    "throughput": ("kvfleet_engine.bench.offline:throughput", "offline batch generation speed"),
+    "latency": ("kvfleet_engine.bench.offline:latency", "batch-1 decode speed"),
 }
 
 

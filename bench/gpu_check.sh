@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device call (run tool): GPU tests, the attention-kernel microbenchmark, then the latency and
+# throughput benchmarks. Logs and results JSON go to $OUT. Steps default to all; pass a subset:
+#   bench/gpu_check.sh tests kernels latency throughput
+set -uo pipefail
+OUT=${OUT:-/tmp/kvfleet-gpu-check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/engine:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PY:-python3}
+STEPS=${*:-tests kernels latency throughput}
+SHAPE=${SHAPE:-llama-3.1-8b}
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv
+for step in $STEPS; do
+  echo "=== $step ($(date +%T))"
+  case $step in
+    tests) $PY -m pytest -m gpu tests -q -x -p no:cacheprovider 2>&1 | tail -25 ;;
+    kernels) $PY -m kvfleet_engine.bench.kernels --output-dir "$OUT" 2>&1 | tee "$OUT/kernels.log" | grep -v Warning ;;
+    latency) $PY -m kvfleet_cli.main bench latency --shape "$SHAPE" --peer transformers \
+        --output-len 128 --output-dir "$OUT" 2>&1 | grep -v 'tok/s\]' | tail -20 ;;
+    eager-latency) $PY -m kvfleet_cli.main bench latency --shape "$SHAPE" --enforce-eager \
+        --output-len 128 --output-dir "$OUT/eager" 2>&1 | grep -v 'tok/s\]' | tail -14 ;;
+    throughput) $PY -m kvfleet_cli.main bench throughput --shape "$SHAPE" --peer transformers \
+        --peer-num-prompts "${PEER_PROMPTS:-64}" --num-prompts "${PROMPTS:-512}" \
+        --output-dir "$OUT" 2>&1 | grep -v 'it/s\]\|req/s\]' | tail -20 ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
+echo "=== done ($(date +%T))"

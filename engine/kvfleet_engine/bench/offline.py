@@ -1,0 +1,369 @@
+"""`kvfleet bench throughput` (offline batch) and `kvfleet bench latency` (batch-1 decode) on a
+model of a named shape with random weights, against `transformers` on the same weights and
+workload (`--peer transformers`) and the roofline from ceilings measured at the start.
+
+    kvfleet bench latency --shape llama-3.1-8b --peer transformers
+    kvfleet bench throughput --shape llama-3.1-8b --num-prompts 512 --input-len 64:512 \\
+        --output-len 256 --peer transformers
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import random
+import shlex
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvfleet_engine.bench.shapes import SHAPES
+
+log = logging.getLogger(__name__)
+
+
+def _input_len(text: str) -> tuple[int, int]:
+    """ "N" or "LOW:HIGH" (uniform, inclusive)."""
+    try:
+        low, _, high = text.partition(":")
+        bounds = (int(low), int(high or low))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--input-len must be N or LOW:HIGH, got {text!r}"
+        ) from None
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"--input-len needs 1 <= LOW <= HIGH, got {text!r}")
+    return bounds
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _common_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", required=True, choices=sorted(SHAPES), help="model shape")
+    parser.add_argument(
+        "--peer", choices=("none", "transformers"), default="none", help="also run this peer"
+    )
+    parser.add_argument("--max-num-seqs", type=_positive, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=_positive, default=8192)
+    parser.add_argument("--block-size", type=_positive, default=16)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights and prompts")
+    parser.add_argument(
+        "--output-dir", type=Path, default=Path("bench/results"), help="where the JSON goes"
+    )
+
+
+@dataclass
+class Setup:
+    """What both commands share: device, ceilings, the saved random checkpoint and its costs."""
+
+    device: Any
+    dtype: Any
+    ceilings: Any
+    costs: Any
+    checkpoint: Path
+    hf_model: Any  # the transformers model on the device (the peer), until released
+
+    def release_peer(self) -> None:
+        import torch
+
+        self.hf_model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _scratch_dir() -> Path:
+    """RAM-backed if it has room (a checkpoint of an 8B shape is 16 GB)."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and shutil.disk_usage(shm).free > 40 << 30:
+        return shm
+    return Path(tempfile.gettempdir())
+
+
+def missing_gpu(command: str, shape: str) -> bool:
+    """Real shapes need a GPU; says so (the caller exits 2)."""
+    import torch
+
+    if shape == "tiny" or torch.cuda.is_available():
+        return False
+    print(f"kvfleet bench {command}: --shape {shape} needs a CUDA GPU (--shape tiny runs on CPU)")
+    return True
+
+
+@contextmanager
+def setup(args: argparse.Namespace) -> Iterator[Setup]:
+    import torch
+
+    from kvfleet_engine.bench import roofline, shapes
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    print("measuring copy bandwidth and matmul rate ...", flush=True)
+    ceilings = roofline.measure_ceilings(device)
+    print(
+        f"  copy {ceilings.bandwidth / 1e12:.2f} TB/s, "
+        f"matmul {ceilings.matmul_flops / 1e12:.0f} TFLOP/s",
+        flush=True,
+    )
+    print(f"building a random {args.shape} model ...", flush=True)
+    torch.manual_seed(args.seed)
+    model = shapes.build_random_model(args.shape, dtype, device)
+    costs = roofline.ModelCosts(
+        weight_bytes=shapes.weight_bytes_per_step(model),
+        kv_bytes_per_token=shapes.kv_bytes_per_token(args.shape, dtype.itemsize),
+    )
+    with tempfile.TemporaryDirectory(prefix="kvfleet-bench-", dir=_scratch_dir()) as tmp:
+        start = time.perf_counter()
+        shapes.save_checkpoint(model, Path(tmp))
+        print(f"  saved to {tmp} in {time.perf_counter() - start:.0f} s", flush=True)
+        yield Setup(device, dtype, ceilings, costs, Path(tmp), model)
+
+
+def _llm(args: argparse.Namespace, s: Setup, max_model_len: int) -> Any:
+    from kvfleet_engine.llm import LLM
+
+    return LLM(
+        str(s.checkpoint),
+        dtype="bfloat16" if s.device.type == "cuda" else "float32",
+        device=s.device.type,
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enforce_eager=args.enforce_eager,
+        seed=args.seed,
+    )
+
+
+def _ceiling_rows(s: Setup) -> list[Any]:
+    from kvfleet_engine.bench.results import Row
+
+    return [
+        Row("roofline", "copy_bandwidth", s.ceilings.bandwidth / 1e9, "GB/s"),
+        Row("roofline", "matmul_rate", s.ceilings.matmul_flops / 1e12, "TFLOP/s"),
+        Row("roofline", "weight_bytes_per_step", s.costs.weight_bytes / 1e9, "GB"),
+    ]
+
+
+def _finish(
+    args: argparse.Namespace,
+    argv: list[str],
+    what: str,
+    s: Setup,
+    workload: dict[str, Any],
+    rows: list[Any],
+) -> int:
+    from kvfleet_engine.bench.results import format_table, gpu_name, write_results
+
+    command = f"kvfleet bench {what} {shlex.join(argv)}"
+    path = write_results(
+        args.output_dir,
+        f"{what}-{args.shape}",
+        gpu_name(s.device),
+        command,
+        args.shape,
+        workload,
+        rows,
+    )
+    print(f"\n{command}\n{format_table(rows)}\nwrote {path}")
+    return 0
+
+
+def _try_peer(name: str, workload: dict[str, Any], run: Callable[[], list[Any]]) -> list[Any]:
+    """A failing peer is reported in the results, not fatal to our own figures."""
+    print(f"running {name} ...", flush=True)
+    try:
+        return run()
+    except Exception as error:  # the peer's own bugs are not ours to crash on
+        log.exception("%s failed", name)
+        workload.setdefault("peer_errors", {})[name] = repr(error)
+        return []
+
+
+# ---- throughput ---------------------------------------------------------------------------
+
+
+def throughput(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvfleet bench throughput",
+        description="Offline throughput: generate for all prompts at once (greedy, ignore EOS).",
+    )
+    _common_args(parser)
+    parser.add_argument("--num-prompts", type=_positive, default=512)
+    parser.add_argument("--input-len", type=_input_len, default=(64, 512), help="N or LOW:HIGH")
+    parser.add_argument("--output-len", type=_positive, default=256)
+    parser.add_argument(
+        "--peer-num-prompts",
+        type=_positive,
+        default=None,
+        help="run the peer on the first N prompts only (default: all)",
+    )
+    args = parser.parse_args(argv)
+    rng = random.Random(args.seed)
+    vocab = SHAPES[args.shape][1]["vocab_size"]
+    lens = [rng.randint(*args.input_len) for _ in range(args.num_prompts)]
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lens]
+    peer_prompts = prompts[: args.peer_num_prompts or len(prompts)]
+    workload: dict[str, Any] = {
+        "num_prompts": args.num_prompts,
+        "input_len": list(args.input_len),
+        "output_len": args.output_len,
+        "sampling": "greedy, ignore_eos",
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "cuda_graphs": not args.enforce_eager,
+    }
+    if args.peer == "transformers":
+        workload["peer_num_prompts"] = len(peer_prompts)
+    if missing_gpu("throughput", args.shape):
+        return 2
+    with setup(args) as s:
+        from kvfleet_engine.bench import peers, roofline
+        from kvfleet_engine.bench.results import Row
+
+        rows = _ceiling_rows(s)
+        if args.peer == "transformers":
+
+            def run_peer() -> list[Any]:
+                rate, _ = peers.generate_batch_throughput(s.hf_model, peer_prompts, args.output_len)
+                return [Row("transformers-generate_batch", "output_tokens_per_s", rate, "tokens/s")]
+
+            rows += _try_peer("transformers generate_batch", workload, run_peer)
+        s.release_peer()
+        rows += _kvfleet_throughput(args, s, prompts)
+        ideal = roofline.offline_seconds(
+            s.costs, s.ceilings, lens, args.output_len, args.max_num_seqs
+        )
+        rows.append(
+            Row(
+                "roofline",
+                "output_tokens_per_s",
+                args.num_prompts * args.output_len / ideal,
+                "tokens/s",
+            )
+        )
+        return _finish(args, argv, "throughput", s, workload, rows)
+
+
+def _kvfleet_throughput(args: argparse.Namespace, s: Setup, prompts: list[list[int]]) -> list[Any]:
+    from kvfleet_engine.bench.results import Row
+    from kvfleet_engine.sampling import SamplingParams
+
+    print("running kvfleet ...", flush=True)
+    max_input = max(len(p) for p in prompts)
+    llm = _llm(args, s, max_input + args.output_len)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm.generate(prompt_token_ids=prompts[: min(len(prompts), 64)], sampling_params=warm)
+    start = time.perf_counter()
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    num_in = sum(len(p) for p in prompts)
+    return [
+        Row("kvfleet", "output_tokens_per_s", num_out / elapsed, "tokens/s"),
+        Row("kvfleet", "total_tokens_per_s", (num_in + num_out) / elapsed, "tokens/s"),
+        Row("kvfleet", "elapsed_s", elapsed, "s"),
+    ]
+
+
+# ---- latency ------------------------------------------------------------------------------
+
+
+def latency(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvfleet bench latency",
+        description="Decode speed of a small batch (default 1 sequence; greedy, ignore EOS).",
+    )
+    _common_args(parser)
+    parser.add_argument("--batch-size", type=_positive, default=1)
+    parser.add_argument("--input-len", type=_positive, default=128)
+    parser.add_argument("--output-len", type=_positive, default=256)
+    args = parser.parse_args(argv)
+    if args.output_len < 2:
+        parser.error("--output-len must be >= 2 (a decode rate needs two tokens)")
+    rng = random.Random(args.seed)
+    vocab = SHAPES[args.shape][1]["vocab_size"]
+    prompts = [
+        [rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(args.batch_size)
+    ]
+    workload: dict[str, Any] = {
+        "batch_size": args.batch_size,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "sampling": "greedy, ignore_eos",
+        "cuda_graphs": not args.enforce_eager,
+    }
+    if missing_gpu("latency", args.shape):
+        return 2
+    with setup(args) as s:
+        from kvfleet_engine.bench import peers, roofline
+        from kvfleet_engine.bench.results import Row
+
+        rows = _ceiling_rows(s)
+        if args.peer == "transformers" and args.batch_size == 1:
+
+            def run_peer() -> list[Any]:
+                rate = peers.generate_decode_rate(s.hf_model, prompts[0], args.output_len)
+                return [Row("transformers-generate", "decode_tokens_per_s", rate, "tokens/s")]
+
+            rows += _try_peer("transformers generate", workload, run_peer)
+        s.release_peer()
+        rows += _kvfleet_latency(args, s, prompts)
+        step = roofline.decode_step_seconds(
+            s.costs, s.ceilings, args.batch_size, args.input_len + args.output_len / 2
+        )
+        rows.append(Row("roofline", "decode_tokens_per_s", 1 / step, "tokens/s"))
+        rows.append(Row("roofline", "inter_token_latency_ms", step * 1e3, "ms"))
+        return _finish(args, argv, "latency", s, workload, rows)
+
+
+def _kvfleet_latency(args: argparse.Namespace, s: Setup, prompts: list[list[int]]) -> list[Any]:
+    """Per-sequence decode rate from the engine's step loop: the time from the first generated
+    token to the last, over the tokens in between."""
+    from tqdm.auto import tqdm
+
+    from kvfleet_engine.bench.results import Row
+    from kvfleet_engine.sampling import SamplingParams
+
+    print("running kvfleet ...", flush=True)
+    llm = _llm(args, s, args.input_len + args.output_len)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+
+    def run(tag: str) -> tuple[float, float]:
+        start = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"{tag}-{i}", prompt, params)
+        first_token = None
+        with tqdm(total=args.output_len, desc=tag, unit="tok") as bar:
+            while engine.has_unfinished_requests():
+                if engine.step():
+                    bar.update(1)
+                    if first_token is None:
+                        first_token = time.perf_counter()
+        assert first_token is not None
+        return first_token - start, time.perf_counter() - first_token
+
+    run("warm-up")
+    ttft, decode = run("timed")
+    rate = (args.output_len - 1) / decode
+    return [
+        Row("kvfleet", "decode_tokens_per_s", rate, "tokens/s"),
+        Row("kvfleet", "inter_token_latency_ms", 1e3 / rate, "ms"),
+        Row("kvfleet", "time_to_first_token_ms", ttft * 1e3, "ms"),
+    ]

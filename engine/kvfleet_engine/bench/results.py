@@ -1,0 +1,74 @@
+"""Benchmark results: rows {system, metric, value, unit}, one JSON file per run, a short table."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+SYSTEMS = ("kvfleet", "transformers-generate", "transformers-generate_batch", "roofline")
+
+
+@dataclass(frozen=True)
+class Row:
+    system: str  # one of SYSTEMS
+    metric: str  # e.g. decode_tokens_per_s, output_tokens_per_s
+    value: float
+    unit: str  # e.g. tokens/s, s, fraction
+
+    def __post_init__(self) -> None:
+        if self.system not in SYSTEMS:
+            raise ValueError(f"system must be one of {SYSTEMS}, got {self.system!r}")
+
+
+def gpu_name(device: Any) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return str(torch.cuda.get_device_name(device))
+    return "cpu"
+
+
+def write_results(
+    directory: Path,
+    what: str,
+    gpu: str,
+    command: str,
+    shape: str,
+    workload: dict[str, Any],
+    rows: list[Row],
+) -> Path:
+    """bench/results/<date>-<gpu>-<what>.json with the keys gpu, date, command, shape,
+    workload, results."""
+    now = datetime.datetime.now(datetime.UTC)
+    slug = re.sub(r"[^a-z0-9.]+", "-", gpu.lower()).strip("-")
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{now:%Y-%m-%d}-{slug}-{what}.json"
+    document = {
+        "gpu": gpu,
+        "date": now.isoformat(timespec="seconds"),
+        "command": command,
+        "shape": shape,
+        "workload": workload,
+        "results": [asdict(row) for row in rows],
+    }
+    path.write_text(json.dumps(document, indent=2) + "\n")
+    return path
+
+
+def format_table(rows: list[Row]) -> str:
+    """system | metric | value | unit, plus each rate as a fraction of the roofline's."""
+    roof = {row.metric: row.value for row in rows if row.system == "roofline"}
+    header = f"{'system':<28} {'metric':<30} {'value':>12}  {'unit':<10} {'of roofline':>11}"
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        ratio = ""
+        if row.system != "roofline" and row.unit == "tokens/s" and roof.get(row.metric):
+            ratio = f"{row.value / roof[row.metric]:.1%}"
+        lines.append(
+            f"{row.system:<28} {row.metric:<30} {row.value:>12,.2f}  {row.unit:<10} {ratio:>11}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,90 @@
+"""The two ceilings, measured at the start of a run (METHOD.md): copy bandwidth (bytes read +
+written by a large device-to-device copy) and the bf16 matrix-product rate; and the ideal
+times of decode and prefill they imply."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    bandwidth: float  # bytes/s, read + written, large device-to-device copy
+    matmul_flops: float  # FLOP/s, square bf16 matrix product
+
+
+def time_median(fn: Callable[[], object], device: torch.device, repeats: int = 10) -> float:
+    """Median seconds of fn() after two warm-up calls."""
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(2):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_ceilings(device: torch.device) -> Ceilings:
+    on_gpu = device.type == "cuda"
+    numel = (1 << 30) if on_gpu else (1 << 24)  # 2 GiB of bf16 per buffer on the GPU
+    src = torch.randn(numel, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_s = time_median(lambda: dst.copy_(src), device, repeats=20)
+    bandwidth = 2 * src.numel() * src.element_size() / copy_s
+    n = 8192 if on_gpu else 512
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    matmul_s = time_median(lambda: a @ b, device)
+    return Ceilings(bandwidth=bandwidth, matmul_flops=2 * n**3 / matmul_s)
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    weight_bytes: int  # weights read per decode step
+    kv_bytes_per_token: int  # K and V of one token, all layers
+
+    @property
+    def flops_per_token(self) -> float:  # matmul FLOPs per token (2 per weight, bf16)
+        return float(self.weight_bytes)
+
+
+def decode_step_seconds(costs: ModelCosts, ceilings: Ceilings, batch: int, context: float) -> float:
+    """Ideal decode step: weights once (or the batch's matmul FLOPs, if more) plus each
+    sequence's KV at the measured bandwidth."""
+    weights = max(
+        costs.weight_bytes / ceilings.bandwidth,
+        batch * costs.flops_per_token / ceilings.matmul_flops,
+    )
+    return weights + batch * context * costs.kv_bytes_per_token / ceilings.bandwidth
+
+
+def offline_seconds(
+    costs: ModelCosts,
+    ceilings: Ceilings,
+    input_lens: list[int],
+    output_len: int,
+    max_batch: int,
+) -> float:
+    """Ideal time for an offline workload: every prompt token at the matmul rate, then decode in
+    waves of max_batch sequences, each step at decode_step_seconds for its mean context."""
+    prefill = sum(input_lens) * costs.flops_per_token / ceilings.matmul_flops
+    decode = 0.0
+    for start in range(0, len(input_lens), max_batch):
+        wave = input_lens[start : start + max_batch]
+        mean_input = sum(wave) / len(wave)
+        for step in range(output_len - 1):  # the first token comes from the prefill
+            decode += decode_step_seconds(costs, ceilings, len(wave), mean_input + step + 1)
+    return prefill + decode

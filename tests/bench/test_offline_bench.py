@@ -1,0 +1,49 @@
+"""`kvfleet bench throughput|latency` end to end on the CPU with the tiny shape: the results file
+has the agreed keys and rows; real shapes without a GPU exit 2 with a message."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvfleet_cli.main import main
+
+
+@pytest.mark.slow
+def test_throughput_writes_results_with_kvfleet_and_roofline_rows(tmp_path, capsys) -> None:
+    argv = ["--shape", "tiny", "--num-prompts", "3", "--input-len", "4:9", "--output-len", "3"]
+    assert main(["bench", "throughput", *argv, "--output-dir", str(tmp_path)]) == 0
+    [path] = tmp_path.glob("*-cpu-throughput-tiny.json")
+    result = json.loads(path.read_text())
+    assert set(result) == {"gpu", "date", "command", "shape", "workload", "results"}
+    assert result["command"].startswith("kvfleet bench throughput --shape tiny")
+    assert result["workload"]["num_prompts"] == 3
+    rows = {(r["system"], r["metric"]): r for r in result["results"]}
+    assert rows[("kvfleet", "output_tokens_per_s")]["value"] > 0
+    assert rows[("roofline", "output_tokens_per_s")]["unit"] == "tokens/s"
+    assert "output_tokens_per_s" in capsys.readouterr().out  # the printed table
+
+
+@pytest.mark.slow
+def test_latency_reports_decode_rate_against_transformers(tmp_path) -> None:
+    argv = ["--shape", "tiny", "--input-len", "5", "--output-len", "4", "--peer", "transformers"]
+    assert main(["bench", "latency", *argv, "--output-dir", str(tmp_path)]) == 0
+    [path] = tmp_path.glob("*-latency-tiny.json")
+    systems = {r["system"] for r in json.loads(path.read_text())["results"]}
+    assert systems == {"kvfleet", "transformers-generate", "roofline"}
+
+
+def test_real_shape_without_gpu_exits_2(capsys) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert main(["bench", "latency", "--shape", "llama-3.1-8b"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def test_bad_input_len_is_rejected_naming_the_flag(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "throughput", "--shape", "tiny", "--input-len", "9:4"])
+    assert exit_info.value.code == 2
+    assert "--input-len" in capsys.readouterr().err
