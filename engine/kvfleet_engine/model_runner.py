@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -141,7 +142,7 @@ class ModelRunner:
 
     # ---- helpers --------------------------------------------------------------------------
 
-    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[type-arg]
+    def _tensor(self, data: list[Any], dtype: torch.dtype) -> torch.Tensor:
         if self.device.type == "cpu":
             return torch.tensor(data, dtype=dtype)
         return torch.tensor(data, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
