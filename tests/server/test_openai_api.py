@@ -30,7 +30,7 @@ def test_completion_with_usage_logprobs_and_n(client: openai.OpenAI) -> None:
         assert choice.logprobs is not None and len(choice.logprobs.tokens or []) == 5
         assert all(lp is not None and lp <= 0 for lp in choice.logprobs.token_logprobs or [])
     assert result.usage is not None
-    assert result.usage.prompt_tokens == len(b"Hello") + 1  # bytes plus <s>
+    assert result.usage.prompt_tokens == len(b"Hello")  # one token per byte
     assert result.usage.completion_tokens == 10
     again = client.completions.create(
         model=MODEL_NAME, prompt="Hello", max_tokens=5, n=2, seed=7, temperature=1.0

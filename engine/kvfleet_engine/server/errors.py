@@ -48,11 +48,14 @@ def invalid_field(field: str, message: str) -> APIError:
 
 
 def param_from_location(loc: Sequence[int | str]) -> str:
-    """pydantic error location -> dotted field name, dropping the "body" root and type tags.
+    """pydantic error location -> dotted field name, dropping the root ("body", "header") and
+    union type tags.
 
     ("body", "messages", 0, "content") -> "messages.0.content"
     """
-    parts = [str(p) for p in loc if p != "body"]
+    parts = [str(p) for p in loc]
+    if parts and parts[0] in ("body", "header", "query", "path"):
+        parts = parts[1:]
     # Union members show up as type names inside the location ("prompt", "str", ...); keep the
     # path up to the first of them so the field reads the way the client spelled it.
     kept: list[str] = []

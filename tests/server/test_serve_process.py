@@ -1,0 +1,116 @@
+"""`kvfleet serve` as a real process: 429 under overload, and a SIGTERM drain that loses nothing."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from serverutil import MODEL_NAME, free_port, metric, wait_ready
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def served(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    port = free_port()
+    log = (tmp_path_factory.mktemp("serve") / "serve.log").open("wb")
+    command = [sys.executable, "-m", "kvfleet_cli", "serve", "--model", str(tiny_model_dir)]
+    command += ["--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--device", "cpu", "--kv-cache-blocks", "256", "--max-model-len", "512"]
+    command += ["--max-num-seqs", "8", "--max-num-batched-tokens", "512"]
+    command += ["--max-queued-requests", "1", "--drain-timeout", "60"]
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def test_overload_is_refused_with_429_and_retry_after(
+    served: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    url, _ = served
+    body = {"model": MODEL_NAME, "prompt": "load", "max_tokens": 24, "ignore_eos": True}
+
+    def post(_: int) -> httpx.Response:
+        return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+    with ThreadPoolExecutor(12) as pool:
+        responses = list(pool.map(post, range(12)))
+    statuses = [r.status_code for r in responses]
+    assert set(statuses) <= {200, 429}, statuses
+    assert 200 in statuses and 429 in statuses, statuses
+    refused = next(r for r in responses if r.status_code == 429)
+    assert int(refused.headers["Retry-After"]) >= 1
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    assert "--max-queued-requests 1" in refused.json()["error"]["message"]
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    rejected = metric(
+        text, 'kvfleet_requests_rejected_total{model_name="kvfleet-tiny",reason="queue_full"}'
+    )
+    assert rejected == statuses.count(429)
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_0(
+    served: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    url, proc = served
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "drain",
+        "max_tokens": 150,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    results: list[dict[str, object]] = []
+    started = [threading.Event() for _ in range(3)]
+
+    def stream(k: int) -> None:
+        finish, usage = None, None
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                started[k].set()
+                chunk = json.loads(line.removeprefix("data: "))
+                if chunk["choices"] and chunk["choices"][0]["finish_reason"]:
+                    finish = chunk["choices"][0]["finish_reason"]
+                usage = chunk.get("usage") or usage
+        results.append({"finish": finish, "usage": usage})
+
+    workers = []
+    for k in range(3):  # one at a time: the queue bound is 1
+        workers.append(threading.Thread(target=stream, args=(k,)))
+        workers[-1].start()
+        assert started[k].wait(60)
+    proc.send_signal(signal.SIGTERM)
+    ready = httpx.get(f"{url}/ready", timeout=10)
+    assert ready.status_code == 503 and ready.json()["status"] == "draining"
+    late = httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=10)
+    assert late.status_code == 503 and late.json()["error"]["type"] == "service_unavailable"
+    for worker in workers:
+        worker.join(120)
+    assert len(results) == 3
+    for result in results:
+        assert result["finish"] == "length"
+        usage = result["usage"]
+        assert isinstance(usage, dict) and usage["completion_tokens"] == 150
+        assert usage["prompt_tokens"] == len(b"drain")  # the byte tokenizer adds no BOS
+    assert proc.wait(timeout=60) == 0
