@@ -314,12 +314,11 @@ def _resolve_dtype(dtype: str, hf_config: dict[str, Any]) -> str:
 
 def _resolve_max_model_len(requested: int | None, hf_config: dict[str, Any]) -> int:
     limit = int(hf_config.get("max_position_embeddings") or 2048)
-    window = hf_config.get("sliding_window")
-    uses_window = window and hf_config.get("use_sliding_window", True)
-    if uses_window and int(window) < limit:
+    window = int(hf_config.get("sliding_window") or 0)
+    if window and hf_config.get("use_sliding_window", True) and window < limit:
         # We compute full attention, which equals sliding-window attention up to the window.
         log.info("capping max_model_len at the sliding window (%d tokens)", window)
-        limit = int(window)
+        limit = window
     if requested is None:
         return limit
     _check(

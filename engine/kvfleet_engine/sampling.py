@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 # The largest top-n the sampler returns per token (OpenAI's chat API allows 20).
 MAX_LOGPROBS = 20
@@ -116,7 +117,7 @@ def _check(ok: bool, field: str, value: object, allowed: str) -> None:
         raise ValueError(f"{field} must be {allowed}, got {value!r}")
 
 
-def _as_tuple(field: str, value: object, kind: type) -> tuple:  # type: ignore[type-arg]
+def _as_tuple(field: str, value: object, kind: type) -> tuple[Any, ...]:
     if isinstance(value, str | int) and not isinstance(value, bool):
         value = (value,)
     if not isinstance(value, tuple | list) or not all(

@@ -90,7 +90,7 @@ def write_tiny_model(directory: Path, seed: int = 0, **config_overrides: Any) ->
 
     torch.manual_seed(seed)
     config = tiny_llama_config(**config_overrides)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config)  # float32
     model.save_pretrained(directory)
     build_byte_tokenizer().save_pretrained(directory)
     return directory

@@ -53,6 +53,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.max_positions = max_positions
         self.params = params
+        self.cos_sin: torch.Tensor  # [max_positions, head_dim]: cos then sin of each frequency
         self.register_buffer("cos_sin", torch.empty(max_positions, head_dim), persistent=False)
 
     def reset_buffers(self) -> None:

@@ -126,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         self.lm_head = Linear(cfg["hidden_size"], cfg["vocab_size"])
         if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.weight = self.model.embed_tokens.weight  # type: ignore[assignment]
 
     def forward(
         self,

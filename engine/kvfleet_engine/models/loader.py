@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from kvfleet_engine.config import ModelConfig
+from kvfleet_engine.layers.attention import AttentionMetadata
 from kvfleet_engine.layers.linear import Linear
 from kvfleet_engine.models.registry import model_class
 
@@ -19,7 +22,19 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_model(config: ModelConfig, device: torch.device) -> nn.Module:
+class CausalLM(Protocol):
+    """What the runner needs from a model module."""
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor: ...  # [num_tokens, hidden]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [rows, vocab]
+
+    def modules(self) -> Iterator[nn.Module]: ...
+
+
+def load_model(config: ModelConfig, device: torch.device) -> CausalLM:
     cls = model_class(config.architecture)
     dtype = DTYPES[config.dtype]
     default_dtype = torch.get_default_dtype()
@@ -37,7 +52,8 @@ def load_model(config: ModelConfig, device: torch.device) -> nn.Module:
         if reset is not None:
             reset()
     load_weights(model, Path(config.path))
-    return model.eval()
+    model.eval()
+    return model
 
 
 def checkpoint_files(directory: Path) -> list[Path]:

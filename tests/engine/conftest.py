@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_cases import Reference, reference_greedy, write_checkpoint
+
+
+class Checkpoints:
+    """Tiny random checkpoints (one per architecture) and transformers references, made once."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.models: dict[str, tuple[Path, Any]] = {}
+        self.references: dict[tuple[str, tuple[int, ...], int], Reference] = {}
+
+    def path(self, name: str) -> Path:
+        return self._get(name)[0]
+
+    def reference(self, name: str, prompt: list[int], max_tokens: int) -> Reference:
+        key = (name, tuple(prompt), max_tokens)
+        if key not in self.references:
+            self.references[key] = reference_greedy(self._get(name)[1], prompt, max_tokens)
+        return self.references[key]
+
+    def _get(self, name: str) -> tuple[Path, Any]:
+        if name not in self.models:
+            directory = self.root / name
+            directory.mkdir()
+            self.models[name] = (directory, write_checkpoint(name, directory))
+        return self.models[name]
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
+    return Checkpoints(tmp_path_factory.mktemp("checkpoints"))
+
+
+@pytest.fixture(scope="session")
+def make_llm(checkpoints: Checkpoints) -> Callable[..., Any]:
+    from kvfleet_engine import LLM
+
+    def make(name: str, **kwargs: Any) -> Any:
+        kwargs.setdefault("device", "cpu")
+        kwargs.setdefault("max_model_len", 512)
+        return LLM(str(checkpoints.path(name)), **kwargs)
+
+    return make
