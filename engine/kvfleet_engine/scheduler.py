@@ -75,6 +75,18 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        # Tokens one step may compute; the server's SLA mode lowers it (set_token_budget).
+        self.token_budget = config.max_num_batched_tokens
+
+    def set_token_budget(self, num_tokens: int) -> None:
+        """Cap each step at `num_tokens` (<= max_num_batched_tokens), so a step's time, and with
+        it every decode's time per output token, stays under a target (server SLA mode)."""
+        if not 1 <= num_tokens <= self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"token budget must be in [1, {self.config.max_num_batched_tokens}], "
+                f"got {num_tokens}"
+            )
+        self.token_budget = num_tokens
 
     # ---- queue verbs -------------------------------------------------------------------
 
@@ -116,7 +128,7 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+        budget = self.token_budget
         scheduled: list[tuple[Request, int]] = []
         preempted = False
         self.running.sort(key=Request.sort_key)
@@ -159,7 +171,7 @@ class Scheduler:
         self.finished_request_ids.clear()
         return SchedulerOutput(
             requests=[self._scheduled_request(r, n) for r, n in scheduled],
-            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            num_batched_tokens=self.token_budget - budget,
             finished_request_ids=finished_ids,
         )
 

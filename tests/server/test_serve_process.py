@@ -29,6 +29,7 @@ def served(
     command += ["--device", "cpu", "--kv-cache-blocks", "256", "--max-model-len", "512"]
     command += ["--max-num-seqs", "8", "--max-num-batched-tokens", "512"]
     command += ["--max-queued-requests", "1", "--drain-timeout", "60"]
+    command += ["--ttft-slo-ms", "60000", "--tpot-slo-ms", "1000"]  # SLA mode, loose targets
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
