@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kvfleet_engine.config import EngineConfig
+from kvfleet_engine.cuda_graphs import DecodeGraphs
 from kvfleet_engine.layers.attention import Attention, AttentionMetadata, load_backend
 from kvfleet_engine.layers.sampler import Penalties, Sampler, SamplerOutput, SamplingMetadata
 from kvfleet_engine.models.loader import DTYPES, load_model
@@ -64,9 +65,16 @@ class ModelRunner:
         torch.manual_seed(config.runner.seed)
         self.model = load_model(config.model, self.device)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.sampler = Sampler()
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
-        self.sampler = Sampler()
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.runner.enforce_eager:
+            max_blocks = -(-config.model.max_model_len // self.block_size)
+            self.decode_graphs = DecodeGraphs(
+                self.model, config.scheduler.max_num_seqs, max_blocks, self.device
+            )
+            self.decode_graphs.capture()
         self.generators: dict[str, torch.Generator] = {}
         log.info(
             "model %s on %s (%s, attention %s), %d KV blocks of %d tokens",
@@ -93,6 +101,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, inputs: ModelInputs) -> torch.Tensor:  # [num_sampling_rows, vocab]
+        if self.decode_graphs is not None and inputs.attention.is_decode:
+            logits = self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.attention)
+            if logits is not None:
+                return logits[inputs.logits_indices]
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)
         return self.model.compute_logits(hidden[inputs.logits_indices]).float()
 
