@@ -135,11 +135,10 @@ async def _remove_external_autoscalers(cluster: Cluster, body: dict[str, Any]) -
                 await cluster.delete(api_version, kind, meta["name"], meta["namespace"])
             except ApiException as exc:  # e.g. 403: the install's RBAC grants no delete
                 log.warning(
-                    "%s/%s: could not delete the %s left from controller %s (%s); delete it by "
-                    "hand or it keeps scaling too",
+                    "%s/%s: could not delete the %s rendered for the previous controller (%s); "
+                    "delete it by hand or it keeps scaling too",
                     meta["namespace"],
                     meta["name"],
-                    kind,
                     kind,
                     exc.reason,
                 )

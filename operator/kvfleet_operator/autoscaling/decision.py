@@ -20,6 +20,7 @@ from kvfleet_operator.autoscaling.state import (
     Drain,
     ScaleEvent,
     ScalerState,
+    Tick,
 )
 from kvfleet_operator.autoscaling.window import (
     LATENCY_SIGNALS,
@@ -79,29 +80,11 @@ def decide(spec: AutoscalingSpec, observation: Observation, state: ScalerState) 
 
     if ready == 0 or not counted_pods(spec, observation):
         why = "no ready pods" if ready == 0 else "no metrics from ready pods past warm-up"
-        return _finish(
-            spec,
-            observation,
-            state,
-            signals,
-            "Stable",
-            current,
-            f"hold: {why}",
-            METRICS_UNAVAILABLE,
-        )
+        return _hold(spec, observation, state, signals, why)
     missing = [s.name for s in signals if s.desired is None and s.name not in LATENCY_SIGNALS]
     with_data = [s for s in signals if s.desired is not None]
     if missing and not with_data:
-        return _finish(
-            spec,
-            observation,
-            state,
-            signals,
-            "Stable",
-            current,
-            f"hold: no data yet for {', '.join(missing)}",
-            METRICS_UNAVAILABLE,
-        )
+        return _hold(spec, observation, state, signals, f"no data yet for {', '.join(missing)}")
 
     stable = max((s.desired for s in with_data if s.desired is not None), default=spec.min_replicas)
     panic = max((s.panic_desired for s in with_data if s.panic_desired is not None), default=stable)
@@ -147,7 +130,7 @@ def decide(spec: AutoscalingSpec, observation: Observation, state: ScalerState) 
 
 
 def _read_signals(
-    spec: AutoscalingSpec, ticks: tuple, now: float, current: int, ready: int
+    spec: AutoscalingSpec, ticks: tuple[Tick, ...], now: float, current: int, ready: int
 ) -> tuple[SignalReading, ...]:
     """Every configured signal over the stable and panic windows."""
     behavior = spec.behavior
@@ -280,6 +263,26 @@ def _replicas_at(state: ScalerState, since: float, current: int) -> int:
             break
         replicas = event.from_replicas
     return replicas
+
+
+def _hold(
+    spec: AutoscalingSpec,
+    observation: Observation,
+    state: ScalerState,
+    signals: tuple[SignalReading, ...],
+    why: str,
+) -> Decision:
+    """Keep the current count (within min/max): the metrics cannot support a decision."""
+    return _finish(
+        spec,
+        observation,
+        state,
+        signals,
+        "Stable",
+        observation.replicas,
+        f"hold: {why}",
+        METRICS_UNAVAILABLE,
+    )
 
 
 def _finish(
