@@ -300,8 +300,8 @@ class OpenAIServing:
         async for k, out in _merge(fan.streams):
             c = choices[k]
             delta_text, new_tokens = _advance(c, out)
-            if not delta_text and not new_tokens and not c.finished:
-                continue
+            if not delta_text and not c.finished and (not new_tokens or out.logprobs is None):
+                continue  # nothing to show yet (e.g. half of a UTF-8 character)
             logprobs = None
             if new_tokens and out.logprobs is not None:
                 logprobs = self._completion_logprob_slice(out, new_tokens, c)
@@ -339,7 +339,10 @@ class OpenAIServing:
             message = ChatCompletionChunk(
                 id=fan.request_id, created=fan.created, model=fan.model, choices=[choice]
             )
-            return _sse(message.model_dump(exclude={"usage"}))
+            payload = message.model_dump(exclude={"usage"})
+            for item in payload["choices"]:  # OpenAI leaves unset delta fields out
+                item["delta"] = {k: v for k, v in item["delta"].items() if v is not None}
+            return _sse(payload)
 
         for k in range(len(fan.streams)):
             yield chunk(ChatChunkChoice(index=k, delta=DeltaMessage(role="assistant", content="")))
@@ -347,8 +350,8 @@ class OpenAIServing:
             c = choices[k]
             start_tokens = c.num_tokens_sent
             delta_text, new_tokens = _advance(c, out)
-            if not delta_text and not new_tokens and not c.finished:
-                continue
+            if not delta_text and not c.finished and (not new_tokens or num_logprobs is None):
+                continue  # nothing to show yet (e.g. half of a UTF-8 character)
             logprobs = None
             if new_tokens and num_logprobs is not None and out.logprobs is not None:
                 logprobs = ChatLogprobs(
