@@ -138,14 +138,25 @@ class Cluster:
         return True
 
     async def patch_status(
-        self, api_version: str, kind: str, name: str, namespace: str | None, status: Manifest
+        self,
+        api_version: str,
+        kind: str,
+        name: str,
+        namespace: str | None,
+        status: Manifest,
+        *,
+        resource_version: str | None = None,
     ) -> Manifest | None:
-        """JSON-merge-patch the status subresource; keys set to None are removed."""
+        """JSON-merge-patch the status subresource; keys set to None are removed. With
+        `resource_version`, the API server refuses (409 Conflict) if the object changed since."""
         path = _path(api_version, kind, namespace, name) + "/status"
+        body: Manifest = {"status": status}
+        if resource_version is not None:
+            body["metadata"] = {"resourceVersion": resource_version}
         return await self._request(
             "PATCH",
             path,
-            body={"status": status},
+            body=body,
             content_type="application/merge-patch+json",
         )
 

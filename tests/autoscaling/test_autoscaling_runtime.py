@@ -6,6 +6,7 @@ import copy
 from typing import Any
 
 import httpx
+from kubernetes_asyncio.client.exceptions import ApiException
 
 from kvfleet_operator.autoscaling.autoscaler import autoscale_once
 from kvfleet_operator.autoscaling.pods import DELETION_COST
@@ -56,6 +57,8 @@ class FakeCluster:
         self.pods = pods
         self.writes: list[tuple[str, Any]] = []
         self.external: dict[str, dict[str, Any]] = {}
+        self.resource_version = "1"
+        self.infd["metadata"]["resourceVersion"] = "1"
 
     async def delete(self, api_version: str, kind: str, name: str, namespace: str | None = None):
         self.writes.append(("delete", kind))
@@ -85,10 +88,17 @@ class FakeCluster:
         self.writes.append(("apply", (manifest, field_manager)))
         return manifest
 
-    async def patch_status(self, api_version, kind, name, namespace, status):
+    async def patch_status(self, api_version, kind, name, namespace, status, resource_version=None):
+        if resource_version is not None and resource_version != self.resource_version:
+            raise ApiException(status=409, reason="Conflict")
         self.writes.append(("status", status))
         self.infd["status"].update(status)
-        return self.infd
+        self.bump()
+        return copy.deepcopy(self.infd)
+
+    def bump(self) -> None:
+        self.resource_version = str(int(self.resource_version) + 1)
+        self.infd["metadata"]["resourceVersion"] = self.resource_version
 
     async def post_event(self, involved, type_, reason, message) -> None:
         self.writes.append(("event", reason))
@@ -217,3 +227,29 @@ async def test_switch_back_to_builtin_deletes_the_hpa_it_rendered() -> None:
         await autoscale_once(cluster, http, NS, NAME, T0)  # type: ignore[arg-type]
     assert ("delete", "HorizontalPodAutoscaler") in cluster.writes
     assert ("delete", "ScaledObject") not in cluster.writes  # not ours: left alone
+
+
+async def test_condition_is_written_only_when_it_changes_and_never_over_a_newer_status() -> None:
+    cluster = FakeCluster(SPEC, 3, [pod(f"p{i}", f"127.1.0.{i}") for i in range(3)])
+    async with engines({}) as http:
+        await autoscale_once(cluster, http, NS, NAME, T0)  # type: ignore[arg-type]
+        condition_writes = [w for w in cluster.writes if w[0] == "status" and "conditions" in w[1]]
+        assert len(condition_writes) == 1
+        await autoscale_once(cluster, http, NS, NAME, T0 + 1)  # type: ignore[arg-type]
+    condition_writes = [w for w in cluster.writes if w[0] == "status" and "conditions" in w[1]]
+    assert len(condition_writes) == 1  # unchanged: not written again
+
+    # The reconciler changes conditions between the autoscaler's read and write: 409, skipped.
+    cluster.infd["status"]["conditions"] = []
+    original = cluster.patch_status
+
+    async def racing(*args: Any, **kwargs: Any) -> Any:
+        result = await original(*args, **kwargs)
+        if "autoscaling" in args[4]:
+            cluster.bump()  # someone else wrote in between
+        return result
+
+    cluster.patch_status = racing  # type: ignore[method-assign]
+    async with engines({}) as http:
+        await autoscale_once(cluster, http, NS, NAME, T0 + 2)  # type: ignore[arg-type]
+    assert cluster.infd["status"]["conditions"] == []

@@ -24,7 +24,12 @@ from pydantic import ValidationError
 from kvfleet_operator import api
 from kvfleet_operator.apply import Cluster
 from kvfleet_operator.autoscaling.actuators import EXTERNAL_KINDS
-from kvfleet_operator.autoscaling.decision import Decision, decide
+from kvfleet_operator.autoscaling.decision import (
+    DESIRED_ABOVE_MAX,
+    DESIRED_BELOW_MIN,
+    Decision,
+    decide,
+)
 from kvfleet_operator.autoscaling.pods import DELETION_COST, PodFacts, format_time, pod_facts
 from kvfleet_operator.autoscaling.samples import EngineSample, Observation, PodObservation
 from kvfleet_operator.autoscaling.sources import query_prometheus, scrape_pods
@@ -110,16 +115,14 @@ async def autoscale_once(
         message = f"{observation.replicas} -> {decision.desired_replicas}: {decision.reason}"
         log.info("%s/%s %s %s", namespace, name, verb, message)
         await cluster.post_event(body, "Normal", verb, message)
-    await cluster.patch_status(
+    written = await cluster.patch_status(
         api.API_VERSION,
         api.INFERENCE_DEPLOYMENT,
         name,
         namespace,
-        {
-            "autoscaling": autoscaling_status(spec, decision, observation),
-            "conditions": _with_condition(status.get("conditions", []), decision, body, now),
-        },
+        {"autoscaling": autoscaling_status(spec, decision, observation)},
     )
+    await _write_condition(cluster, written or body, spec, decision, now)
     return decision, spec.behavior.sync_period_seconds
 
 
@@ -235,12 +238,48 @@ def _short(signal: str) -> str:
     }.get(signal, signal)
 
 
-def _with_condition(
-    conditions: list[dict[str, Any]], decision: Decision, body: dict[str, Any], now: float
+async def _write_condition(
+    cluster: Cluster, body: dict[str, Any], spec: AutoscalingSpec, decision: Decision, now: float
+) -> None:
+    """Set ScalingLimited when it changed. `conditions` is one list shared with the reconciler,
+    so the write is conditional on the resourceVersion just read: on a conflict it is left to
+    the next tick instead of overwriting the reconciler's conditions with stale ones."""
+    meta = body["metadata"]
+    conditions = (body.get("status") or {}).get("conditions", [])
+    updated = with_condition(conditions, decision, spec, meta.get("generation", 0), now)
+    if updated == conditions:
+        return
+    try:
+        await cluster.patch_status(
+            api.API_VERSION,
+            api.INFERENCE_DEPLOYMENT,
+            meta["name"],
+            meta["namespace"],
+            {"conditions": updated},
+            resource_version=meta.get("resourceVersion"),
+        )
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+        log.debug("%s/%s: conditions changed meanwhile; next tick", meta["namespace"], meta["name"])
+
+
+def with_condition(
+    conditions: list[dict[str, Any]],
+    decision: Decision,
+    spec: AutoscalingSpec,
+    generation: int,
+    now: float,
 ) -> list[dict[str, Any]]:
-    """The conditions list with ScalingLimited set from the decision (others untouched)."""
+    """The conditions list with ScalingLimited set from the decision, others untouched (pure).
+    Messages change only with the situation, so a steady state writes nothing."""
+    messages = {
+        DESIRED_ABOVE_MAX: f"the signals ask for more than maxReplicas ({spec.max_replicas})",
+        DESIRED_BELOW_MIN: f"the signals ask for fewer than minReplicas ({spec.min_replicas})",
+    }
     if decision.limited:
-        status, reason, message = "True", decision.limited, decision.reason
+        status, reason = "True", decision.limited
+        message = messages.get(reason, decision.reason)
     else:
         status, reason, message = "False", "DesiredWithinRange", "the desired count is reachable"
     previous = next((c for c in conditions if c.get("type") == CONDITION), None)
@@ -252,7 +291,9 @@ def _with_condition(
         "status": status,
         "reason": reason,
         "message": message[:1024],
-        "observedGeneration": body["metadata"].get("generation", 0),
+        "observedGeneration": generation,
         "lastTransitionTime": since,
     }
+    if previous == condition:
+        return conditions
     return [c for c in conditions if c.get("type") != CONDITION] + [condition]
