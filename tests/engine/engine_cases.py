@@ -88,31 +88,34 @@ def reference_greedy(model: Any, prompt: list[int], max_tokens: int) -> Referenc
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    input_ids = torch.tensor([prompt])
+    input_ids = torch.tensor([prompt], device=model.device)
     tokens, runner_up, gaps = [], [], []
     first_logits = None
     for _ in range(max_tokens):
-        logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[0, -1]
+        out = model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+        logits = out.logits[0, -1].float().cpu()
         if first_logits is None:
             first_logits = logits.clone()
         top = logits.topk(2)
         tokens.append(int(top.indices[0]))
         runner_up.append(int(top.indices[1]))
         gaps.append(float(top.values[0] - top.values[1]))
-        input_ids = top.indices[:1][None]
+        input_ids = top.indices[:1][None].to(model.device)
     assert first_logits is not None
     return Reference(tokens, runner_up, gaps, first_logits)
 
 
-def assert_greedy_equal(engine_tokens: list[int], ref: Reference, label: str = "") -> None:
+def assert_greedy_equal(
+    engine_tokens: list[int], ref: Reference, label: str = "", tie: float = TIE
+) -> None:
     """Token for token, except that after a tie the engine may take the runner-up and the
     comparison stops following that sequence."""
     assert len(engine_tokens) == len(ref.tokens), (label, engine_tokens, ref.tokens)
     for step, token in enumerate(engine_tokens):
         if token == ref.tokens[step]:
             continue
-        tie = ref.gaps[step] < TIE and token == ref.runner_up[step]
-        assert tie, (
+        is_tie = ref.gaps[step] < tie and token == ref.runner_up[step]
+        assert is_tie, (
             f"{label} step {step}: engine {token}, transformers {ref.tokens[step]} "
             f"(gap {ref.gaps[step]:.2e}); engine {engine_tokens}, transformers {ref.tokens}"
         )
