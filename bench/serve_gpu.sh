@@ -14,7 +14,9 @@ if [ -n "${WHEELS:-}" ]; then
     --target /tmp/site "$WHEELS"/*.whl || exit 1
   export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
-CKPT=/dev/shm/kvfleet-$SHAPE
+# RAM-backed scratch when it has room for the checkpoint (16 GB for the 8B shape).
+SCRATCH=$(python3 -c "import shutil; print('/dev/shm' if shutil.disk_usage('/dev/shm').free > 20e9 else '/tmp')")
+CKPT=$SCRATCH/kvfleet-$SHAPE
 echo "=== checkpoint $SHAPE ($(date +%T))"
 python3 - "$SHAPE" "$CKPT" <<'EOF' || exit 1
 import sys
