@@ -28,11 +28,12 @@ class IncrementalDetokenizer:
         self.stop_buffer = max((len(s) for s in params.stop), default=1) - 1
         self.finished = False
 
-    def update(self, new_token_ids: list[int]) -> str | None:
-        """Add generated tokens; returns the stop string that matched (text is cut before it)."""
-        for token_id in new_token_ids:
+    def update(self, new_token_ids: list[int], final: bool = False) -> str | None:
+        """Add generated tokens; returns the stop string that matched (text is cut before it).
+        final: these are the last tokens, so bytes of an incomplete character are flushed."""
+        for index, token_id in enumerate(new_token_ids):
             self.token_ids.append(token_id)
-            delta = self._decode_delta()
+            delta = self._decode_delta(final and index == len(new_token_ids) - 1)
             if not delta:
                 continue
             checked_from = max(len(self.text) - self.stop_buffer, 0)
@@ -48,14 +49,14 @@ class IncrementalDetokenizer:
             return self.text
         return self.text[: max(len(self.text) - self.stop_buffer, 0)]
 
-    def _decode_delta(self) -> str:
+    def _decode_delta(self, final: bool) -> str:
         skip = self.params.skip_special_tokens
         ids = self.token_ids
         prefix = self.tokenizer.decode(
             ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip
         )
         full = self.tokenizer.decode(ids[self.prefix_offset :], skip_special_tokens=skip)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(ids)
         return full[len(prefix) :]

@@ -96,7 +96,7 @@ class LLMEngine:
 
     def _output(self, request: Request) -> RequestOutput:
         detokenizer = self.detokenizers[request.request_id]
-        stop = detokenizer.update(request.output_token_ids[-1:])
+        stop = detokenizer.update(request.output_token_ids[-1:], final=request.is_finished)
         if stop is not None:
             if request.is_finished:  # the same token also hit a length limit: the stop wins
                 request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop

@@ -53,3 +53,11 @@ def test_running_text_holds_back_a_possible_stop_prefix(tokenizer) -> None:  # t
     texts = feed(detok, tokenizer.encode("abcEN"))
     assert texts[-1] == "abc"  # "EN" might become "END"
     assert detok.output_text(finished=True) == "abcEN"
+
+
+def test_incomplete_bytes_are_flushed_when_generation_ends(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    detok = IncrementalDetokenizer(tokenizer, [65], SamplingParams())
+    detok.update([104, 0xC3])  # "h", then the first byte of a two-byte character
+    assert detok.output_text(finished=False) == "h"
+    detok.update([0xFF], final=True)
+    assert detok.output_text(finished=True) == tokenizer.decode([104, 0xC3, 0xFF])
