@@ -169,8 +169,13 @@ async def send_request(
 
 
 def _has_content(chunk: dict[str, Any]) -> bool:
+    """A chunk that carries generated tokens (its text may be empty: a partial character, or
+    ids a random-weight model's tokenizer cannot spell); not chat's opening role-only chunk."""
     for choice in chunk.get("choices") or []:
-        if choice.get("text") or (choice.get("delta") or {}).get("content"):
+        if "text" in choice:
+            return True
+        delta = choice.get("delta") or {}
+        if "role" not in delta and ("content" in delta or choice.get("finish_reason")):
             return True
     return False
 

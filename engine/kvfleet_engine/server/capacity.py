@@ -81,15 +81,19 @@ def measure_capacity(
             decode_times.append(elapsed)
     decode_step_s = statistics.median(decode_times) if decode_times else 0.0
 
-    # Prefill: one long prompt, one step, one token.
-    engine.add_request(
-        "kvfleet-capacity-prefill",
-        prompt(decode_batch + 1, prefill_tokens),
-        greedy(1),
-    )
-    t0 = time.perf_counter()
-    _run_to_completion(engine)
-    prefill_step_s = time.perf_counter() - t0
+    # Prefill: one long prompt, one step, one token; the first run of a new shape pays for
+    # kernel compilation, so the fastest of three runs counts.
+    prefill_runs = []
+    for k in range(3):
+        engine.add_request(
+            f"kvfleet-capacity-prefill-{k}",
+            prompt(decode_batch + 1 + k, prefill_tokens),
+            greedy(1),
+        )
+        t0 = time.perf_counter()
+        _run_to_completion(engine)
+        prefill_runs.append(time.perf_counter() - t0)
+    prefill_step_s = min(prefill_runs)
 
     per_token = 1e-9
     if prefill_tokens > decode_batch and prefill_step_s > decode_step_s:

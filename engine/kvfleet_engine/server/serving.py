@@ -300,8 +300,8 @@ class OpenAIServing:
         async for k, out in _merge(fan.streams):
             c = choices[k]
             delta_text, new_tokens = _advance(c, out)
-            if not delta_text and not c.finished and (not new_tokens or out.logprobs is None):
-                continue  # nothing to show yet (e.g. half of a UTF-8 character)
+            if not delta_text and not new_tokens and not c.finished:
+                continue  # one chunk per step that produced tokens, even if no text yet
             logprobs = None
             if new_tokens and out.logprobs is not None:
                 logprobs = self._completion_logprob_slice(out, new_tokens, c)
@@ -350,8 +350,8 @@ class OpenAIServing:
             c = choices[k]
             start_tokens = c.num_tokens_sent
             delta_text, new_tokens = _advance(c, out)
-            if not delta_text and not c.finished and (not new_tokens or num_logprobs is None):
-                continue  # nothing to show yet (e.g. half of a UTF-8 character)
+            if not delta_text and not new_tokens and not c.finished:
+                continue  # one chunk per step that produced tokens, even if no text yet
             logprobs = None
             if new_tokens and num_logprobs is not None and out.logprobs is not None:
                 logprobs = ChatLogprobs(
@@ -360,7 +360,7 @@ class OpenAIServing:
             yield chunk(
                 ChatChunkChoice(
                     index=k,
-                    delta=DeltaMessage(content=delta_text) if delta_text else DeltaMessage(),
+                    delta=DeltaMessage(content=delta_text),
                     logprobs=logprobs,
                     finish_reason=out.finish_reason,
                 )
