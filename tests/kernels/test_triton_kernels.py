@@ -54,6 +54,7 @@ def _kernel_module(name: str):
 kv_store = _kernel_module("kv_store")
 decode = _kernel_module("decode_attention")
 prefill = _kernel_module("prefill_attention")
+fused = _kernel_module("fused")
 
 # (device, dtype, tolerance, sizes): small interpreted cases on CPU; model-like sizes on the GPU.
 SMALL = {"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 32}
@@ -189,3 +190,48 @@ def test_wrappers_reject_bad_input_naming_the_argument() -> None:
         kv_store.store_kv(
             case.keys[0], case.values[0], case.k_cache, case.v_cache, case.slot_mapping.int()
         )
+
+
+@pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_fused_rms_norm_matches_torch(device, dtype, tol, sizes, with_residual) -> None:
+    _skip_if_unavailable(device)
+    dim = 64 if device == "cpu" else 4096
+    gen = torch.Generator().manual_seed(6)
+    x, residual = (torch.randn(5, dim, generator=gen).to(device, dtype) for _ in range(2))
+    weight = torch.rand(dim, generator=gen).to(device, dtype)
+    out, summed = fused.rms_norm(x, weight, 1e-5, residual if with_residual else None)
+    total = (x + residual) if with_residual else x
+    normed = total.double() * torch.rsqrt(total.double().pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert relative_error(out, (weight.double() * normed).cpu()) < tol
+    if with_residual:
+        assert summed is not None and torch.equal(summed, total)
+    else:
+        assert summed is None
+
+
+@pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
+def test_fused_rotary_matches_rotate_half_in_place(device, dtype, tol, sizes) -> None:
+    _skip_if_unavailable(device)
+    heads, kv_heads, dim = sizes["num_q_heads"], sizes["num_kv_heads"], sizes["head_dim"]
+    gen = torch.Generator().manual_seed(7)
+    # q and k as views of one fused qkv output, like the model's
+    qkv = torch.randn(6, (heads + 2 * kv_heads) * dim, generator=gen).to(device, dtype)
+    q = qkv[:, : heads * dim].view(6, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(6, kv_heads, dim)
+    v_before = qkv[:, (heads + kv_heads) * dim :].clone()
+    angles = torch.rand(100, dim // 2, generator=gen, dtype=torch.float64) * 6.3
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    positions = torch.tensor([0, 5, 99, 3, 3, 42])
+
+    def expected(x: torch.Tensor) -> torch.Tensor:
+        cos = torch.cat([angles.cos(), angles.cos()], dim=-1)[positions][:, None]
+        sin = torch.cat([angles.sin(), angles.sin()], dim=-1)[positions][:, None]
+        x = x.double().cpu()
+        rotated = torch.cat([-x[..., dim // 2 :], x[..., : dim // 2]], dim=-1)
+        return x * cos + rotated * sin
+
+    want_q, want_k = expected(q), expected(k)
+    fused.rotary_embedding_(positions.to(device), q, k, cos_sin.float().to(device))
+    assert relative_error(q, want_q) < tol and relative_error(k, want_k) < tol
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before), "v must be untouched"

@@ -70,6 +70,11 @@ class RotaryEmbedding(nn.Module):
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if query.is_cuda:  # one fused kernel, in place
+            from kvfleet_engine.kernels.fused import rotary_embedding_
+
+            rotary_embedding_(positions, query, key, self.cos_sin)
+            return query, key
         cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [num_tokens, head_dim // 2] each
         cos = torch.cat([cos, cos], dim=-1)[:, None, :].to(query.dtype)
         sin = torch.cat([sin, sin], dim=-1)[:, None, :].to(query.dtype)

@@ -79,13 +79,21 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor,  # [num_tokens, hidden]: the previous layer's output
+        residual: torch.Tensor | None,  # [num_tokens, hidden]: the stream it adds to (None: first)
         positions: torch.Tensor,
         rotary: RotaryEmbedding,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rotary, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it); the next norm adds
+        them, so each residual add is fused into a norm."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_forward(hidden, residual)
+        hidden = self.self_attn(hidden, positions, rotary, meta)
+        hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -105,9 +113,12 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, positions, self.rotary, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, positions, self.rotary, meta)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm.add_forward(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
