@@ -7,14 +7,15 @@ OUT=${OUT:-/tmp/kvfleet-gpu-check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/engine:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-python3}
-STEPS=${*:-tests kernels latency throughput}
+STEPS=${*:-tests kernels profile latency throughput}
 SHAPE=${SHAPE:-llama-3.1-8b}
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv
 for step in $STEPS; do
   echo "=== $step ($(date +%T))"
   case $step in
-    tests) $PY -m pytest -m gpu tests -q -x -p no:cacheprovider 2>&1 | tail -25 ;;
+    tests) $PY -m pytest -m gpu tests/kernels tests/perf tests/engine -q -p no:cacheprovider 2>&1 | tail -25 ;;
     kernels) $PY -m kvfleet_engine.bench.kernels --output-dir "$OUT" 2>&1 | tee "$OUT/kernels.log" | grep -v Warning ;;
+    profile) $PY -m kvfleet_engine.bench.profile --shape "$SHAPE" --output-dir "$OUT" 2>&1 | grep -v Warning ;;
     latency) $PY -m kvfleet_cli.main bench latency --shape "$SHAPE" --peer transformers \
         --output-len 128 --output-dir "$OUT" 2>&1 | grep -v 'tok/s\]' | tail -20 ;;
     eager-latency) $PY -m kvfleet_cli.main bench latency --shape "$SHAPE" --enforce-eager \

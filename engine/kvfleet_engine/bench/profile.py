@@ -1,0 +1,168 @@
+"""Where a decode step's time goes: the engine's model (random weights, named shape) on a full
+paged KV cache, one decode step at several batch sizes — replayed as a CUDA graph (step time)
+and profiled eagerly (GPU time per kernel kind) — against the roofline of the same step.
+
+    python -m kvfleet_engine.bench.profile --shape llama-3.1-8b --batch-sizes 1,64,256
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from kvfleet_engine.bench.shapes import SHAPES
+
+
+def _kind(name: str) -> str:
+    name = name.lower()
+    for key, kind in (
+        ("gemm", "matmul"),
+        ("gemv", "matmul"),
+        ("cutlass", "matmul"),
+        ("nvjet", "matmul"),
+        ("sm90", "matmul"),
+        ("_decode_", "attention"),
+        ("_prefill_", "attention"),
+        ("_store_kv", "kv store"),
+        ("_rms_norm", "rmsnorm+add"),
+        ("_rotary", "rotary"),
+    ):
+        if key in name:
+            return kind
+    return "other elementwise"
+
+
+def build_model(shape: str, device: torch.device):
+    from kvfleet_engine.bench.shapes import hf_config
+    from kvfleet_engine.models.registry import model_class
+
+    architecture, _ = SHAPES[shape]
+    cfg = hf_config(shape).to_dict()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = model_class(architecture)(cfg, architecture)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    model = model.to_empty(device=device)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.02)
+    for module in model.modules():
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+    return model.eval()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvfleet_engine import kernels
+    from kvfleet_engine.bench.results import Row, format_table, gpu_name, write_results
+    from kvfleet_engine.bench.roofline import (
+        ModelCosts,
+        decode_step_seconds,
+        measure_ceilings,
+        time_median,
+    )
+    from kvfleet_engine.bench.shapes import kv_bytes_per_token
+    from kvfleet_engine.layers.attention import Attention, AttentionMetadata
+
+    parser = argparse.ArgumentParser(prog="python -m kvfleet_engine.bench.profile")
+    parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    parser.add_argument("--batch-sizes", default="1,64,256")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--output-dir", type=Path, default=Path("bench/results"))
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    ceilings = measure_ceilings(device)
+    model = build_model(args.shape, device)
+    _, fields = SHAPES[args.shape]
+    embedding = model.model.embed_tokens.weight
+    tied = model.lm_head.weight is embedding
+    weight_bytes = sum(p.numel() * 2 for p in model.parameters()) - (
+        0 if tied else embedding.numel() * 2
+    )
+    costs = ModelCosts(weight_bytes, kv_bytes_per_token(args.shape))
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    block_size, context = 16, args.context
+    blocks_per_seq = -(-(context + 1) // block_size)
+    num_blocks = max(batch_sizes) * blocks_per_seq
+    cache_shape = (num_blocks, block_size, fields["num_key_value_heads"], fields["head_dim"])
+    for layer in (m for m in model.modules() if isinstance(m, Attention)):
+        k = torch.randn(cache_shape, device=device, dtype=torch.bfloat16)
+        layer.bind(k, torch.randn_like(k), kernels)
+    rows = [Row("roofline", "copy_bandwidth", ceilings.bandwidth / 1e9, "GB/s")]
+    lines = []
+    for batch in batch_sizes:
+        tables = torch.arange(batch * blocks_per_seq, device=device, dtype=torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=tables.view(batch, -1)[:, context // block_size].long() * block_size
+            + context % block_size,
+            block_tables=tables.view(batch, blocks_per_seq),
+            context_lens=torch.full((batch,), context + 1, device=device, dtype=torch.int32),
+            cu_query_lens=torch.arange(batch + 1, device=device, dtype=torch.int32),
+            is_decode=True,
+        )
+        ids = torch.randint(0, fields["vocab_size"], (batch,), device=device)
+        positions = torch.full((batch,), context, device=device, dtype=torch.int64)
+
+        def step(ids=ids, positions=positions, meta=meta) -> torch.Tensor:
+            return model.compute_logits(model(ids, positions, meta))
+
+        with torch.inference_mode():
+            step()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            graph_s = time_median(graph.replay, device, repeats=20)
+            eager_s = time_median(step, device, repeats=5)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+        by_kind: dict[str, float] = collections.defaultdict(float)
+        for event in prof.key_averages():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                by_kind[_kind(event.key)] += event.self_device_time_total / 1e6
+        ideal = decode_step_seconds(costs, ceilings, batch, context + 1)
+        weights_s = costs.weight_bytes / ceilings.bandwidth
+        kv_s = batch * (context + 1) * costs.kv_bytes_per_token / ceilings.bandwidth
+        gpu_busy = sum(by_kind.values())
+        lines.append(
+            f"batch {batch:>3} ctx {context}: graph step {graph_s * 1e3:.2f} ms, eager "
+            f"{eager_s * 1e3:.2f} ms, ideal {ideal * 1e3:.2f} ms (weights {weights_s * 1e3:.2f} + "
+            f"KV {kv_s * 1e3:.2f}); kernels {gpu_busy * 1e3:.2f} ms: "
+            + ", ".join(
+                f"{k} {v * 1e3:.2f}" for k, v in sorted(by_kind.items(), key=lambda x: -x[1])
+            )
+        )
+        rows.append(Row("kvfleet", f"decode_step_ms_b{batch}", graph_s * 1e3, "ms"))
+        rows.append(Row("kvfleet", f"decode_tokens_per_s_b{batch}", batch / graph_s, "tokens/s"))
+        rows.append(Row("roofline", f"decode_tokens_per_s_b{batch}", batch / ideal, "tokens/s"))
+        for kind, seconds in by_kind.items():
+            rows.append(
+                Row("kvfleet", f"b{batch}_{kind.replace(' ', '_')}_ms", seconds * 1e3, "ms")
+            )
+        del graph
+    print("\n".join(lines))
+    command = "python -m kvfleet_engine.bench.profile " + shlex.join(argv or sys.argv[1:])
+    workload = {"context": context, "block_size": block_size, "batch_sizes": batch_sizes}
+    path = write_results(
+        args.output_dir,
+        f"decode-profile-{args.shape}",
+        gpu_name(device),
+        command,
+        args.shape,
+        workload,
+        rows,
+    )
+    print(format_table(rows))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
