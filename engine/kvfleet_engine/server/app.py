@@ -146,10 +146,12 @@ async def _warm_up(state: ServerState) -> None:
     engine = state.engine
     settings = state.settings
     prefill_tokens = max(2, min(settings.max_num_batched_tokens, settings.max_model_len - 2, 512))
-    decode_batch = max(1, min(settings.max_num_seqs, 16))
+    decode_batches = (min(settings.max_num_seqs, 8), min(settings.max_num_seqs, 64))
     try:
         report = await engine.call(
-            lambda e: measure_capacity(e, decode_batch=decode_batch, prefill_tokens=prefill_tokens)
+            lambda e: measure_capacity(
+                e, decode_batches=decode_batches, prefill_tokens=prefill_tokens
+            )
         )
         budget = state.policy.calibrate(report.step_model)
         if budget is not None:

@@ -1,11 +1,13 @@
 """Start-up self-benchmark: warms the engine up and measures what one replica can do.
 
-Runs on the engine thread before the server reports ready. Two measurements fit a linear step
+Runs on the engine thread before the server reports ready. Three measurements fit a linear step
 time model, step_seconds(tokens) = fixed + per_token * tokens:
-- decode: `decode_batch` requests decoding together, median step time;
-- prefill: one prompt of `prefill_tokens` tokens computed in one step.
-From the model, capacity = tokens per second at the largest decode batch the engine runs
-(max_num_seqs, or fewer if the SLA token budget is smaller). The autoscaler reads it as
+- decode at two batch sizes (median step time each): the cost of one more decoding request;
+- prefill: one prompt of `prefill_tokens` tokens in one step: the cost of one more prompt token.
+per_token is the larger of the two slopes (the estimate errs towards slower steps). From the
+model, capacity = generated tokens per second at the largest decode batch the engine runs
+(max_num_seqs, or fewer if the SLA token budget is smaller): an estimate at short contexts,
+which longer contexts lower. The autoscaler reads it as
 `kvfleet_engine_capacity_tokens_per_second`; admission uses the model to estimate TTFT.
 """
 
@@ -28,10 +30,10 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class CapacityReport:
     step_model: StepTimeModel  # fitted step time
-    decode_batch: int  # requests decoding together in the decode measurement
-    decode_step_s: float  # median seconds of one decode step at that batch
+    decode_batches: tuple[int, ...]  # batch sizes of the decode measurements
+    decode_steps_s: tuple[float, ...]  # median seconds of one decode step at each
     prefill_tokens: int  # prompt tokens in the prefill measurement
-    prefill_step_s: float  # seconds of that prefill step
+    prefill_step_s: float  # seconds of that prefill step (fastest of three)
     elapsed_s: float  # wall time of the whole self-benchmark
 
     def capacity_tokens_per_second(self, max_decode_batch: int) -> float:
@@ -43,7 +45,7 @@ class CapacityReport:
 def measure_capacity(
     engine: LLMEngine,
     *,
-    decode_batch: int,
+    decode_batches: tuple[int, int],
     prefill_tokens: int,
     decode_steps: int = 8,
     prompt_len: int = 16,
@@ -53,65 +55,74 @@ def measure_capacity(
 
     started = time.perf_counter()
     vocab = min(int(engine.tokenizer.vocab_size), 30_000)
+    seeds = iter(range(1, 1_000_000))
 
-    def prompt(seed: int, length: int) -> list[int]:
+    def prompt(length: int) -> list[int]:
         # Distinct prompts (no prefix-cache hits); ids well inside the vocabulary.
+        seed = next(seeds)
         return [1 + (seed * 7919 + i * 104_729) % (vocab - 1) for i in range(length)]
 
     def greedy(max_tokens: int) -> SamplingParams:
         return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
 
-    # Warm-up: one request through prefill and a few decodes (first-call costs, graphs).
-    engine.add_request("kvfleet-warmup", prompt(0, prompt_len), greedy(4))
+    def decode_step_s(batch: int) -> float:
+        """Median step time once `batch` requests are all decoding."""
+        for k in range(batch):
+            engine.add_request(
+                f"kvfleet-capacity-decode-{batch}-{k}", prompt(prompt_len), greedy(decode_steps + 2)
+            )
+        first_tokens: set[str] = set()
+        while len(first_tokens) < batch and engine.has_unfinished_requests():
+            first_tokens.update(out.request_id for out in engine.step())
+        times = []
+        while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            outputs = engine.step()
+            elapsed = time.perf_counter() - t0
+            if len(outputs) == batch and not any(out.finished for out in outputs):
+                times.append(elapsed)
+        return statistics.median(times) if times else 0.0
+
+    # Warm-up: one request through prefill and a few decodes (first-call costs).
+    engine.add_request("kvfleet-warmup", prompt(prompt_len), greedy(4))
     _run_to_completion(engine)
 
-    # Decode: a batch prefills, then every step is `decode_batch` decode tokens.
-    params = greedy(decode_steps + 2)
-    for k in range(decode_batch):
-        engine.add_request(f"kvfleet-capacity-decode-{k}", prompt(k + 1, prompt_len), params)
-    first_tokens: set[str] = set()
-    while len(first_tokens) < decode_batch and engine.has_unfinished_requests():
-        first_tokens.update(out.request_id for out in engine.step())
-    decode_times = []
-    while engine.has_unfinished_requests():
-        t0 = time.perf_counter()
-        outputs = engine.step()
-        elapsed = time.perf_counter() - t0
-        if len(outputs) == decode_batch and not any(out.finished for out in outputs):
-            decode_times.append(elapsed)
-    decode_step_s = statistics.median(decode_times) if decode_times else 0.0
+    small, large = min(decode_batches), max(decode_batches)
+    decode_small = decode_step_s(small)
+    decode_large = decode_step_s(large) if large != small else decode_small
 
     # Prefill: one long prompt, one step, one token; the first run of a new shape pays for
     # kernel compilation, so the fastest of three runs counts.
     prefill_runs = []
     for k in range(3):
-        engine.add_request(
-            f"kvfleet-capacity-prefill-{k}",
-            prompt(decode_batch + 1 + k, prefill_tokens),
-            greedy(1),
-        )
+        engine.add_request(f"kvfleet-capacity-prefill-{k}", prompt(prefill_tokens), greedy(1))
         t0 = time.perf_counter()
         _run_to_completion(engine)
         prefill_runs.append(time.perf_counter() - t0)
     prefill_step_s = min(prefill_runs)
 
-    per_token = 1e-9
-    if prefill_tokens > decode_batch and prefill_step_s > decode_step_s:
-        per_token = (prefill_step_s - decode_step_s) / (prefill_tokens - decode_batch)
-    fixed = max(0.0, decode_step_s - per_token * decode_batch)
+    slopes = [1e-9]
+    if prefill_tokens > small:
+        slopes.append((prefill_step_s - decode_small) / (prefill_tokens - small))
+    if large > small:
+        slopes.append((decode_large - decode_small) / (large - small))
+    per_token = max(slopes)
+    fixed = max(0.0, decode_small - per_token * small)
     report = CapacityReport(
         step_model=StepTimeModel(fixed_s=fixed, per_token_s=per_token),
-        decode_batch=decode_batch,
-        decode_step_s=decode_step_s,
+        decode_batches=(small, large),
+        decode_steps_s=(decode_small, decode_large),
         prefill_tokens=prefill_tokens,
         prefill_step_s=prefill_step_s,
         elapsed_s=time.perf_counter() - started,
     )
     log.info(
-        "self-benchmark: decode step %.2f ms at batch %d, prefill %d tokens %.2f ms "
-        "-> %.3f ms + %.4f ms/token (%.1f s)",
-        decode_step_s * 1e3,
-        decode_batch,
+        "self-benchmark: decode step %.2f ms at batch %d, %.2f ms at batch %d; prefill of %d "
+        "tokens %.2f ms -> step = %.3f ms + %.4f ms/token (%.1f s)",
+        decode_small * 1e3,
+        small,
+        decode_large * 1e3,
+        large,
         prefill_tokens,
         prefill_step_s * 1e3,
         fixed * 1e3,
