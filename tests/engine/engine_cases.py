@@ -55,7 +55,9 @@ _MODEL_CLASSES = {
 }
 
 
-def write_checkpoint(name: str, directory: Path, seed: int = 0, **overrides: Any) -> Any:
+def write_checkpoint(
+    name: str, directory: Path, seed: int = 0, max_shard_size: str | None = None, **overrides: Any
+) -> Any:
     """Save a tiny random model of the named architecture (every weight random, biases and
     norms included) with the byte tokenizer; returns the transformers model (float32, eval)."""
     import transformers
@@ -70,7 +72,10 @@ def write_checkpoint(name: str, directory: Path, seed: int = 0, **overrides: Any
                 param.uniform_(0.5, 1.5)
             else:
                 param.normal_(0.0, 0.1)
-    model.save_pretrained(directory)
+    if max_shard_size is None:
+        model.save_pretrained(directory)
+    else:
+        model.save_pretrained(directory, max_shard_size=max_shard_size)
     build_byte_tokenizer().save_pretrained(directory)
     return model
 

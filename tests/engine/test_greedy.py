@@ -5,14 +5,21 @@ chunked prefill and requests arriving mid-decode."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from engine_cases import ARCHITECTURES, assert_greedy_equal, random_prompts
+from engine_cases import (
+    ARCHITECTURES,
+    assert_greedy_equal,
+    random_prompts,
+    reference_greedy,
+    write_checkpoint,
+)
 
 from conftest import Checkpoints
-from kvfleet_engine import SamplingParams
+from kvfleet_engine import LLM, SamplingParams
 from kvfleet_engine.engine import LLMEngine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -135,3 +142,15 @@ def test_requests_added_while_others_decode_match(
                 finals[output.request_id] = output
         steps += 1
     check(checkpoints, "llama3", prompts, [finals[str(i)] for i in range(len(prompts))])
+
+
+def test_sharded_checkpoint_with_index_loads(tmp_path: Path) -> None:
+    hf_model = write_checkpoint("qwen2", tmp_path, seed=3, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    prompts = random_prompts([9, 33], seed=10)
+    llm = LLM(str(tmp_path), device="cpu", max_model_len=256)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        ref = reference_greedy(hf_model, prompt, GREEDY.max_tokens)
+        assert_greedy_equal(output.outputs[0].token_ids, ref, f"prompt of {len(prompt)}")

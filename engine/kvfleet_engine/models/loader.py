@@ -70,11 +70,13 @@ def checkpoint_files(directory: Path) -> list[Path]:
 @torch.no_grad()
 def load_weights(model: nn.Module, directory: Path) -> None:
     params = dict(model.named_parameters())
+    device = next(iter(params.values())).device
+    read_device = str(device) if device.type == "cuda" else "cpu"  # straight to the GPU
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
     modules = dict(model.named_modules())
     unloaded = set(params)
     for file in checkpoint_files(directory):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with safe_open(str(file), framework="pt", device=read_device) as f:
             for name in f.keys():
                 if "rotary_emb.inv_freq" in name:
                     continue
