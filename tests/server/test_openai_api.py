@@ -139,3 +139,18 @@ def test_bench_serve_against_the_server(live_server, tmp_path: Path) -> None:  #
     assert results["ttft_ms"]["p50"] > 0 and results["itl_ms"]["p99"] > 0
     assert results["request_goodput"] > 0
     assert record["command"].startswith("kvfleet bench serve --url")
+
+
+def test_streamed_choices_of_n_arrive_interleaved_and_all_finish(client: openai.OpenAI) -> None:
+    stream = client.completions.create(
+        model=MODEL_NAME, prompt=[1, 2, 3], max_tokens=6, n=3, seed=1, stream=True
+    )
+    tokens_by_choice: dict[int, int] = {}
+    finished: dict[int, str] = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            tokens_by_choice[choice.index] = tokens_by_choice.get(choice.index, 0) + 1
+            if choice.finish_reason:
+                finished[choice.index] = choice.finish_reason
+    assert finished == {0: "length", 1: "length", 2: "length"}
+    assert all(count >= 1 for count in tokens_by_choice.values())
