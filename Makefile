@@ -32,7 +32,7 @@ lint: venv
 test-fast: venv
 	$(PY) -m pytest tests -q
 
-test: lint
+test: lint cluster-bin
 	$(PY) -m pytest -q
 
 include e2e/cluster.mk

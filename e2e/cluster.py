@@ -15,12 +15,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvcluster import controlplane
+from kvcluster.binaries import BuildError, ensure_binaries
 from kvcluster.config import ClusterConfig, default_config
 from kvcluster.kubectl import KubectlError
 
 GPU_COLUMNS = (
     "NAME:.metadata.name,"
-    "STATUS:.status.conditions[?(@.type=='Ready')].type,"
     "READY:.status.conditions[?(@.type=='Ready')].status,"
     "GPUS:.status.allocatable.nvidia\\.com/gpu,"
     "PRODUCT:.metadata.labels.nvidia\\.com/gpu\\.product,"
@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start the control plane (build binaries if needed)")
     up.add_argument("--nodes", type=int, default=2, help="fake GPU nodes to create (default 2)")
+    sub.add_parser("build", help="build the binaries if they are not cached yet")
     sub.add_parser("down", help="stop every process `up` started")
     sub.add_parser("status", help="show the processes and the nodes")
     sub.add_parser("nodes", help="show the GPU nodes (kubectl get nodes with GPU columns)")
@@ -43,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     config = default_config(num_nodes=getattr(args, "nodes", 2))
     if args.command == "up":
         return _up(config)
+    if args.command == "build":
+        return _build(config)
     if args.command == "down":
         controlplane.down(config)
         return 0
@@ -59,6 +62,16 @@ def _up(config: ClusterConfig) -> int:
         print("Everything started was stopped.", file=sys.stderr)
         return 1
     print(f"export KUBECONFIG={config.kubeconfig}")
+    return 0
+
+
+def _build(config: ClusterConfig) -> int:
+    try:
+        paths = ensure_binaries(config.bin_root)
+    except BuildError as exc:
+        print(f"build failed: {exc}", file=sys.stderr)
+        return 1
+    print(f"binaries ready in {sorted({str(p.parent) for p in paths.values()})}", file=sys.stderr)
     return 0
 
 

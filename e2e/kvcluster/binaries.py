@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -139,7 +140,7 @@ def _build(spec: BuildSpec, bin_root: Path) -> None:
     total = _count_packages(go, module_dir, spec.packages)
     progress = _Progress(f"{names} ({spec.key})", total)
     with build_log.open("w") as log_file:
-        log_file.write(f"$ cd {module_dir} && {' '.join(cmd)}\n")
+        log_file.write(f"$ cd {module_dir} && {shlex.join(cmd)}\n")
         log_file.flush()
         proc = subprocess.Popen(
             cmd,
@@ -190,7 +191,7 @@ class _Progress:
         self._start = time.monotonic()
         self._stop = threading.Event()
         self._emit(
-            f"building {what} with Go (cold: 10-30 min on 2 cores; cached afterwards)"
+            f"building {what} with Go (10-30 min on 2 cores if Go's build cache is empty)"
             + (f", up to {total} packages" if total else "")
         )
         self._ticker = threading.Thread(target=self._tick, daemon=True)

@@ -86,6 +86,7 @@ def plan_components(
                 f"--proxy-client-cert-file={pki.admin_cert}",
                 f"--proxy-client-key-file={pki.admin_key}",
                 f"--requestheader-client-ca-file={pki.ca_cert}",
+                "--requestheader-allowed-names=kvfleet-admin",  # CN of the proxy client cert
                 "--requestheader-username-headers=X-Remote-User",
                 "--requestheader-group-headers=X-Remote-Group",
                 "--requestheader-extra-headers-prefix=X-Remote-Extra-",
