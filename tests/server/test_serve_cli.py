@@ -1,0 +1,26 @@
+"""`kvfleet serve` refuses bad flags with a message naming them and exit code 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-queued-requests", "0"], "--max-queued-requests: expected a positive integer"),
+        (["--tensor-parallel-size", "2"], "tensor_parallel_size=2 is not supported yet"),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_flag(
+    tiny_model_dir: Path, flags: list[str], message: str
+) -> None:
+    command = [sys.executable, "-m", "kvfleet_cli", "serve", "--model", str(tiny_model_dir), *flags]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
