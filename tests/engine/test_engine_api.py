@@ -1,0 +1,59 @@
+"""LLMEngine as the server drives it: step outputs, abort, stats, timestamps, priorities."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from engine_cases import random_prompts
+
+from kvfleet_engine import SamplingParams
+from kvfleet_engine.engine import LLMEngine
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def test_step_streams_cumulative_outputs_and_abort_frees_blocks(
+    make_llm: Callable[..., Any],
+) -> None:
+    engine: LLMEngine = make_llm("llama3", kv_cache_blocks=64).engine
+    short, long_ = random_prompts([5, 40], seed=41)
+    engine.add_request("short", short, PARAMS, arrival_time=100.0)
+    engine.add_request("long", long_, PARAMS)
+    first = {o.request_id: o for o in engine.step()}
+    assert set(first) == {"short", "long"}  # both prefilled and sampled a token
+    assert [len(o.outputs[0].token_ids) for o in first.values()] == [1, 1]
+    assert engine.stats().num_running == 2 and engine.stats().num_blocks_free == 64 - 1 - 3
+    second = {o.request_id: o for o in engine.step()}
+    assert second["long"].outputs[0].token_ids[:1] == first["long"].outputs[0].token_ids
+    assert len(second["long"].outputs[0].token_ids) == 2 and not second["long"].finished
+
+    engine.abort_request(["long"])
+    assert engine.stats().num_running == 1
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert {o.request_id for o in outputs} == {"short"}
+    final = outputs[-1]
+    assert final.finished and final.outputs[0].finish_reason == "length"
+    metrics = final.metrics
+    assert metrics.arrival_time == 100.0
+    assert metrics.first_scheduled_time is not None and metrics.first_token_time is not None
+    assert metrics.first_scheduled_time <= metrics.first_token_time <= metrics.last_token_time
+    assert metrics.last_token_time <= metrics.finished_time
+    stats = engine.stats()
+    assert stats.num_blocks_free == 64 and stats.kv_cache_usage == 0.0
+    assert stats.num_prompt_tokens_total == 45
+    assert stats.num_generation_tokens_total == 6 + 2
+
+
+def test_priority_decides_who_runs_first(make_llm: Callable[..., Any]) -> None:
+    engine: LLMEngine = make_llm("llama3", max_num_seqs=1, max_num_batched_tokens=64).engine
+    prompts = random_prompts([4, 4, 4], seed=42)
+    engine.add_request("batch", prompts[0], PARAMS, priority=10)
+    engine.add_request("interactive", prompts[1], PARAMS, priority=-1)
+    engine.add_request("normal", prompts[2], PARAMS)
+    finished_order = []
+    while engine.has_unfinished_requests():
+        finished_order += [o.request_id for o in engine.step() if o.finished]
+    assert finished_order == ["interactive", "normal", "batch"]
