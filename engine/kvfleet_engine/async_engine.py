@@ -191,7 +191,7 @@ class AsyncEngine:
         except ValueError:  # refused by the engine: it holds nothing
             self._forget(request_id)
             raise
-        except BaseException:  # the client went away while we waited: the engine may hold it
+        except BaseException:  # the client went away, or the engine failed: it may hold it
             self._forget(request_id)
             self._commands.put(_Abort([request_id]))
             raise
@@ -285,7 +285,10 @@ class AsyncEngine:
                     priority=command.priority,
                     arrival_time=command.arrival_time,
                 )
-            except ValueError as exc:
+            except ValueError as exc:  # the request's fault: the client gets a 400
+                self._post(_resolve, command.accepted, None, exc)
+            except Exception as exc:  # the engine's fault: fail this request, keep serving
+                log.exception("add_request(%s) failed", command.request_id)
                 self._post(_resolve, command.accepted, None, exc)
             else:
                 self._post(_resolve, command.accepted, None, None)
