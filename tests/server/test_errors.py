@@ -32,6 +32,7 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
         ("completions", {"model": MODEL_NAME}, 400, "prompt"),
         ("chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
         ("chat/completions", {**CHAT, "messages": []}, 400, "messages"),
+        ("chat/completions", {**CHAT, "max_completion_tokens": 600}, 400, "max_completion_tokens"),
         ("chat/completions", {**CHAT, "messages": [{"role": "wizard"}]}, 400, "messages.0.role"),
         (
             "chat/completions",

@@ -241,8 +241,9 @@ class OpenAIServing:
         if max_tokens is None:
             return room
         if max_tokens > room:
+            chat_limit = isinstance(body, ChatCompletionRequest) and body.max_completion_tokens
             raise invalid_field(
-                "max_tokens",
+                "max_completion_tokens" if chat_limit else "max_tokens",
                 f"{max_tokens} plus the {prompt_len}-token prompt exceeds this model's context "
                 f"of {max_model_len} tokens; at most {room} allowed",
             )
