@@ -237,14 +237,16 @@ class ModelRunner:
     def _num_kv_blocks(self) -> int:
         requested = self.config.cache.num_blocks
         max_model_len = self.config.model.max_model_len
+        # Blocks beyond every sequence at full length would only grow the prefix cache, and a
+        # tiny model would otherwise get tens of millions of them.
+        blocks_per_seq = -(-max_model_len // self.block_size)
+        enough = 2 * blocks_per_seq * self.config.scheduler.max_num_seqs
         if requested is not None:
             num_blocks = requested
         elif self.device.type == "cuda":
-            num_blocks = self._profile_free_blocks()
+            num_blocks = min(self._profile_free_blocks(), enough)
         else:
-            blocks_per_seq = -(-max_model_len // self.block_size)
-            wanted = blocks_per_seq * self.config.scheduler.max_num_seqs
-            num_blocks = min(wanted, CPU_KV_CACHE_BYTES // self._block_bytes())
+            num_blocks = min(enough // 2, CPU_KV_CACHE_BYTES // self._block_bytes())
         if num_blocks * self.block_size < max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks x {self.block_size} tokens = "

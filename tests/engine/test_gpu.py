@@ -51,7 +51,7 @@ def hf_model(path: Path, dtype: torch.dtype) -> Any:
 def test_bf16_greedy_matches_transformers(name: str, gpu_checkpoints: dict[str, Path]) -> None:
     path = gpu_checkpoints[name]
     prompts = random_prompts(LENGTHS, seed=21)
-    llm = LLM(str(path), dtype="bfloat16", device="cuda", max_model_len=1024)
+    llm = LLM(str(path), dtype="bfloat16", device="cuda", max_model_len=1024, max_num_seqs=16)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
     model = hf_model(path, torch.bfloat16)
     for prompt, output in zip(prompts, outputs, strict=True):
@@ -63,7 +63,7 @@ def test_bf16_greedy_matches_transformers(name: str, gpu_checkpoints: dict[str, 
 def test_bf16_first_step_logits_close(name: str, gpu_checkpoints: dict[str, Path]) -> None:
     path = gpu_checkpoints[name]
     prompts = random_prompts([5, 100, 600], seed=22)
-    llm = LLM(str(path), dtype="bfloat16", device="cuda", max_model_len=1024)
+    llm = LLM(str(path), dtype="bfloat16", device="cuda", max_model_len=1024, max_num_seqs=16)
     engine = llm.engine
     for index, prompt in enumerate(prompts):
         engine.add_request(str(index), prompt, GREEDY)
@@ -107,7 +107,12 @@ def test_cuda_graphs_on_and_off_agree(gpu_checkpoints: dict[str, Path]) -> None:
     results = {}
     for eager in (True, False):
         llm = LLM(
-            str(path), dtype="float32", device="cuda", max_model_len=1024, enforce_eager=eager
+            str(path),
+            dtype="float32",
+            device="cuda",
+            max_model_len=1024,
+            max_num_seqs=16,
+            enforce_eager=eager,
         )
         outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         results[eager] = [o.outputs[0].token_ids for o in outputs]
@@ -122,7 +127,13 @@ def test_cuda_graphs_on_and_off_agree(gpu_checkpoints: dict[str, Path]) -> None:
 
 
 def test_seeded_sampling_is_reproducible_on_gpu(gpu_checkpoints: dict[str, Path]) -> None:
-    llm = LLM(str(gpu_checkpoints["llama3"]), dtype="bfloat16", device="cuda", max_model_len=512)
+    llm = LLM(
+        str(gpu_checkpoints["llama3"]),
+        dtype="bfloat16",
+        device="cuda",
+        max_model_len=512,
+        max_num_seqs=16,
+    )
     params = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, seed=5, max_tokens=16)
     prompts = random_prompts([10, 20, 30], seed=26)
     alone = llm.generate(prompt_token_ids=prompts[:1], sampling_params=params, use_tqdm=False)
