@@ -41,7 +41,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "up" and not 1 <= args.nodes <= 64:
         parser.error(f"--nodes must be between 1 and 64, got {args.nodes}")
-    config = default_config(num_nodes=getattr(args, "nodes", 2))
+    try:
+        config = default_config(num_nodes=getattr(args, "nodes", 2))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.command == "up":
         return _up(config)
     if args.command == "build":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import astuple, replace
 from pathlib import Path
 from typing import Any
 
@@ -124,12 +124,15 @@ def test_deleting_a_deployment_collects_its_replicaset_and_pods(
 @pytest.fixture
 def second_config(cluster: E2ECluster, tmp_path: Path) -> Iterator[ClusterConfig]:
     """A second, one-node cluster beside the session's, on other ports and its own state."""
-    config = replace(
-        cluster.config,
-        state_dir=tmp_path / "cluster",
-        num_nodes=1,
-        ports=cluster.config.ports.shifted(1000),
+    # Other pytest sessions on this machine may run this test at the same time: take the
+    # first block of ports that is entirely free.
+    offsets = range(1000, 3000, 50)
+    ports = next(
+        ports
+        for ports in (cluster.config.ports.shifted(offset) for offset in offsets)
+        if not any(procs.port_in_use(port) for port in astuple(ports))
     )
+    config = replace(cluster.config, state_dir=tmp_path / "cluster", num_nodes=1, ports=ports)
     yield config
     controlplane.down(config, report=lambda line: None)
 
@@ -170,5 +173,4 @@ def test_down_leaves_no_process_running(second_config: ClusterConfig) -> None:
 
     assert stopped == [s.name for s in reversed(started)]
     assert not any(procs.is_alive(s.pid) for s in started)
-    ports = vars(second_config.ports).values()
-    assert not [port for port in ports if procs.port_in_use(port)]
+    assert not [port for port in astuple(second_config.ports) if procs.port_in_use(port)]

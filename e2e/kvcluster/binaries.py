@@ -209,7 +209,8 @@ class _Progress:
 
     def _tick(self) -> None:
         while not self._stop.wait(20.0):
-            self._emit(f"{self._line()}, now {self._last}")
+            doing = f"compiling {self._last}" if self._last else "linking (packages cached)"
+            self._emit(f"{self._line()}, {doing}")
 
     def finish(self, ok: bool) -> None:
         self._stop.set()

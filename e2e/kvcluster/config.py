@@ -77,6 +77,13 @@ def default_state_dir() -> Path:
 
 
 def default_config(num_nodes: int = 2) -> ClusterConfig:
+    """$KVFLEET_PORT_OFFSET moves every port, so two clusters can share one machine."""
+    raw_offset = os.environ.get("KVFLEET_PORT_OFFSET", "0")
+    if not raw_offset.isdigit() or int(raw_offset) > 20000:
+        raise ValueError(f"KVFLEET_PORT_OFFSET must be an integer 0..20000, got {raw_offset!r}")
     return ClusterConfig(
-        state_dir=default_state_dir(), bin_root=cache_root() / "bin", num_nodes=num_nodes
+        state_dir=default_state_dir(),
+        bin_root=cache_root() / "bin",
+        num_nodes=num_nodes,
+        ports=Ports().shifted(int(raw_offset)),
     )
