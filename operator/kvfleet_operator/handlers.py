@@ -1,7 +1,9 @@
-"""kopf wiring, and nothing else: every trigger ends in `reconcile`."""
+"""kopf wiring, and nothing else: every trigger ends in `reconcile`; the periodic resync and the
+autoscalers run in `loops` (no kopf timers or daemons, so no finalizers on user objects)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -10,9 +12,9 @@ import kopf
 from kvfleet_operator import api
 from kvfleet_operator.apply import Cluster
 from kvfleet_operator.autoscaling.autoscaler import run_autoscaler
+from kvfleet_operator.loops import Loops
 from kvfleet_operator.reconcile import reconcile
 
-RESYNC_SECONDS = 15.0
 RETRY_SECONDS = 10.0
 INFD = (api.GROUP, api.VERSION, api.INFERENCE_DEPLOYMENTS)
 
@@ -27,10 +29,14 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.watching.server_timeout = 120
     settings.watching.client_timeout = 150
     memo.cluster = await Cluster.connect()
+    memo.loops = Loops(memo.cluster, memo.get("namespaces", ()), reconcile, run_autoscaler)
+    memo.loops_task = asyncio.create_task(memo.loops.run())
 
 
 @kopf.on.cleanup()
 async def close(memo: kopf.Memo, **_: Any) -> None:
+    await memo.loops.stop()
+    await memo.loops_task
     await memo.cluster.close()
 
 
@@ -39,12 +45,7 @@ async def close(memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.update(*INFD, field="spec")
 async def spec_changed(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
     await _reconcile(memo, namespace, name)
-
-
-@kopf.timer(*INFD, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
-async def resync(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
-    """Level-based safety net: profiles, optional CRDs and drift are re-read periodically."""
-    await _reconcile(memo, namespace, name)
+    memo.loops.wake()  # start or stop its autoscaler now
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={api.DEPLOYMENT_LABEL: kopf.PRESENT})
@@ -53,19 +54,6 @@ async def child_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     for owner in body.metadata.get("ownerReferences", []):
         if owner.get("kind") == api.INFERENCE_DEPLOYMENT and owner.get("controller"):
             await _reconcile(memo, body.metadata["namespace"], owner["name"])
-
-
-def _autoscaled(spec: kopf.Spec, **_: Any) -> bool:
-    return bool(spec.get("autoscaling")) and not spec.get("suspend")
-
-
-@kopf.daemon(*INFD, when=_autoscaled, cancellation_timeout=10.0)
-async def autoscaler(
-    namespace: str | None, name: str, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any
-) -> None:
-    """The Builtin autoscaler: one loop per autoscaled InferenceDeployment (autoscaling/)."""
-    assert namespace is not None, "InferenceDeployment is namespaced"
-    await run_autoscaler(memo.cluster, namespace, name, stopped)
 
 
 async def _reconcile(memo: kopf.Memo, namespace: str | None, name: str) -> None:

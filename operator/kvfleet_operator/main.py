@@ -39,5 +39,6 @@ def main(argv: list[str]) -> int:
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=args.liveness,
+        memo=kopf.Memo(namespaces=tuple(args.namespace)),
     )
     return 0

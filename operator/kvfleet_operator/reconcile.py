@@ -71,7 +71,7 @@ async def _reconcile(cluster: Cluster, body: dict[str, Any]) -> None:
         for child in children:
             await cluster.apply(child, owner=body)
     else:
-        log.info("%s/%s not rolled out: %s", namespace, name, plan.problems[0].message)
+        log.debug("%s/%s not rolled out: %s", namespace, name, plan.problems[0].message)
 
     deployment = await cluster.get("apps/v1", "Deployment", name, namespace)
     workload = None

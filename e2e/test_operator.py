@@ -1,0 +1,405 @@
+"""The operator end to end on the local control plane: CRDs and a sample in, GPU pods out, status
+that tells the truth, GitOps-safe idempotency, rejection of specs that cannot run, garbage
+collection and restarts. The operator runs as a subprocess under the ServiceAccount and RBAC of
+manifests/, so the least-privilege role is exercised too."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+
+from kvcluster.kubectl import KubectlError
+from kvcluster.testing import E2ECluster
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = ROOT / "manifests" / "samples" / "small.yaml"
+GPU = "nvidia.com/gpu"
+# The cluster is shared by every e2e module: this operator watches only its own namespaces.
+NAMESPACE_PREFIX = "e2e-op-"
+T = TypeVar("T")
+
+
+class Operator:
+    """`kvfleet operator` as a subprocess with its own kubeconfig and log file."""
+
+    def __init__(self, kubeconfig: Path, log_path: Path) -> None:
+        self.kubeconfig, self.log_path = kubeconfig, log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvfleet_cli", "operator", "-n", f"{NAMESPACE_PREFIX}*"],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: E2ECluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
+    kubectl = cluster.kubectl
+    kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
+    for name in ("inferencedeployments", "acceleratorprofiles"):
+        kubectl("wait", "--for=condition=Established", f"crd/{name}.kvfleet.io", "--timeout=30s")
+    for name in ("namespace.yaml", "serviceaccount.yaml", "rbac.yaml"):
+        kubectl("apply", "--server-side", "-f", str(ROOT / "manifests" / name))
+    tmp = tmp_path_factory.mktemp("operator")
+    op = Operator(_service_account_kubeconfig(cluster, tmp), tmp / "operator.log")
+    op.start()
+    yield op
+    op.stop()
+
+
+@pytest.fixture
+def namespace(cluster: E2ECluster) -> Iterator[str]:
+    """A fresh namespace that this module's operator watches (the shared fixture's are not)."""
+    name = f"{NAMESPACE_PREFIX}{uuid.uuid4().hex[:8]}"
+    cluster.kubectl("create", "namespace", name)
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+def _service_account_kubeconfig(cluster: E2ECluster, tmp: Path) -> Path:
+    """A kubeconfig for system:serviceaccount:kvfleet-system:kvfleet-operator."""
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())
+    token = cluster.kubectl(
+        "create", "token", "kvfleet-operator", "-n", "kvfleet-system", "--duration=2h"
+    ).strip()
+    entry = admin["clusters"][0]["cluster"]
+    if "certificate-authority" in entry:
+        ca = Path(entry.pop("certificate-authority")).read_bytes()
+        entry["certificate-authority-data"] = base64.b64encode(ca).decode()
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "e2e", "cluster": entry}],
+        "users": [{"name": "kvfleet-operator", "user": {"token": token}}],
+        "contexts": [{"name": "e2e", "context": {"cluster": "e2e", "user": "kvfleet-operator"}}],
+        "current-context": "e2e",
+    }
+    path = tmp / "operator.kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def wait_for(operator: Operator, check: Callable[[], T | None], timeout: float, what: str) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"timed out after {timeout:.0f}s waiting for {what}\n"
+                f"--- operator log ---\n{operator.log_tail()}"
+            )
+        time.sleep(0.5)
+
+
+def get(cluster: E2ECluster, namespace: str, kind: str, name: str) -> dict[str, Any] | None:
+    try:
+        return dict(
+            cluster.kubectl.json("get", kind, name, "-n", namespace, "--show-managed-fields")
+        )
+    except KubectlError as exc:
+        if "NotFound" in str(exc):
+            return None
+        raise
+
+
+def condition(obj: dict[str, Any] | None, kind: str) -> dict[str, Any] | None:
+    conditions = ((obj or {}).get("status") or {}).get("conditions", [])
+    return next((c for c in conditions if c["type"] == kind), None)
+
+
+def ready_at(obj: dict[str, Any] | None, generation: int) -> bool:
+    ready = condition(obj, "Ready")
+    return bool(
+        obj
+        and obj["status"].get("observedGeneration") == generation
+        and ready
+        and ready["status"] == "True"
+        and ready["observedGeneration"] == generation
+    )
+
+
+def stalled_reason(cluster: E2ECluster, operator: Operator, namespace: str, name: str) -> str:
+    def check() -> str | None:
+        stalled = condition(get(cluster, namespace, "infd", name), "Stalled")
+        return stalled["reason"] if stalled and stalled["status"] == "True" else None
+
+    return wait_for(operator, check, 30, f"{name} Stalled")
+
+
+def children(cluster: E2ECluster, namespace: str, name: str) -> dict[str, list[str]]:
+    found = {}
+    for kind in ("deployments", "services", "poddisruptionbudgets", "replicasets"):
+        items = cluster.kubectl.json(
+            "get", kind, "-n", namespace, "-l", f"kvfleet.io/deployment={name}"
+        )["items"]
+        found[kind] = sorted(item["metadata"]["name"] for item in items)
+    return found
+
+
+def assert_spec_only_written_by_kubectl(obj: dict[str, Any]) -> None:
+    assert obj["metadata"]["managedFields"], "managed fields are needed to check writers"
+    assert not obj["metadata"].get("finalizers"), obj["metadata"]["finalizers"]
+    for entry in obj["metadata"]["managedFields"]:
+        if entry.get("subresource") != "status":
+            assert entry["manager"].startswith("kubectl"), entry
+
+
+def infd(namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvfleet.io/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": spec,
+    }
+
+
+def llama(**extra: Any) -> dict[str, Any]:
+    spec = {
+        "model": {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct", "maxModelLen": 8192},
+        "resources": {"accelerator": "h100-80gb"},
+    }
+    return {**spec, **extra}
+
+
+def test_sample_lifecycle(cluster: E2ECluster, operator: Operator, namespace: str) -> None:
+    kubectl = cluster.kubectl
+    apply_sample = ("apply", "--server-side", "-n", namespace, "-f", str(SAMPLE))
+    kubectl(*apply_sample)
+
+    # A Deployment with the right GPU limit, on the fake H100 nodes, owned by the resource.
+    deployment = wait_for(
+        operator, lambda: get(cluster, namespace, "deployment", "llama-8b"), 30, "Deployment"
+    )
+    pod_spec = deployment["spec"]["template"]["spec"]
+    engine = pod_spec["containers"][0]
+    assert engine["resources"]["limits"][GPU] == "1"
+    assert pod_spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert engine["args"][engine["args"].index("--served-model-name") + 1] == "llama-8b"
+    owner = deployment["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"], owner["controller"]) == (
+        "InferenceDeployment",
+        "llama-8b",
+        True,
+    )
+
+    def running_pods() -> list[dict[str, Any]] | None:
+        pods = kubectl.json("get", "pods", "-n", namespace, "-l", "kvfleet.io/deployment=llama-8b")
+        running = [p for p in pods["items"] if p["status"].get("phase") == "Running"]
+        return running or None
+
+    pods = wait_for(operator, running_pods, 60, "engine pod Running")
+    assert pods[0]["spec"]["nodeName"].startswith("kvfleet-gpu-")
+
+    obj = wait_for(
+        operator,
+        lambda: (o := get(cluster, namespace, "infd", "llama-8b")) and ready_at(o, 1) and o,
+        60,
+        "Ready=True at generation 1",
+    )
+    status = obj["status"]
+    assert status["endpoint"] == {
+        "url": f"http://llama-8b.{namespace}.svc:8000/v1",
+        "servedModelName": "llama-8b",
+    }
+    assert (
+        status["replicasSummary"] == "1/1"
+        and status["selector"] == "kvfleet.io/deployment=llama-8b"
+    )
+    assert status["memoryPlan"]["fits"] is True
+    assert {c["type"]: c["status"] for c in status["conditions"]} == {
+        "Ready": "True",
+        "Reconciling": "False",
+        "Stalled": "False",
+        "Planned": "True",
+        "Available": "True",
+    }
+    assert "kopf" not in json.dumps(obj["metadata"].get("annotations", {}))
+    events = kubectl.json(
+        "get", "events", "-n", namespace, "--field-selector", "involvedObject.name=llama-8b"
+    )["items"]
+    assert "Ready" in {e["reason"] for e in events}
+    printed = kubectl("get", "infd", "llama-8b", "-n", namespace)
+    assert "h100-80gb" in printed and "True" in printed and "Manual" in printed
+
+    # Applying the same file again changes nothing and starts no reconcile loop.
+    versions = _resource_versions(cluster, namespace)
+    kubectl(*apply_sample)
+    for _ in range(15):
+        assert _resource_versions(cluster, namespace) == versions, operator.log_tail()
+        time.sleep(2)
+
+    # A spec change rolls the Deployment; observedGeneration follows.
+    old_template_generation = deployment["metadata"]["generation"]
+    patch = {"spec": {"engine": {"maxNumSeqs": 64}}}
+    kubectl("patch", "infd", "llama-8b", "-n", namespace, "--type=merge", "-p", json.dumps(patch))
+    deployment = wait_for(
+        operator,
+        lambda: (
+            (d := get(cluster, namespace, "deployment", "llama-8b"))
+            and d["metadata"]["generation"] > old_template_generation
+            and d
+        ),
+        30,
+        "the Deployment to change",
+    )
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-num-seqs") + 1] == "64"
+    wait_for(
+        operator,
+        lambda: ready_at(get(cluster, namespace, "infd", "llama-8b"), 2),
+        60,
+        "Ready=True at generation 2",
+    )
+    assert len(children(cluster, namespace, "llama-8b")["replicasets"]) == 2
+
+    # An operator restart creates no duplicates and writes no spec.
+    before = children(cluster, namespace, "llama-8b")
+    uid = deployment["metadata"]["uid"]
+    operator.stop()
+    operator.start()
+    time.sleep(20)  # resume handlers and one resync timer
+    assert children(cluster, namespace, "llama-8b") == before
+    assert before["deployments"] == ["llama-8b"] and before["services"] == ["llama-8b"]
+    obj = get(cluster, namespace, "infd", "llama-8b")
+    assert obj is not None and obj["metadata"]["generation"] == 2 and ready_at(obj, 2)
+    assert get(cluster, namespace, "deployment", "llama-8b")["metadata"]["uid"] == uid
+    assert_spec_only_written_by_kubectl(obj)
+
+    # Deleting the resource garbage-collects every child.
+    kubectl("delete", "infd", "llama-8b", "-n", namespace)
+    wait_for(
+        operator,
+        lambda: not any(children(cluster, namespace, "llama-8b").values()),
+        60,
+        "children to be garbage-collected",
+    )
+
+
+def _resource_versions(cluster: E2ECluster, namespace: str) -> tuple[str, str, str]:
+    return tuple(  # type: ignore[return-value]
+        cluster.kubectl(
+            "get", kind, "llama-8b", "-n", namespace, "-o", "jsonpath={.metadata.resourceVersion}"
+        )
+        for kind in ("infd", "deployment", "service")
+    )
+
+
+def test_invalid_specs_are_rejected_or_stalled(
+    cluster: E2ECluster, operator: Operator, namespace: str
+) -> None:
+    kubectl = cluster.kubectl
+    rejected = {
+        "parallelism.tensor must be one of 1, 2, 4, 8, 16": llama(parallelism={"tensor": 3}),
+        "autoscaling.minReplicas must be <= autoscaling.maxReplicas": llama(
+            autoscaling={
+                "minReplicas": 3,
+                "maxReplicas": 2,
+                "targets": {"kvCacheUtilization": 0.7},
+            }
+        ),
+        "set either replicas or autoscaling, not both": llama(
+            replicas=1, autoscaling={"maxReplicas": 2, "targets": {"kvCacheUtilization": 0.7}}
+        ),
+        "spec.model.uri": llama(model={"uri": "http://example.com/model"}),
+        "Unsupported value": llama(quantization={"weights": "int3"}),
+    }
+    for message, spec in rejected.items():
+        with pytest.raises(KubectlError) as error:
+            kubectl.apply(infd(namespace, "bad", spec))
+        assert message in str(error.value), str(error.value)
+
+    fp8_a100 = llama(quantization={"weights": "fp8"}, resources={"accelerator": "a100-80gb"})
+    kubectl.apply(infd(namespace, "fp8-a100", fp8_a100))
+    too_large = llama(model={"uri": "hf://meta-llama/Llama-3.1-70B-Instruct", "maxModelLen": 8192})
+    kubectl.apply(infd(namespace, "too-large", too_large))
+    kubectl("apply", "-n", namespace, "-f", str(ROOT / "manifests" / "samples" / "large.yaml"))
+
+    assert stalled_reason(cluster, operator, namespace, "fp8-a100") == "UnsupportedQuantization"
+    assert stalled_reason(cluster, operator, namespace, "too-large") == "InsufficientGPUMemory"
+    assert stalled_reason(cluster, operator, namespace, "llama-70b") == "FeatureUnavailable"
+    stalled = condition(get(cluster, namespace, "infd", "too-large"), "Stalled")
+    assert stalled is not None and "needs 135.42 GiB per GPU" in stalled["message"]
+    large = get(cluster, namespace, "infd", "llama-70b")
+    assert large is not None and large["status"]["memoryPlan"]["fits"] is True
+    assert large["status"]["topology"]["gpusPerReplica"] == 4
+    # Nothing is rolled out for a spec that cannot run.
+    assert kubectl.json("get", "deployments", "-n", namespace)["items"] == []
+
+    # servedModelName is immutable.
+    renamed = {"spec": {"model": {"servedModelName": "other"}}}
+    with pytest.raises(KubectlError, match="servedModelName is immutable"):
+        kubectl("patch", "infd", "llama-70b", "-n", namespace, "--type=merge", "-p",
+                json.dumps(renamed))  # fmt: skip
+
+
+def test_replicas_scale_subresource_and_autoscaler_ownership(
+    cluster: E2ECluster, operator: Operator, namespace: str
+) -> None:
+    kubectl = cluster.kubectl
+    kubectl.apply(infd(namespace, "fixed", llama(replicas=1)))
+    wait_for(
+        operator, lambda: get(cluster, namespace, "deployment", "fixed"), 30, "fixed Deployment"
+    )
+    kubectl("scale", "infd", "fixed", "-n", namespace, "--replicas=2")
+    wait_for(
+        operator,
+        lambda: (
+            (d := get(cluster, namespace, "deployment", "fixed")) and d["spec"]["replicas"] == 2
+        ),
+        30,
+        "kubectl scale to reach the Deployment",
+    )
+
+    scaled = llama(autoscaling={"minReplicas": 1, "maxReplicas": 3,
+                                "targets": {"kvCacheUtilization": 0.7}})  # fmt: skip
+    kubectl.apply(infd(namespace, "auto", scaled))
+    deployment = wait_for(
+        operator, lambda: get(cluster, namespace, "deployment", "auto"), 30, "auto Deployment"
+    )
+    for entry in deployment["metadata"]["managedFields"]:
+        if entry["manager"] == "kvfleet-operator":
+            assert "f:replicas" not in entry["fieldsV1"].get("f:spec", {}), entry
+    obj = wait_for(
+        operator,
+        lambda: (
+            (o := get(cluster, namespace, "infd", "auto")) and o.get("status", {}).get("scaling")
+        ),
+        30,
+        "auto status",
+    )
+    assert obj == "Auto(1-3)"
