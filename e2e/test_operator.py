@@ -254,7 +254,17 @@ def test_sample_lifecycle(cluster: E2ECluster, operator: Operator, namespace: st
     )["items"]
     assert "Ready" in {e["reason"] for e in events}
     printed = kubectl("get", "infd", "llama-8b", "-n", namespace)
-    assert "h100-80gb" in printed and "True" in printed and "Manual" in printed
+    columns = printed.splitlines()[1].split()
+    assert columns[:8] == [
+        "llama-8b",
+        "llama-8b",
+        "True",
+        "1/1",
+        "h100-80gb",
+        "1",
+        "none",
+        "Manual",
+    ]
 
     # Applying the same file again changes nothing and starts no reconcile loop.
     versions = _resource_versions(cluster, namespace)

@@ -167,8 +167,8 @@ def inference_deployment_crd() -> dict[str, Any]:
         {"name": "Ready", "type": "string", "jsonPath": _condition("Ready", "status")},
         {"name": "Replicas", "type": "string", "jsonPath": ".status.replicasSummary"},
         {"name": "Accelerator", "type": "string", "jsonPath": ".spec.resources.accelerator"},
-        {"name": "TP", "type": "integer", "jsonPath": ".spec.parallelism.tensor"},
-        {"name": "Quantization", "type": "string", "jsonPath": ".spec.quantization.weights"},
+        {"name": "TP", "type": "integer", "jsonPath": ".status.topology.tensor"},
+        {"name": "Quantization", "type": "string", "jsonPath": ".status.quantization"},
         {"name": "Scaling", "type": "string", "jsonPath": ".status.scaling"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
         {

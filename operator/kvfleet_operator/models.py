@@ -306,6 +306,8 @@ class MemoryPlan(Model):
 
 class Topology(Model):
     kind: Literal["Deployment", "LeaderWorkerSet"]
+    tensor: int = Field(description="Tensor-parallel size in effect.")
+    pipeline: int = Field(description="Pipeline-parallel size in effect.")
     gpus_per_replica: int
     pods_per_replica: int
     gpus_per_pod: int
@@ -332,6 +334,7 @@ class InferenceDeploymentStatus(Model):
     updated_replicas: int | None = None
     replicas_summary: str | None = Field(default=None, description="ready/desired, for kubectl.")
     scaling: str | None = Field(default=None, description="Manual or Auto(min-max).")
+    quantization: str | None = Field(default=None, description="Weight format in effect.")
     selector: str | None = None
     endpoint: Endpoint | None = None
     topology: Topology | None = None

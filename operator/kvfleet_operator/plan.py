@@ -110,15 +110,25 @@ def plan_topology(
     spec: InferenceDeploymentSpec, profile: AcceleratorProfileSpec
 ) -> tuple[Topology, Problem | None]:
     """One pod when a replica fits on a node, else one pod per node (a LeaderWorkerSet group)."""
-    gpus = spec.parallelism.tensor * spec.parallelism.pipeline
+    tensor, pipeline = spec.parallelism.tensor, spec.parallelism.pipeline
+    gpus = tensor * pipeline
     per_node = profile.devices_per_node
     if gpus <= per_node:
         return Topology(
-            kind="Deployment", gpus_per_replica=gpus, pods_per_replica=1, gpus_per_pod=gpus
+            kind="Deployment",
+            tensor=tensor,
+            pipeline=pipeline,
+            gpus_per_replica=gpus,
+            pods_per_replica=1,
+            gpus_per_pod=gpus,
         ), None
-    pods = math.ceil(gpus / per_node)
     topology = Topology(
-        kind="LeaderWorkerSet", gpus_per_replica=gpus, pods_per_replica=pods, gpus_per_pod=per_node
+        kind="LeaderWorkerSet",
+        tensor=tensor,
+        pipeline=pipeline,
+        gpus_per_replica=gpus,
+        pods_per_replica=math.ceil(gpus / per_node),
+        gpus_per_pod=per_node,
     )
     if gpus % per_node:
         return topology, Problem(

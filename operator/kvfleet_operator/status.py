@@ -97,6 +97,7 @@ def compute_status(
         "updatedReplicas": workload.updated if workload else 0,
         "replicasSummary": f"{ready}/{desired}",
         "scaling": _scaling(spec),
+        "quantization": spec.quantization.weights,
         "selector": selector_string(name),
         "endpoint": {
             "url": endpoint_url(name, namespace),
