@@ -13,16 +13,16 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --form
 for step in $STEPS; do
   echo "=== $step ($(date +%T))"
   case $step in
-    tests) $PY -m pytest -m gpu tests/kernels tests/perf tests/engine -q -p no:cacheprovider 2>&1 | tail -25 ;;
+    tests) $PY -m pytest -m gpu tests/kernels tests/perf -q -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     kernels) $PY -m kvfleet_engine.bench.kernels --output-dir "$OUT" 2>&1 | tee "$OUT/kernels.log" | grep -v Warning ;;
     profile) $PY -m kvfleet_engine.bench.profile --shape "$SHAPE" --output-dir "$OUT" 2>&1 | grep -v Warning ;;
     latency) $PY -m kvfleet_cli.main bench latency --shape "$SHAPE" --peer transformers \
-        --output-len 128 --output-dir "$OUT" 2>&1 | grep -v 'tok/s\]' | tail -20 ;;
+        --output-len 128 --output-dir "$OUT" 2>&1 | tee "$OUT/latency.log" | grep -v 'tok/s\]' | tail -20 ;;
     eager-latency) $PY -m kvfleet_cli.main bench latency --shape "$SHAPE" --enforce-eager \
         --output-len 128 --output-dir "$OUT/eager" 2>&1 | grep -v 'tok/s\]' | tail -14 ;;
     throughput) $PY -m kvfleet_cli.main bench throughput --shape "$SHAPE" --peer transformers \
         --peer-num-prompts "${PEER_PROMPTS:-64}" --num-prompts "${PROMPTS:-512}" \
-        --output-dir "$OUT" 2>&1 | grep -v 'it/s\]\|req/s\]' | tail -20 ;;
+        --output-dir "$OUT" 2>&1 | tee "$OUT/throughput.log" | grep -v 'it/s\]\|req/s\]' | tail -20 ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -56,4 +56,6 @@ def generate_batch_throughput(
     _sync(model.device)
     elapsed = time.perf_counter() - start
     num_tokens = sum(len(out.generated_tokens) for out in outputs.values())
+    if num_tokens == 0:  # its background thread died; it logs why and returns nothing
+        raise RuntimeError("generate_batch returned no tokens (see its ERROR log lines)")
     return num_tokens / elapsed, num_tokens
