@@ -25,7 +25,6 @@ from kvfleet_engine.server.errors import APIError, error_body, invalid_field
 from kvfleet_engine.server.protocol import (
     AssistantMessage,
     ChatChoice,
-    ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -35,7 +34,6 @@ from kvfleet_engine.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    DeltaMessage,
     SamplingFields,
     TopLogprob,
     UsageInfo,
@@ -298,6 +296,7 @@ class OpenAIServing:
 
     async def _stream_completion(self, fan: _Fanout, include_usage: bool) -> AsyncIterator[str]:
         choices = [_Choice(k // fan.n) for k in range(len(fan.streams))]
+        event = _chunk_writer(fan, "text_completion")
         async for k, out in _merge(fan.streams):
             c = choices[k]
             delta_text, new_tokens = _advance(c, out)
@@ -306,20 +305,14 @@ class OpenAIServing:
             logprobs = None
             if new_tokens and out.logprobs is not None:
                 logprobs = self._completion_logprob_slice(out, new_tokens, c)
-            chunk = CompletionResponse(
-                id=fan.request_id,
-                created=fan.created,
-                model=fan.model,
-                choices=[
-                    CompletionChoice(
-                        index=k,
-                        text=delta_text,
-                        logprobs=logprobs,
-                        finish_reason=out.finish_reason,
-                    )
-                ],
+            yield event(
+                {
+                    "index": k,
+                    "text": delta_text,
+                    "logprobs": logprobs.model_dump() if logprobs is not None else None,
+                    "finish_reason": out.finish_reason,
+                }
             )
-            yield _sse(chunk.model_dump(exclude_none=False, exclude={"usage"}))
         if include_usage:
             usage = CompletionResponse(
                 id=fan.request_id,
@@ -336,17 +329,16 @@ class OpenAIServing:
     ) -> AsyncIterator[str]:
         choices = [_Choice(0) for _ in fan.streams]
 
-        def chunk(choice: ChatChunkChoice) -> str:
-            message = ChatCompletionChunk(
-                id=fan.request_id, created=fan.created, model=fan.model, choices=[choice]
-            )
-            payload = message.model_dump(exclude={"usage"})
-            for item in payload["choices"]:  # OpenAI leaves unset delta fields out
-                item["delta"] = {k: v for k, v in item["delta"].items() if v is not None}
-            return _sse(payload)
-
+        event = _chunk_writer(fan, "chat.completion.chunk")
         for k in range(len(fan.streams)):
-            yield chunk(ChatChunkChoice(index=k, delta=DeltaMessage(role="assistant", content="")))
+            yield event(
+                {
+                    "index": k,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            )
         async for k, out in _merge(fan.streams):
             c = choices[k]
             start_tokens = c.num_tokens_sent
@@ -358,13 +350,13 @@ class OpenAIServing:
                 logprobs = ChatLogprobs(
                     content=self._chat_token_logprobs(out, start_tokens, num_logprobs)
                 )
-            yield chunk(
-                ChatChunkChoice(
-                    index=k,
-                    delta=DeltaMessage(content=delta_text),
-                    logprobs=logprobs,
-                    finish_reason=out.finish_reason,
-                )
+            yield event(
+                {
+                    "index": k,
+                    "delta": {"content": delta_text},
+                    "logprobs": logprobs.model_dump() if logprobs is not None else None,
+                    "finish_reason": out.finish_reason,
+                }
             )
         if include_usage:
             usage = ChatCompletionChunk(
@@ -454,6 +446,21 @@ def _field_in(message: str, candidates: dict[str, Any]) -> str | None:
     """The sampling field a SamplingParams error names, if any."""
     names = [*candidates, "stop", "stop_token_ids", "seed", "max_tokens", "logprobs"]
     return next((name for name in names if message.startswith(name) or name in message), None)
+
+
+def _chunk_writer(fan: _Fanout, object_name: str) -> Callable[[dict[str, Any]], str]:
+    """Formats one streamed chunk with one choice. Plain dicts and a pre-serialized envelope:
+    this runs for every request at every step, on the event loop the engine thread shares."""
+    envelope = json.dumps(
+        {"id": fan.request_id, "object": object_name, "created": fan.created, "model": fan.model},
+        separators=(",", ":"),
+    )
+    head = f'data: {envelope[:-1]},"choices":['
+
+    def event(choice: dict[str, Any]) -> str:
+        return f"{head}{json.dumps(choice, separators=(',', ':'))}]}}\n\n"
+
+    return event
 
 
 def _sse(payload: dict[str, Any]) -> str:
