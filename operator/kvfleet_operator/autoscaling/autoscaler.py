@@ -57,6 +57,8 @@ class Stopped(Protocol):
 async def run_autoscaler(cluster: Cluster, namespace: str, name: str, stopped: Stopped) -> None:
     """Tick every behavior.syncPeriodSeconds until `stopped` (the kopf daemon's flag). A failed
     tick is logged and retried on the next one: the replicas stay as they are meanwhile."""
+    # httpx logs every request at INFO: one line per pod per tick would drown the operator log.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     async with httpx.AsyncClient(trust_env=False) as http:
         while not stopped:
             period = IDLE_PERIOD_SECONDS

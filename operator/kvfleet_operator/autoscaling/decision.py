@@ -51,6 +51,7 @@ class SignalReading:
     target: float  # the per-replica target it is compared to
     desired: int | None  # replicas this signal alone asks for (stable window); None: no data
     panic_desired: int | None  # the same over the panic window, without tolerance
+    panic_value: float | None  # the value over the panic window
 
 
 @dataclass(frozen=True)
@@ -160,8 +161,10 @@ def _read_signals(
             else _desired_from_total(totals[0], target, current, ready, spec),
             None if totals[1] is None else math.ceil(totals[1] / target - 1e-9),
         )
-        value = None if totals[0] is None or ready == 0 else totals[0] / ready
-        readings.append(SignalReading(name, value, target, desired[0], desired[1]))
+        value, panic_value = (
+            None if total is None or ready == 0 else total / ready for total in totals
+        )
+        readings.append(SignalReading(name, value, target, desired[0], desired[1], panic_value))
     for name in LATENCY_SIGNALS:
         latency = getattr(targets, name)
         if latency is None:
@@ -176,7 +179,9 @@ def _read_signals(
             else _desired_from_ratio(values[0] / latency.seconds, current, ready, spec),
             None if values[1] is None else math.ceil(ready * values[1] / latency.seconds - 1e-9),
         )
-        readings.append(SignalReading(name, values[0], latency.seconds, desired[0], desired[1]))
+        readings.append(
+            SignalReading(name, values[0], latency.seconds, desired[0], desired[1], values[1])
+        )
     return tuple(readings)
 
 
@@ -200,10 +205,14 @@ def _top(signals: list[SignalReading], panic: bool) -> str:
     """The signal that asks for the most replicas, in words."""
     if not signals:
         return "no signal has data"
-    key = (lambda s: s.panic_desired or 0) if panic else (lambda s: s.desired or 0)
-    top = max(signals, key=key)
-    value = "n/a" if top.value is None else f"{top.value:.3g}"
-    return f"{top.name} {value}/{top.target:.3g} per replica -> {key(top)}"
+    if panic:
+        top = max(signals, key=lambda s: s.panic_desired or 0)
+        value, desired = top.panic_value, top.panic_desired
+    else:
+        top = max(signals, key=lambda s: s.desired or 0)
+        value, desired = top.value, top.desired
+    shown = "n/a" if value is None else f"{value:.3g}"
+    return f"{top.name} {shown}/{top.target:.3g} per replica -> {desired}"
 
 
 def _clamp(spec: AutoscalingSpec, replicas: int) -> int:

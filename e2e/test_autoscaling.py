@@ -1,0 +1,214 @@
+"""Autoscaling end to end on the local control plane, with real engines standing in for pods.
+
+kwok runs the pods and gives each an IP from its node's loopback CIDR (127.1.<node>.0/24); this
+test starts one real `kvfleet serve` (tiny model, CPU) bound at each pod's IP:8000 and stops it
+when the pod goes, so the operator's autoscaler scrapes real engines exactly as it would in a
+cluster. `kvfleet bench serve` loads the first engine: its generation token rate goes over the
+per-replica target, the Deployment grows and the new pods' engines serve; the load stops, and the
+Deployment shrinks back only after the scale-down stabilization window. The InferenceDeployment's
+spec (and generation) never changes: only the autoscaler's field manager writes replicas.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from engine_pods import EnginePods
+from kvcluster.testing import E2ECluster
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = "tiny"
+TARGET_TOKENS_PER_SECOND = (
+    40  # per replica; one CPU engine under bench load does several times that
+)
+SCALE_DOWN_STABILIZATION = 20
+T = TypeVar("T")
+
+AUTOSCALING = {
+    "minReplicas": 1,
+    "maxReplicas": 3,
+    "targets": {"generationTokenRate": {"tokensPerSecond": TARGET_TOKENS_PER_SECOND}},
+    "behavior": {
+        "syncPeriodSeconds": 1,
+        "stableWindowSeconds": 10,
+        "panicWindowSeconds": 4,
+        "warmupSeconds": 0,
+        "scaleDown": {
+            "stabilizationWindowSeconds": SCALE_DOWN_STABILIZATION,
+            "maxReplicasPerPeriod": 3,
+            "periodSeconds": 5,
+            "drainTimeoutSeconds": 5,
+        },
+    },
+}
+
+
+def wait(check: Callable[[], T | None], timeout: float, what: str, logs: list[Path]) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            tails = "\n".join(
+                f"--- {p.name} ---\n" + "\n".join(p.read_text(errors="replace").splitlines()[-25:])
+                for p in logs
+                if p.exists()
+            )
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{tails}")
+        time.sleep(0.5)
+
+
+@pytest.fixture
+def operator(cluster: E2ECluster, namespace: str, tmp_path: Path) -> Iterator[Path]:
+    cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
+    cluster.kubectl(
+        "wait", "--for=condition=Established", "crd/inferencedeployments.kvfleet.io",
+        "--timeout=30s",
+    )  # fmt: skip
+    log_path = tmp_path / "operator.log"
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvfleet_cli", "operator", "--namespace", namespace],
+            env=cluster.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    yield log_path
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def test_token_rate_scales_up_and_back_down(
+    cluster: E2ECluster, namespace: str, operator: Path, tmp_path: Path
+) -> None:
+    kubectl = cluster.kubectl
+    model = tmp_path / "model"
+    subprocess.run(
+        [sys.executable, "-m", "kvfleet_cli", "tiny-model", str(model)],
+        check=True,
+        capture_output=True,
+    )
+    logs = [operator]
+    manifest = {
+        "apiVersion": "kvfleet.io/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": NAME, "namespace": namespace},
+        "spec": {
+            "model": {"uri": f"file://{model}", "servedModelName": NAME, "maxModelLen": 512},
+            "resources": {"accelerator": "h100-80gb"},
+            "autoscaling": AUTOSCALING,
+        },
+    }
+    kubectl("apply", "--server-side", "-f", "-", input=json.dumps(manifest))
+
+    def infd() -> dict[str, Any]:
+        return dict(kubectl.json("get", "infd", NAME, "-n", namespace, "--show-managed-fields"))
+
+    def replicas() -> int:
+        deployment = kubectl.json("get", "deployment", NAME, "-n", namespace)
+        return int(deployment["spec"].get("replicas", 1))
+
+    with EnginePods(cluster.kubectl, namespace, NAME, model, tmp_path) as engines:
+        wait(lambda: engines.ready_ips(), 240, "the first engine to be ready", logs)
+        before = infd()
+        first_ip = engines.ready_ips()[0]
+        assert replicas() == 1
+
+        bench_log = (tmp_path / "bench.log").open("wb")
+        bench = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvfleet_cli",
+                "bench",
+                "serve",
+                "--url",
+                f"http://{first_ip}:8000",
+                "--concurrency",
+                "8",
+                "--num-prompts",
+                "100000",
+                "--random-input-len",
+                "32",
+                "--random-output-len",
+                "64",
+                "--ignore-eos",
+                "--no-progress",
+            ],
+            stdout=bench_log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            wait(lambda: replicas() >= 2, 90, "a scale-up under load", logs)
+            wait(lambda: replicas() == 3, 90, "the scale-up to maxReplicas", logs)
+            wait(
+                lambda: len(engines.ready_ips()) == 3,
+                300,
+                "engines on the new pods to serve",
+                logs + [tmp_path / f"engine-{n}.log" for n in engines.started],
+            )
+            scaled_up = infd()
+        finally:
+            bench.send_signal(signal.SIGINT)
+            try:
+                bench.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                bench.kill()
+                bench.wait()
+            load_end = time.time()
+
+        # Load gone: nothing may shrink before the stabilization window ends, then back to 1.
+        first_down = None
+        while time.time() < load_end + SCALE_DOWN_STABILIZATION + 120:
+            if replicas() < 3:
+                first_down = time.time()
+                break
+            time.sleep(0.5)
+        assert first_down is not None, "never scaled down after the load stopped"
+        assert first_down >= load_end + SCALE_DOWN_STABILIZATION - 1
+        wait(lambda: replicas() == 1, 120, "the scale-down to minReplicas", logs)
+        wait(lambda: len(engines.pods()) == 1, 60, "the extra pods to go", logs)
+        after = infd()
+
+    # GitOps: the spec is exactly what was applied; only status moved.
+    assert after["spec"] == before["spec"]
+    assert after["metadata"]["generation"] == before["metadata"]["generation"] == 1
+    for entry in after["metadata"]["managedFields"]:
+        if entry.get("subresource") != "status":
+            assert entry["manager"].startswith("kubectl"), entry
+
+    # The replicas belong to the autoscaler's field manager, and status tells the story.
+    deployment = kubectl.json("get", "deployment", NAME, "-n", namespace, "--show-managed-fields")
+    owners = [
+        entry["manager"]
+        for entry in deployment["metadata"]["managedFields"]
+        if "f:replicas" in entry.get("fieldsV1", {}).get("f:spec", {})
+    ]
+    assert "kvfleet-autoscaler" in owners
+    assert "kvfleet-operator" not in owners
+    history = after["status"]["autoscaling"]["history"]
+    ups = [h for h in history if h["toReplicas"] > h["fromReplicas"]]
+    downs = [h for h in history if h["toReplicas"] < h["fromReplicas"]]
+    assert ups and "generationTokenRate" in ups[0]["reason"]
+    assert downs and downs[-1]["toReplicas"] == 1
+    signal_status = scaled_up["status"]["autoscaling"]["signals"][0]
+    assert signal_status["name"] == "generationTokenRate"
+    assert signal_status["target"] == TARGET_TOKENS_PER_SECOND
+    limited = next(c for c in after["status"]["conditions"] if c["type"] == "ScalingLimited")
+    assert limited["observedGeneration"] == 1
