@@ -252,7 +252,7 @@ def test_sample_lifecycle(cluster: E2ECluster, operator: Operator, namespace: st
     events = kubectl.json(
         "get", "events", "-n", namespace, "--field-selector", "involvedObject.name=llama-8b"
     )["items"]
-    assert "Ready" in {e["reason"] for e in events}
+    assert {"Created", "Ready"} <= {e["reason"] for e in events}
     printed = kubectl("get", "infd", "llama-8b", "-n", namespace)
     columns = printed.splitlines()[1].split()
     assert columns[:8] == [
@@ -296,6 +296,10 @@ def test_sample_lifecycle(cluster: E2ECluster, operator: Operator, namespace: st
         "Ready=True at generation 2",
     )
     assert len(children(cluster, namespace, "llama-8b")["replicasets"]) == 2
+    events = kubectl.json(
+        "get", "events", "-n", namespace, "--field-selector", "involvedObject.name=llama-8b"
+    )["items"]
+    assert "RolloutStarted" in {e["reason"] for e in events}
 
     # An operator restart creates no duplicates and writes no spec.
     before = children(cluster, namespace, "llama-8b")

@@ -22,6 +22,7 @@ from kvfleet_operator.render import render_children, selector_string
 from kvfleet_operator.status import (
     compute_status,
     invalid_spec_status,
+    rollout_event,
     summarize_workload,
     transition_events,
 )
@@ -63,17 +64,23 @@ async def _reconcile(cluster: Cluster, body: dict[str, Any]) -> None:
         service_monitor=await cluster.has_crd(api.SERVICE_MONITOR_CRD),
     )
     plan = plan_deployment(name, spec, profile, model_architecture(spec.model), features)
+    deployment = await cluster.get("apps/v1", "Deployment", name, namespace)
     if plan.ok:
         assert profile is not None
         children = render_children(
             name, namespace, spec, plan, profile, service_monitor=features.service_monitor
         )
+        before = deployment
         for child in children:
-            await cluster.apply(child, owner=body)
+            applied = await cluster.apply(child, owner=body)
+            if child["kind"] == "Deployment":
+                deployment = applied
+        event = rollout_event(before, deployment)
+        if event is not None:
+            await cluster.post_event(body, event.type, event.reason, event.message)
     else:
         log.debug("%s/%s not rolled out: %s", namespace, name, plan.problems[0].message)
 
-    deployment = await cluster.get("apps/v1", "Deployment", name, namespace)
     workload = None
     if deployment is not None:
         pods = await cluster.list("v1", "Pod", namespace, selector_string(name))

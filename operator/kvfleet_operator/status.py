@@ -294,3 +294,15 @@ def invalid_spec_status(
             old_status.get("conditions", []), conditions, generation, now
         ),
     }
+
+
+def rollout_event(before: dict[str, Any] | None, after: dict[str, Any] | None) -> Event | None:
+    """An event when applying the children created the Deployment or changed its spec."""
+    if after is None:
+        return None
+    if before is None:
+        return Event("Normal", "Created", "created the Deployment, Service and PodDisruptionBudget")
+    old, new = before["metadata"].get("generation"), after["metadata"].get("generation")
+    if old == new:
+        return None
+    return Event("Normal", "RolloutStarted", f"Deployment spec changed (generation {old} -> {new})")

@@ -160,3 +160,14 @@ def test_summarize_workload_reads_deployment_and_pods() -> None:
 def test_invalid_spec_is_stalled() -> None:
     status = invalid_spec_status(generation=2, message="spec.x: bad", old_status={}, now=T0)
     assert {c["type"]: c["reason"] for c in status["conditions"]}["Stalled"] == "InvalidSpec"
+
+
+def test_rollout_events() -> None:
+    from kvfleet_operator.status import rollout_event
+
+    first = {"metadata": {"generation": 1}}
+    second = {"metadata": {"generation": 2}}
+    assert rollout_event(None, first).reason == "Created"
+    assert rollout_event(first, second).reason == "RolloutStarted"
+    assert rollout_event(second, second) is None
+    assert rollout_event(None, None) is None
