@@ -73,11 +73,50 @@ def operator(cluster: E2ECluster, tmp_path_factory: pytest.TempPathFactory) -> I
         kubectl("wait", "--for=condition=Established", f"crd/{name}.kvfleet.io", "--timeout=30s")
     for name in ("namespace.yaml", "serviceaccount.yaml", "rbac.yaml"):
         kubectl("apply", "--server-side", "-f", str(ROOT / "manifests" / name))
+    created_service_monitor_crd = _ensure_service_monitor_crd(cluster)
     tmp = tmp_path_factory.mktemp("operator")
     op = Operator(_service_account_kubeconfig(cluster, tmp), tmp / "operator.log")
     op.start()
     yield op
     op.stop()
+    if created_service_monitor_crd:
+        kubectl("delete", "crd", SERVICE_MONITOR_CRD, "--wait=false", check=False)
+
+
+SERVICE_MONITOR_CRD = "servicemonitors.monitoring.coreos.com"
+
+
+def _ensure_service_monitor_crd(cluster: E2ECluster) -> bool:
+    """A stand-in for the Prometheus Operator's ServiceMonitor CRD (schema left open), so the
+    operator's optional ServiceMonitor is exercised. Returns whether this call created it."""
+    if cluster.kubectl("get", "crd", SERVICE_MONITOR_CRD, check=False).strip():
+        return False
+    schema = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    cluster.kubectl.apply(
+        {
+            "apiVersion": "apiextensions.k8s.io/v1",
+            "kind": "CustomResourceDefinition",
+            "metadata": {"name": SERVICE_MONITOR_CRD},
+            "spec": {
+                "group": "monitoring.coreos.com",
+                "scope": "Namespaced",
+                "names": {
+                    "kind": "ServiceMonitor",
+                    "plural": "servicemonitors",
+                    "singular": "servicemonitor",
+                    "listKind": "ServiceMonitorList",
+                },
+                "versions": [
+                    {"name": "v1", "served": True, "storage": True,
+                     "schema": {"openAPIV3Schema": schema}}
+                ],
+            },
+        }
+    )  # fmt: skip
+    cluster.kubectl(
+        "wait", "--for=condition=Established", f"crd/{SERVICE_MONITOR_CRD}", "--timeout=30s"
+    )
+    return True
 
 
 @pytest.fixture
@@ -163,7 +202,8 @@ def stalled_reason(cluster: E2ECluster, operator: Operator, namespace: str, name
 
 def children(cluster: E2ECluster, namespace: str, name: str) -> dict[str, list[str]]:
     found = {}
-    for kind in ("deployments", "services", "poddisruptionbudgets", "replicasets"):
+    kinds = ("deployments", "services", "poddisruptionbudgets", "servicemonitors", "replicasets")
+    for kind in kinds:
         items = cluster.kubectl.json(
             "get", kind, "-n", namespace, "-l", f"kvfleet.io/deployment={name}"
         )["items"]
@@ -308,7 +348,8 @@ def test_sample_lifecycle(cluster: E2ECluster, operator: Operator, namespace: st
     operator.start()
     time.sleep(20)  # resume handlers and one resync timer
     assert children(cluster, namespace, "llama-8b") == before
-    assert before["deployments"] == ["llama-8b"] and before["services"] == ["llama-8b"]
+    for kind in ("deployments", "services", "poddisruptionbudgets", "servicemonitors"):
+        assert before[kind] == ["llama-8b"], before
     obj = get(cluster, namespace, "infd", "llama-8b")
     assert obj is not None and obj["metadata"]["generation"] == 2 and ready_at(obj, 2)
     assert get(cluster, namespace, "deployment", "llama-8b")["metadata"]["uid"] == uid
