@@ -51,10 +51,13 @@ def cluster() -> Iterator[E2ECluster]:
     # Every session using the cluster holds a shared lock; the last one out may stop it.
     with (config.state_dir / ".users.lock").open("w") as users:
         fcntl.flock(users, fcntl.LOCK_SH)
+        failure = None
         try:
             controlplane.up(config, owner="fixture", report=_report)
         except controlplane.ClusterError as exc:
-            pytest.fail(f"local control plane did not come up: {exc}", pytrace=False)
+            failure = str(exc)
+        if failure is not None:
+            pytest.fail(f"local control plane did not come up: {failure}", pytrace=False)
         yield E2ECluster(config, config.kubeconfig, controlplane.kubectl_for(config))
         if os.environ.get("KVFLEET_KEEP_CLUSTER") == "1":
             return

@@ -52,10 +52,11 @@ def is_alive(pid: int, binary: str | None = None) -> bool:
             state = stat.read().rsplit(b")", 1)[1].split()[0]
         if state in (b"Z", b"X"):
             return False
+        # /proc/<pid>/exe, not cmdline: right after exec the new cmdline can still read empty.
         if binary is not None:
-            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-                return cmdline.read().split(b"\0", 1)[0].decode() == binary
-    except (FileNotFoundError, ProcessLookupError, IndexError):
+            exe = os.readlink(f"/proc/{pid}/exe").removesuffix(" (deleted)")
+            return exe == os.path.realpath(binary)
+    except (OSError, IndexError):  # gone, or not ours to inspect
         return False
     return True
 
