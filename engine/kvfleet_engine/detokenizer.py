@@ -8,6 +8,7 @@ the last (longest stop string - 1) characters, so a stop string is never streame
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kvfleet_engine.sampling import SamplingParams
@@ -24,6 +25,8 @@ class IncrementalDetokenizer:
         self.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
+        self.prefix_text: str | None = None  # decode of token_ids[prefix_offset:read_offset]
+        self.decode = _decoder(tokenizer, params.skip_special_tokens)
         self.text = ""
         self.stop_buffer = max((len(s) for s in params.stop), default=1) - 1
         self.finished = False
@@ -50,15 +53,15 @@ class IncrementalDetokenizer:
         return self.text[: max(len(self.text) - self.stop_buffer, 0)]
 
     def _decode_delta(self, final: bool) -> str:
-        skip = self.params.skip_special_tokens
         ids = self.token_ids
-        prefix = self.tokenizer.decode(
-            ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip
-        )
-        full = self.tokenizer.decode(ids[self.prefix_offset :], skip_special_tokens=skip)
+        if self.prefix_text is None:
+            self.prefix_text = self.decode(ids[self.prefix_offset : self.read_offset])
+        prefix = self.prefix_text
+        full = self.decode(ids[self.prefix_offset :])
         if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        self.prefix_text = None
         return full[len(prefix) :]
 
     def _find_stop(self, start: int) -> str | None:
@@ -71,3 +74,12 @@ class IncrementalDetokenizer:
             return None
         self.text = self.text[: best[0]]
         return best[1]
+
+
+def _decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """token ids -> text. A fast tokenizer's Rust decoder is called directly (several times
+    cheaper per call) unless the tokenizer also cleans up spaces, which only its decode() does."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -114,8 +114,9 @@ class KVCacheManager:
             for _ in range(num_new_blocks)
         ]
         request.block_ids.extend(new_block_ids)
-        if self.enable_prefix_caching:
-            self._cache_full_blocks(request, num_computed + num_new_tokens)
+        num_full = (num_computed + num_new_tokens) // self.block_size
+        if self.enable_prefix_caching and num_full > request.num_registered_blocks:
+            self._cache_full_blocks(request, num_full)
         return new_block_ids
 
     def free(self, request: Request) -> None:
@@ -169,10 +170,9 @@ class KVCacheManager:
             )
         return hashes
 
-    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Register the blocks that num_tokens fills completely (their tokens are known)."""
+    def _cache_full_blocks(self, request: Request, num_full: int) -> None:
+        """Register the request's first num_full blocks (full; their tokens are known)."""
         hashes = self._block_hashes(request)
-        num_full = num_tokens // self.block_size
         for index in range(request.num_registered_blocks, num_full):
             block = self.blocks[request.block_ids[index]]
             block_hash = hashes[index]
@@ -183,4 +183,4 @@ class KVCacheManager:
             block.parent_hash = hashes[index - 1] if index else _ROOT_HASH
             block.token_ids = tuple(request.all_token_ids[start : start + self.block_size])
             self.cached_blocks[block_hash] = block.block_id
-        request.num_registered_blocks = max(request.num_registered_blocks, num_full)
+        request.num_registered_blocks = num_full
