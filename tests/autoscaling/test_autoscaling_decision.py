@@ -221,6 +221,20 @@ def test_scale_down_waits_for_least_busy_pod_to_drain() -> None:
     assert decision.victims == ("b",)
 
 
+def test_scale_down_removes_a_pod_whose_engine_is_not_serving_first() -> None:
+    down = spec(
+        {"kvCacheUtilization": 0.5},
+        scaleDown={"stabilizationWindowSeconds": 0, "drainTimeoutSeconds": 30},
+    )
+    pods = (
+        PodObservation("serving", -100.0, _sample(0.0, 0.0, running=0.0)),
+        PodObservation("loading", -100.0, None),  # ready per kubelet, engine not answering
+    )
+    decision = decide(down, Observation(0.0, 2, 2, 0, pods), ScalerState())
+    assert decision.desired_replicas == 1
+    assert decision.victims == ("loading",)
+
+
 def _sample(
     now: float,
     generated: float,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from kvfleet_operator.autoscaling.limits import rate_limit, stabilize
-from kvfleet_operator.autoscaling.samples import Observation
+from kvfleet_operator.autoscaling.samples import Observation, PodObservation
 from kvfleet_operator.autoscaling.spec import AutoscalingSpec
 from kvfleet_operator.autoscaling.state import (
     HISTORY_LENGTH,
@@ -271,28 +271,26 @@ def _finish(
             desired = current
     state = replace(state, drain=drain)
     events = state.events
-    if desired != current or limited != state.limited:
-        events = (*events, ScaleEvent(now, current, desired, reason))[-HISTORY_LENGTH:]
+    noteworthy = {INSUFFICIENT_CAPACITY, METRICS_UNAVAILABLE}
+    if desired != current or (limited != state.limited and {limited, state.limited} & noteworthy):
+        told = f"[{limited}] {reason}" if limited else reason
+        events = (*events, ScaleEvent(now, current, desired, told))[-HISTORY_LENGTH:]
     state = replace(state, events=events, limited=limited)
     return Decision(desired, mode, signals, reason, limited, victims, state)
 
 
 def _pick_victims(observation: Observation, count: int) -> tuple[tuple[str, ...], float]:
-    """The `count` pods to remove: pods that are not ready first, then the ready pods with the
-    least work in flight. Returns them and the requests still in flight on them."""
+    """The `count` pods to remove: pods that are not ready first, then pods whose engine does not
+    answer (still loading: it serves nothing), then ready pods with the least work in flight.
+    Returns them and the requests still in flight on them."""
 
-    def work(pod_index: int) -> tuple[int, float, str]:
-        pod = observation.pods[pod_index]
+    def rank(pod: PodObservation) -> tuple[int, float, str]:
         if pod.ready_since is None:
             return (0, 0.0, pod.name)
-        in_flight = pod.sample.in_flight if pod.sample is not None else math.inf
-        return (1, in_flight, pod.name)
+        if pod.sample is None:
+            return (1, 0.0, pod.name)
+        return (2, pod.sample.in_flight, pod.name)
 
-    order = sorted(range(len(observation.pods)), key=work)[:count]
-    chosen = [observation.pods[i] for i in order]
-    busy = sum(
-        pod.sample.in_flight if pod.sample is not None else 0.0
-        for pod in chosen
-        if pod.ready_since is not None
-    )
+    chosen = sorted(observation.pods, key=rank)[:count]
+    busy = sum(pod.sample.in_flight for pod in chosen if pod.sample is not None)
     return tuple(pod.name for pod in chosen), busy
