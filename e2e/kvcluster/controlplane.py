@@ -59,6 +59,7 @@ def up(config: ClusterConfig, owner: str = "cli", report: Report = print) -> boo
     with _locked(config.state_dir / ".lock"):
         if is_running(config):
             report(f"control plane already running (state: {config.state_dir})")
+            _add_missing_nodes(config, report)
             return False
         _stop_all(config)  # leftovers of a crashed run, if any
         shutil.rmtree(config.logs_dir, ignore_errors=True)
@@ -172,7 +173,7 @@ def _wait_ready(
         # pods are refused until the service-account controller made `default`
         checks.append(lambda: _succeeds(kubectl, "get", "serviceaccount", "default"))
     if component.name == "kwok":
-        _create_nodes(config, kubectl, component, log_path)
+        _create_nodes(config, kubectl, list(range(config.num_nodes)), log_path)
         checks.append(lambda: _nodes_ready(kubectl, config.num_nodes))
 
     deadline = time.monotonic() + config.ready_timeout_s
@@ -197,20 +198,37 @@ def _wait_ready(
         time.sleep(0.25)
 
 
+def _add_missing_nodes(config: ClusterConfig, report: Report) -> None:
+    """A running cluster asked for more nodes than it has (`up --nodes 4`): add them."""
+    kubectl = kubectl_for(config)
+    existing = {node["metadata"]["name"] for node in kubectl.json("get", "nodes")["items"]}
+    missing = [i for i in range(config.num_nodes) if node_name(i) not in existing]
+    if not missing:
+        return
+    log_path = config.log_path("kwok")
+    _create_nodes(config, kubectl, missing, log_path)
+    deadline = time.monotonic() + config.ready_timeout_s
+    while not _nodes_ready(kubectl, config.num_nodes):
+        if time.monotonic() > deadline:
+            raise ClusterError(
+                "kwok", f"added nodes not Ready after {config.ready_timeout_s:.0f}s", log_path
+            )
+        time.sleep(0.25)
+    report(f"  added {', '.join(node_name(i) for i in missing)}")
+
+
 def _create_nodes(
-    config: ClusterConfig, kubectl: Kubectl, component: Component, log_path: Path
+    config: ClusterConfig, kubectl: Kubectl, indices: list[int], log_path: Path
 ) -> None:
     try:
-        for index in range(config.num_nodes):
+        for index in indices:
             kubectl.apply(render_node(index, config.gpu_product))
             kubectl(
                 "patch", "node", node_name(index), "--subresource=status", "--type=merge",
                 "-p", json.dumps(render_node_status()),
             )  # fmt: skip
     except KubectlError as exc:
-        raise ClusterError(
-            component.name, f"creating fake GPU nodes failed: {exc}", log_path
-        ) from exc
+        raise ClusterError("kwok", f"creating fake GPU nodes failed: {exc}", log_path) from exc
 
 
 def _succeeds(kubectl: Kubectl, *args: str) -> bool:
