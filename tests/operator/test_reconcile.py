@@ -1,0 +1,103 @@
+"""One reconcile against an in-memory API: children applied with owner references, status
+written once, and nothing written when nothing changed."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from kvfleet_operator import api
+from kvfleet_operator.apply import with_owner
+from kvfleet_operator.reconcile import reconcile
+
+
+class MemoryCluster:
+    """The subset of apply.Cluster that reconcile uses, backed by a dict."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self.status_patches: list[dict[str, Any]] = []
+        self.events: list[str] = []
+        self.applied: list[str] = []
+
+    def add(self, obj: dict[str, Any]) -> None:
+        meta = obj["metadata"]
+        self.objects[(obj["kind"], meta.get("namespace", ""), meta["name"])] = obj
+
+    async def get(self, api_version: str, kind: str, name: str, namespace: str | None = None):
+        return copy.deepcopy(self.objects.get((kind, namespace or "", name)))
+
+    async def list(self, api_version: str, kind: str, namespace=None, selector: str = ""):
+        return [copy.deepcopy(o) for (k, _, _), o in self.objects.items() if k == kind]
+
+    async def has_crd(self, name: str) -> bool:
+        return False
+
+    async def apply(self, manifest: dict[str, Any], *, owner=None, field_manager=""):
+        manifest = with_owner(manifest, owner) if owner else manifest
+        key = (manifest["kind"], manifest["metadata"]["namespace"], manifest["metadata"]["name"])
+        previous = self.objects.get(key)
+        generation = (previous or {}).get("metadata", {}).get("generation", 0)
+        if previous is None or previous["spec"] != manifest["spec"]:
+            generation += 1
+        stored = copy.deepcopy(manifest)
+        stored["metadata"]["generation"] = generation
+        self.objects[key] = stored
+        self.applied.append(manifest["kind"])
+        return copy.deepcopy(stored)
+
+    async def patch_status(self, api_version, kind, name, namespace, status):
+        self.status_patches.append(status)
+        obj = self.objects[(kind, namespace, name)]
+        obj["status"] = {**obj.get("status", {}), **status}
+        return obj
+
+    async def post_event(self, involved, type_, reason, message) -> None:
+        self.events.append(reason)
+
+
+def infd(**spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": api.API_VERSION,
+        "kind": api.INFERENCE_DEPLOYMENT,
+        "metadata": {"name": "llama", "namespace": "ns", "uid": "u-1", "generation": 1},
+        "spec": {
+            "model": {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct", "maxModelLen": 8192},
+            "resources": {"accelerator": "h100-80gb"},
+            **spec,
+        },
+    }
+
+
+async def test_reconcile_applies_children_then_is_a_no_op() -> None:
+    cluster = MemoryCluster()
+    cluster.add(infd(replicas=2))
+    await reconcile(cluster, "ns", "llama")  # type: ignore[arg-type]
+    assert cluster.applied == ["Deployment", "Service", "PodDisruptionBudget"]
+    deployment = cluster.objects[("Deployment", "ns", "llama")]
+    assert deployment["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    assert len(cluster.status_patches) == 1 and cluster.events == ["Created"]
+    status = cluster.objects[("InferenceDeployment", "ns", "llama")]["status"]
+    assert status["observedGeneration"] == 1 and status["replicasSummary"] == "0/2"
+
+    await reconcile(cluster, "ns", "llama")  # type: ignore[arg-type]
+    assert len(cluster.status_patches) == 1, "an unchanged object must not be written again"
+    assert cluster.events == ["Created"]
+
+
+async def test_stalled_spec_applies_nothing_and_explains() -> None:
+    cluster = MemoryCluster()
+    cluster.add(infd(quantization={"weights": "fp8"}, resources={"accelerator": "a100-80gb"}))
+    await reconcile(cluster, "ns", "llama")  # type: ignore[arg-type]
+    assert cluster.applied == []
+    assert cluster.events == ["UnsupportedQuantization"]
+
+
+async def test_invalid_spec_is_reported_not_raised() -> None:
+    cluster = MemoryCluster()
+    autoscaling = {"maxReplicas": 2, "targets": {}}  # no target: the model rejects it
+    cluster.add(infd(autoscaling=autoscaling))
+    await reconcile(cluster, "ns", "llama")  # type: ignore[arg-type]
+    conditions = cluster.status_patches[0]["conditions"]
+    stalled = next(c for c in conditions if c["type"] == "Stalled")
+    assert stalled["reason"] == "InvalidSpec" and "autoscaling" in stalled["message"]
