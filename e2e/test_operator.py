@@ -446,6 +446,8 @@ def test_replicas_scale_subresource_and_autoscaler_ownership(
     deployment = wait_for(
         operator, lambda: get(cluster, namespace, "deployment", "auto"), 30, "auto Deployment"
     )
+    with pytest.raises(KubectlError, match="set either replicas or autoscaling"):
+        kubectl("scale", "infd", "auto", "-n", namespace, "--replicas=2")
     for entry in deployment["metadata"]["managedFields"]:
         if entry["manager"] == "kvfleet-operator":
             assert "f:replicas" not in entry["fieldsV1"].get("f:spec", {}), entry

@@ -222,7 +222,8 @@ class InferenceDeploymentSpec(Model):
         json_schema_extra=cel(
             (
                 "!(has(self.replicas) && has(self.autoscaling))",
-                "set either replicas or autoscaling, not both",
+                "set either replicas or autoscaling, not both (with autoscaling the replica "
+                "count belongs to the autoscaler, so kubectl scale is refused too)",
             ),
             (
                 "!has(self.autoscaling) || "
