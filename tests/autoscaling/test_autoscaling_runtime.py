@@ -42,6 +42,19 @@ def pod(name: str, ip: str, ready: bool = True, unschedulable: bool = False) -> 
     }
 
 
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch, as the API server applies it to status."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    merged = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = merge_patch(merged.get(key), value)
+    return merged
+
+
 class FakeCluster:
     """The subset of kvfleet_operator.apply.Cluster the autoscaler uses, recording writes."""
 
@@ -92,7 +105,7 @@ class FakeCluster:
         if resource_version is not None and resource_version != self.resource_version:
             raise ApiException(status=409, reason="Conflict")
         self.writes.append(("status", status))
-        self.infd["status"].update(status)
+        self.infd["status"] = merge_patch(self.infd["status"], status)
         self.bump()
         return copy.deepcopy(self.infd)
 
@@ -253,3 +266,15 @@ async def test_condition_is_written_only_when_it_changes_and_never_over_a_newer_
     async with engines({}) as http:
         await autoscale_once(cluster, http, NS, NAME, T0 + 2)  # type: ignore[arg-type]
     assert cluster.infd["status"]["conditions"] == []
+
+
+async def test_state_of_a_deleted_pod_does_not_linger_in_status() -> None:
+    cluster = FakeCluster(SPEC, 2, [pod("p1", "127.1.0.2"), pod("p2", "127.1.0.3")])
+    bodies = {"127.1.0.2": metrics(0.0), "127.1.0.3": metrics(0.0)}
+    async with engines(bodies) as http:
+        await autoscale_once(cluster, http, NS, NAME, T0)  # type: ignore[arg-type]
+        cluster.pods = cluster.pods[:1]
+        await autoscale_once(cluster, http, NS, NAME, T0 + 1)  # type: ignore[arg-type]
+    # Status is written by JSON merge patch: the saved state must name only pods that exist.
+    snapshots = cluster.infd["status"]["autoscaling"]["state"]["snapshots"]
+    assert [entry[0] for entry in snapshots] == ["p1"]

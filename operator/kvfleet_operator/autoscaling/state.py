@@ -66,8 +66,11 @@ class ScalerState:
     def to_dict(self) -> dict[str, Any]:
         """JSON-compatible form for the status subresource."""
         return {
-            "snapshots": {
-                pod: [
+            # A list, not a map: status is written by JSON merge patch, which would keep the
+            # keys of pods that are gone.
+            "snapshots": [
+                [
+                    pod,
                     s.time,
                     s.generation_tokens_total,
                     s.prompt_tokens_total,
@@ -75,7 +78,7 @@ class ScalerState:
                     _pairs(s.tpot_buckets),
                 ]
                 for pod, s in self.snapshots.items()
-            },
+            ],
             "ticks": [
                 [t.time, t.totals, {k: _pairs(v) for k, v in t.histograms.items()}]
                 for t in self.ticks
@@ -99,10 +102,10 @@ class ScalerState:
             drain = data.get("drain")
             return cls(
                 snapshots={
-                    pod: CounterSnapshot(
-                        float(s[0]), float(s[1]), float(s[2]), _buckets(s[3]), _buckets(s[4])
+                    str(s[0]): CounterSnapshot(
+                        float(s[1]), float(s[2]), float(s[3]), _buckets(s[4]), _buckets(s[5])
                     )
-                    for pod, s in data.get("snapshots", {}).items()
+                    for s in data.get("snapshots", [])
                 },
                 ticks=tuple(
                     Tick(
