@@ -365,6 +365,13 @@ def test_sample_lifecycle(cluster: E2ECluster, operator: Operator, namespace: st
     )
 
 
+def _owns_replicas(obj: dict[str, Any], manager: str) -> bool:
+    return any(
+        entry["manager"] == manager and "f:replicas" in entry["fieldsV1"].get("f:spec", {})
+        for entry in obj["metadata"]["managedFields"]
+    )
+
+
 def _resource_versions(cluster: E2ECluster, namespace: str) -> tuple[str, str, str]:
     return tuple(  # type: ignore[return-value]
         cluster.kubectl(
@@ -439,6 +446,24 @@ def test_replicas_scale_subresource_and_autoscaler_ownership(
         30,
         "kubectl scale to reach the Deployment",
     )
+
+    # Switching to autoscaling hands the current count to the autoscaler instead of letting
+    # the Deployment fall back to 1 replica when the reconciler stops applying the field.
+    switch = {"spec": {"replicas": None, "autoscaling": {
+        "minReplicas": 1, "maxReplicas": 3, "targets": {"kvCacheUtilization": 0.7}}}}  # fmt: skip
+    kubectl("patch", "infd", "fixed", "-n", namespace, "--type=merge", "-p", json.dumps(switch))
+    handed = wait_for(
+        operator,
+        lambda: (
+            (d := get(cluster, namespace, "deployment", "fixed"))
+            and not _owns_replicas(d, "kvfleet-operator")
+            and d
+        ),
+        30,
+        "the reconciler to release spec.replicas",
+    )
+    assert handed["spec"]["replicas"] == 2
+    assert _owns_replicas(handed, "kvfleet-autoscaler")
 
     scaled = llama(autoscaling={"minReplicas": 1, "maxReplicas": 3,
                                 "targets": {"kvCacheUtilization": 0.7}})  # fmt: skip

@@ -71,6 +71,8 @@ async def _reconcile(cluster: Cluster, body: dict[str, Any]) -> None:
             name, namespace, spec, plan, profile, service_monitor=features.service_monitor
         )
         before = deployment
+        if deployment is not None and spec.effective_replicas() is None:
+            await _hand_replicas_to_autoscaler(cluster, deployment)
         for child in children:
             applied = await cluster.apply(child, owner=body)
             if child["kind"] == "Deployment":
@@ -96,6 +98,31 @@ async def _reconcile(cluster: Cluster, body: dict[str, Any]) -> None:
         now=now,
     )
     await _write_status(cluster, body, old_status, status)
+
+
+async def _hand_replicas_to_autoscaler(cluster: Cluster, deployment: dict[str, Any]) -> None:
+    """Switching from fixed replicas to autoscaling: if only the reconciler owns the child's
+    spec.replicas, server-side apply without the field would delete it and the Deployment would
+    fall back to 1 replica. The autoscaler's field manager takes over the current value first."""
+    if not owns_replicas(deployment, api.FIELD_MANAGER):
+        return
+    if owns_replicas(deployment, api.AUTOSCALER_FIELD_MANAGER):
+        return
+    meta = deployment["metadata"]
+    replicas = deployment.get("spec", {}).get("replicas", 1)
+    await cluster.scale(meta["namespace"], meta["name"], replicas)
+    log.info(
+        "%s/%s: replicas (%d) handed to the autoscaler", meta["namespace"], meta["name"], replicas
+    )
+
+
+def owns_replicas(obj: dict[str, Any], manager: str) -> bool:
+    """Whether `manager` owns spec.replicas of `obj` according to its managedFields."""
+    for entry in obj["metadata"].get("managedFields", []):
+        if entry.get("manager") == manager and entry.get("operation") == "Apply":
+            if "f:replicas" in entry.get("fieldsV1", {}).get("f:spec", {}):
+                return True
+    return False
 
 
 async def read_accelerator_profiles(cluster: Cluster) -> dict[str, AcceleratorProfileSpec]:

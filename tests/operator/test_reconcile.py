@@ -101,3 +101,22 @@ async def test_invalid_spec_is_reported_not_raised() -> None:
     conditions = cluster.status_patches[0]["conditions"]
     stalled = next(c for c in conditions if c["type"] == "Stalled")
     assert stalled["reason"] == "InvalidSpec" and "autoscaling" in stalled["message"]
+
+
+def test_owns_replicas_reads_managed_fields() -> None:
+    from kvfleet_operator.reconcile import owns_replicas
+
+    deployment = {
+        "metadata": {
+            "managedFields": [
+                {
+                    "manager": "kvfleet-operator",
+                    "operation": "Apply",
+                    "fieldsV1": {"f:spec": {"f:replicas": {}, "f:template": {}}},
+                },
+                {"manager": "kube-controller-manager", "operation": "Update", "fieldsV1": {}},
+            ]
+        }
+    }
+    assert owns_replicas(deployment, "kvfleet-operator")
+    assert not owns_replicas(deployment, "kvfleet-autoscaler")
