@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvcluster import controlplane, procs
+from kvcluster import binaries, controlplane, procs
 from kvcluster.config import GPU_PRODUCT, POD_CIDR, ClusterConfig
 from kvcluster.testing import E2ECluster, wait_until
 
@@ -174,3 +174,20 @@ def test_down_leaves_no_process_running(second_config: ClusterConfig) -> None:
     assert stopped == [s.name for s in reversed(started)]
     assert not any(procs.is_alive(s.pid) for s in started)
     assert not [port for port in astuple(second_config.ports) if procs.port_in_use(port)]
+
+
+def test_failed_build_names_the_binary_and_its_build_log(tmp_path: Path) -> None:
+    spec = replace(
+        binaries.BUILD_SPECS[0],
+        key="etcd-broken",
+        packages=("go.etcd.io/etcd/server/v3/no-such-command",),
+    )
+
+    with pytest.raises(binaries.BuildError) as failure:
+        binaries.build(spec, tmp_path)
+
+    build_log = tmp_path / "logs" / "etcd-broken.build.log"
+    assert str(failure.value).startswith("building etcd (etcd-broken) failed with exit code 1")
+    assert f"Full build log: {build_log}" in str(failure.value)
+    assert "no-such-command" in build_log.read_text()
+    assert not (tmp_path / "etcd-broken").exists()  # nothing half-built is cached

@@ -102,7 +102,7 @@ def ensure_binaries(bin_root: Path) -> dict[str, Path]:
         bin_root.mkdir(parents=True, exist_ok=True)
         with _locked(bin_root / ".build.lock"):
             for spec in missing_specs(bin_root):
-                _build(spec, bin_root)
+                build(spec, bin_root)
     return binary_paths(bin_root)
 
 
@@ -121,7 +121,8 @@ def _go_env() -> dict[str, str]:
     return {**os.environ, "GOTOOLCHAIN": "local", "CGO_ENABLED": "0", "GOFLAGS": "-mod=readonly"}
 
 
-def _build(spec: BuildSpec, bin_root: Path) -> None:
+def build(spec: BuildSpec, bin_root: Path) -> None:
+    """Build one spec into <bin_root>/<key>/ (staged, renamed into place only on success)."""
     go = shutil.which("go")
     names = ", ".join(spec.binaries)
     if go is None:
