@@ -18,3 +18,4 @@ cluster-status: venv
 demo: venv
 	@$(PY) e2e/cluster.py up
 	@$(PY) e2e/cluster.py nodes
+	@$(PY) e2e/demo_autoscaling.py
