@@ -13,6 +13,7 @@ import pytest
 
 from kvcluster import binaries, controlplane, procs
 from kvcluster.config import GPU_PRODUCT, POD_CIDR, ClusterConfig
+from kvcluster.pki import ensure_pki
 from kvcluster.testing import E2ECluster, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -153,6 +154,22 @@ def test_taken_port_names_the_component_and_stops_what_started(
     assert str(second_config.log_path("kube-apiserver")) in message
     # etcd had started before the apiserver failed; it must be gone again
     assert second_config.log_path("etcd").is_file()
+    assert controlplane.status(second_config) == []
+    assert not procs.port_in_use(second_config.ports.etcd_client)
+
+
+def test_component_that_exits_is_named_with_its_log_and_the_rest_is_stopped(
+    second_config: ClusterConfig,
+) -> None:
+    pki = ensure_pki(second_config.state_dir / "pki")
+    pki.sa_pub.write_text("not a public key\n")  # kube-apiserver refuses to start with this
+
+    with pytest.raises(controlplane.ClusterError) as failure:
+        controlplane.up(second_config, report=lambda line: None)
+
+    message = str(failure.value)
+    assert message.startswith("kube-apiserver: exited during start-up. Last log lines:")
+    assert str(second_config.log_path("kube-apiserver")) in message
     assert controlplane.status(second_config) == []
     assert not procs.port_in_use(second_config.ports.etcd_client)
 
