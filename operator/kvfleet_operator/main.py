@@ -4,11 +4,20 @@ its service account."""
 from __future__ import annotations
 
 import argparse
-import logging
+import asyncio
+import sys
+
+from kvfleet_operator import api
+
+PREFLIGHT_TIMEOUT_SECONDS = 30.0
+DESCRIPTION = (
+    "Run the InferenceDeployment operator against $KUBECONFIG (or, inside a pod, its service "
+    "account)."
+)
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kvfleet operator", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="kvfleet operator", description=DESCRIPTION)
     parser.add_argument(
         "--namespace",
         "-n",
@@ -25,14 +34,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
 
+    problem = asyncio.run(_preflight_with_timeout())
+    if problem:
+        print(f"kvfleet operator: {problem}", file=sys.stderr)
+        return 2
+
     import kopf
 
     import kvfleet_operator.handlers  # noqa: F401  (registers the handlers)
 
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     kopf.configure(verbose=args.verbose)
     kopf.run(
         standalone=True,
@@ -42,3 +52,29 @@ def main(argv: list[str]) -> int:
         memo=kopf.Memo(namespaces=tuple(args.namespace)),
     )
     return 0
+
+
+async def _preflight_with_timeout() -> str | None:
+    try:
+        return await asyncio.wait_for(_preflight(), PREFLIGHT_TIMEOUT_SECONDS)
+    except TimeoutError:
+        return f"the API server did not answer within {PREFLIGHT_TIMEOUT_SECONDS:.0f} s"
+
+
+async def _preflight() -> str | None:
+    """A clear message instead of a retry loop when there is no cluster or no CRD."""
+    from kvfleet_operator.apply import Cluster
+
+    try:
+        cluster = await Cluster.connect()
+    except Exception as exc:
+        return f"no Kubernetes cluster configured ({exc}); set KUBECONFIG"
+    try:
+        crd = f"{api.INFERENCE_DEPLOYMENTS}.{api.GROUP}"
+        if not await cluster.has_crd(crd):
+            return f"CRD {crd} is not installed: kubectl apply --server-side -f crds/"
+    except Exception as exc:
+        return f"cannot reach the API server: {exc}"
+    finally:
+        await cluster.close()
+    return None
