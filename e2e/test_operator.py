@@ -184,9 +184,9 @@ def condition(obj: dict[str, Any] | None, kind: str) -> dict[str, Any] | None:
 def ready_at(obj: dict[str, Any] | None, generation: int) -> bool:
     ready = condition(obj, "Ready")
     return bool(
-        obj
+        ready
+        and obj is not None
         and obj["status"].get("observedGeneration") == generation
-        and ready
         and ready["status"] == "True"
         and ready["observedGeneration"] == generation
     )
@@ -363,6 +363,43 @@ def test_sample_lifecycle(cluster: E2ECluster, operator: Operator, namespace: st
         60,
         "children to be garbage-collected",
     )
+
+
+def test_accelerator_profile_object(
+    cluster: E2ECluster, operator: Operator, namespace: str
+) -> None:
+    """A cluster AcceleratorProfile: its resource name, node selector and memory are used."""
+    profile_name = f"lab-{namespace}"
+    cluster.kubectl.apply(
+        {
+            "apiVersion": "kvfleet.io/v1alpha1",
+            "kind": "AcceleratorProfile",
+            "metadata": {"name": profile_name},
+            "spec": {
+                "memoryGiB": 80,
+                "computeCapability": "9.0",
+                "devicesPerNode": 8,
+                "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+            },
+        }
+    )
+    try:
+        spec = llama(replicas=1, resources={"accelerator": profile_name})
+        cluster.kubectl.apply(infd(namespace, "lab", spec))
+        obj = wait_for(
+            operator,
+            lambda: (o := get(cluster, namespace, "infd", "lab")) and ready_at(o, 1) and o,
+            60,
+            "Ready on a custom AcceleratorProfile",
+        )
+        assert obj["status"]["memoryPlan"]["availableGiB"] == 72
+        deployment = get(cluster, namespace, "deployment", "lab")
+        assert deployment is not None
+        pod_spec = deployment["spec"]["template"]["spec"]
+        assert pod_spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+        assert "tolerations" not in pod_spec or pod_spec["tolerations"] == []
+    finally:
+        cluster.kubectl("delete", "acceleratorprofile", profile_name, check=False)
 
 
 def _owns_replicas(obj: dict[str, Any], manager: str) -> bool:

@@ -26,9 +26,14 @@ def cel(*rules: tuple[str, str]) -> dict[str, Any]:
     return {"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in rules]}
 
 
+def to_wire_name(field: str) -> str:
+    """snake_case -> camelCase, keeping the unit GiB: memory_gib -> memoryGiB."""
+    return to_camel(field).replace("Gib", "GiB")
+
+
 class Model(BaseModel):
     model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+        alias_generator=to_wire_name, populate_by_name=True, extra="forbid", frozen=True
     )
 
 

@@ -95,3 +95,19 @@ def test_generated_yaml_has_no_anchors() -> None:
         assert kind == ("Kustomization" if name == "Kustomization" else "CustomResourceDefinition")
     kustomization = yaml.safe_load(files["Kustomization"])
     assert sorted(kustomization["resources"]) == sorted(n for n in files if n.endswith(".yaml"))
+
+
+def test_printer_columns_point_at_schema_fields() -> None:
+    from kvfleet_operator.crd import accelerator_profile_crd
+
+    for crd in (inference_deployment_crd(), accelerator_profile_crd()):
+        version = crd["spec"]["versions"][0]
+        schema = version["schema"]["openAPIV3Schema"]
+        for column in version["additionalPrinterColumns"]:
+            path = column["jsonPath"].split("[", 1)[0].strip(".").split(".")
+            if path[0] == "metadata":
+                continue
+            node = schema
+            for part in path:
+                assert part in node.get("properties", {}), f"{column['jsonPath']}: no {part}"
+                node = node["properties"][part]
