@@ -278,3 +278,41 @@ async def test_state_of_a_deleted_pod_does_not_linger_in_status() -> None:
     # Status is written by JSON merge patch: the saved state must name only pods that exist.
     snapshots = cluster.infd["status"]["autoscaling"]["state"]["snapshots"]
     assert [entry[0] for entry in snapshots] == ["p1"]
+
+
+async def test_prometheus_source_reads_the_same_series_per_pod() -> None:
+    from kvfleet_operator.autoscaling.pods import pod_facts
+    from kvfleet_operator.autoscaling.sources import query_prometheus
+
+    def series(name: str, pod_name: str, value: float, **labels: str) -> dict[str, Any]:
+        metric = {"__name__": name, "namespace": NS, "pod": pod_name, **labels}
+        return {"metric": metric, "value": [T0 - 2, str(value)]}
+
+    result = [
+        series("kvfleet_generation_tokens_total", "p1", 500),
+        series("kvfleet_prompt_tokens_total", "p1", 900),
+        series("kvfleet_kv_cache_usage_ratio", "p1", 0.25),
+        series("kvfleet_requests_waiting", "p1", 1),
+        series("kvfleet_requests_running", "p1", 3),
+        series("kvfleet_engine_capacity_tokens_per_second", "p1", 400),
+        series("kvfleet_generation_tokens_total", "p2", 7),  # incomplete: no gauges
+    ]
+    seen: list[httpx.Request] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(
+            200, json={"status": "success", "data": {"resultType": "vector", "result": result}}
+        )
+
+    pods = [pod_facts(pod("p1", "127.1.0.2")), pod_facts(pod("p2", "127.1.0.3"))]
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as http:
+        samples = await query_prometheus(http, "http://prom:9090/", NS, pods, T0)  # type: ignore[arg-type]
+    query = seen[0].url.params["query"]
+    assert seen[0].url.path == "/api/v1/query"
+    assert f'namespace="{NS}"' in query and 'pod=~"p1|p2"' in query
+    p1 = samples["p1"]
+    assert p1 is not None and p1.time == T0 - 2
+    assert (p1.generation_tokens_total, p1.kv_cache_usage, p1.in_flight) == (500, 0.25, 4)
+    assert p1.capacity_generation == 400
+    assert samples["p2"] is None  # missing series: no data, never zeros

@@ -47,7 +47,8 @@ IDLE_PERIOD_SECONDS = 5.0  # next look when there is nothing to scale yet
 
 
 class Stopped(Protocol):
-    """kopf's DaemonStopped: falsy while running, `wait(timeout)` sleeps until stop or timeout."""
+    """A stop flag (loops.Flag, or kopf's DaemonStopped): falsy while running; `wait(timeout)`
+    sleeps until stop or timeout."""
 
     def __bool__(self) -> bool: ...
 
@@ -55,8 +56,9 @@ class Stopped(Protocol):
 
 
 async def run_autoscaler(cluster: Cluster, namespace: str, name: str, stopped: Stopped) -> None:
-    """Tick every behavior.syncPeriodSeconds until `stopped` (the kopf daemon's flag). A failed
-    tick is logged and retried on the next one: the replicas stay as they are meanwhile."""
+    """Tick every behavior.syncPeriodSeconds until `stopped` (kvfleet_operator.loops starts one
+    such task per autoscaled InferenceDeployment). A failed tick is logged and retried on the
+    next one: the replicas stay as they are meanwhile."""
     # httpx logs every request at INFO: one line per pod per tick would drown the operator log.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     async with httpx.AsyncClient(trust_env=False) as http:
