@@ -212,3 +212,59 @@ def test_token_rate_scales_up_and_back_down(
     assert signal_status["target"] == TARGET_TOKENS_PER_SECOND
     limited = next(c for c in after["status"]["conditions"] if c["type"] == "ScalingLimited")
     assert limited["observedGeneration"] == 1
+
+
+def test_controller_hpa_renders_an_hpa_the_api_server_accepts(
+    cluster: E2ECluster, namespace: str, operator: Path
+) -> None:
+    kubectl = cluster.kubectl
+    autoscaling = {
+        "minReplicas": 2,
+        "maxReplicas": 5,
+        "controller": "HPA",
+        "targets": {"kvCacheUtilization": 0.75, "waitingRequestsPerReplica": 4},
+        "behavior": {"scaleDown": {"stabilizationWindowSeconds": 120}},
+    }
+    manifest = {
+        "apiVersion": "kvfleet.io/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": "viahpa", "namespace": namespace},
+        "spec": {
+            "model": {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct", "maxModelLen": 8192},
+            "resources": {"accelerator": "h100-80gb"},
+            "autoscaling": autoscaling,
+        },
+    }
+    kubectl("apply", "--server-side", "-f", "-", input=json.dumps(manifest))
+
+    def hpa() -> dict[str, Any] | None:
+        found = kubectl.json("get", "hpa", "-n", namespace)["items"]
+        return found[0] if found else None
+
+    created = wait(hpa, 60, "the HorizontalPodAutoscaler", [operator])
+    assert created["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "viahpa",
+    }
+    assert (created["spec"]["minReplicas"], created["spec"]["maxReplicas"]) == (2, 5)
+    metrics = {m["pods"]["metric"]["name"]: m["pods"]["target"] for m in created["spec"]["metrics"]}
+    assert metrics == {
+        "kvfleet_kv_cache_usage_ratio": {"type": "AverageValue", "averageValue": "750m"},
+        "kvfleet_requests_waiting": {"type": "AverageValue", "averageValue": "4"},
+    }
+    assert created["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 120
+    owner = created["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"]) == ("InferenceDeployment", "viahpa")
+    # The HPA controller (no metrics API here, so it only enforces its bounds) now drives the
+    # replicas: 1 -> minReplicas 2. The Builtin autoscaler stays out of it.
+    wait(
+        lambda: (
+            kubectl.json("get", "deployment", "viahpa", "-n", namespace)["spec"]["replicas"] == 2
+        ),
+        90,
+        "the HPA to raise the Deployment to minReplicas",
+        [operator],
+    )
+    obj = kubectl.json("get", "infd", "viahpa", "-n", namespace)
+    assert "autoscaling" not in (obj.get("status") or {})
