@@ -22,6 +22,7 @@ DEPLOYMENT_LABEL = f"{GROUP}/deployment"
 # Optional CRDs the operator adapts to.
 SERVICE_MONITOR_CRD = "servicemonitors.monitoring.coreos.com"
 LEADER_WORKER_SET_CRD = "leaderworkersets.leaderworkerset.x-k8s.io"
+KEDA_SCALED_OBJECT_CRD = "scaledobjects.keda.sh"
 
 ENGINE_PORT = 8000
 DEFAULT_ENGINE_IMAGE = "ghcr.io/kvfleet/kvfleet-engine:0.1.0"

@@ -39,6 +39,7 @@ class ClusterFeatures:
 
     leader_worker_set: bool  # leaderworkersets.leaderworkerset.x-k8s.io is installed
     service_monitor: bool  # servicemonitors.monitoring.coreos.com is installed
+    keda: bool = False  # scaledobjects.keda.sh is installed (autoscaling.controller: KEDA)
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,14 @@ def plan_deployment(
                 f"one replica needs {topology.gpus_per_replica} GPUs on "
                 f"{topology.pods_per_replica} nodes of {profile.devices_per_node}; that needs "
                 "the LeaderWorkerSet CRD (leaderworkerset.x-k8s.io), which is not installed",
+            )
+        )
+    if spec.autoscaling is not None and spec.autoscaling.controller == "KEDA" and not cluster.keda:
+        problems.append(
+            Problem(
+                "KedaUnavailable",
+                "autoscaling.controller=KEDA needs the KEDA CRDs (scaledobjects.keda.sh), which "
+                "are not installed; install KEDA or use controller Builtin",
             )
         )
     problems += [Problem("FeatureUnavailable", m) for m in unavailable_features(spec)]

@@ -62,6 +62,7 @@ async def _reconcile(cluster: Cluster, body: dict[str, Any]) -> None:
     features = ClusterFeatures(
         leader_worker_set=await cluster.has_crd(api.LEADER_WORKER_SET_CRD),
         service_monitor=await cluster.has_crd(api.SERVICE_MONITOR_CRD),
+        keda=await cluster.has_crd(api.KEDA_SCALED_OBJECT_CRD),
     )
     plan = plan_deployment(name, spec, profile, model_architecture(spec.model), features)
     deployment = await cluster.get("apps/v1", "Deployment", name, namespace)

@@ -73,3 +73,30 @@ def test_keda_scaled_object_with_prometheus_triggers() -> None:
 
 def test_quantity() -> None:
     assert [quantity(v) for v in (4, 4.0, 0.75, 0.5, 1500)] == ["4", "4", "750m", "500m", "1500"]
+
+
+def test_keda_without_its_crds_is_a_planning_problem_not_a_failing_apply() -> None:
+    from kvfleet_operator.accelerators import resolve_accelerator
+    from kvfleet_operator.model_catalog import model_architecture
+    from kvfleet_operator.models import InferenceDeploymentSpec
+    from kvfleet_operator.plan import ClusterFeatures, plan_deployment
+
+    spec = InferenceDeploymentSpec.model_validate(
+        {
+            "model": {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct", "maxModelLen": 8192},
+            "resources": {"accelerator": "h100-80gb"},
+            "autoscaling": {
+                "maxReplicas": 4,
+                "controller": "KEDA",
+                "prometheus": {"url": "http://prometheus:9090"},
+                "targets": {"kvCacheUtilization": 0.8},
+            },
+        }
+    )
+    profile = resolve_accelerator("h100-80gb", {})
+    model = model_architecture(spec.model)
+    without = plan_deployment("llama", spec, profile, model, ClusterFeatures(False, False))
+    assert [p.reason for p in without.problems] == ["KedaUnavailable"]
+    assert "scaledobjects.keda.sh" in without.problems[0].message
+    with_keda = plan_deployment("llama", spec, profile, model, ClusterFeatures(False, False, True))
+    assert with_keda.ok
