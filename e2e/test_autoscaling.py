@@ -73,10 +73,7 @@ def wait(check: Callable[[], T | None], timeout: float, what: str, logs: list[Pa
 @pytest.fixture
 def operator(cluster: E2ECluster, namespace: str, tmp_path: Path) -> Iterator[Path]:
     cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
-    cluster.kubectl(
-        "wait", "--for=condition=Established", "crd/inferencedeployments.kvfleet.io",
-        "--timeout=30s",
-    )  # fmt: skip
+    cluster.wait_established("inferencedeployments.kvfleet.io")
     log_path = tmp_path / "operator.log"
     with log_path.open("ab") as log:
         proc = subprocess.Popen(

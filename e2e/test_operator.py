@@ -69,8 +69,7 @@ class Operator:
 def operator(cluster: E2ECluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
     kubectl = cluster.kubectl
     kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
-    for name in ("inferencedeployments", "acceleratorprofiles"):
-        kubectl("wait", "--for=condition=Established", f"crd/{name}.kvfleet.io", "--timeout=30s")
+    cluster.wait_established("inferencedeployments.kvfleet.io", "acceleratorprofiles.kvfleet.io")
     for name in ("namespace.yaml", "serviceaccount.yaml", "rbac.yaml"):
         kubectl("apply", "--server-side", "-f", str(ROOT / "manifests" / name))
     created_service_monitor_crd = _ensure_service_monitor_crd(cluster)
@@ -113,9 +112,7 @@ def _ensure_service_monitor_crd(cluster: E2ECluster) -> bool:
             },
         }
     )  # fmt: skip
-    cluster.kubectl(
-        "wait", "--for=condition=Established", f"crd/{SERVICE_MONITOR_CRD}", "--timeout=30s"
-    )
+    cluster.wait_established(SERVICE_MONITOR_CRD)
     return True
 
 

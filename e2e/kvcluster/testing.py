@@ -28,6 +28,24 @@ class E2ECluster:
         """os.environ plus KUBECONFIG, for subprocesses (operator, kubectl, clients)."""
         return {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
 
+    def wait_established(self, *crd_names: str, timeout_s: float = 30) -> None:
+        """Wait until each CustomResourceDefinition is Established.
+
+        Polls instead of `kubectl wait`, which fails outright on a CRD created a moment ago whose
+        status has no conditions yet."""
+        jsonpath = '{.status.conditions[?(@.type=="Established")].status}'
+        for name in crd_names:
+            wait_until(
+                lambda name=name: (
+                    self.kubectl(
+                        "get", "crd", name, "-o", f"jsonpath={jsonpath}", check=False
+                    ).strip()
+                    == "True"
+                ),
+                timeout_s,
+                f"CRD {name} to be Established",
+            )
+
 
 def wait_until(check: Callable[[], T | None], timeout_s: float, what: str) -> T:
     """Call `check` every 0.25 s until it returns something truthy; return that.
