@@ -2,11 +2,12 @@
 # One device call (run tool): GPU tests, the attention-kernel microbenchmark, then the latency and
 # throughput benchmarks. Logs and results JSON go to $OUT. Steps default to all; pass a subset:
 #   bench/gpu_check.sh tests kernels latency throughput
+# STEP_TIMEOUT (seconds, default 590) caps each step, so one call ends within the device limit.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvfleet-gpu-check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/engine:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}"
-PY=${PY:-python3}
+PY="timeout -k 5 ${STEP_TIMEOUT:-590} ${PY:-python3}"
 STEPS=${*:-tests kernels profile latency throughput}
 SHAPE=${SHAPE:-llama-3.1-8b}
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv
@@ -14,6 +15,8 @@ for step in $STEPS; do
   echo "=== $step ($(date +%T))"
   case $step in
     tests) $PY -m pytest -m gpu tests/kernels tests/perf -q -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    engine-tests) $PY -m pytest -m gpu tests/engine/test_gpu.py -q -p no:cacheprovider 2>&1 \
+        | tee "$OUT/engine-tests.log" | tail -15 ;;
     kernels) $PY -m kvfleet_engine.bench.kernels --output-dir "$OUT" 2>&1 | tee "$OUT/kernels.log" | grep -v Warning ;;
     profile) $PY -m kvfleet_engine.bench.profile --shape "$SHAPE" --output-dir "$OUT" 2>&1 | grep -v Warning ;;
     latency) $PY -m kvfleet_cli.main bench latency --shape "$SHAPE" --peer transformers \

@@ -4,6 +4,10 @@ Each new token re-decodes only a short window (the tokens since the last emitted
 cost per token does not grow with the output. A byte-level token that ends inside a multi-byte
 character is held back until the character completes. While running, the text also holds back
 the last (longest stop string - 1) characters, so a stop string is never streamed in part.
+
+When nobody reads the text before the end (no stop strings, no streaming consumer), the engine
+skips the per-token work and calls `decode_all` once at finish: one decode of the whole output
+(after the same prompt context), which is what the token-by-token text adds up to.
 """
 
 from __future__ import annotations
@@ -45,6 +49,16 @@ class IncrementalDetokenizer:
             if stop is not None:
                 return stop
         return None
+
+    def decode_all(self, output_token_ids: list[int]) -> str:
+        """The whole text of these generated tokens at once (in place of `update` per token;
+        no stop strings, so there is nothing to look for)."""
+        assert not self.params.stop, "stop strings need update() token by token"
+        context = self.token_ids[: self.read_offset]
+        prefix = self.decode(context) if context else ""
+        full = self.decode([*context, *output_token_ids])
+        self.text = full[len(prefix) :]
+        return self.text
 
     def output_text(self, finished: bool) -> str:
         """The text so far; while running, minus the tail a stop string could still claim."""

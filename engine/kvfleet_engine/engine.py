@@ -37,6 +37,11 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, config.model.max_model_len)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # True: step() returns an output for every request that got a token, with the text so
+        # far (streaming consumers: the server). False: step() returns finished requests only,
+        # and the text of one without stop strings is decoded once, at the end (LLM.generate
+        # sets it while it runs).
+        self.stream_outputs = True
         self.prompts: dict[str, str | None] = {}
 
     @classmethod
@@ -92,16 +97,22 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         result = self.model_runner.execute(scheduled)
         progressed = self.scheduler.update(scheduled, result)
-        return [self._output(request) for request in progressed]
+        if self.stream_outputs:
+            return [self._output(request) for request in progressed]
+        outputs = []
+        for request in progressed:
+            if request.params.stop:  # stop strings are looked for token by token
+                self._detokenize(request)
+            if request.is_finished:
+                outputs.append(self._output(request))
+        return outputs
 
     def _output(self, request: Request) -> RequestOutput:
         detokenizer = self.detokenizers[request.request_id]
-        stop = detokenizer.update(request.output_token_ids[-1:], final=request.is_finished)
-        if stop is not None:
-            if request.is_finished:  # the same token also hit a length limit: the stop wins
-                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-            else:
-                self.scheduler.finish([request.request_id], RequestStatus.FINISHED_STOPPED, stop)
+        if self.stream_outputs:
+            self._detokenize(request)
+        elif not request.params.stop:
+            detokenizer.decode_all(request.output_token_ids)
         finished = request.is_finished
         if finished:
             del self.detokenizers[request.request_id]
@@ -127,6 +138,16 @@ class LLMEngine:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             metrics=request.metrics,
         )
+
+    def _detokenize(self, request: Request) -> None:
+        """Add the newest token to the request's text; a stop string found there ends it."""
+        detokenizer = self.detokenizers[request.request_id]
+        stop = detokenizer.update(request.output_token_ids[-1:], final=request.is_finished)
+        if stop is not None:
+            if request.is_finished:  # the same token also hit a length limit: the stop wins
+                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+            else:
+                self.scheduler.finish([request.request_id], RequestStatus.FINISHED_STOPPED, stop)
 
     def _validate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

@@ -99,6 +99,13 @@ class KVCacheManager:
         """Give the request room for num_new_tokens more tokens after its computed ones (and
         after computed_block_ids, prefix hits from get_computed_blocks). Returns the newly
         allocated block ids, or None without changing anything when the pool is too small."""
+        if not computed_block_ids:  # fast path of a decode: room in the last block, none fills
+            end = request.num_computed_tokens + num_new_tokens
+            if end <= len(request.block_ids) * self.block_size and (
+                not self.enable_prefix_caching
+                or end // self.block_size <= request.num_registered_blocks
+            ):
+                return []
         num_computed = request.num_computed_tokens + len(computed_block_ids) * self.block_size
         num_needed = self.num_blocks_for(num_computed + num_new_tokens)
         num_new_blocks = num_needed - len(request.block_ids) - len(computed_block_ids)

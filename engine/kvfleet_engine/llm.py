@@ -70,12 +70,19 @@ class LLM:
         from tqdm.auto import tqdm
 
         finals: dict[str, RequestOutput] = {}
-        with tqdm(total=num_requests, desc="generating", unit="req", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    if output.finished:
-                        finals[output.request_id] = output
-                        bar.update(1)
+        engine = self.engine
+        streaming, engine.stream_outputs = engine.stream_outputs, False  # finished ones only
+        try:
+            with tqdm(
+                total=num_requests, desc="generating", unit="req", disable=not use_tqdm
+            ) as bar:
+                while engine.has_unfinished_requests():
+                    for output in engine.step():
+                        if output.finished:
+                            finals[output.request_id] = output
+                            bar.update(1)
+        finally:
+            engine.stream_outputs = streaming
         return finals
 
     @staticmethod

@@ -3,10 +3,13 @@ SchedulerOutput into batch tensors, runs one forward pass and samples."""
 
 from __future__ import annotations
 
+import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvfleet_engine.config import EngineConfig
@@ -76,6 +79,7 @@ class ModelRunner:
             )
             self.decode_graphs.capture()
         self.generators: dict[str, torch.Generator] = {}
+        self._empty_sampling = torch.empty(0, device=self.device)
         log.info(
             "model %s on %s (%s, attention %s), %d KV blocks of %d tokens",
             config.model.architecture,
@@ -104,53 +108,86 @@ class ModelRunner:
         if self.decode_graphs is not None and inputs.attention.is_decode:
             logits = self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.attention)
             if logits is not None:
+                if len(inputs.sampling_request_ids) == logits.shape[0]:
+                    return logits  # every row samples (the usual decode step), in order
                 return logits[inputs.logits_indices]
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)
         return self.model.compute_logits(hidden[inputs.logits_indices]).float()
 
     def prepare_inputs(self, scheduled: SchedulerOutput) -> ModelInputs:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        context_lens: list[int] = []
-        cu_query_lens = [0]
-        logits_indices: list[int] = []
-        sampling_requests: list[ScheduledRequest] = []
+        """The step's batch tensors, built with numpy in two host buffers (int64 and int32) that
+        reach the device in one copy each."""
+        items = scheduled.requests
+        num_seqs = len(items)
         block_size = self.block_size
-        for item in scheduled.requests:
-            start, num_tokens = item.start_position, len(item.token_ids)
-            input_ids.extend(item.token_ids)
-            token_positions = range(start, start + num_tokens)
-            positions.extend(token_positions)
-            block_ids = item.block_ids
-            slot_mapping.extend(
-                block_ids[p // block_size] * block_size + p % block_size for p in token_positions
-            )
-            context_lens.append(start + num_tokens)
-            cu_query_lens.append(cu_query_lens[-1] + num_tokens)
-            if item.sample:
-                logits_indices.append(cu_query_lens[-1] - 1)
-                sampling_requests.append(item)
-        max_blocks = max(len(item.block_ids) for item in scheduled.requests)
-        block_tables = [
-            item.block_ids + [0] * (max_blocks - len(item.block_ids)) for item in scheduled.requests
-        ]
-        attention = AttentionMetadata(
-            slot_mapping=self._tensor(slot_mapping, torch.int64),
-            block_tables=self._tensor(block_tables, torch.int32),
-            context_lens=self._tensor(context_lens, torch.int32),
-            cu_query_lens=self._tensor(cu_query_lens, torch.int32),
-            is_decode=len(input_ids) == len(scheduled.requests),
+        lens = np.fromiter((len(item.token_ids) for item in items), np.int64, num_seqs)
+        num_tokens = int(lens.sum())
+        is_decode = num_tokens == num_seqs
+        sample_rows = [row for row, item in enumerate(items) if item.sample]
+        counts = np.fromiter((len(item.block_ids) for item in items), np.int64, num_seqs)
+        width = int(counts.max())
+
+        host64, dev64 = self._staging(torch.int64, 3 * num_tokens + len(sample_rows))
+        host32, dev32 = self._staging(torch.int32, 2 * num_seqs + 1 + num_seqs * width)
+        input_ids, positions = host64[:num_tokens], host64[num_tokens : 2 * num_tokens]
+        slot_mapping = host64[2 * num_tokens : 3 * num_tokens]
+        logits_indices = host64[3 * num_tokens :]
+        context_lens, cu_query_lens = host32[:num_seqs], host32[num_seqs : 2 * num_seqs + 1]
+        block_tables = host32[2 * num_seqs + 1 :].reshape(num_seqs, width)
+
+        starts = np.fromiter((item.start_position for item in items), np.int64, num_seqs)
+        if is_decode:
+            input_ids[:] = [item.token_ids[0] for item in items]
+            positions[:] = starts
+            cu_query_lens[:] = np.arange(num_seqs + 1)
+            rows = np.arange(num_seqs)
+        else:
+            input_ids[:] = list(itertools.chain.from_iterable(item.token_ids for item in items))
+            cu_query_lens[0] = 0
+            np.cumsum(lens, out=cu_query_lens[1:])
+            rows = np.repeat(np.arange(num_seqs), lens)
+            positions[:] = np.arange(num_tokens) + (starts - cu_query_lens[:-1])[rows]
+        context_lens[:] = starts + lens
+        flat_blocks = np.fromiter(
+            itertools.chain.from_iterable(item.block_ids for item in items),
+            np.int32,
+            int(counts.sum()),
         )
+        block_tables[:] = 0
+        block_tables[np.arange(width) < counts[:, None]] = flat_blocks  # row-major = chain order
+        slot_mapping[:] = block_tables[rows, positions // block_size]
+        slot_mapping *= block_size
+        slot_mapping += positions % block_size
+        logits_indices[:] = cu_query_lens[1:][sample_rows] - 1
+
+        dev64, dev32 = dev64(), dev32()
+        attention = AttentionMetadata(
+            slot_mapping=dev64[2 * num_tokens : 3 * num_tokens],
+            block_tables=dev32[2 * num_seqs + 1 :].view(num_seqs, width),
+            context_lens=dev32[:num_seqs],
+            cu_query_lens=dev32[num_seqs : 2 * num_seqs + 1],
+            is_decode=is_decode,
+        )
+        sampling_requests = [items[row] for row in sample_rows]
         return ModelInputs(
-            input_ids=self._tensor(input_ids, torch.int64),
-            positions=self._tensor(positions, torch.int64),
+            input_ids=dev64[:num_tokens],
+            positions=dev64[num_tokens : 2 * num_tokens],
             attention=attention,
-            logits_indices=self._tensor(logits_indices, torch.int64),
+            logits_indices=dev64[3 * num_tokens :],
             sampling_request_ids=[item.request_id for item in sampling_requests],
             sampling=self._sampling_metadata(sampling_requests),
             num_logprobs=[item.params.logprobs for item in sampling_requests],
         )
+
+    def _staging(
+        self, dtype: torch.dtype, size: int
+    ) -> tuple[np.ndarray, Callable[[], torch.Tensor]]:
+        """A fresh host buffer (pinned on a GPU; the caching host allocator reuses it once its
+        copy is done) as numpy to fill, and a function that ships it to the device."""
+        host = torch.empty(size, dtype=dtype, pin_memory=self.device.type == "cuda")
+        if self.device.type == "cpu":
+            return host.numpy(), lambda: host
+        return host.numpy(), lambda: host.to(self.device, non_blocking=True)
 
     # ---- helpers --------------------------------------------------------------------------
 
@@ -167,6 +204,19 @@ class ModelRunner:
             if item.params.seed is not None and not item.params.greedy:
                 generators[row] = self._generator(item.request_id, item.params.seed)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
+        all_greedy = all(p.greedy for p in params)
+        if all_greedy and not any(p.has_penalties for p in params):
+            empty = self._empty_sampling
+            return SamplingMetadata(
+                temperatures=empty,  # unread when every row is greedy
+                top_ks=empty,
+                top_ps=empty,
+                min_ps=empty,
+                all_greedy=True,
+                generators={},
+                penalties=None,
+                max_num_logprobs=max(wanted) if wanted else None,
+            )
         return SamplingMetadata(
             temperatures=self._tensor([p.temperature for p in params], torch.float32),
             top_ks=self._tensor(

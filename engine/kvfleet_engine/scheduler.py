@@ -69,6 +69,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
+        # running is in sort_key order (admissions append and clear it; removals keep order).
+        self._running_sorted = True
         self.waiting: list[tuple[tuple[int, float, int], Request]] = []  # heap by sort_key
         self.finished_request_ids: set[str] = set()
         self._seq_numbers = itertools.count()
@@ -131,7 +133,9 @@ class Scheduler:
         budget = self.token_budget
         scheduled: list[tuple[Request, int]] = []
         preempted = False
-        self.running.sort(key=Request.sort_key)
+        if not self._running_sorted:
+            self.running.sort(key=Request.sort_key)
+            self._running_sorted = True
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -225,6 +229,7 @@ class Scheduler:
         request.num_computed_tokens = num_cached_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        self._running_sorted = False
         if request.num_cached_tokens < 0:  # first admission, not a resume after preemption
             request.num_cached_tokens = num_cached_tokens
             request.metrics.first_scheduled_time = time.time()

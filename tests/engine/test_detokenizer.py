@@ -61,3 +61,15 @@ def test_incomplete_bytes_are_flushed_when_generation_ends(tokenizer) -> None:  
     assert detok.output_text(finished=False) == "h"
     detok.update([0xFF], final=True)
     assert detok.output_text(finished=True) == tokenizer.decode([104, 0xC3, 0xFF])
+
+
+def test_decoding_all_at_the_end_gives_the_token_by_token_text(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    prompt = tokenizer.encode("prompt é")
+    outputs = [*tokenizer.encode("añb €x"), 0xE2, 0x82, 104, 0xC3, tokenizer.eos_token_id]
+    outputs += [0xE2]  # ends inside a character: flushed at the end either way
+    streamed = IncrementalDetokenizer(tokenizer, prompt, SamplingParams())
+    for index, token_id in enumerate(outputs):
+        streamed.update([token_id], final=index == len(outputs) - 1)
+    at_end = IncrementalDetokenizer(tokenizer, prompt, SamplingParams())
+    assert at_end.decode_all(outputs) == streamed.output_text(finished=True)
+    assert "ñ" in at_end.text and "€" in at_end.text

@@ -269,15 +269,34 @@ def _kvfleet_throughput(args: argparse.Namespace, s: Setup, prompts: list[list[i
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts[: min(len(prompts), 64)], sampling_params=warm)
+    # Time inside the model runner (inputs, forward, sampling, the wait for the tokens) against
+    # the whole run: the rest is host work per step (scheduling, bookkeeping, outputs).
+    runner = llm.engine.model_runner
+    execute = runner.execute
+    timing = {"steps": 0, "execute_s": 0.0}
+
+    def timed_execute(scheduled: Any) -> Any:
+        begin = time.perf_counter()
+        try:
+            return execute(scheduled)
+        finally:
+            timing["execute_s"] += time.perf_counter() - begin
+            timing["steps"] += 1
+
+    runner.execute = timed_execute
     start = time.perf_counter()
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     elapsed = time.perf_counter() - start
+    runner.execute = execute
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_in = sum(len(p) for p in prompts)
     return [
         Row("kvfleet", "output_tokens_per_s", num_out / elapsed, "tokens/s"),
         Row("kvfleet", "total_tokens_per_s", (num_in + num_out) / elapsed, "tokens/s"),
         Row("kvfleet", "elapsed_s", elapsed, "s"),
+        Row("kvfleet", "engine_steps", timing["steps"], "steps"),
+        Row("kvfleet", "model_runner_execute_s", timing["execute_s"], "s"),
+        Row("kvfleet", "host_outside_execute_s", elapsed - timing["execute_s"], "s"),
     ]
 
 
@@ -343,6 +362,7 @@ def _kvfleet_latency(args: argparse.Namespace, s: Setup, prompts: list[list[int]
     print("running kvfleet ...", flush=True)
     llm = _llm(args, s, args.input_len + args.output_len)
     engine = llm.engine
+    engine.stream_outputs = True  # an output per token (with its text), as the server streams
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
 
     def run(tag: str) -> tuple[float, float]:
