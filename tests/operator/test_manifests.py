@@ -99,3 +99,11 @@ def test_argocd_health(obj: dict[str, Any], expected: str) -> None:
     assert status == expected
     if expected == "Degraded":
         assert message.startswith("InsufficientGPUMemory: ")
+
+
+def test_accelerator_profile_sample_parses() -> None:
+    from kvfleet_operator.models import AcceleratorProfileSpec
+
+    sample = yaml.safe_load((MANIFESTS / "samples" / "accelerator-profile.yaml").read_text())
+    profile = AcceleratorProfileSpec.model_validate(sample["spec"])
+    assert profile.memory_gib == 48 and profile.devices_per_node == 4
