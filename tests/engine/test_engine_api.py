@@ -57,3 +57,39 @@ def test_priority_decides_who_runs_first(make_llm: Callable[..., Any]) -> None:
     while engine.has_unfinished_requests():
         finished_order += [o.request_id for o in engine.step() if o.finished]
     assert finished_order == ["interactive", "normal", "batch"]
+
+
+def test_generate_gives_the_text_and_stops_that_streaming_gives(
+    make_llm: Callable[..., Any],
+) -> None:
+    """LLM.generate decodes text once at the end (stop strings still token by token); what it
+    returns equals the last output of the engine streaming the same requests."""
+    llm = make_llm("llama3", kv_cache_blocks=64)
+    prompts = random_prompts([3, 20, 33], seed=7)
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    streamed_free = _stream(llm.engine, prompts, plain)
+    text = streamed_free[1].outputs[0].text
+    stop = text[3:5]  # found in the middle of the second request's text
+    assert len(stop) == 2
+    with_stop = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop])
+    for params, streamed in ((plain, streamed_free), (with_stop, None)):
+        generated = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        streamed = streamed or _stream(llm.engine, prompts, params)
+        for got, want in zip(generated, streamed, strict=True):
+            assert got.outputs[0].text == want.outputs[0].text
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids
+            assert got.outputs[0].finish_reason == want.outputs[0].finish_reason
+    assert generated[1].outputs[0].text == text[: text.index(stop)]
+    assert generated[1].outputs[0].finish_reason == "stop"
+    assert llm.engine.stream_outputs  # generate() leaves the engine streaming
+
+
+def _stream(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[Any]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"s{i}-{len(params.stop)}", prompt, params)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+    return [finals[f"s{i}-{len(params.stop)}"] for i in range(len(prompts))]
