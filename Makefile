@@ -10,7 +10,7 @@ export UV_LINK_MODE ?= copy
 .PHONY: help venv test test-fast lint demo cluster-up cluster-down crds
 
 help:
-	@echo "make demo         bring up the local cluster with GPU nodes and show them"
+	@echo "make demo         local cluster with GPU nodes, then an autoscaled InferenceDeployment scaling 1 -> 3 -> 1"
 	@echo "make test         lint, type-check and run every CPU test (unit and e2e)"
 	@echo "make cluster-up   start the local control plane (prints export KUBECONFIG=...)"
 	@echo "make cluster-down stop it"

@@ -14,7 +14,7 @@ cluster-down: venv
 cluster-status: venv
 	@$(PY) e2e/cluster.py status
 
-# For now the demo is the control plane and its GPU nodes; later issues extend it.
+# The demo: the control plane, its GPU nodes, then the operator autoscaling real engines.
 demo: venv
 	@$(PY) e2e/cluster.py up
 	@$(PY) e2e/cluster.py nodes
