@@ -184,26 +184,29 @@ class Scheduler:
         Returns the requests that got a new token this step, finished or not."""
         now = time.time()
         progressed = []
+        requests, sampled, all_logprobs = self.requests, result.sampled_token_ids, result.logprobs
         for item in scheduled.requests:
-            request = self.requests[item.request_id]
+            request = requests[item.request_id]
             request.num_computed_tokens += len(item.token_ids)
             if not item.sample:
                 continue
-            token_id = result.sampled_token_ids[item.request_id]
+            token_id = sampled[item.request_id]
             request.append_output_token(token_id)
-            logprobs = result.logprobs.get(item.request_id)
-            if logprobs is not None:
-                request.output_logprobs.append(logprobs)
-                request.cumulative_logprob += logprobs[token_id]
-            self.num_generation_tokens_total += 1
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            request.metrics.last_token_time = now
+            if all_logprobs:
+                logprobs = all_logprobs.get(item.request_id)
+                if logprobs is not None:
+                    request.output_logprobs.append(logprobs)
+                    request.cumulative_logprob += logprobs[token_id]
+            metrics = request.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
             status = self._stop_status(request, token_id)
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
             progressed.append(request)
+        self.num_generation_tokens_total += len(progressed)
         return progressed
 
     def stats(self) -> SchedulerStats:
@@ -265,15 +268,17 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _scheduled_request(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
+    @staticmethod
+    def _scheduled_request(request: Request, num_new_tokens: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new_tokens
+        tokens = request.all_token_ids
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:end],
+            token_ids=tokens[start:end],
             start_position=start,
             block_ids=request.block_ids,
-            sample=end == request.num_tokens,
+            sample=end == len(tokens),
             params=request.params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
