@@ -25,6 +25,8 @@ from typing import Any
 
 import httpx
 
+from kvfleet_engine.argtypes import positive_float, positive_int
+
 # --- workload --------------------------------------------------------------------------------
 
 
@@ -309,23 +311,6 @@ def format_report(summary: dict[str, Any]) -> str:
 # --- CLI -------------------------------------------------------------------------------------
 
 
-def _rate(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 (or inf), got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def _goodput(text: str) -> tuple[str, float]:
     name, _, value = text.partition(":")
     if name not in ("ttft", "tpot", "e2el") or not value:
@@ -342,14 +327,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     load = parser.add_mutually_exclusive_group(required=True)
     load.add_argument(
-        "--request-rate", type=_rate, help="requests per second (Poisson); inf: all at once"
+        "--request-rate",
+        type=positive_float,
+        help="requests per second (Poisson); inf: all at once",
     )
-    load.add_argument("--concurrency", type=_positive_int, help="requests kept in flight")
-    parser.add_argument("--num-prompts", type=_positive_int, default=100)
+    load.add_argument("--concurrency", type=positive_int, help="requests kept in flight")
+    parser.add_argument("--num-prompts", type=positive_int, default=100)
     parser.add_argument("--dataset", choices=["random", "jsonl"], default="random")
     parser.add_argument("--dataset-path", type=Path, help="jsonl dataset file")
-    parser.add_argument("--random-input-len", type=_positive_int, default=256)
-    parser.add_argument("--random-output-len", type=_positive_int, default=128)
+    parser.add_argument("--random-input-len", type=positive_int, default=256)
+    parser.add_argument("--random-output-len", type=positive_int, default=128)
     parser.add_argument("--random-range-ratio", type=float, default=0.0)
     parser.add_argument(
         "--random-token-range",

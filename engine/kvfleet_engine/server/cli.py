@@ -20,29 +20,10 @@ from types import FrameType
 
 import uvicorn
 
+from kvfleet_engine.argtypes import positive_float, positive_int
 from kvfleet_engine.server.admission import AdmissionConfig
 
 log = logging.getLogger(__name__)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,22 +40,22 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--port", type=int, default=8000, help="port to listen on")
     server.add_argument(
         "--max-queued-requests",
-        type=_positive_int,
+        type=positive_int,
         help="requests that may wait for their first token; beyond it: 429 (default: no limit)",
     )
     server.add_argument(
         "--max-queued-tokens",
-        type=_positive_int,
+        type=positive_int,
         help="prompt tokens that may wait; beyond it: 429 (default: no limit)",
     )
     server.add_argument(
         "--ttft-slo-ms",
-        type=_positive_float,
+        type=positive_float,
         help="SLA mode: refuse (429) requests whose estimated time to first token exceeds this",
     )
     server.add_argument(
         "--tpot-slo-ms",
-        type=_positive_float,
+        type=positive_float,
         help="SLA mode: cap each step's token budget so time per output token stays below this",
     )
     server.add_argument(
