@@ -12,7 +12,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -313,22 +313,13 @@ class OpenAIServing:
                     "finish_reason": out.finish_reason,
                 }
             )
-        if include_usage:
-            usage = CompletionResponse(
-                id=fan.request_id,
-                created=fan.created,
-                model=fan.model,
-                choices=[],
-                usage=fan.usage(choices),
-            )
-            yield _sse(usage.model_dump())
-        yield "data: [DONE]\n\n"
+        for line in _stream_end(fan, choices, include_usage, CompletionResponse):
+            yield line
 
     async def _stream_chat(
         self, fan: _Fanout, include_usage: bool, num_logprobs: int | None
     ) -> AsyncIterator[str]:
         choices = [_Choice(0) for _ in fan.streams]
-
         event = _chunk_writer(fan, "chat.completion.chunk")
         for k in range(len(fan.streams)):
             yield event(
@@ -358,16 +349,8 @@ class OpenAIServing:
                     "finish_reason": out.finish_reason,
                 }
             )
-        if include_usage:
-            usage = ChatCompletionChunk(
-                id=fan.request_id,
-                created=fan.created,
-                model=fan.model,
-                choices=[],
-                usage=fan.usage(choices),
-            )
-            yield _sse(usage.model_dump())
-        yield "data: [DONE]\n\n"
+        for line in _stream_end(fan, choices, include_usage, ChatCompletionChunk):
+            yield line
 
     # --- logprobs ----------------------------------------------------------------------------
 
@@ -465,6 +448,25 @@ def _chunk_writer(fan: _Fanout, object_name: str) -> Callable[[dict[str, Any]], 
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _stream_end(
+    fan: _Fanout,
+    choices: Sequence[_Choice],
+    include_usage: bool,
+    usage_chunk: type[CompletionResponse | ChatCompletionChunk],
+) -> Iterator[str]:
+    """What closes a stream: the usage chunk, when the client asked for it, then [DONE]."""
+    if include_usage:
+        usage = usage_chunk(
+            id=fan.request_id,
+            created=fan.created,
+            model=fan.model,
+            choices=[],
+            usage=fan.usage(choices),
+        )
+        yield _sse(usage.model_dump())
+    yield "data: [DONE]\n\n"
 
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, CompletionOutput]]:
