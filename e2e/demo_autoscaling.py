@@ -28,14 +28,15 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from autoscaling_scenario import NAME, inference_deployment, start_load
 from engine_pods import EnginePods
 from kvcluster import controlplane
 from kvcluster.config import default_config
 from kvcluster.kubectl import Kubectl, KubectlError
+from kvcluster.procs import stop_child
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMESPACE = "kvfleet-demo"
-NAME = "tiny"
 console = Console()
 
 
@@ -72,39 +73,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return _demo(kubectl, model, tmp, args.load_seconds, args.target)
         finally:
-            operator.send_signal(signal.SIGTERM)
-            operator.wait(timeout=30)
+            stop_child(operator, signal.SIGTERM, 30)
             kubectl("delete", "namespace", NAMESPACE, "--wait=false", check=False)
 
 
 def _demo(kubectl: Kubectl, model: Path, tmp: Path, load_seconds: float, target: float) -> int:
-    spec = {
-        "model": {"uri": f"file://{model}", "servedModelName": NAME, "maxModelLen": 512},
-        "resources": {"accelerator": "h100-80gb"},
-        "autoscaling": {
-            "minReplicas": 1,
-            "maxReplicas": 3,
-            "targets": {"generationTokenRate": {"tokensPerSecond": target}},
-            "behavior": {
-                "syncPeriodSeconds": 1,
-                "stableWindowSeconds": 10,
-                "panicWindowSeconds": 4,
-                "warmupSeconds": 0,
-                "scaleDown": {
-                    "stabilizationWindowSeconds": 20,
-                    "maxReplicasPerPeriod": 3,
-                    "periodSeconds": 5,
-                    "drainTimeoutSeconds": 5,
-                },
-            },
-        },
-    }
-    manifest = {
-        "apiVersion": "kvfleet.io/v1alpha1",
-        "kind": "InferenceDeployment",
-        "metadata": {"name": NAME, "namespace": NAMESPACE},
-        "spec": spec,
-    }
+    manifest = inference_deployment(NAMESPACE, model, target)
     console.print(f"[bold]kubectl apply[/bold] InferenceDeployment {NAME}: autoscaling 1-3 on "
                   f"generation tokens/s, target {target:g} per replica")  # fmt: skip
     kubectl("apply", "--server-side", "-f", "-", input=json.dumps(manifest))
@@ -116,29 +90,7 @@ def _demo(kubectl: Kubectl, model: Path, tmp: Path, load_seconds: float, target:
             f"[bold]kvfleet bench serve[/bold] --url {url} --concurrency 8, until the new "
             f"replicas serve (at most {load_seconds:g}s)"
         )
-        bench = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvfleet_cli",
-                "bench",
-                "serve",
-                "--url",
-                url,
-                "--concurrency",
-                "8",
-                "--num-prompts",
-                "100000",
-                "--random-input-len",
-                "32",
-                "--random-output-len",
-                "64",
-                "--ignore-eos",
-                "--no-progress",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        bench = start_load(url, subprocess.DEVNULL)
         started = time.time()
         load_end = started + load_seconds  # moved earlier once every new replica serves
         with Live(_table([]), console=console, refresh_per_second=2) as live:
@@ -150,8 +102,7 @@ def _demo(kubectl: Kubectl, model: Path, tmp: Path, load_seconds: float, target:
                 if bench.poll() is None and replicas >= 2 and serving == replicas:
                     load_end = min(load_end, now + 10)  # show them serving, then stop
                 if bench.poll() is None and now >= load_end:
-                    bench.send_signal(signal.SIGINT)
-                    bench.wait(timeout=30)
+                    stop_child(bench, signal.SIGINT, 30)
                 rows.append(_row(now - started, obj, replicas, serving, loaded=now < load_end))
                 live.update(_table(rows[-20:]))
                 if now > load_end + 25 and replicas == 1:

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from kvcluster.kubectl import Kubectl
+from kvcluster.procs import stop_child
 
 
 class EnginePods:
@@ -95,9 +96,4 @@ class EnginePods:
     def _terminate(self, name: str) -> None:
         with self._lock:
             _, proc = self.procs.pop(name)
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_child(proc, signal.SIGTERM, 15)

@@ -22,36 +22,23 @@ from typing import Any, TypeVar
 
 import pytest
 
+from autoscaling_scenario import (
+    NAME,
+    SCALE_DOWN_STABILIZATION_S,
+    inference_deployment,
+    start_load,
+)
 from engine_pods import EnginePods
+from kvcluster.procs import stop_child
 from kvcluster.testing import E2ECluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
-NAME = "tiny"
 TARGET_TOKENS_PER_SECOND = (
     40  # per replica; one CPU engine under bench load does several times that
 )
-SCALE_DOWN_STABILIZATION = 20
 T = TypeVar("T")
-
-AUTOSCALING = {
-    "minReplicas": 1,
-    "maxReplicas": 3,
-    "targets": {"generationTokenRate": {"tokensPerSecond": TARGET_TOKENS_PER_SECOND}},
-    "behavior": {
-        "syncPeriodSeconds": 1,
-        "stableWindowSeconds": 10,
-        "panicWindowSeconds": 4,
-        "warmupSeconds": 0,
-        "scaleDown": {
-            "stabilizationWindowSeconds": SCALE_DOWN_STABILIZATION,
-            "maxReplicasPerPeriod": 3,
-            "periodSeconds": 5,
-            "drainTimeoutSeconds": 5,
-        },
-    },
-}
 
 
 def wait(check: Callable[[], T | None], timeout: float, what: str, logs: list[Path]) -> T:
@@ -83,12 +70,7 @@ def operator(cluster: E2ECluster, namespace: str, tmp_path: Path) -> Iterator[Pa
             stderr=subprocess.STDOUT,
         )
     yield log_path
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_child(proc, signal.SIGTERM, 20)
 
 
 def test_token_rate_scales_up_and_back_down(
@@ -102,16 +84,7 @@ def test_token_rate_scales_up_and_back_down(
         capture_output=True,
     )
     logs = [operator]
-    manifest = {
-        "apiVersion": "kvfleet.io/v1alpha1",
-        "kind": "InferenceDeployment",
-        "metadata": {"name": NAME, "namespace": namespace},
-        "spec": {
-            "model": {"uri": f"file://{model}", "servedModelName": NAME, "maxModelLen": 512},
-            "resources": {"accelerator": "h100-80gb"},
-            "autoscaling": AUTOSCALING,
-        },
-    }
+    manifest = inference_deployment(namespace, model, TARGET_TOKENS_PER_SECOND)
     kubectl("apply", "--server-side", "-f", "-", input=json.dumps(manifest))
 
     def infd() -> dict[str, Any]:
@@ -128,29 +101,7 @@ def test_token_rate_scales_up_and_back_down(
         assert replicas() == 1
 
         bench_log = (tmp_path / "bench.log").open("wb")
-        bench = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvfleet_cli",
-                "bench",
-                "serve",
-                "--url",
-                f"http://{first_ip}:8000",
-                "--concurrency",
-                "8",
-                "--num-prompts",
-                "100000",
-                "--random-input-len",
-                "32",
-                "--random-output-len",
-                "64",
-                "--ignore-eos",
-                "--no-progress",
-            ],
-            stdout=bench_log,
-            stderr=subprocess.STDOUT,
-        )
+        bench = start_load(f"http://{first_ip}:8000", bench_log)
         try:
             wait(lambda: replicas() >= 2, 90, "a scale-up under load", logs)
             wait(lambda: replicas() == 3, 90, "the scale-up to maxReplicas", logs)
@@ -162,23 +113,18 @@ def test_token_rate_scales_up_and_back_down(
             )
             scaled_up = infd()
         finally:
-            bench.send_signal(signal.SIGINT)
-            try:
-                bench.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                bench.kill()
-                bench.wait()
+            stop_child(bench, signal.SIGINT, 20)
             load_end = time.time()
 
         # Load gone: nothing may shrink before the stabilization window ends, then back to 1.
         first_down = None
-        while time.time() < load_end + SCALE_DOWN_STABILIZATION + 120:
+        while time.time() < load_end + SCALE_DOWN_STABILIZATION_S + 120:
             if replicas() < 3:
                 first_down = time.time()
                 break
             time.sleep(0.5)
         assert first_down is not None, "never scaled down after the load stopped"
-        assert first_down >= load_end + SCALE_DOWN_STABILIZATION - 1
+        assert first_down >= load_end + SCALE_DOWN_STABILIZATION_S - 1
         wait(lambda: replicas() == 1, 120, "the scale-down to minReplicas", logs)
         wait(lambda: len(engines.pods()) == 1, 60, "the extra pods to go", logs)
         after = infd()

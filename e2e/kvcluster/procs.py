@@ -107,3 +107,13 @@ def tail(path: Path, num_lines: int = 15) -> str:
     except FileNotFoundError:
         return "(no log written)"
     return "\n".join(lines[-num_lines:])
+
+
+def stop_child(proc: subprocess.Popen[bytes], sig: signal.Signals, grace_s: float) -> None:
+    """Send `sig` to a process we started, SIGKILL it after `grace_s`; returns once it exited."""
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
