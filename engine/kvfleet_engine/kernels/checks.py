@@ -1,11 +1,13 @@
 """Input checks shared by the kernel wrappers: a kernel launched on bad input reads garbage or
-faults, so wrappers reject it first with a message naming the argument."""
+faults, so wrappers reject it first with a message naming the argument. Also the launch settings
+the attention wrappers share."""
 
 from __future__ import annotations
 
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LOG2E = 1.4426950408889634  # the attention kernels compute exp2(x * scale * LOG2E) = e^(x * scale)
 
 
 def require(condition: bool, message: str) -> None:
@@ -45,6 +47,30 @@ def check_index(
     require(x.dtype == dtype, f"{name} must be {dtype}, got {x.dtype}")
     require(x.device == device, f"{name} must be on {device}")
     require(x.stride(-1) == 1, f"{name} must be contiguous in its last dimension")
+
+
+def check_paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> None:
+    """What both attention wrappers read: the cache, the query heads and, per sequence, a block
+    table row and a context length."""
+    check_cache(k_cache, v_cache)
+    check_heads(query, "query", k_cache, per_kv_head=False)
+    check_index(block_tables, "block_tables", 2, torch.int32, k_cache.device)
+    check_index(context_lens, "context_lens", 1, torch.int32, k_cache.device)
+    require(
+        block_tables.shape[0] == context_lens.shape[0],
+        "block_tables must have one row per sequence (per context_lens entry)",
+    )
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot input precision: exact for float32 inputs (what the tests compare against)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def next_power_of_2(n: int) -> int:

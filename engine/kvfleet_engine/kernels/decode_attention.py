@@ -16,14 +16,12 @@ import triton
 import triton.language as tl
 
 from kvfleet_engine.kernels.checks import (
-    check_cache,
-    check_heads,
-    check_index,
+    LOG2E,
+    check_paged_attention,
+    dot_precision,
     next_power_of_2,
     require,
 )
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -171,14 +169,10 @@ def paged_decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
-    check_cache(k_cache, v_cache)
-    check_heads(query, "query", k_cache, per_kv_head=False)
-    check_index(block_tables, "block_tables", 2, torch.int32, k_cache.device)
-    check_index(context_lens, "context_lens", 1, torch.int32, k_cache.device)
+    check_paged_attention(query, k_cache, v_cache, block_tables, context_lens)
     num_seqs, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    require(block_tables.shape[0] == num_seqs, "block_tables must have one row per sequence")
-    require(context_lens.shape[0] == num_seqs, "context_lens must have one entry per sequence")
+    require(context_lens.shape[0] == num_seqs, "context_lens must have one entry per query row")
     out = torch.empty_like(query)
     if num_seqs == 0:
         return out
@@ -218,7 +212,7 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=dot_precision(query.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
     )

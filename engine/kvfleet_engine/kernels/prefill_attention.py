@@ -14,14 +14,13 @@ import triton
 import triton.language as tl
 
 from kvfleet_engine.kernels.checks import (
-    check_cache,
-    check_heads,
+    LOG2E,
     check_index,
+    check_paged_attention,
+    dot_precision,
     next_power_of_2,
     require,
 )
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -133,14 +132,10 @@ def prefill_attention(
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
-    check_cache(k_cache, v_cache)
-    check_heads(query, "query", k_cache, per_kv_head=False)
-    check_index(block_tables, "block_tables", 2, torch.int32, k_cache.device)
+    check_paged_attention(query, k_cache, v_cache, block_tables, context_lens)
     check_index(cu_query_lens, "cu_query_lens", 1, torch.int32, k_cache.device)
-    check_index(context_lens, "context_lens", 1, torch.int32, k_cache.device)
     num_seqs = context_lens.shape[0]
     require(cu_query_lens.shape[0] == num_seqs + 1, "cu_query_lens must have num_seqs + 1 entries")
-    require(block_tables.shape[0] == num_seqs, "block_tables must have one row per sequence")
     num_tokens, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(query)
@@ -177,7 +172,7 @@ def prefill_attention(
         BLOCK_D=next_power_of_2(head_dim),
         BLOCK_N=block_n,
         BLOCK_SIZE=block_size,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=dot_precision(query.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
     )
