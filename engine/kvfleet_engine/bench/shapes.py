@@ -127,7 +127,7 @@ def weight_bytes_per_step(model: Any) -> int:
     params = {id(p): p for p in model.parameters()}
     total = sum(p.numel() * p.element_size() for p in params.values())
     embedding = model.get_input_embeddings().weight
-    tied = any(p is embedding for p in [model.get_output_embeddings().weight])
+    tied = model.get_output_embeddings().weight is embedding
     return total if tied else total - embedding.numel() * embedding.element_size()
 
 
