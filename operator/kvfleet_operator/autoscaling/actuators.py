@@ -84,17 +84,17 @@ def render_scaled_object(
     pods = f'namespace="{namespace}",pod=~"{name}-[a-z0-9]+-[a-z0-9]+"'
     targets = spec.targets
     triggers: list[tuple[str, str, str, float]] = []  # (name, metricType, query, threshold)
-    for signal, counter in (
-        (targets.generation_token_rate, "kvfleet_generation_tokens_total"),
-        (targets.prompt_token_rate, "kvfleet_prompt_tokens_total"),
+    for signal, trigger_name, counter in (
+        (
+            targets.generation_token_rate,
+            "generation-tokens-per-second",
+            "kvfleet_generation_tokens_total",
+        ),
+        (targets.prompt_token_rate, "prompt-tokens-per-second", "kvfleet_prompt_tokens_total"),
     ):
         if signal is None:
             continue
         rate = f"sum(rate({counter}{{{pods}}}[{window}]))"
-        trigger_name = (
-            counter.removeprefix("kvfleet_").removesuffix("_total").replace("_", "-")
-            + "-per-second"
-        )
         if signal.capacity_fraction is not None:
             capacity = f"avg(kvfleet_engine_capacity_tokens_per_second{{{pods}}})"
             triggers.append(
@@ -113,9 +113,9 @@ def render_scaled_object(
         triggers.append(
             ("waiting-requests", "AverageValue", query, targets.waiting_requests_per_replica)
         )
-    for latency, histogram in (
-        (targets.ttft, "kvfleet_time_to_first_token_seconds"),
-        (targets.tpot, "kvfleet_inter_token_latency_seconds"),
+    for latency, label, histogram in (
+        (targets.ttft, "ttft", "kvfleet_time_to_first_token_seconds"),
+        (targets.tpot, "tpot", "kvfleet_inter_token_latency_seconds"),
     ):
         if latency is None:
             continue
@@ -123,9 +123,7 @@ def render_scaled_object(
             f"histogram_quantile({latency.quantile:g}, "
             f"sum by (le) (rate({histogram}_bucket{{{pods}}}[{window}])))"
         )
-        label = "ttft" if histogram.endswith("first_token_seconds") else "tpot"
         triggers.append((f"{label}-p{latency.quantile * 100:g}", "Value", query, latency.seconds))
-    assert spec.prometheus is not None
     return {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",
