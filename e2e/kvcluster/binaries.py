@@ -7,7 +7,6 @@ succeeded, so a directory that exists is complete and a warm run builds nothing.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import shlex
@@ -16,11 +15,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvcluster import procs
 from kvcluster.config import ETCD_VERSION, KUBERNETES_VERSION, KWOK_VERSION, TOOLS_DIR
 
 log = logging.getLogger(__name__)
@@ -100,20 +99,10 @@ def ensure_binaries(bin_root: Path) -> dict[str, Path]:
     """Build whatever is not cached yet (under a lock, so parallel sessions build once)."""
     if missing_specs(bin_root):
         bin_root.mkdir(parents=True, exist_ok=True)
-        with _locked(bin_root / ".build.lock"):
+        with procs.locked(bin_root / ".build.lock"):
             for spec in missing_specs(bin_root):
                 build(spec, bin_root)
     return binary_paths(bin_root)
-
-
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with path.open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _go_env() -> dict[str, str]:

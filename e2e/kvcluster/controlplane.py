@@ -9,15 +9,13 @@ Every pid is written to <state_dir>/state.json as soon as it starts, so `down` (
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import shutil
 import socket
 import ssl
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,7 +54,7 @@ class ComponentState:
 
 def up(config: ClusterConfig, owner: str = "cli", report: Report = print) -> bool:
     """Start the cluster unless it is already running; True if this call started it."""
-    with _locked(config.state_dir / ".lock"):
+    with procs.locked(config.state_dir / ".lock"):
         if is_running(config):
             report(f"control plane already running (state: {config.state_dir})")
             _add_missing_nodes(config, report)
@@ -75,7 +73,7 @@ def up(config: ClusterConfig, owner: str = "cli", report: Report = print) -> boo
 
 def down(config: ClusterConfig, report: Report = print) -> list[str]:
     """Stop every saved process (reverse start order); return their names."""
-    with _locked(config.state_dir / ".lock"):
+    with procs.locked(config.state_dir / ".lock"):
         stopped = _stop_all(config)
     if stopped:
         report(f"stopped {', '.join(stopped)}")
@@ -303,14 +301,3 @@ def _stop_all(config: ClusterConfig) -> list[str]:
     _state_file(config).unlink(missing_ok=True)
     shutil.rmtree(config.state_dir / "etcd", ignore_errors=True)
     return stopped
-
-
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
