@@ -29,8 +29,8 @@ from autoscaling_scenario import (
     start_load,
 )
 from engine_pods import EnginePods
-from kvcluster.procs import stop_child
-from kvcluster.testing import E2ECluster
+from kvcluster.procs import stop_child, tail
+from kvcluster.testing import E2ECluster, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -42,19 +42,10 @@ T = TypeVar("T")
 
 
 def wait(check: Callable[[], T | None], timeout: float, what: str, logs: list[Path]) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            tails = "\n".join(
-                f"--- {p.name} ---\n" + "\n".join(p.read_text(errors="replace").splitlines()[-25:])
-                for p in logs
-                if p.exists()
-            )
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{tails}")
-        time.sleep(0.5)
+    def tails() -> str:
+        return "\n".join(f"--- {p.name} ---\n{tail(p, 25)}" for p in logs if p.exists())
+
+    return wait_until(check, timeout, what, tails)
 
 
 @pytest.fixture

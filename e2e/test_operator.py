@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from kvcluster.kubectl import KubectlError
-from kvcluster.testing import E2ECluster
+from kvcluster.testing import E2ECluster, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -149,17 +149,7 @@ def _service_account_kubeconfig(cluster: E2ECluster, tmp: Path) -> Path:
 
 
 def wait_for(operator: Operator, check: Callable[[], T | None], timeout: float, what: str) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"timed out after {timeout:.0f}s waiting for {what}\n"
-                f"--- operator log ---\n{operator.log_tail()}"
-            )
-        time.sleep(0.5)
+    return wait_until(check, timeout, what, lambda: f"--- operator log ---\n{operator.log_tail()}")
 
 
 def get(cluster: E2ECluster, namespace: str, kind: str, name: str) -> dict[str, Any] | None:

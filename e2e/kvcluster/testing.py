@@ -47,15 +47,21 @@ class E2ECluster:
             )
 
 
-def wait_until(check: Callable[[], T | None], timeout_s: float, what: str) -> T:
+def wait_until(
+    check: Callable[[], T | None],
+    timeout_s: float,
+    what: str,
+    details: Callable[[], str] | None = None,
+) -> T:
     """Call `check` every 0.25 s until it returns something truthy; return that.
 
-    On timeout, raise AssertionError naming `what`."""
+    On timeout, raise AssertionError naming `what`, followed by `details()` (say, log tails)."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = check()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+            message = f"timed out after {timeout_s:.0f}s waiting for {what}"
+            raise AssertionError(f"{message}\n{details()}" if details else message)
         time.sleep(0.25)
