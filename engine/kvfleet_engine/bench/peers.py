@@ -41,7 +41,9 @@ def generate_decode_rate(model: Any, prompt: list[int], output_len: int) -> floa
     return (output_len - 1) / (full - first)
 
 
-@torch.inference_mode()
+# No inference_mode here: it is per thread, and generate_batch allocates its cache in this
+# thread but updates it in place from its worker thread, which then fails ("Inplace update to
+# inference tensor outside InferenceMode", H200 run of 2026-11-29).
 def generate_batch_throughput(
     model: Any, prompts: list[list[int]], output_len: int
 ) -> tuple[float, int]:
