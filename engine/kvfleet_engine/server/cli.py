@@ -17,11 +17,15 @@ import sys
 import tempfile
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from kvfleet_engine.argtypes import positive_float, positive_int
 from kvfleet_engine.server.admission import AdmissionConfig
+
+if TYPE_CHECKING:
+    from kvfleet_engine.server.state import ServerState
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +112,8 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         EngineInfo(
             model=served_name,
             version=_version(),
-            quantization=str(getattr(args, "quantization", None) or "none"),
-            tensor_parallel_size=int(getattr(args, "tensor_parallel_size", 1) or 1),
+            quantization=args.quantization,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
     )
     settings = ServerSettings(
@@ -148,11 +152,8 @@ def _version() -> str:
 class DrainingServer(uvicorn.Server):
     """uvicorn, except that SIGTERM drains: stop admitting, finish in-flight work, then exit."""
 
-    def __init__(self, config: uvicorn.Config, state: object) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
-        from kvfleet_engine.server.state import ServerState
-
-        assert isinstance(state, ServerState)
         self.state = state
         self._loop: asyncio.AbstractEventLoop | None = None
 
