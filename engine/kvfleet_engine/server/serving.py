@@ -166,12 +166,12 @@ class OpenAIServing:
     def _tokenize_prompts(self, prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
             return [self._encode(prompt, add_special_tokens=True)]
-        if prompt and isinstance(prompt[0], int):
-            return [list(prompt)]
-        if prompt and isinstance(prompt[0], list):
-            return [list(p) for p in prompt]
         if not prompt:
             raise invalid_field("prompt", "must not be empty")
+        if isinstance(prompt[0], int):
+            return [list(prompt)]
+        if isinstance(prompt[0], list):
+            return [list(p) for p in prompt]
         return [self._encode(p, add_special_tokens=True) for p in prompt]
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -269,14 +269,14 @@ class OpenAIServing:
         # The body's field wins over the X-Priority header (a gateway may set the header).
         priority = body.priority if body.priority is not None else (header_priority or 0)
         self.state.admit(sum(len(ids) for ids in prompts) * body.n, len(params))
+        arrival = time.time()
         fan = _Fanout(
             request_id=f"{prefix}-{uuid.uuid4().hex}",
-            created=int(time.time()),
+            created=int(arrival),
             model=body.model,
             prompt_token_ids=prompts,
             n=body.n,
         )
-        arrival = time.time()
         try:
             for k, p in enumerate(params):
                 fan.streams.append(
