@@ -47,6 +47,20 @@ def plan_components(
     etcd_url = f"http://127.0.0.1:{p.etcd_client}"
     peer_url = f"http://127.0.0.1:{p.etcd_peer}"
     tls = (f"--tls-cert-file={pki.admin_cert}", f"--tls-private-key-file={pki.admin_key}")
+
+    def controller_flags(port: int) -> tuple[str, ...]:
+        """kube-controller-manager and kube-scheduler: the admin kubeconfig for everything, no
+        leader election, the health port on loopback."""
+        return (
+            f"--kubeconfig={kubeconfig}",
+            f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}",
+            "--leader-elect=false",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={port}",
+            *tls,
+        )
+
     return [
         Component(
             name="etcd",
@@ -98,13 +112,7 @@ def plan_components(
             name="kube-controller-manager",
             argv=(
                 str(binaries["kube-controller-manager"]),
-                f"--kubeconfig={kubeconfig}",
-                f"--authentication-kubeconfig={kubeconfig}",
-                f"--authorization-kubeconfig={kubeconfig}",
-                "--leader-elect=false",
-                "--bind-address=127.0.0.1",
-                f"--secure-port={p.controller_manager}",
-                *tls,
+                *controller_flags(p.controller_manager),
                 f"--root-ca-file={pki.ca_cert}",
                 f"--service-account-private-key-file={pki.sa_key}",
                 # Short periods so tests see node health and autoscaling decisions quickly.
@@ -120,13 +128,7 @@ def plan_components(
             name="kube-scheduler",
             argv=(
                 str(binaries["kube-scheduler"]),
-                f"--kubeconfig={kubeconfig}",
-                f"--authentication-kubeconfig={kubeconfig}",
-                f"--authorization-kubeconfig={kubeconfig}",
-                "--leader-elect=false",
-                "--bind-address=127.0.0.1",
-                f"--secure-port={p.scheduler}",
-                *tls,
+                *controller_flags(p.scheduler),
             ),
             ports=(p.scheduler,),
             health_url=f"https://127.0.0.1:{p.scheduler}/healthz",
