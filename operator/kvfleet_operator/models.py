@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-from pydantic.alias_generators import to_camel
+from pydantic import ConfigDict, Field
 
 from kvfleet_operator.autoscaling.spec import AutoscalingSpec
+from kvfleet_operator.wire import Model
 
 MODEL_URI_PATTERN = r"^(hf|pvc|s3|file)://.+"
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8, 16)
@@ -24,17 +24,6 @@ KVCacheQuantization = Literal["auto", "fp8"]
 def cel(*rules: tuple[str, str]) -> dict[str, Any]:
     """x-kubernetes-validations for a model's JSON schema: (rule, message) pairs."""
     return {"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in rules]}
-
-
-def to_wire_name(field: str) -> str:
-    """snake_case -> camelCase, keeping the unit GiB: memory_gib -> memoryGiB."""
-    return to_camel(field).replace("Gib", "GiB")
-
-
-class Model(BaseModel):
-    model_config = ConfigDict(
-        alias_generator=to_wire_name, populate_by_name=True, extra="forbid", frozen=True
-    )
 
 
 class SecretReference(Model):

@@ -10,20 +10,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import Field, model_validator
+
+from kvfleet_operator.wire import Model, to_wire_name
 
 Controller = Literal["Builtin", "HPA", "KEDA"]
 MetricsSource = Literal["Direct", "Prometheus"]
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
-    )
-
-
-class PrometheusSource(_Model):
+class PrometheusSource(Model):
     """Where the Builtin controller (source: Prometheus) and KEDA triggers read engine metrics."""
 
     url: str = Field(
@@ -33,7 +28,7 @@ class PrometheusSource(_Model):
     )
 
 
-class TokenRateTarget(_Model):
+class TokenRateTarget(Model):
     """Target token rate per replica: an absolute number, or a fraction of measured capacity."""
 
     tokens_per_second: float | None = Field(
@@ -56,7 +51,7 @@ class TokenRateTarget(_Model):
         return self
 
 
-class LatencyTarget(_Model):
+class LatencyTarget(Model):
     """A latency percentile that must stay under a threshold; over it, the fleet grows."""
 
     quantile: float = Field(
@@ -71,7 +66,7 @@ class LatencyTarget(_Model):
     )
 
 
-class AutoscalingTargets(_Model):
+class AutoscalingTargets(Model):
     """Per-signal targets. Desired replicas is the maximum over the signals that are set."""
 
     generation_token_rate: TokenRateTarget | None = Field(
@@ -112,7 +107,7 @@ class AutoscalingTargets(_Model):
         return [name for name in type(self).model_fields if getattr(self, name) is not None]
 
 
-class ScaleUpRules(_Model):
+class ScaleUpRules(Model):
     """How fast the fleet may grow."""
 
     stabilization_window_seconds: int = Field(
@@ -138,7 +133,7 @@ class ScaleUpRules(_Model):
     )
 
 
-class ScaleDownRules(_Model):
+class ScaleDownRules(Model):
     """How fast the fleet may shrink."""
 
     stabilization_window_seconds: int = Field(
@@ -171,7 +166,7 @@ class ScaleDownRules(_Model):
     )
 
 
-class AutoscalingBehavior(_Model):
+class AutoscalingBehavior(Model):
     """Windows, tolerance, stabilization and rate limits (Knative KPA + HPA v2 semantics)."""
 
     sync_period_seconds: int = Field(
@@ -233,7 +228,7 @@ class AutoscalingBehavior(_Model):
         return self
 
 
-class AutoscalingSpec(_Model):
+class AutoscalingSpec(Model):
     """Scale the InferenceDeployment's replicas on what its engines report."""
 
     min_replicas: int = Field(
@@ -314,4 +309,4 @@ class AutoscalingSpec(_Model):
 
 def to_camel_path(field_path: str) -> str:
     """`generation_token_rate.capacity_fraction` -> `generationTokenRate.capacityFraction`."""
-    return ".".join(to_camel(part) for part in field_path.split("."))
+    return ".".join(to_wire_name(part) for part in field_path.split("."))
