@@ -18,6 +18,7 @@ import math
 import random
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -264,15 +265,12 @@ def summarize(
             measured["tpot"] = r.tpot_s * 1e3
         return all(measured.get(k, 0.0) <= v for k, v in slos_ms.items())
 
-    errors: dict[str, int] = {}
-    for r in results:
-        if not r.success:
-            errors[r.error[:120]] = errors.get(r.error[:120], 0) + 1
+    errors = Counter(r.error[:120] for r in results if not r.success)
     return {
         "num_requests": len(results),
         "completed": len(ok),
         "failed": len(results) - len(ok),
-        "errors": errors,
+        "errors": dict(errors),
         "duration_s": duration_s,
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,
