@@ -57,7 +57,6 @@ def main(argv: list[str] | None = None) -> int:
         console.print("[red]the local control plane is not running: make cluster-up[/red]")
         return 1
     kubectl = controlplane.kubectl_for(config)
-    env = {"KUBECONFIG": str(config.kubeconfig)}
     with tempfile.TemporaryDirectory(prefix="kvfleet-demo-") as tmp_dir:
         tmp = Path(tmp_dir)
         kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
@@ -66,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         _run([sys.executable, "-m", "kvfleet_cli", "tiny-model", str(model)])
         operator = subprocess.Popen(
             [sys.executable, "-m", "kvfleet_cli", "operator", "--namespace", NAMESPACE],
-            env={**_environ(), **env},
+            env={**os.environ, "KUBECONFIG": str(config.kubeconfig)},
             stdout=(tmp / "operator.log").open("wb"),
             stderr=subprocess.STDOUT,
         )
@@ -170,10 +169,6 @@ def _until(check: Any, timeout: float) -> Any:
 
 def _run(command: list[str]) -> None:
     subprocess.run(command, check=True, capture_output=True)
-
-
-def _environ() -> dict[str, str]:
-    return dict(os.environ)
 
 
 if __name__ == "__main__":
