@@ -127,8 +127,8 @@ class ModelRunner:
         counts = np.fromiter((len(item.block_ids) for item in items), np.int64, num_seqs)
         width = int(counts.max())
 
-        host64, dev64 = self._staging(torch.int64, 3 * num_tokens + len(sample_rows))
-        host32, dev32 = self._staging(torch.int32, 2 * num_seqs + 1 + num_seqs * width)
+        host64, upload64 = self._staging(torch.int64, 3 * num_tokens + len(sample_rows))
+        host32, upload32 = self._staging(torch.int32, 2 * num_seqs + 1 + num_seqs * width)
         input_ids, positions = host64[:num_tokens], host64[num_tokens : 2 * num_tokens]
         slot_mapping = host64[2 * num_tokens : 3 * num_tokens]
         logits_indices = host64[3 * num_tokens :]
@@ -160,7 +160,7 @@ class ModelRunner:
         slot_mapping += positions % block_size
         logits_indices[:] = cu_query_lens[1:][sample_rows] - 1
 
-        dev64, dev32 = dev64(), dev32()
+        dev64, dev32 = upload64(), upload32()
         attention = AttentionMetadata(
             slot_mapping=dev64[2 * num_tokens : 3 * num_tokens],
             block_tables=dev32[2 * num_seqs + 1 :].view(num_seqs, width),
