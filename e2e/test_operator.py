@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from kvcluster.kubectl import KubectlError
+from kvcluster.procs import stop_child, tail
 from kvcluster.testing import E2ECluster, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -53,16 +54,11 @@ class Operator:
     def stop(self) -> None:
         if self.proc is None:
             return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_child(self.proc, signal.SIGTERM, 20)
         self.proc = None
 
     def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return tail(self.log_path, lines)
 
 
 @pytest.fixture(scope="module")
