@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
+
+from kvfleet_engine.outputs import SchedulerStats
 
 CONTRACT_VERSION = "v1"
 
@@ -38,27 +39,6 @@ REQUEST_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
     240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
-
-
-class SchedulerStatsLike(Protocol):
-    """What metrics reads from the engine's `SchedulerStats` (ENGINE_CONTRACT.md)."""
-
-    @property
-    def num_running(self) -> int: ...
-    @property
-    def num_waiting(self) -> int: ...
-    @property
-    def kv_cache_usage(self) -> float: ...
-    @property
-    def num_preemptions_total(self) -> int: ...
-    @property
-    def prefix_cache_queries_total(self) -> int: ...
-    @property
-    def prefix_cache_hits_total(self) -> int: ...
-    @property
-    def num_prompt_tokens_total(self) -> int: ...
-    @property
-    def num_generation_tokens_total(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -85,21 +65,8 @@ class EngineInfo:
     tensor_parallel_size: int
 
 
-@dataclass(frozen=True)
-class _ZeroStats:
-    """Before the first engine step every gauge and counter reads 0 (and is present)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_preemptions_total: int = 0
-    prefix_cache_queries_total: int = 0
-    prefix_cache_hits_total: int = 0
-    num_prompt_tokens_total: int = 0
-    num_generation_tokens_total: int = 0
-
-
-_NO_STATS = _ZeroStats()
+# Before the first engine step every gauge and counter reads 0 (and is present).
+_NO_STATS = SchedulerStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0)
 
 
 class EngineMetrics:
@@ -108,8 +75,8 @@ class EngineMetrics:
     def __init__(self, info: EngineInfo) -> None:
         self.info = info
         self.registry = CollectorRegistry(auto_describe=True)
-        self._snapshot: SchedulerStatsLike | None = None
-        self._baseline: SchedulerStatsLike = _NO_STATS  # totals before serving (self-benchmark)
+        self._snapshot: SchedulerStats | None = None
+        self._baseline: SchedulerStats = _NO_STATS  # totals before serving (self-benchmark)
         self._capacity_tokens_per_second: float | None = None
         labels = ["model_name"]
         self._ttft = _histogram_pair(
@@ -153,10 +120,10 @@ class EngineMetrics:
 
     # --- inputs ----------------------------------------------------------------------------
 
-    def observe_scheduler(self, stats: SchedulerStatsLike) -> None:
+    def observe_scheduler(self, stats: SchedulerStats) -> None:
         self._snapshot = stats
 
-    def set_baseline(self, stats: SchedulerStatsLike) -> None:
+    def set_baseline(self, stats: SchedulerStats) -> None:
         """Leave the start-up self-benchmark's tokens out of the exported totals."""
         self._baseline = stats
         self._snapshot = stats

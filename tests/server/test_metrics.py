@@ -1,8 +1,9 @@
 """The metrics module renders every contract name from plain records."""
 
-from dataclasses import dataclass
+from typing import Any
 
 from kvfleet_engine.metrics import EngineInfo, EngineMetrics, FinishedRequestStats, IterationStats
+from kvfleet_engine.outputs import SchedulerStats
 
 CONTRACT_NAMES = [
     "kvfleet_requests_running",
@@ -32,16 +33,20 @@ CONTRACT_NAMES = [
 ]
 
 
-@dataclass(frozen=True)
-class Stats:
-    num_running: int = 3
-    num_waiting: int = 2
-    kv_cache_usage: float = 0.25
-    num_preemptions_total: int = 1
-    prefix_cache_queries_total: int = 160
-    prefix_cache_hits_total: int = 32
-    num_prompt_tokens_total: int = 500
-    num_generation_tokens_total: int = 70
+def Stats(**overrides: Any) -> SchedulerStats:
+    fields: dict[str, Any] = {
+        "num_running": 3,
+        "num_waiting": 2,
+        "kv_cache_usage": 0.25,
+        "num_preemptions_total": 1,
+        "prefix_cache_queries_total": 160,
+        "prefix_cache_hits_total": 32,
+        "num_prompt_tokens_total": 500,
+        "num_generation_tokens_total": 70,
+        "num_blocks_total": 64,
+        "num_blocks_free": 48,
+    }
+    return SchedulerStats(**{**fields, **overrides})
 
 
 def sample(text: str, line_start: str) -> float:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvfleet_engine.argtypes import positive_int
 from kvfleet_engine.bench.shapes import SHAPES
 
 log = logging.getLogger(__name__)
@@ -42,21 +43,14 @@ def _input_len(text: str) -> tuple[int, int]:
     return bounds
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", required=True, choices=sorted(SHAPES), help="model shape")
     parser.add_argument(
         "--peer", choices=("none", "transformers"), default="none", help="also run this peer"
     )
-    parser.add_argument("--max-num-seqs", type=_positive, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=_positive, default=8192)
-    parser.add_argument("--block-size", type=_positive, default=16)
+    parser.add_argument("--max-num-seqs", type=positive_int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
+    parser.add_argument("--block-size", type=positive_int, default=16)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and prompts")
@@ -203,12 +197,12 @@ def throughput(argv: list[str]) -> int:
         description="Offline throughput: generate for all prompts at once (greedy, ignore EOS).",
     )
     _common_args(parser)
-    parser.add_argument("--num-prompts", type=_positive, default=512)
+    parser.add_argument("--num-prompts", type=positive_int, default=512)
     parser.add_argument("--input-len", type=_input_len, default=(64, 512), help="N or LOW:HIGH")
-    parser.add_argument("--output-len", type=_positive, default=256)
+    parser.add_argument("--output-len", type=positive_int, default=256)
     parser.add_argument(
         "--peer-num-prompts",
-        type=_positive,
+        type=positive_int,
         default=None,
         help="run the peer on the first N prompts only (default: all)",
     )
@@ -309,9 +303,9 @@ def latency(argv: list[str]) -> int:
         description="Decode speed of a small batch (default 1 sequence; greedy, ignore EOS).",
     )
     _common_args(parser)
-    parser.add_argument("--batch-size", type=_positive, default=1)
-    parser.add_argument("--input-len", type=_positive, default=128)
-    parser.add_argument("--output-len", type=_positive, default=256)
+    parser.add_argument("--batch-size", type=positive_int, default=1)
+    parser.add_argument("--input-len", type=positive_int, default=128)
+    parser.add_argument("--output-len", type=positive_int, default=256)
     args = parser.parse_args(argv)
     if args.output_len < 2:
         parser.error("--output-len must be >= 2 (a decode rate needs two tokens)")
