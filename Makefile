@@ -7,7 +7,7 @@ UV := $(VENV)/bin/uv
 export UV_CACHE_DIR ?= $(HOME)/.cache/kvfleet/uv
 export UV_LINK_MODE ?= copy
 
-.PHONY: help venv test test-fast lint demo cluster-up cluster-down crds
+.PHONY: help venv test test-fast lint demo
 
 help:
 	@echo "make demo         local cluster with GPU nodes, then an autoscaled InferenceDeployment scaling 1 -> 3 -> 1"

@@ -1,5 +1,5 @@
 # Local control plane targets; the harness is e2e/cluster.py (see README "Local control plane").
-.PHONY: cluster-status cluster-bin
+.PHONY: cluster-up cluster-down cluster-status cluster-bin
 
 # Built before pytest runs: a cold build (10-30 min) would exceed a test's timeout.
 cluster-bin: venv
