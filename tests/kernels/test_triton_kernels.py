@@ -107,13 +107,22 @@ def test_decode_matches_dense_attention(device, dtype, tol, sizes, num_splits) -
 
 
 @pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
-def test_decode_gives_zeros_for_a_padding_sequence_of_length_zero(device, dtype, tol, sizes):
+@pytest.mark.parametrize("num_splits", [None, 1])  # 1: the split kernel writes the output itself
+def test_decode_gives_zeros_for_a_padding_sequence_of_length_zero(
+    device, dtype, tol, sizes, num_splits
+):
     _skip_if_unavailable(device)
     case = make_paged_case([20, 1], [1, 1], **sizes, dtype=dtype, device=device, seed=3)
     context_lens = case.context_lens.clone()
     context_lens[1] = 0
     out = decode.paged_decode_attention(
-        case.query, case.k_cache, case.v_cache, case.block_tables, context_lens, case.scale
+        case.query,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        context_lens,
+        case.scale,
+        num_splits=num_splits,
     )
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert relative_error(out[:1], dense_attention(case)[:1]) < tol

@@ -2,7 +2,9 @@
 
 Each program owns (sequence, kv head, split): it loads the query heads that share the kv head as
 the rows of one tile, so every K/V tile is read once per group, and walks its share of the context
-with an online softmax. A second kernel merges the splits by their log-sum-exp. The grid depends
+with an online softmax. A second kernel merges the splits by their log-sum-exp; with a single
+split (large batches) the first kernel writes the output itself and the merge is skipped. The grid
+depends
 only on tensor shapes (context lengths are read on the device), so the launch can be captured in a
 CUDA graph and replayed with new lengths.
 """
@@ -33,9 +35,12 @@ def _decode_split_kernel(
     context_lens_ptr,
     partial_out_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS, HEAD_DIM] float32
     partial_lse_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS] float32, log2 domain
+    out_ptr,  # [num_seqs, num_q_heads, HEAD_DIM]: written here instead when NUM_SPLITS == 1
     scale_log2,
     stride_qs,
     stride_qh,
+    stride_os,
+    stride_oh,
     stride_cb,
     stride_cs,
     stride_ch,
@@ -93,14 +98,16 @@ def _decode_split_kernel(
 
     nonempty = l_i > 0
     out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
-    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-    partial_row = (seq * num_q_heads + heads) * NUM_SPLITS + split
-    tl.store(partial_lse_ptr + partial_row, lse, mask=row_mask)
-    tl.store(
-        partial_out_ptr + partial_row[:, None] * HEAD_DIM + dims[None, :],
-        out,
-        mask=row_mask[:, None] & dim_mask[None, :],
-    )
+    out_mask = row_mask[:, None] & dim_mask[None, :]
+    if NUM_SPLITS == 1:  # the whole context: this is the output (zeros for an empty sequence)
+        out_rows = out_ptr + seq * stride_os + heads[:, None] * stride_oh
+        tl.store(out_rows + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        partial_row = (seq * num_q_heads + heads) * NUM_SPLITS + split
+        tl.store(partial_lse_ptr + partial_row, lse, mask=row_mask)
+        partial_rows = partial_out_ptr + partial_row[:, None] * HEAD_DIM
+        tl.store(partial_rows + dims[None, :], out, mask=out_mask)
 
 
 @triton.jit
@@ -197,9 +204,12 @@ def paged_decode_attention(
         context_lens,
         partial_out,
         partial_lse,
+        out,
         scale * LOG2E,
         query.stride(0),
         query.stride(1),
+        out.stride(0),
+        out.stride(1),
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
@@ -216,6 +226,8 @@ def paged_decode_attention(
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if num_splits == 1:
+        return out
     _decode_merge_kernel[(num_seqs, num_q_heads)](
         partial_out,
         partial_lse,
