@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 from paged_cases import dense_attention, make_paged_case, relative_error
 
 from kvfleet_engine.layers import attention_torch as ref
@@ -55,6 +56,7 @@ kv_store = _kernel_module("kv_store")
 decode = _kernel_module("decode_attention")
 prefill = _kernel_module("prefill_attention")
 fused = _kernel_module("fused")
+activation = _kernel_module("activation")
 
 # (device, dtype, tolerance, sizes): small interpreted cases on CPU; model-like sizes on the GPU.
 SMALL = {"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 32}
@@ -199,6 +201,25 @@ def test_wrappers_reject_bad_input_naming_the_argument() -> None:
         kv_store.store_kv(
             case.keys[0], case.values[0], case.k_cache, case.v_cache, case.slot_mapping.int()
         )
+    qkv, q, k, v = _qkv_views(8, 8, 2, 32, torch.float32, "cpu", seed=0)
+    cos_sin = _rotary_table(32, seed=0)[1].float()
+    with pytest.raises(ValueError, match=r"positions must be torch\.int64"):
+        fused.rotary_store_kv(
+            torch.zeros(8, dtype=torch.int32), q, k, v, cos_sin, *_cache_and_slots(case)
+        )
+    with pytest.raises(ValueError, match="same number of tokens"):
+        fused.rotary_store_kv(
+            torch.zeros(8, dtype=torch.int64),
+            q,
+            k,
+            v,
+            cos_sin,
+            case.k_cache,
+            case.v_cache,
+            case.slot_mapping[:7],
+        )
+    with pytest.raises(ValueError, match="even number of columns"):
+        activation.silu_and_mul(qkv[:, :7])
 
 
 @pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
@@ -219,28 +240,126 @@ def test_fused_rms_norm_matches_torch(device, dtype, tol, sizes, with_residual) 
         assert summed is None
 
 
+def _qkv_views(num_tokens, heads, kv_heads, dim, dtype, device, seed):
+    """q, k and v as views of one fused qkv output, like the model's (not contiguous)."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(device, dtype)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    return (
+        qkv,
+        q.view(num_tokens, heads, dim),
+        k.view(num_tokens, kv_heads, dim),
+        v.view(num_tokens, kv_heads, dim),
+    )
+
+
+def _rotary_table(dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random angles [100, dim // 2] float64 and their cos | sin table in float64."""
+    gen = torch.Generator().manual_seed(seed)
+    angles = torch.rand(100, dim // 2, generator=gen, dtype=torch.float64) * 6.3
+    return angles, torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+def _rotate_half_reference(x: torch.Tensor, angles: torch.Tensor, positions: torch.Tensor):
+    """Rotate-half rotary in float64 on the CPU."""
+    half = x.shape[-1] // 2
+    cos = angles.cos().repeat(1, 2)[positions][:, None]
+    sin = angles.sin().repeat(1, 2)[positions][:, None]
+    x = x.double().cpu()
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def _cache_and_slots(case):
+    """A cache filled with a sentinel (a skipped store shows) and the case's slots, every 4th -1."""
+    slots = case.slot_mapping.clone()
+    slots[::4] = -1
+    return torch.full_like(case.k_cache, 7.0), torch.full_like(case.v_cache, 7.0), slots
+
+
 @pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
 def test_fused_rotary_matches_rotate_half_in_place(device, dtype, tol, sizes) -> None:
     _skip_if_unavailable(device)
     heads, kv_heads, dim = sizes["num_q_heads"], sizes["num_kv_heads"], sizes["head_dim"]
-    gen = torch.Generator().manual_seed(7)
-    # q and k as views of one fused qkv output, like the model's
-    qkv = torch.randn(6, (heads + 2 * kv_heads) * dim, generator=gen).to(device, dtype)
-    q = qkv[:, : heads * dim].view(6, heads, dim)
-    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(6, kv_heads, dim)
+    qkv, q, k, _ = _qkv_views(6, heads, kv_heads, dim, dtype, device, seed=7)
     v_before = qkv[:, (heads + kv_heads) * dim :].clone()
-    angles = torch.rand(100, dim // 2, generator=gen, dtype=torch.float64) * 6.3
-    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    angles, cos_sin = _rotary_table(dim, seed=8)
     positions = torch.tensor([0, 5, 99, 3, 3, 42])
-
-    def expected(x: torch.Tensor) -> torch.Tensor:
-        cos = torch.cat([angles.cos(), angles.cos()], dim=-1)[positions][:, None]
-        sin = torch.cat([angles.sin(), angles.sin()], dim=-1)[positions][:, None]
-        x = x.double().cpu()
-        rotated = torch.cat([-x[..., dim // 2 :], x[..., : dim // 2]], dim=-1)
-        return x * cos + rotated * sin
-
-    want_q, want_k = expected(q), expected(k)
+    want_q = _rotate_half_reference(q, angles, positions)
+    want_k = _rotate_half_reference(k, angles, positions)
     fused.rotary_embedding_(positions.to(device), q, k, cos_sin.float().to(device))
     assert relative_error(q, want_q) < tol and relative_error(k, want_k) < tol
     assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before), "v must be untouched"
+
+
+@pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
+@pytest.mark.parametrize(
+    ("group", "head_dim_scale", "block_size"),
+    [(None, 1, 16), (3, 1.5, 32)],  # as given; an odd group, head_dim/2 not a power of 2
+)
+def test_rotary_store_kv_rotates_then_stores(
+    device, dtype, tol, sizes, group, head_dim_scale, block_size
+) -> None:
+    _skip_if_unavailable(device)
+    kv_heads = sizes["num_kv_heads"]
+    heads = group * kv_heads if group else sizes["num_q_heads"]
+    dim = int(sizes["head_dim"] * head_dim_scale)
+    case = make_paged_case(
+        [23, 9], [1, 1], heads, kv_heads, dim, block_size, dtype=dtype, device=device, seed=9
+    )
+    k_cache, v_cache, slots = _cache_and_slots(case)
+    num_tokens = slots.shape[0]
+    _, q, k, v = _qkv_views(num_tokens, heads, kv_heads, dim, dtype, device, seed=10)
+    v_before = v.clone()
+    angles, cos_sin = _rotary_table(dim, seed=11)
+    positions = torch.randint(0, 100, (num_tokens,), generator=torch.Generator().manual_seed(12))
+    want_q = _rotate_half_reference(q, angles, positions)
+    want_k = _rotate_half_reference(k, angles, positions)
+
+    fused.rotary_store_kv(
+        positions.to(device), q, k, v, cos_sin.float().to(device), k_cache, v_cache, slots
+    )
+    assert relative_error(q, want_q) < tol and relative_error(k, want_k) < tol
+    assert torch.equal(v, v_before), "v must be untouched"
+    # The cache holds exactly what store_kv of the rotated k (and of v) writes; -1 rows skipped.
+    expected_k, expected_v = torch.full_like(k_cache, 7.0), torch.full_like(v_cache, 7.0)
+    ref.store_kv(k, v, expected_k, expected_v, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+SILU_SHAPES = {"cpu": [(1, 1100), (5, 37)], "cuda": [(1, 14336), (512, 14336), (3, 1000)]}
+
+
+def _silu_mul_input(num_tokens: int, inner: int, dtype, device) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(inner)
+    return (torch.randn(num_tokens, 2 * inner, generator=gen) * 3).to(device, dtype)
+
+
+@pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
+def test_silu_and_mul_matches_torch(device, dtype, tol, sizes) -> None:
+    _skip_if_unavailable(device)
+    for num_tokens, inner in SILU_SHAPES[device]:
+        x = _silu_mul_input(num_tokens, inner, dtype, device)
+        gate, up = x.double().cpu().chunk(2, dim=-1)
+        out = activation.silu_and_mul(x)
+        assert out.shape == (num_tokens, inner) and out.dtype == dtype
+        assert relative_error(out, F.silu(gate) * up) < tol
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype"),
+    [
+        pytest.param("cpu", torch.float16, id="interpret-fp16"),  # the interpreter rounds fp16
+        pytest.param("cuda", torch.bfloat16, id="gpu-bf16", marks=pytest.mark.gpu),
+        pytest.param("cuda", torch.float16, id="gpu-fp16", marks=pytest.mark.gpu),
+    ],
+)
+def test_silu_and_mul_rounds_like_eager_torch(device, dtype) -> None:
+    """Eager `F.silu(gate) * up` (what transformers runs) rounds the SiLU before the product;
+    rounding once instead would differ from it in about a quarter of the elements."""
+    _skip_if_unavailable(device)
+    x = _silu_mul_input(4, 1000, dtype, device)
+    gate, up = x.chunk(2, dim=-1)
+    eager = F.silu(gate) * up
+    out = activation.silu_and_mul(x)
+    assert (out == eager).float().mean().item() > 0.99  # exp may differ in its last bit
+    torch.testing.assert_close(out, eager, rtol=torch.finfo(dtype).eps, atol=1e-6)

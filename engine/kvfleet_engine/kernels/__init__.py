@@ -1,11 +1,13 @@
 """Triton kernels for the paged KV cache, each behind a wrapper that checks its inputs.
 
 `store_kv`, `paged_decode_attention` and `prefill_attention` have the signatures of the torch
-reference (`kvfleet_engine.layers.attention_torch`, ENGINE_CONTRACT.md).
+reference (`kvfleet_engine.layers.attention_torch`, ENGINE_CONTRACT.md); `rotary_store_kv` is the
+optional fused op the attention layer uses in place of rotary + `store_kv` (one launch, not two).
 """
 
 from kvfleet_engine.kernels.decode_attention import paged_decode_attention
+from kvfleet_engine.kernels.fused import rotary_store_kv
 from kvfleet_engine.kernels.kv_store import store_kv
 from kvfleet_engine.kernels.prefill_attention import prefill_attention
 
-__all__ = ["paged_decode_attention", "prefill_attention", "store_kv"]
+__all__ = ["paged_decode_attention", "prefill_attention", "rotary_store_kv", "store_kv"]

@@ -1,6 +1,7 @@
 """Fused element-wise kernels for the decoder layer: residual add + RMSNorm in one pass, and
-rotary embedding applied in place to q and k. Each replaces a chain of small torch ops (one
-launch and one round trip to memory each) that dominates a batch-1 step's non-matmul time."""
+rotary embedding applied in place to q and k, alone or together with the store of k and v into
+the paged cache. Each replaces a chain of small torch ops or kernels (one launch and one round trip
+to memory each) that dominates a batch-1 step's non-matmul time."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet_engine.kernels.checks import next_power_of_2, require
+from kvfleet_engine.kernels.checks import (
+    check_cache,
+    check_heads,
+    check_index,
+    next_power_of_2,
+    require,
+)
 
 
 @triton.jit
@@ -84,6 +91,32 @@ def rms_norm(
 
 
 @triton.jit
+def _cos_sin(
+    positions_ptr, token, cos_sin_ptr, stride_cs, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr
+):
+    """This token's row of the table: cos and sin of each frequency, [1, BLOCK_HALF] each."""
+    position = tl.load(positions_ptr + token)
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = tl.load(cos_sin_ptr + position * stride_cs + cols, mask=cols < HALF, other=0.0)
+    sin = tl.load(cos_sin_ptr + position * stride_cs + HALF + cols, mask=cols < HALF, other=0.0)
+    return cos, sin
+
+
+@triton.jit
+def _rotate_half_(first, mask, cos, sin, HALF: tl.constexpr):
+    """Rotate in place the head rows whose first halves `first` points at ([heads, BLOCK_HALF]);
+    returns the two rotated halves, rounded to the input dtype."""
+    x1 = tl.load(first, mask=mask, other=0.0)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    out1 = (f1 * cos - f2 * sin).to(x1.dtype)
+    out2 = (f2 * cos + f1 * sin).to(x1.dtype)
+    tl.store(first, out1, mask=mask)
+    tl.store(first + HALF, out2, mask=mask)
+    return out1, out2
+
+
+@triton.jit
 def _rotary_kernel(
     positions_ptr,
     query_ptr,
@@ -97,28 +130,86 @@ def _rotary_kernel(
     num_q_heads,
     num_kv_heads,
     HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_QH: tl.constexpr,
+    BLOCK_KVH: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    position = tl.load(positions_ptr + token)
-    cols = tl.arange(0, BLOCK_HALF)
-    col_mask = cols < HALF
-    cos = tl.load(cos_sin_ptr + position * stride_cs + cols, mask=col_mask, other=0.0)
-    sin = tl.load(cos_sin_ptr + position * stride_cs + HALF + cols, mask=col_mask, other=0.0)
-    heads = tl.arange(0, BLOCK_H)[:, None]
-    for which in tl.static_range(2):
-        if which == 0:
-            base = query_ptr + token * stride_qt + heads * stride_qh
-            mask = (heads < num_q_heads) & col_mask[None, :]
-        else:
-            base = key_ptr + token * stride_kt + heads * stride_kh
-            mask = (heads < num_kv_heads) & col_mask[None, :]
-        x1 = tl.load(base + cols[None, :], mask=mask, other=0.0)
-        x2 = tl.load(base + HALF + cols[None, :], mask=mask, other=0.0)
-        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        tl.store(base + cols[None, :], (f1 * cos - f2 * sin).to(x1.dtype), mask=mask)
-        tl.store(base + HALF + cols[None, :], (f2 * cos + f1 * sin).to(x1.dtype), mask=mask)
+    cos, sin = _cos_sin(positions_ptr, token, cos_sin_ptr, stride_cs, HALF, BLOCK_HALF)
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    q_heads = tl.arange(0, BLOCK_QH)[:, None]
+    q_first = query_ptr + token * stride_qt + q_heads * stride_qh + cols
+    _rotate_half_(q_first, (q_heads < num_q_heads) & (cols < HALF), cos, sin, HALF)
+    kv_heads = tl.arange(0, BLOCK_KVH)[:, None]
+    k_first = key_ptr + token * stride_kt + kv_heads * stride_kh + cols
+    _rotate_half_(k_first, (kv_heads < num_kv_heads) & (cols < HALF), cos, sin, HALF)
+
+
+@triton.jit
+def _rotary_store_kv_kernel(
+    positions_ptr,
+    query_ptr,
+    key_ptr,
+    value_ptr,
+    cos_sin_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cs,
+    stride_cb,
+    stride_cslot,
+    stride_ch,
+    num_q_heads,
+    num_kv_heads,
+    BLOCK_SIZE: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_QH: tl.constexpr,
+    BLOCK_KVH: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cos, sin = _cos_sin(positions_ptr, token, cos_sin_ptr, stride_cs, HALF, BLOCK_HALF)
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    q_heads = tl.arange(0, BLOCK_QH)[:, None]
+    q_first = query_ptr + token * stride_qt + q_heads * stride_qh + cols
+    _rotate_half_(q_first, (q_heads < num_q_heads) & (cols < HALF), cos, sin, HALF)
+    heads = tl.arange(0, BLOCK_KVH)[:, None]
+    mask = (heads < num_kv_heads) & (cols < HALF)
+    k_first = key_ptr + token * stride_kt + heads * stride_kh + cols
+    k1, k2 = _rotate_half_(k_first, mask, cos, sin, HALF)
+
+    slot = tl.load(slot_mapping_ptr + token)
+    mask = mask & (slot >= 0)
+    slot = tl.maximum(slot, 0)
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cslot + heads * stride_ch
+    tl.store(k_cache_ptr + dst + cols, k1, mask=mask)
+    tl.store(k_cache_ptr + dst + HALF + cols, k2, mask=mask)
+    v_first = value_ptr + token * stride_vt + heads * stride_vh + cols
+    tl.store(v_cache_ptr + dst + cols, tl.load(v_first, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + dst + HALF + cols, tl.load(v_first + HALF, mask=mask), mask=mask)
+
+
+def _check_rotary(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin: torch.Tensor
+) -> None:
+    num_tokens, _, head_dim = query.shape
+    require(head_dim % 2 == 0, f"head_dim must be even for rotate-half rotary, got {head_dim}")
+    require(key.shape[0] == num_tokens and key.shape[2] == head_dim, "key must match query")
+    require(query.stride(-1) == 1 and key.stride(-1) == 1, "q/k must be contiguous in head_dim")
+    require(
+        cos_sin.dim() == 2 and cos_sin.shape[1] == head_dim and cos_sin.dtype == torch.float32,
+        f"cos_sin must be [max_positions, {head_dim}] float32 (cos | sin halves)",
+    )
+    require(cos_sin.device == query.device, "cos_sin must be on the device of query")
+    require(cos_sin.stride(-1) == 1, "cos_sin must be contiguous in its last dimension")
+    check_index(positions, "positions", 1, torch.int64, query.device)
+    require(positions.shape[0] == num_tokens, "positions must have one entry per token")
 
 
 def rotary_embedding_(
@@ -128,14 +219,10 @@ def rotary_embedding_(
     cos_sin: torch.Tensor,  # [max_positions, head_dim] float32: cos | sin halves
 ) -> None:
     """Rotate-half (NeoX) rotary embedding, in place."""
+    _check_rotary(positions, query, key, cos_sin)
     num_tokens, num_q_heads, head_dim = query.shape
-    require(key.shape[0] == num_tokens and key.shape[2] == head_dim, "key must match query")
-    require(query.stride(-1) == 1 and key.stride(-1) == 1, "q/k must be contiguous in head_dim")
-    require(cos_sin.shape[1] == head_dim and cos_sin.dtype == torch.float32, "cos_sin layout")
-    require(positions.dtype == torch.int64, "positions must be int64")
     if num_tokens == 0:
         return
-    half = head_dim // 2
     _rotary_kernel[(num_tokens,)](
         positions,
         query,
@@ -148,7 +235,63 @@ def rotary_embedding_(
         cos_sin.stride(0),
         num_q_heads,
         key.shape[1],
-        HALF=half,
-        BLOCK_H=next_power_of_2(max(num_q_heads, key.shape[1])),
-        BLOCK_HALF=next_power_of_2(half),
+        HALF=head_dim // 2,
+        BLOCK_QH=next_power_of_2(num_q_heads),
+        BLOCK_KVH=next_power_of_2(key.shape[1]),
+        BLOCK_HALF=next_power_of_2(head_dim // 2),
+    )
+
+
+def rotary_store_kv(
+    positions: torch.Tensor,  # [num_tokens] int64
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], rotated in place
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin: torch.Tensor,  # [max_positions, head_dim] float32: cos | sin halves
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 skips the store, not the rotation
+) -> None:
+    """`rotary_embedding_` then `store_kv` of the rotated key and the value, in one launch: the
+    decoder layer's two smallest kernels, each a few microseconds of launch latency at batch 1."""
+    _check_rotary(positions, query, key, cos_sin)
+    check_cache(k_cache, v_cache)
+    check_heads(query, "query", k_cache, per_kv_head=False)
+    check_heads(key, "key", k_cache, per_kv_head=True)
+    check_heads(value, "value", k_cache, per_kv_head=True)
+    check_index(slot_mapping, "slot_mapping", 1, torch.int64, k_cache.device)
+    num_tokens, num_q_heads, head_dim = query.shape
+    require(
+        value.shape[0] == num_tokens and slot_mapping.shape[0] == num_tokens,
+        "query, key, value and slot_mapping must have the same number of tokens",
+    )
+    if num_tokens == 0:
+        return
+    num_kv_heads = key.shape[1]
+    _rotary_store_kv_kernel[(num_tokens,)](
+        positions,
+        query,
+        key,
+        value,
+        cos_sin,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        cos_sin.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        num_q_heads,
+        num_kv_heads,
+        BLOCK_SIZE=k_cache.shape[1],
+        HALF=head_dim // 2,
+        BLOCK_QH=next_power_of_2(num_q_heads),
+        BLOCK_KVH=next_power_of_2(num_kv_heads),
+        BLOCK_HALF=next_power_of_2(head_dim // 2),
     )

@@ -1,14 +1,18 @@
-"""The attention layer over the paged KV cache: store this step's K/V, then attend with one
-backend (ENGINE_CONTRACT.md: the torch reference or the Triton kernels)."""
+"""The attention layer over the paged KV cache: rotate this step's q/k, store its K/V, then attend
+with one backend (ENGINE_CONTRACT.md: the torch reference or the Triton kernels). A backend that
+offers `rotary_store_kv` does the rotation and the store in one launch."""
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 from torch import nn
+
+from kvfleet_engine.layers.rotary import RotaryEmbedding
 
 BACKEND_MODULES = {
     "torch": "kvfleet_engine.layers.attention_torch",
@@ -18,7 +22,8 @@ _BACKEND_FUNCTIONS = ("store_kv", "paged_decode_attention", "prefill_attention")
 
 
 def load_backend(name: str) -> ModuleType:
-    """The module providing store_kv, paged_decode_attention and prefill_attention."""
+    """The module providing store_kv, paged_decode_attention and prefill_attention (and
+    optionally rotary_store_kv)."""
     if name not in BACKEND_MODULES:
         raise ValueError(
             f"attention_backend must be one of {sorted(BACKEND_MODULES)}, got {name!r}"
@@ -59,21 +64,39 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.backend: ModuleType | None = None
+        # The backend's fused rotary + store_kv, when it has one.
+        self.rotary_store_kv: Callable[..., None] | None = None
 
     def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: ModuleType) -> None:
         """Attach this layer's slice of the KV cache, [num_blocks, block_size, kv_heads, dim]."""
         self.k_cache, self.v_cache, self.backend = k_cache, v_cache, backend
+        self.rotary_store_kv = getattr(backend, "rotary_store_kv", None)
 
     def forward(
         self,
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim], before rotary
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], before rotary
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        positions: torch.Tensor,  # [num_tokens] int64
+        rotary: RotaryEmbedding,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         backend = self.backend
         assert backend is not None, "Attention.bind() was not called (no KV cache)"
-        backend.store_kv(key, value, self.k_cache, self.v_cache, meta.slot_mapping)
+        if self.rotary_store_kv is not None:  # rotates query and key in place
+            self.rotary_store_kv(
+                positions,
+                query,
+                key,
+                value,
+                rotary.cos_sin,
+                self.k_cache,
+                self.v_cache,
+                meta.slot_mapping,
+            )
+        else:
+            query, key = rotary(positions, query, key)
+            backend.store_kv(key, value, self.k_cache, self.v_cache, meta.slot_mapping)
         if meta.is_decode:
             out = backend.paged_decode_attention(
                 query, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale

@@ -50,8 +50,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta))
+        return self.o_proj(self.attn(q, k, v, positions, rotary, meta))
 
 
 class LlamaMLP(nn.Module):
@@ -65,7 +64,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(inner, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * inner]: gate | up
+        if gate_up.is_cuda:  # one fused kernel instead of silu, then mul
+            from kvfleet_engine.kernels.activation import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
