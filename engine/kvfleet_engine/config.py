@@ -101,6 +101,10 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     # Most tokens computed in one step (decodes plus prefill chunks).
     max_num_batched_tokens: int = 8192
+    # Schedule and launch step n+1 while the GPU computes step n: each decode's input token is
+    # taken on the device from step n's samples, and the host bookkeeping of step n overlaps
+    # step n+1 (a request that stops at step n costs one discarded token).
+    async_scheduling: bool = True
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,7 @@ class EngineConfig:
         enable_prefix_caching: bool = True,
         attention_backend: str = "auto",
         enforce_eager: bool = False,
+        async_scheduling: bool = True,
         seed: int = 0,
         tensor_parallel_size: int = 1,
         quantization: str | None = None,
@@ -197,7 +202,9 @@ class EngineConfig:
                 enable_prefix_caching=enable_prefix_caching,
             ),
             scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                async_scheduling=async_scheduling,
             ),
             runner=RunnerConfig(
                 device=device,
@@ -259,6 +266,12 @@ class EngineConfig:
         group.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
         group.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
         group.add_argument(
+            "--async-scheduling",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="schedule step n+1 while the GPU computes step n",
+        )
+        group.add_argument(
             "--tensor-parallel-size",
             type=int,
             default=1,
@@ -285,6 +298,7 @@ class EngineConfig:
             enable_prefix_caching=ns.enable_prefix_caching,
             attention_backend=ns.attention_backend,
             enforce_eager=ns.enforce_eager,
+            async_scheduling=ns.async_scheduling,
             seed=ns.seed,
             tensor_parallel_size=ns.tensor_parallel_size,
             quantization=ns.quantization,

@@ -1,5 +1,12 @@
-"""LLMEngine: the synchronous step loop (schedule -> execute -> update). Not thread-safe: one
-thread drives it (the server's async front does so from a single task)."""
+"""LLMEngine: the step loop (schedule -> launch -> collect -> update). Not thread-safe: one
+thread drives it (the server's async front does so from a single task).
+
+Each step() launches step n+1 before it returns step n's outputs, so the device has the next step
+queued while the host turns step n's tokens into outputs; the first call launches two steps, so
+the k-th call returns the k-th step's tokens. With async scheduling (the default) step n+1 is
+also scheduled and launched before step n's tokens reach the host (its decodes take them on the
+device); without it, or while a request with penalties runs (they count output tokens when the
+step is built), step n is collected first and the device idles meanwhile."""
 
 from __future__ import annotations
 
@@ -11,11 +18,11 @@ from typing import Any
 from kvfleet_engine.config import EngineConfig, ModelConfig
 from kvfleet_engine.detokenizer import IncrementalDetokenizer
 from kvfleet_engine.kv_cache import KVCacheManager
-from kvfleet_engine.model_runner import ModelRunner
+from kvfleet_engine.model_runner import LaunchedStep, ModelRunner
 from kvfleet_engine.outputs import CompletionOutput, RequestOutput, SchedulerStats
 from kvfleet_engine.request import Request, RequestStatus
 from kvfleet_engine.sampling import SamplingParams
-from kvfleet_engine.scheduler import Scheduler
+from kvfleet_engine.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +50,8 @@ class LLMEngine:
         # sets it while it runs).
         self.stream_outputs = True
         self.prompts: dict[str, str | None] = {}
+        # The step launched but not collected yet (async scheduling).
+        self.in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -94,9 +103,38 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Advance every running request by one step. Returns the requests that got tokens
+        (streaming) or finished; with async scheduling, those of the step launched last time."""
+        if self.in_flight is None:
+            self.in_flight = self._launch_next()
+        progressed = []
+        if not self.config.scheduler.async_scheduling or self._needs_host_tokens():
+            progressed = self._collect_in_flight()  # the next step is built from known tokens
+        launched = self._launch_next()
+        progressed += self._collect_in_flight()
+        self.in_flight = launched
+        if launched is not None and not self.scheduler.has_unfinished_requests():
+            self._collect_in_flight()  # every request it ran has ended: drop its tokens
+        return self._outputs(progressed)
+
+    def _launch_next(self) -> tuple[SchedulerOutput, LaunchedStep] | None:
         scheduled = self.scheduler.schedule()
-        result = self.model_runner.execute(scheduled)
-        progressed = self.scheduler.update(scheduled, result)
+        launched = self.model_runner.launch(scheduled)
+        return (scheduled, launched) if scheduled.requests else None
+
+    def _collect_in_flight(self) -> list[Request]:
+        if self.in_flight is None:
+            return []
+        scheduled, launched = self.in_flight
+        self.in_flight = None
+        return self.scheduler.update(scheduled, self.model_runner.collect(launched))
+
+    def _needs_host_tokens(self) -> bool:
+        """A running request's next step needs its latest token on the host (penalties count
+        the output tokens when the step is built)."""
+        return any(request.params.has_penalties for request in self.scheduler.running)
+
+    def _outputs(self, progressed: list[Request]) -> list[RequestOutput]:
         if self.stream_outputs:
             return [self._output(request) for request in progressed]
         outputs = []

@@ -114,14 +114,16 @@ class KVCacheManager:
             return None
         for block_id in computed_block_ids:
             self._take(block_id, keep_cached=True)
-        request.block_ids.extend(computed_block_ids)
-        request.num_registered_blocks = len(request.block_ids)
+        if computed_block_ids:  # prefix hits: cached already
+            request.block_ids.extend(computed_block_ids)
+            request.num_registered_blocks = len(request.block_ids)
         new_block_ids = [
             self._take(next(iter(self.free_blocks)), keep_cached=False)
             for _ in range(num_new_blocks)
         ]
         request.block_ids.extend(new_block_ids)
-        num_full = (num_computed + num_new_tokens) // self.block_size
+        # Only blocks whose tokens are all known (a pending token's block waits a step).
+        num_full = min(num_computed + num_new_tokens, request.num_tokens) // self.block_size
         if self.enable_prefix_caching and num_full > request.num_registered_blocks:
             self._cache_full_blocks(request, num_full)
         return new_block_ids

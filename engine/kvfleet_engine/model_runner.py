@@ -1,5 +1,10 @@
 """The model runner: owns the model, the KV cache tensors and the sampler; turns a
-SchedulerOutput into batch tensors, runs one forward pass and samples."""
+SchedulerOutput into batch tensors, runs one forward pass and samples.
+
+A step is launched (inputs, forward, sampling and the copy of the samples to the host, all
+queued on the device) and collected later (wait for the samples): between the two the engine
+schedules and launches the next step, whose PENDING_TOKEN inputs are this step's samples,
+gathered on the device."""
 
 from __future__ import annotations
 
@@ -15,10 +20,10 @@ import torch
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.cuda_graphs import DecodeGraphs
 from kvfleet_engine.layers.attention import Attention, AttentionMetadata, load_backend
-from kvfleet_engine.layers.sampler import Penalties, Sampler, SamplerOutput, SamplingMetadata
+from kvfleet_engine.layers.sampler import Penalties, Sampler, SamplingMetadata
 from kvfleet_engine.models.loader import DTYPES, load_model
 from kvfleet_engine.outputs import ModelRunnerOutput
-from kvfleet_engine.scheduler import ScheduledRequest, SchedulerOutput
+from kvfleet_engine.scheduler import PENDING_TOKEN, ScheduledRequest, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +60,22 @@ class ModelInputs:
     num_logprobs: list[int | None]
 
 
+@dataclass
+class LaunchedStep:
+    """A step queued on the device; its samples reach host memory when `done` fires."""
+
+    # Request id of each sampling row, in row order.
+    request_ids: list[str]
+    # Top-n logprobs wanted per sampling row (None: none).
+    num_logprobs: list[int | None]
+    # [rows] int64 sampled tokens, in host memory once `done` (None: nothing was sampled).
+    token_ids: torch.Tensor | None
+    # Sampled-token logprob [rows], top ids and top logprobs [rows, n] (None: not asked).
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    # Recorded after the copies to the host (None on the CPU: already there).
+    done: torch.cuda.Event | None
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -80,6 +101,10 @@ class ModelRunner:
             self.decode_graphs.capture()
         self.generators: dict[str, torch.Generator] = {}
         self._empty_sampling = torch.empty(0, device=self.device)
+        # The last launched step's samples on the device ([rows] int64) and each request's
+        # row there: where the next step's PENDING_TOKEN inputs come from.
+        self._last_samples = torch.empty(0, dtype=torch.int64, device=self.device)
+        self._last_sample_rows: dict[str, int] = {}
         log.info(
             "model %s on %s (%s, attention %s), %d KV blocks of %d tokens",
             config.model.architecture,
@@ -92,16 +117,59 @@ class ModelRunner:
 
     # ---- the step -------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its samples."""
+        return self.collect(self.launch(scheduled))
+
+    @torch.inference_mode()
+    def launch(self, scheduled: SchedulerOutput) -> LaunchedStep:
+        """Queue one step on the device and return without waiting for it."""
         for request_id in scheduled.finished_request_ids:
             self.generators.pop(request_id, None)
         if not scheduled.requests:
-            return ModelRunnerOutput(sampled_token_ids={}, logprobs={})
+            return LaunchedStep([], [], None, None, None)
         inputs = self.prepare_inputs(scheduled)
         logits = self.compute_logits(inputs)
         sampled = self.sampler(logits, inputs.sampling)
-        return self._runner_output(inputs, sampled)
+        self._last_samples = sampled.token_ids
+        self._last_sample_rows = {rid: row for row, rid in enumerate(inputs.sampling_request_ids)}
+        logprobs = None
+        if sampled.sampled_logprobs is not None:
+            assert sampled.top_token_ids is not None and sampled.top_logprobs is not None
+            logprobs = (sampled.sampled_logprobs, sampled.top_token_ids, sampled.top_logprobs)
+        if self.device.type == "cpu":
+            return LaunchedStep(
+                inputs.sampling_request_ids, inputs.num_logprobs, sampled.token_ids, logprobs, None
+            )
+        token_ids = _to_host(sampled.token_ids)
+        if logprobs is not None:
+            logprobs = (_to_host(logprobs[0]), _to_host(logprobs[1]), _to_host(logprobs[2]))
+        done = torch.cuda.Event()
+        done.record()
+        return LaunchedStep(
+            inputs.sampling_request_ids, inputs.num_logprobs, token_ids, logprobs, done
+        )
+
+    def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
+        """Wait for a launched step's samples and hand them over as Python values."""
+        if step.token_ids is None:
+            return ModelRunnerOutput(sampled_token_ids={}, logprobs={})
+        if step.done is not None:
+            step.done.synchronize()
+        token_ids = step.token_ids.tolist()
+        request_ids = step.request_ids
+        logprobs: dict[str, dict[int, float]] = {}
+        if step.logprobs is not None:
+            sampled_logprobs, top_ids, top_values = (t.tolist() for t in step.logprobs)
+            for row, num in enumerate(step.num_logprobs):
+                if num is None:
+                    continue
+                entry = dict(zip(top_ids[row][:num], top_values[row][:num], strict=True))
+                entry[token_ids[row]] = sampled_logprobs[row]
+                logprobs[request_ids[row]] = entry
+        return ModelRunnerOutput(
+            sampled_token_ids=dict(zip(request_ids, token_ids, strict=True)), logprobs=logprobs
+        )
 
     @torch.inference_mode()
     def compute_logits(self, inputs: ModelInputs) -> torch.Tensor:  # [num_sampling_rows, vocab]
@@ -127,11 +195,13 @@ class ModelRunner:
         counts = np.fromiter((len(item.block_ids) for item in items), np.int64, num_seqs)
         width = int(counts.max())
 
-        host64, upload64 = self._staging(torch.int64, 3 * num_tokens + len(sample_rows))
+        # The tail holds (token index, previous-step row) of PENDING_TOKEN inputs: <= 1 per seq.
+        num_int64 = 3 * num_tokens + len(sample_rows)
+        host64, upload64 = self._staging(torch.int64, num_int64 + 2 * num_seqs)
         host32, upload32 = self._staging(torch.int32, 2 * num_seqs + 1 + num_seqs * width)
         input_ids, positions = host64[:num_tokens], host64[num_tokens : 2 * num_tokens]
         slot_mapping = host64[2 * num_tokens : 3 * num_tokens]
-        logits_indices = host64[3 * num_tokens :]
+        logits_indices = host64[3 * num_tokens : num_int64]
         context_lens, cu_query_lens = host32[:num_seqs], host32[num_seqs : 2 * num_seqs + 1]
         block_tables = host32[2 * num_seqs + 1 :].reshape(num_seqs, width)
 
@@ -159,8 +229,19 @@ class ModelRunner:
         slot_mapping *= block_size
         slot_mapping += positions % block_size
         logits_indices[:] = cu_query_lens[1:][sample_rows] - 1
+        pending = np.flatnonzero(input_ids == PENDING_TOKEN)
+        if pending.size:
+            last_rows = self._last_sample_rows
+            host64[num_int64 : num_int64 + pending.size] = pending
+            host64[num_int64 + pending.size : num_int64 + 2 * pending.size] = [
+                last_rows[items[row].request_id] for row in rows[pending].tolist()
+            ]
 
         dev64, dev32 = upload64(), upload32()
+        if pending.size:  # the previous step's samples, gathered on the device
+            targets = dev64[num_int64 : num_int64 + pending.size]
+            sources = dev64[num_int64 + pending.size : num_int64 + 2 * pending.size]
+            dev64[:num_tokens].index_copy_(0, targets, self._last_samples.index_select(0, sources))
         attention = AttentionMetadata(
             slot_mapping=dev64[2 * num_tokens : 3 * num_tokens],
             block_tables=dev32[2 * num_seqs + 1 :].view(num_seqs, width),
@@ -173,7 +254,7 @@ class ModelRunner:
             input_ids=dev64[:num_tokens],
             positions=dev64[num_tokens : 2 * num_tokens],
             attention=attention,
-            logits_indices=dev64[3 * num_tokens :],
+            logits_indices=dev64[3 * num_tokens : num_int64],
             sampling_request_ids=[item.request_id for item in sampling_requests],
             sampling=self._sampling_metadata(sampling_requests),
             num_logprobs=[item.params.logprobs for item in sampling_requests],
@@ -256,25 +337,6 @@ class ModelRunner:
             generator.manual_seed(seed)
             self.generators[request_id] = generator
         return generator
-
-    def _runner_output(self, inputs: ModelInputs, sampled: SamplerOutput) -> ModelRunnerOutput:
-        token_ids = sampled.token_ids.tolist()
-        request_ids = inputs.sampling_request_ids
-        logprobs: dict[str, dict[int, float]] = {}
-        if sampled.sampled_logprobs is not None:
-            assert sampled.top_token_ids is not None and sampled.top_logprobs is not None
-            sampled_logprobs = sampled.sampled_logprobs.tolist()
-            top_ids = sampled.top_token_ids.tolist()
-            top_values = sampled.top_logprobs.tolist()
-            for row, num in enumerate(inputs.num_logprobs):
-                if num is None:
-                    continue
-                entry = dict(zip(top_ids[row][:num], top_values[row][:num], strict=True))
-                entry[token_ids[row]] = sampled_logprobs[row]
-                logprobs[request_ids[row]] = entry
-        return ModelRunnerOutput(
-            sampled_token_ids=dict(zip(request_ids, token_ids, strict=True)), logprobs=logprobs
-        )
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -378,3 +440,10 @@ class ModelRunner:
             layer.bind(k_cache, v_cache, self.backend)
             caches.append((k_cache, v_cache))
         return caches
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """Queue a copy of a device tensor into fresh pinned host memory."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host

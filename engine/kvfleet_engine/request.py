@@ -50,8 +50,12 @@ class Request:
     seq_no: int = 0
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    # Tokens whose KV is in the cache (cached prefix + computed so far).
+    # Tokens whose KV is in the cache (cached prefix + computed so far), counted when a step
+    # is scheduled: a scheduled step is as good as done (steps run in order on one stream).
     num_computed_tokens: int = 0
+    # Output tokens sampled by scheduled steps whose values the host has not seen yet (async
+    # scheduling: at most one, whose successor step takes it as input on the device).
+    num_pending_tokens: int = 0
     # Prompt tokens found in the prefix cache when first scheduled (-1: not scheduled yet).
     num_cached_tokens: int = -1
     # KV blocks holding this request's tokens, in order.
@@ -82,6 +86,19 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Known tokens plus those a scheduled step will have sampled."""
+        return len(self.all_token_ids) + self.num_pending_tokens
+
+    def reaches_limit(self, max_model_len: int) -> bool:
+        """The tokens already scheduled end it by length (max_tokens or max_model_len), so it
+        needs no further step."""
+        return (
+            self.num_output_tokens + self.num_pending_tokens >= self.params.max_tokens
+            or self.num_scheduled_tokens >= max_model_len
+        )
 
     @property
     def is_finished(self) -> bool:

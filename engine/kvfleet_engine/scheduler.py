@@ -6,6 +6,11 @@ A long prompt is thereby computed in chunks, and decodes share steps with prefil
 requests go first, by (priority, arrival); when blocks run out the lowest-priority, newest running
 request is preempted (its KV is freed and recomputed later). Waiting requests are admitted in the
 same order while nothing was preempted; the head of the queue is never skipped, so nobody starves.
+
+A scheduled step counts as computed at once (steps run in order on one device stream), so with
+async scheduling the engine schedules step n+1 before step n's tokens reach the host: a request
+sampled at step n has one pending token, which step n+1 takes as its input on the device
+(PENDING_TOKEN in token_ids), and update() fills it in afterwards.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from kvfleet_engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
+# Stands for a token sampled by the previous step whose value only the device has yet.
+PENDING_TOKEN = -1
+
 
 @dataclass(frozen=True, slots=True)
 class ScheduledRequest:
@@ -32,7 +40,8 @@ class ScheduledRequest:
 
     # The request's id.
     request_id: str
-    # Token ids to compute now: a prompt chunk, or the newest token when decoding.
+    # Token ids to compute now: a prompt chunk, or the newest token when decoding
+    # (PENDING_TOKEN: the token this request sampled in the previous step, still on the device).
     token_ids: list[int]
     # Position of token_ids[0]; the KV of every earlier token is already in the cache.
     start_position: int
@@ -139,7 +148,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_pending_tokens and request.reaches_limit(self.max_model_len):
+                index += 1  # its last token is on the way; update() finishes it
+                continue
+            num_new_tokens = min(request.num_scheduled_tokens - request.num_computed_tokens, budget)
             while self.kv_cache.allocate_slots(request, num_new_tokens) is None:
                 victim = self.running.pop()  # lowest priority, newest
                 self._preempt(victim)
@@ -161,6 +173,8 @@ class Scheduler:
             if request.is_finished:  # aborted while waiting
                 heapq.heappop(self.waiting)
                 continue
+            if request.num_pending_tokens:
+                break  # preempted while its last token was in flight: next step, with the token
             computed_block_ids = self.kv_cache.get_computed_blocks(request)
             num_cached_tokens = len(computed_block_ids) * self.kv_cache.block_size
             num_new_tokens = min(request.num_tokens - num_cached_tokens, budget)
@@ -171,25 +185,34 @@ class Scheduler:
             scheduled.append((request, num_new_tokens))
             budget -= num_new_tokens
 
+        items = []
+        for request, num_new_tokens in scheduled:
+            item = self._scheduled_request(request, num_new_tokens)
+            request.num_computed_tokens += num_new_tokens
+            request.num_pending_tokens += item.sample
+            items.append(item)
         finished_ids = frozenset(self.finished_request_ids)
         self.finished_request_ids.clear()
         return SchedulerOutput(
-            requests=[self._scheduled_request(r, n) for r, n in scheduled],
+            requests=items,
             num_batched_tokens=self.token_budget - budget,
             finished_request_ids=finished_ids,
         )
 
     def update(self, scheduled: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
-        """Advance the computed tokens, append sampled tokens, finish stopped requests.
-        Returns the requests that got a new token this step, finished or not."""
+        """Append a step's sampled tokens and finish stopped requests. Returns the requests that
+        got a new token, finished or not; a request that ended while the step ran (a stop found
+        in the step before, an abort) drops its token."""
         now = time.time()
         progressed = []
         requests, sampled, all_logprobs = self.requests, result.sampled_token_ids, result.logprobs
         for item in scheduled.requests:
-            request = requests[item.request_id]
-            request.num_computed_tokens += len(item.token_ids)
             if not item.sample:
                 continue
+            request = requests.get(item.request_id)
+            if request is None:
+                continue
+            request.num_pending_tokens -= 1
             token_id = sampled[item.request_id]
             request.append_output_token(token_id)
             if all_logprobs:
@@ -203,7 +226,8 @@ class Scheduler:
             metrics.last_token_time = now
             status = self._stop_status(request, token_id)
             if status is not None:
-                self.running.remove(request)
+                if request.status == RequestStatus.RUNNING:  # not preempted meanwhile
+                    self.running.remove(request)
                 self._finish(request, status)
             progressed.append(request)
         self.num_generation_tokens_total += len(progressed)
@@ -273,12 +297,15 @@ class Scheduler:
         start = request.num_computed_tokens
         end = start + num_new_tokens
         tokens = request.all_token_ids
+        token_ids = tokens[start:end]
+        if end > len(tokens):
+            token_ids += [PENDING_TOKEN] * (end - len(tokens))
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=tokens[start:end],
+            token_ids=token_ids,
             start_position=start,
             block_ids=request.block_ids,
-            sample=end == len(tokens),
+            sample=end == request.num_scheduled_tokens,
             params=request.params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
