@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (run tool): GPU tests, the attention-kernel microbenchmark, then the latency and
 # throughput benchmarks. Logs and results JSON go to $OUT. Steps default to all; pass a subset:
-#   bench/gpu_check.sh tests kernels latency throughput
+#   bench/gpu_check.sh tests engine-tests kernels profile latency throughput throughput-1k
 # STEP_TIMEOUT (seconds, default 590) caps each step, so one call ends within the device limit.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvfleet-gpu-check}
@@ -25,7 +25,12 @@ for step in $STEPS; do
         --output-len 128 --output-dir "$OUT/eager" 2>&1 | grep -v 'tok/s\]' | tail -14 ;;
     throughput) $PY -m kvfleet_cli.main bench throughput --shape "$SHAPE" --peer transformers \
         --peer-num-prompts "${PEER_PROMPTS:-64}" --num-prompts "${PROMPTS:-512}" \
+        --max-num-seqs "${MAX_SEQS:-512}" --max-num-batched-tokens "${MAX_TOKENS:-16384}" \
         --output-dir "$OUT" 2>&1 | tee "$OUT/throughput.log" | grep -v 'it/s\]\|req/s\]' | tail -20 ;;
+    throughput-1k) $PY -m kvfleet_cli.main bench throughput --shape "$SHAPE" --num-prompts 1000 \
+        --input-len 1000 --output-len 1000 --max-num-seqs "${MAX_SEQS_1K:-384}" \
+        --max-num-batched-tokens "${MAX_TOKENS:-16384}" --output-dir "$OUT/1k" 2>&1 \
+        | tee "$OUT/throughput-1k.log" | grep -v 'it/s\]\|req/s\]' | tail -20 ;;
     *) echo "unknown step $step" ;;
   esac
 done

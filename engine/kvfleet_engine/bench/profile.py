@@ -28,6 +28,8 @@ def _kind(name: str) -> str:
         ("sm90", "matmul"),
         ("_decode_", "attention"),
         ("_prefill_", "attention"),
+        ("_rotary_store_kv", "rotary+kv store"),
+        ("_silu_and_mul", "silu*mul"),
         ("_store_kv", "kv store"),
         ("_rms_norm", "rmsnorm+add"),
         ("_rotary", "rotary"),
