@@ -263,6 +263,7 @@ def throughput(argv: list[str]) -> int:
 
 def _kvfleet_throughput(args: argparse.Namespace, s: Setup, prompts: list[list[int]]) -> list[Any]:
     from kvfleet_engine.bench.results import Row
+    from kvfleet_engine.bench.step_timing import StepTimer
     from kvfleet_engine.sampling import SamplingParams
 
     print("running kvfleet ...", flush=True)
@@ -271,43 +272,31 @@ def _kvfleet_throughput(args: argparse.Namespace, s: Setup, prompts: list[list[i
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts[: min(len(prompts), 64)], sampling_params=warm)
-    # Host time launching steps (inputs, queuing forward and sampling) and time waiting for
-    # their tokens, against the whole run: the rest is host work per step (scheduling,
-    # bookkeeping, outputs), hidden behind the device when a step is always queued.
-    runner = llm.engine.model_runner
-    launch, collect = runner.launch, runner.collect
-    timing = {"steps": 0, "launch_s": 0.0, "wait_s": 0.0}
-
-    def timed_launch(scheduled: Any) -> Any:
-        begin = time.perf_counter()
-        try:
-            return launch(scheduled)
-        finally:
-            timing["launch_s"] += time.perf_counter() - begin
-            timing["steps"] += bool(scheduled.requests)
-
-    def timed_collect(step: Any) -> Any:
-        begin = time.perf_counter()
-        try:
-            return collect(step)
-        finally:
-            timing["wait_s"] += time.perf_counter() - begin
-
-    runner.launch, runner.collect = timed_launch, timed_collect
-    start = time.perf_counter()
-    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    elapsed = time.perf_counter() - start
-    runner.launch, runner.collect = launch, collect
+    # Host time launching steps and waiting for their tokens (the rest is host work per step:
+    # scheduling, bookkeeping, outputs), and the device's busy and idle time per kind of step.
+    with StepTimer(llm.engine.model_runner) as timer:
+        start = time.perf_counter()
+        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        elapsed = time.perf_counter() - start
+    device = timer.device_seconds()
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_in = sum(len(p) for p in prompts)
     return [
         Row("kvfleet", "output_tokens_per_s", num_out / elapsed, "tokens/s"),
         Row("kvfleet", "total_tokens_per_s", (num_in + num_out) / elapsed, "tokens/s"),
         Row("kvfleet", "elapsed_s", elapsed, "s"),
-        Row("kvfleet", "engine_steps", timing["steps"], "steps"),
-        Row("kvfleet", "launch_s", timing["launch_s"], "s"),
-        Row("kvfleet", "wait_for_tokens_s", timing["wait_s"], "s"),
-        Row("kvfleet", "host_other_s", elapsed - timing["launch_s"] - timing["wait_s"], "s"),
+        Row("kvfleet", "engine_steps", timer.steps, "steps"),
+        Row("kvfleet", "preemptions", llm.engine.stats().num_preemptions_total, "requests"),
+        Row(
+            "kvfleet", "kv_cache_tokens", llm.engine.kv_cache.num_blocks * args.block_size, "tokens"
+        ),
+        Row("kvfleet", "launch_s", timer.launch_s, "s"),
+        Row("kvfleet", "wait_for_tokens_s", timer.wait_s, "s"),
+        Row("kvfleet", "host_other_s", elapsed - timer.launch_s - timer.wait_s, "s"),
+        *(
+            Row("kvfleet", f"device_{name}", value, "steps" if name.endswith("steps") else "s")
+            for name, value in device.items()
+        ),
     ]
 
 
