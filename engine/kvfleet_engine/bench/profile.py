@@ -3,15 +3,21 @@ paged KV cache, one decode step at several batch sizes — replayed as a CUDA gr
 and profiled eagerly (GPU time per kernel kind) — against the roofline of the same step.
 
     python -m kvfleet_engine.bench.profile --shape llama-3.1-8b --batch-sizes 1,64,256
+
+`--prefill-tokens N` also profiles one eager step computing N prompt tokens (sequences of
+`--prefill-seq-len`), against the time its matmuls take at the measured matmul rate.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,6 +43,22 @@ def _kind(name: str) -> str:
         if key in name:
             return kind
     return "other elementwise"
+
+
+def kernel_seconds(step: Callable[[], object]) -> dict[str, float]:
+    """GPU time of one call of `step`, per kind of kernel (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    by_kind: dict[str, float] = collections.defaultdict(float)
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            by_kind[_kind(event.key)] += event.self_device_time_total / 1e6
+    return dict(by_kind)
+
+
+def _kinds_text(by_kind: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(by_kind.items(), key=lambda x: -x[1]))
 
 
 def build_model(shape: str, device: torch.device):
@@ -77,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     parser.add_argument("--batch-sizes", default="1,64,256")
     parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--prefill-tokens", type=int, default=0, help="0: no prefill step")
+    parser.add_argument("--prefill-seq-len", type=int, default=288)
     parser.add_argument("--output-dir", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     device = torch.device("cuda")
@@ -92,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     block_size, context = 16, args.context
     blocks_per_seq = -(-(context + 1) // block_size)
-    num_blocks = max(batch_sizes) * blocks_per_seq
+    prefill_seqs = -(-args.prefill_tokens // args.prefill_seq_len)
+    prefill_blocks = prefill_seqs * -(-args.prefill_seq_len // block_size)
+    num_blocks = max(max(batch_sizes) * blocks_per_seq, prefill_blocks)
     cache_shape = (num_blocks, block_size, fields["num_key_value_heads"], fields["head_dim"])
     for layer in (m for m in model.modules() if isinstance(m, Attention)):
         k = torch.randn(cache_shape, device=device, dtype=torch.bfloat16)
@@ -122,13 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                 step()
             graph_s = time_median(graph.replay, device, repeats=20)
             eager_s = time_median(step, device, repeats=5)
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                step()
-                torch.cuda.synchronize()
-        by_kind: dict[str, float] = collections.defaultdict(float)
-        for event in prof.key_averages():
-            if event.device_type == torch.autograd.DeviceType.CUDA:
-                by_kind[_kind(event.key)] += event.self_device_time_total / 1e6
+            by_kind = kernel_seconds(step)
         ideal = decode_step_seconds(costs, ceilings, batch, context + 1)
         weights_s = costs.weight_bytes / ceilings.bandwidth
         kv_s = batch * (context + 1) * costs.kv_bytes_per_token / ceilings.bandwidth
@@ -136,10 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(
             f"batch {batch:>3} ctx {context}: graph step {graph_s * 1e3:.2f} ms, eager "
             f"{eager_s * 1e3:.2f} ms, ideal {ideal * 1e3:.2f} ms (weights {weights_s * 1e3:.2f} + "
-            f"KV {kv_s * 1e3:.2f}); kernels {gpu_busy * 1e3:.2f} ms: "
-            + ", ".join(
-                f"{k} {v * 1e3:.2f}" for k, v in sorted(by_kind.items(), key=lambda x: -x[1])
-            )
+            f"KV {kv_s * 1e3:.2f}); kernels {gpu_busy * 1e3:.2f} ms: " + _kinds_text(by_kind)
         )
         rows.append(Row("kvfleet", f"decode_step_ms_b{batch}", graph_s * 1e3, "ms"))
         rows.append(Row("kvfleet", f"decode_tokens_per_s_b{batch}", batch / graph_s, "tokens/s"))
@@ -149,9 +166,17 @@ def main(argv: list[str] | None = None) -> int:
                 Row("kvfleet", f"b{batch}_{kind.replace(' ', '_')}_ms", seconds * 1e3, "ms")
             )
         del graph
+    if args.prefill_tokens:
+        lines.append(_prefill(model, args, fields, block_size, ceilings, rows))
     print("\n".join(lines))
     command = "python -m kvfleet_engine.bench.profile " + shlex.join(argv or sys.argv[1:])
-    workload = {"context": context, "block_size": block_size, "batch_sizes": batch_sizes}
+    workload = {
+        "context": context,
+        "block_size": block_size,
+        "batch_sizes": batch_sizes,
+        "prefill_tokens": args.prefill_tokens,
+        "prefill_seq_len": args.prefill_seq_len,
+    }
     path = write_results(
         args.output_dir,
         f"decode-profile-{args.shape}",
@@ -164,6 +189,65 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows))
     print(f"wrote {path}")
     return 0
+
+
+def _prefill(
+    model: Any,
+    args: argparse.Namespace,
+    fields: dict[str, Any],
+    block_size: int,
+    ceilings: Any,
+    rows: list[Any],
+) -> str:
+    """Profile one eager step of args.prefill_tokens prompt tokens; returns its report line."""
+    from kvfleet_engine.bench.results import Row
+    from kvfleet_engine.bench.roofline import time_median
+    from kvfleet_engine.layers.attention import AttentionMetadata
+
+    device = next(model.parameters()).device
+    tokens, seq_len = args.prefill_tokens, args.prefill_seq_len
+    lens = [min(seq_len, tokens - start) for start in range(0, tokens, seq_len)]
+    blocks_per_seq = -(-seq_len // block_size)
+    tables = torch.arange(len(lens) * blocks_per_seq, device=device, dtype=torch.int32)
+    tables = tables.view(len(lens), blocks_per_seq)
+    positions = torch.cat([torch.arange(n, device=device) for n in lens])
+    rows_of_tokens = torch.repeat_interleave(
+        torch.arange(len(lens), device=device), torch.tensor(lens, device=device)
+    )
+    slots = tables[rows_of_tokens, positions // block_size].long() * block_size
+    cu = torch.tensor([0, *itertools.accumulate(lens)], device=device, dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=slots + positions % block_size,
+        block_tables=tables,
+        context_lens=torch.tensor(lens, device=device, dtype=torch.int32),
+        cu_query_lens=cu,
+        is_decode=False,
+    )
+    ids = torch.randint(0, fields["vocab_size"], (tokens,), device=device)
+    last = cu[1:].long() - 1
+
+    def step() -> torch.Tensor:
+        return model.compute_logits(model(ids, positions, meta)[last])
+
+    with torch.inference_mode():
+        step()
+        step_s = time_median(step, device, repeats=3)
+        by_kind = kernel_seconds(step)
+    matmul_s = 2 * tokens * _linear_params(model) / ceilings.matmul_flops
+    rows.append(Row("kvfleet", f"prefill_step_ms_{tokens}", step_s * 1e3, "ms"))
+    rows.append(Row("roofline", f"prefill_step_ms_{tokens}", matmul_s * 1e3, "ms"))
+    for kind, seconds in by_kind.items():
+        rows.append(Row("kvfleet", f"prefill_{kind.replace(' ', '_')}_ms", seconds * 1e3, "ms"))
+    return (
+        f"prefill {tokens} tokens ({len(lens)} x {seq_len}): step {step_s * 1e3:.1f} ms, matmuls "
+        f"at the matmul rate {matmul_s * 1e3:.1f} ms; kernels {sum(by_kind.values()) * 1e3:.1f} "
+        "ms: " + _kinds_text(by_kind)
+    )
+
+
+def _linear_params(model: Any) -> int:
+    """Weights multiplied per prompt token: every linear layer but the LM head."""
+    return sum(p.numel() for name, p in model.named_parameters() if "proj" in name and p.dim() == 2)
 
 
 if __name__ == "__main__":
