@@ -61,6 +61,13 @@ def _common_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and prompts")
     parser.add_argument(
+        "--host-trace",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the timed run, profile N more steps of the workload and print the host calls",
+    )
+    parser.add_argument(
         "--output-dir", type=Path, default=Path("bench/results"), help="where the JSON goes"
     )
 
@@ -262,6 +269,7 @@ def throughput(argv: list[str]) -> int:
 
 
 def _kvfleet_throughput(args: argparse.Namespace, s: Setup, prompts: list[list[int]]) -> list[Any]:
+    from kvfleet_engine.bench.host_trace import trace_steps
     from kvfleet_engine.bench.results import Row
     from kvfleet_engine.bench.step_timing import StepTimer
     from kvfleet_engine.sampling import SamplingParams
@@ -279,6 +287,11 @@ def _kvfleet_throughput(args: argparse.Namespace, s: Setup, prompts: list[list[i
         outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         elapsed = time.perf_counter() - start
     device = timer.device_seconds()
+    if args.host_trace:
+        engine = llm.engine
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"trace-{i}", prompt, params)
+        print("\n".join(trace_steps(engine, args.host_trace)))
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_in = sum(len(p) for p in prompts)
     return [
@@ -382,6 +395,13 @@ def _kvfleet_latency(args: argparse.Namespace, s: Setup, prompts: list[list[int]
 
     run("warm-up")
     ttft, decode = run("timed")
+    if args.host_trace:
+        from kvfleet_engine.bench.host_trace import trace_steps
+
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"trace-{i}", prompt, params)
+        engine.step()  # the prompt step
+        print("\n".join(trace_steps(engine, args.host_trace)))
     rate = (args.output_len - 1) / decode
     return [
         Row("kvfleet", "decode_tokens_per_s", rate, "tokens/s"),
