@@ -195,15 +195,18 @@ class ModelRunner:
         counts = np.fromiter((len(item.block_ids) for item in items), np.int64, num_seqs)
         width = int(counts.max())
 
-        # The tail holds (token index, previous-step row) of PENDING_TOKEN inputs: <= 1 per seq.
-        num_int64 = 3 * num_tokens + len(sample_rows)
-        host64, upload64 = self._staging(torch.int64, num_int64 + 2 * num_seqs)
-        host32, upload32 = self._staging(torch.int32, 2 * num_seqs + 1 + num_seqs * width)
-        input_ids, positions = host64[:num_tokens], host64[num_tokens : 2 * num_tokens]
-        slot_mapping = host64[2 * num_tokens : 3 * num_tokens]
-        logits_indices = host64[3 * num_tokens : num_int64]
-        context_lens, cu_query_lens = host32[:num_seqs], host32[num_seqs : 2 * num_seqs + 1]
-        block_tables = host32[2 * num_seqs + 1 :].reshape(num_seqs, width)
+        # Every segment starts on 16 bytes: Triton specialises kernels on pointer alignment, and
+        # a view whose alignment changed with the batch would compile a new variant mid-run. The
+        # int64 tail holds (token index, previous-step row) of PENDING_TOKEN inputs: <= 1 per seq.
+        s64, size64 = _segments(
+            [num_tokens, num_tokens, num_tokens, len(sample_rows)] + [num_seqs] * 2, 2
+        )
+        s32, size32 = _segments([num_seqs, num_seqs + 1, num_seqs * width], 4)
+        host64, upload64 = self._staging(torch.int64, size64)
+        host32, upload32 = self._staging(torch.int32, size32)
+        input_ids, positions, slot_mapping, logits_indices = (host64[s] for s in s64[:4])
+        context_lens, cu_query_lens = host32[s32[0]], host32[s32[1]]
+        block_tables = host32[s32[2]].reshape(num_seqs, width)
 
         starts = np.fromiter((item.start_position for item in items), np.int64, num_seqs)
         if is_decode:
@@ -232,29 +235,29 @@ class ModelRunner:
         pending = np.flatnonzero(input_ids == PENDING_TOKEN)
         if pending.size:
             last_rows = self._last_sample_rows
-            host64[num_int64 : num_int64 + pending.size] = pending
-            host64[num_int64 + pending.size : num_int64 + 2 * pending.size] = [
+            host64[s64[4].start : s64[4].start + pending.size] = pending
+            host64[s64[5].start : s64[5].start + pending.size] = [
                 last_rows[items[row].request_id] for row in rows[pending].tolist()
             ]
 
         dev64, dev32 = upload64(), upload32()
         if pending.size:  # the previous step's samples, gathered on the device
-            targets = dev64[num_int64 : num_int64 + pending.size]
-            sources = dev64[num_int64 + pending.size : num_int64 + 2 * pending.size]
-            dev64[:num_tokens].index_copy_(0, targets, self._last_samples.index_select(0, sources))
+            targets = dev64[s64[4].start : s64[4].start + pending.size]
+            sources = dev64[s64[5].start : s64[5].start + pending.size]
+            dev64[s64[0]].index_copy_(0, targets, self._last_samples.index_select(0, sources))
         attention = AttentionMetadata(
-            slot_mapping=dev64[2 * num_tokens : 3 * num_tokens],
-            block_tables=dev32[2 * num_seqs + 1 :].view(num_seqs, width),
-            context_lens=dev32[:num_seqs],
-            cu_query_lens=dev32[num_seqs : 2 * num_seqs + 1],
+            slot_mapping=dev64[s64[2]],
+            block_tables=dev32[s32[2]].view(num_seqs, width),
+            context_lens=dev32[s32[0]],
+            cu_query_lens=dev32[s32[1]],
             is_decode=is_decode,
         )
         sampling_requests = [items[row] for row in sample_rows]
         return ModelInputs(
-            input_ids=dev64[:num_tokens],
-            positions=dev64[num_tokens : 2 * num_tokens],
+            input_ids=dev64[s64[0]],
+            positions=dev64[s64[1]],
             attention=attention,
-            logits_indices=dev64[3 * num_tokens : num_int64],
+            logits_indices=dev64[s64[3]],
             sampling_request_ids=[item.request_id for item in sampling_requests],
             sampling=self._sampling_metadata(sampling_requests),
             num_logprobs=[item.params.logprobs for item in sampling_requests],
@@ -440,6 +443,17 @@ class ModelRunner:
             layer.bind(k_cache, v_cache, self.backend)
             caches.append((k_cache, v_cache))
         return caches
+
+
+def _segments(sizes: list[int], align: int) -> tuple[list[slice], int]:
+    """Segments of the given sizes packed in order, each starting at a multiple of `align`
+    elements, and the total size."""
+    segments, end = [], 0
+    for size in sizes:
+        start = -(-end // align) * align
+        end = start + size
+        segments.append(slice(start, end))
+    return segments, end
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:

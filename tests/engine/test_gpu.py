@@ -139,3 +139,57 @@ def test_seeded_sampling_is_reproducible_on_gpu(gpu_checkpoints: dict[str, Path]
     alone = llm.generate(prompt_token_ids=prompts[:1], sampling_params=params, use_tqdm=False)
     batched = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert alone[0].outputs[0].token_ids == batched[0].outputs[0].token_ids
+
+
+def test_mixed_steps_of_any_shape_compile_each_kernel_once(
+    gpu_checkpoints: dict[str, Path],
+) -> None:
+    """Batches of every size and mix reuse one compiled variant per kernel: a new variant means
+    a Triton compile (hundreds of ms) in the middle of serving."""
+    from kvfleet_engine.kernels.activation import _silu_and_mul_kernel
+    from kvfleet_engine.kernels.fused import _rms_norm_kernel, _rotary_store_kv_kernel
+    from kvfleet_engine.kernels.prefill_attention import _prefill_kernel
+
+    kernels = [_prefill_kernel, _rotary_store_kv_kernel, _rms_norm_kernel, _silu_and_mul_kernel]
+    llm = LLM(
+        str(gpu_checkpoints["llama3"]),
+        dtype="bfloat16",
+        device="cuda",
+        max_model_len=1024,
+        max_num_seqs=64,
+        max_num_batched_tokens=256,
+        enable_prefix_caching=False,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    llm.generate(prompt_token_ids=random_prompts([40], seed=30), sampling_params=params)
+    device = torch.cuda.current_device()
+    before = [len(kernel.device_caches[device][0]) for kernel in kernels]
+    # Odd and even token counts, 1..23 sequences, chunked prompts next to decodes.
+    lengths = [
+        1,
+        2,
+        3,
+        7,
+        16,
+        17,
+        33,
+        100,
+        255,
+        5,
+        9,
+        13,
+        300,
+        41,
+        2,
+        3,
+        77,
+        18,
+        19,
+        20,
+        21,
+        22,
+        23,
+    ]
+    llm.generate(prompt_token_ids=random_prompts(lengths, seed=31), sampling_params=params)
+    after = [len(kernel.device_caches[device][0]) for kernel in kernels]
+    assert after == before, [k.fn.__name__ for k in kernels]

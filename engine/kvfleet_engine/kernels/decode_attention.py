@@ -26,7 +26,8 @@ from kvfleet_engine.kernels.checks import (
 )
 
 
-@triton.jit
+# Values that change from step to step are not specialised on (that would recompile mid-run).
+@triton.jit(do_not_specialize=("stride_bt",))
 def _decode_split_kernel(
     query_ptr,
     k_cache_ptr,

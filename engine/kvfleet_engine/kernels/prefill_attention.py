@@ -23,7 +23,8 @@ from kvfleet_engine.kernels.checks import (
 )
 
 
-@triton.jit
+# Values that change from step to step are not specialised on (that would recompile mid-run).
+@triton.jit(do_not_specialize=("num_seqs", "stride_bt"))
 def _prefill_kernel(
     query_ptr,
     k_cache_ptr,
