@@ -73,18 +73,33 @@ class DecodeGraphs:
         input_ids: torch.Tensor,  # [num_seqs] int64
         positions: torch.Tensor,  # [num_seqs] int64
         meta: AttentionMetadata,  # a decode step: one query token per sequence
+        pending_sources: torch.Tensor | None = None,  # [num_seqs] row in samples, -1 = known
+        samples: torch.Tensor | None = None,  # the previous step's sampled tokens
     ) -> torch.Tensor | None:  # [num_seqs, vocab] float32, or None if no graph fits
+        from kvfleet_engine.kernels.graph_inputs import fill_decode_graph_inputs
+
         num_seqs = input_ids.shape[0]
         width = meta.block_tables.shape[1]
         size = next((s for s in self.sizes if s >= num_seqs), None)
         if size is None or width > self.block_tables.shape[1]:
             return None
-        self.input_ids[:num_seqs].copy_(input_ids)
-        self.positions[:num_seqs].copy_(positions)
-        self.slot_mapping[:num_seqs].copy_(meta.slot_mapping)
-        self.slot_mapping[num_seqs:size].fill_(-1)
-        self.context_lens[:num_seqs].copy_(meta.context_lens)
-        self.context_lens[num_seqs:size].fill_(0)
-        self.block_tables[:num_seqs, :width].copy_(meta.block_tables)
+        buffers = (
+            self.input_ids,
+            self.positions,
+            self.slot_mapping,
+            self.context_lens,
+            self.block_tables,
+        )
+        fill_decode_graph_inputs(
+            input_ids,
+            positions,
+            meta.slot_mapping,
+            meta.context_lens,
+            meta.block_tables,
+            pending_sources,
+            samples,
+            buffers,
+            size,
+        )
         self.graphs[size].replay()
         return self.logits[size][:num_seqs]

@@ -52,6 +52,9 @@ class ModelInputs:
     attention: AttentionMetadata
     # [num_sampling_rows] int64: index into the tokens of each row whose logits are sampled.
     logits_indices: torch.Tensor
+    # [num_tokens] int64: for a PENDING_TOKEN input, its row in the previous step's samples
+    # (-1 for the others); None when the step has no pending input.
+    pending_sources: torch.Tensor | None
     # Request id of each sampling row, in row order.
     sampling_request_ids: list[str]
     # Settings of each sampling row.
@@ -174,12 +177,23 @@ class ModelRunner:
     @torch.inference_mode()
     def compute_logits(self, inputs: ModelInputs) -> torch.Tensor:  # [num_sampling_rows, vocab]
         if self.decode_graphs is not None and inputs.attention.is_decode:
-            logits = self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.attention)
+            logits = self.decode_graphs.run(
+                inputs.input_ids,
+                inputs.positions,
+                inputs.attention,
+                inputs.pending_sources,
+                self._last_samples,
+            )
             if logits is not None:
                 if len(inputs.sampling_request_ids) == logits.shape[0]:
                     return logits  # every row samples (the usual decode step), in order
                 return logits[inputs.logits_indices]
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)
+        input_ids = inputs.input_ids
+        if inputs.pending_sources is not None:  # the previous step's samples, on the device
+            sources = inputs.pending_sources
+            sampled = self._last_samples.index_select(0, sources.clamp(min=0))
+            input_ids = torch.where(sources >= 0, sampled, input_ids)
+        hidden = self.model(input_ids, inputs.positions, inputs.attention)
         return self.model.compute_logits(hidden[inputs.logits_indices]).float()
 
     def prepare_inputs(self, scheduled: SchedulerOutput) -> ModelInputs:
@@ -195,16 +209,15 @@ class ModelRunner:
         counts = np.fromiter((len(item.block_ids) for item in items), np.int64, num_seqs)
         width = int(counts.max())
 
-        # Every segment starts on 16 bytes: Triton specialises kernels on pointer alignment, and
-        # a view whose alignment changed with the batch would compile a new variant mid-run. The
-        # int64 tail holds (token index, previous-step row) of PENDING_TOKEN inputs: <= 1 per seq.
-        s64, size64 = _segments(
-            [num_tokens, num_tokens, num_tokens, len(sample_rows)] + [num_seqs] * 2, 2
-        )
+        # One host buffer, one copy: int64 segments then int32 ones, each starting on 16 bytes
+        # (Triton specialises kernels on pointer alignment: a view whose alignment changed with
+        # the batch would compile a new variant mid-run).
+        s64, size64 = _segments([num_tokens] * 3 + [len(sample_rows), num_tokens], 2)
         s32, size32 = _segments([num_seqs, num_seqs + 1, num_seqs * width], 4)
-        host64, upload64 = self._staging(torch.int64, size64)
-        host32, upload32 = self._staging(torch.int32, size32)
-        input_ids, positions, slot_mapping, logits_indices = (host64[s] for s in s64[:4])
+        size64 += size64 % 2  # the int32 part starts on 16 bytes too
+        host, upload = self._staging(size64 + -(-size32 // 2))
+        host32 = host[size64:].view(np.int32)
+        input_ids, positions, slot_mapping, logits_indices, sources = (host[s] for s in s64)
         context_lens, cu_query_lens = host32[s32[0]], host32[s32[1]]
         block_tables = host32[s32[2]].reshape(num_seqs, width)
 
@@ -235,16 +248,11 @@ class ModelRunner:
         pending = np.flatnonzero(input_ids == PENDING_TOKEN)
         if pending.size:
             last_rows = self._last_sample_rows
-            host64[s64[4].start : s64[4].start + pending.size] = pending
-            host64[s64[5].start : s64[5].start + pending.size] = [
-                last_rows[items[row].request_id] for row in rows[pending].tolist()
-            ]
+            sources[:] = -1
+            sources[pending] = [last_rows[items[row].request_id] for row in rows[pending].tolist()]
 
-        dev64, dev32 = upload64(), upload32()
-        if pending.size:  # the previous step's samples, gathered on the device
-            targets = dev64[s64[4].start : s64[4].start + pending.size]
-            sources = dev64[s64[5].start : s64[5].start + pending.size]
-            dev64[s64[0]].index_copy_(0, targets, self._last_samples.index_select(0, sources))
+        dev64 = upload()
+        dev32 = dev64[size64:].view(torch.int32)
         attention = AttentionMetadata(
             slot_mapping=dev64[s64[2]],
             block_tables=dev32[s32[2]].view(num_seqs, width),
@@ -258,17 +266,16 @@ class ModelRunner:
             positions=dev64[s64[1]],
             attention=attention,
             logits_indices=dev64[s64[3]],
+            pending_sources=dev64[s64[4]] if pending.size else None,
             sampling_request_ids=[item.request_id for item in sampling_requests],
             sampling=self._sampling_metadata(sampling_requests),
             num_logprobs=[item.params.logprobs for item in sampling_requests],
         )
 
-    def _staging(
-        self, dtype: torch.dtype, size: int
-    ) -> tuple[np.ndarray, Callable[[], torch.Tensor]]:
-        """A fresh host buffer (pinned on a GPU; the caching host allocator reuses it once its
-        copy is done) as numpy to fill, and a function that ships it to the device."""
-        host = torch.empty(size, dtype=dtype, pin_memory=self.device.type == "cuda")
+    def _staging(self, size: int) -> tuple[np.ndarray, Callable[[], torch.Tensor]]:
+        """A fresh int64 host buffer (pinned on a GPU; the caching host allocator reuses it once
+        its copy is done) as numpy to fill, and a function that ships it to the device."""
+        host = torch.empty(size, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         if self.device.type == "cpu":
             return host.numpy(), lambda: host
         return host.numpy(), lambda: host.to(self.device, non_blocking=True)

@@ -57,6 +57,7 @@ decode = _kernel_module("decode_attention")
 prefill = _kernel_module("prefill_attention")
 fused = _kernel_module("fused")
 activation = _kernel_module("activation")
+graph_inputs = _kernel_module("graph_inputs")
 
 # (device, dtype, tolerance, sizes): small interpreted cases on CPU; model-like sizes on the GPU.
 SMALL = {"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 32}
@@ -363,3 +364,50 @@ def test_silu_and_mul_rounds_like_eager_torch(device, dtype) -> None:
     out = activation.silu_and_mul(x)
     assert (out == eager).float().mean().item() > 0.99  # exp may differ in its last bit
     torch.testing.assert_close(out, eager, rtol=torch.finfo(dtype).eps, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "device",
+    [pytest.param("cpu", id="interpret"), pytest.param("cuda", id="gpu", marks=pytest.mark.gpu)],
+)
+@pytest.mark.parametrize("with_pending", [True, False])
+def test_decode_graph_inputs_fill_live_rows_and_pad_the_rest(device, with_pending) -> None:
+    _skip_if_unavailable(device)
+    n, size, width, graph_rows, graph_width = 5, 8, 3, 10, 7
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 1000, (n,), generator=g)
+    positions = torch.randint(0, 1000, (n,), generator=g)
+    slots = torch.randint(0, 1000, (n,), generator=g)
+    context_lens = torch.randint(1, 1000, (n,), generator=g, dtype=torch.int32)
+    tables = torch.randint(0, 1000, (n, width), generator=g, dtype=torch.int32)
+    samples = torch.randint(2000, 3000, (6,), generator=g)
+    sources = torch.tensor([3, -1, 0, -1, 5]) if with_pending else None
+    out = (
+        torch.full((graph_rows,), 77),
+        torch.full((graph_rows,), 77),
+        torch.full((graph_rows,), 77),
+        torch.full((graph_rows,), 77, dtype=torch.int32),
+        torch.full((graph_rows, graph_width), 77, dtype=torch.int32),
+    )
+    moved = [t.to(device) for t in (ids, positions, slots, context_lens, tables)]
+    out_dev = tuple(t.to(device) for t in out)
+    graph_inputs.fill_decode_graph_inputs(
+        *moved,
+        None if sources is None else sources.to(device),
+        samples.to(device) if with_pending else None,
+        out_dev,
+        size,
+    )
+    got = [t.cpu() for t in out_dev]
+    expected_ids = ids.clone()
+    if sources is not None:
+        expected_ids[sources >= 0] = samples[sources[sources >= 0]]
+    assert got[0][:n].tolist() == expected_ids.tolist()
+    assert got[1][:n].tolist() == positions.tolist()
+    assert got[2][:n].tolist() == slots.tolist()
+    assert got[3][:n].tolist() == context_lens.tolist()
+    assert torch.equal(got[4][:n, :width], tables)
+    assert got[2][n:size].tolist() == [-1] * (size - n)  # padding: store nothing ...
+    assert got[3][n:size].tolist() == [0] * (size - n)  # ... and attend to nothing
+    assert got[2][size:].tolist() == [77] * (graph_rows - size)  # beyond the graph's batch: kept
+    assert (got[4][:, width:] == 77).all()  # stale table entries past the width are never read

@@ -32,6 +32,7 @@ def _kind(name: str) -> str:
         ("cutlass", "matmul"),
         ("nvjet", "matmul"),
         ("sm90", "matmul"),
+        ("_graph_inputs", "graph inputs"),
         ("_decode_", "attention"),
         ("_prefill_", "attention"),
         ("_rotary_store_kv", "rotary+kv store"),
