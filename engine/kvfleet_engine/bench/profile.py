@@ -52,9 +52,15 @@ def kernel_seconds(step: Callable[[], object]) -> dict[str, float]:
         step()
         torch.cuda.synchronize()
     by_kind: dict[str, float] = collections.defaultdict(float)
+    others = []
     for event in prof.key_averages():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            by_kind[_kind(event.key)] += event.self_device_time_total / 1e6
+            kind = _kind(event.key)
+            by_kind[kind] += event.self_device_time_total / 1e6
+            if kind == "other elementwise":
+                others.append((event.self_device_time_total, event.count, event.key))
+    for micros, count, name in sorted(others, reverse=True)[:4]:  # what "other" is made of
+        print(f"  other: {micros / 1e3:.3f} ms in {count} x {name[:90]}")
     return dict(by_kind)
 
 
