@@ -58,7 +58,6 @@ prefill = _kernel_module("prefill_attention")
 fused = _kernel_module("fused")
 activation = _kernel_module("activation")
 graph_inputs = _kernel_module("graph_inputs")
-gemv_module = _kernel_module("gemv")
 
 # (device, dtype, tolerance, sizes): small interpreted cases on CPU; model-like sizes on the GPU.
 SMALL = {"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 32}
@@ -412,26 +411,3 @@ def test_decode_graph_inputs_fill_live_rows_and_pad_the_rest(device, with_pendin
     assert got[3][n:size].tolist() == [0] * (size - n)  # ... and attend to nothing
     assert got[2][size:].tolist() == [77] * (graph_rows - size)  # beyond the graph's batch: kept
     assert (got[4][:, width:] == 77).all()  # stale table entries past the width are never read
-
-
-@pytest.mark.parametrize(
-    ("device", "dtype", "shape", "tol"),
-    [
-        pytest.param("cpu", torch.float32, (37, 1500), 1e-5, id="interpret-fp32"),
-        pytest.param(
-            "cuda", torch.bfloat16, (4096, 14336), 1e-2, id="gpu-bf16", marks=pytest.mark.gpu
-        ),
-        pytest.param(
-            "cuda", torch.float16, (6144, 4096), 2e-3, id="gpu-fp16", marks=pytest.mark.gpu
-        ),
-    ],
-)
-def test_gemv_matches_a_float64_product(device, dtype, shape, tol) -> None:
-    _skip_if_unavailable(device)
-    rows, cols = shape  # odd sizes: partial row and column blocks
-    weight = torch.randn(rows, cols, dtype=torch.float64)
-    x = torch.randn(1, cols, dtype=torch.float64)
-    got = gemv_module.gemv(x.to(device, dtype), weight.to(device, dtype))
-    expected = x @ weight.T
-    assert got.shape == (1, rows) and got.dtype == dtype
-    assert relative_error(got.double().cpu(), expected) < tol

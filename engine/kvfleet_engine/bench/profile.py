@@ -106,12 +106,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     parser.add_argument("--batch-sizes", default="1,64,256")
     parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument(
-        "--gemv-max-features",
-        default=None,
-        help="comma-separated layers.linear.TRITON_GEMV_MAX_FEATURES values to compare "
-        "(default: the engine's)",
-    )
     parser.add_argument("--prefill-tokens", type=int, default=0, help="0: no prefill step")
     parser.add_argument("--prefill-seq-len", type=int, default=288)
     parser.add_argument("--output-dir", type=Path, default=Path("bench/results"))
@@ -138,14 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         layer.bind(k, torch.randn_like(k), kernels)
     rows = [Row("roofline", "copy_bandwidth", ceilings.bandwidth / 1e9, "GB/s")]
     lines = []
-    from kvfleet_engine.layers import linear
-
-    limits = [linear.TRITON_GEMV_MAX_FEATURES]
-    if args.gemv_max_features:
-        limits = [int(v) for v in args.gemv_max_features.split(",")]
-    for batch, limit in itertools.product(batch_sizes, limits):
-        linear.TRITON_GEMV_MAX_FEATURES = limit
-        label = f"b{batch}" if len(limits) == 1 else f"b{batch}_gemv{limit}"
+    for batch in batch_sizes:
         tables = torch.arange(batch * blocks_per_seq, device=device, dtype=torch.int32)
         meta = AttentionMetadata(
             slot_mapping=tables.view(batch, -1)[:, context // block_size].long() * block_size
@@ -174,15 +161,17 @@ def main(argv: list[str] | None = None) -> int:
         kv_s = batch * (context + 1) * costs.kv_bytes_per_token / ceilings.bandwidth
         gpu_busy = sum(by_kind.values())
         lines.append(
-            f"{label} ctx {context}: graph step {graph_s * 1e3:.2f} ms, eager "
+            f"batch {batch:>3} ctx {context}: graph step {graph_s * 1e3:.2f} ms, eager "
             f"{eager_s * 1e3:.2f} ms, ideal {ideal * 1e3:.2f} ms (weights {weights_s * 1e3:.2f} + "
             f"KV {kv_s * 1e3:.2f}); kernels {gpu_busy * 1e3:.2f} ms: " + _kinds_text(by_kind)
         )
-        rows.append(Row("kvfleet", f"decode_step_ms_{label}", graph_s * 1e3, "ms"))
-        rows.append(Row("kvfleet", f"decode_tokens_per_s_{label}", batch / graph_s, "tokens/s"))
-        rows.append(Row("roofline", f"decode_tokens_per_s_{label}", batch / ideal, "tokens/s"))
+        rows.append(Row("kvfleet", f"decode_step_ms_b{batch}", graph_s * 1e3, "ms"))
+        rows.append(Row("kvfleet", f"decode_tokens_per_s_b{batch}", batch / graph_s, "tokens/s"))
+        rows.append(Row("roofline", f"decode_tokens_per_s_b{batch}", batch / ideal, "tokens/s"))
         for kind, seconds in by_kind.items():
-            rows.append(Row("kvfleet", f"{label}_{kind.replace(' ', '_')}_ms", seconds * 1e3, "ms"))
+            rows.append(
+                Row("kvfleet", f"b{batch}_{kind.replace(' ', '_')}_ms", seconds * 1e3, "ms")
+            )
         del graph
     if args.prefill_tokens:
         lines.append(_prefill(model, args, fields, block_size, ceilings, rows))
@@ -192,7 +181,6 @@ def main(argv: list[str] | None = None) -> int:
         "context": context,
         "block_size": block_size,
         "batch_sizes": batch_sizes,
-        "triton_gemv_max_features": limits,
         "prefill_tokens": args.prefill_tokens,
         "prefill_seq_len": args.prefill_seq_len,
     }

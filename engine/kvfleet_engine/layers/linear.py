@@ -7,11 +7,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# One-token products (batch-1 decode) whose output has at most this many features run on the
-# Triton GEMV (kernels/gemv.py) instead of cuBLAS, which splits their K dimension and launches a
-# reduction kernel after each; 0 turns it off.
-TRITON_GEMV_MAX_FEATURES = 0
-
 
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -20,15 +15,6 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
-            x.is_cuda
-            and x.shape[0] == 1
-            and self.bias is None
-            and self.weight.shape[0] <= TRITON_GEMV_MAX_FEATURES
-        ):
-            from kvfleet_engine.kernels.gemv import gemv
-
-            return gemv(x, self.weight)
         return F.linear(x, self.weight, self.bias)
 
     def shard_offsets(self) -> dict[str, tuple[int, int]]:
