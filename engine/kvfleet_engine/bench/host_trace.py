@@ -4,6 +4,8 @@ synchronisation or a pinned allocation inside a step shows up here by name."""
 
 from __future__ import annotations
 
+import collections
+import statistics
 import time
 from typing import Any
 
@@ -48,4 +50,33 @@ def trace_steps(engine: Any, num_steps: int, top: int = 14) -> list[str]:
         f"  {e.key[:48]:<48} {e.self_cpu_time_total / 1e3:>9.2f} ms  {e.count:>6} calls"
         for e in host[:top]
     ]
+    return lines + _device_gaps(prof, steps)
+
+
+def _device_gaps(prof: Any, steps: int, top: int = 8) -> list[str]:
+    """Idle stretches of the device timeline, grouped by the operation that ended each one: the
+    device work between two kernels that a step's host side or a copy made it wait for."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    if len(spans) < 2:
+        return []
+    gaps: dict[str, list[float]] = collections.defaultdict(list)
+    busy_until = spans[0][1]
+    for start, end, name in spans[1:]:
+        if start > busy_until:
+            gaps[name[:60]].append(start - busy_until)
+        busy_until = max(busy_until, end)
+    total = sum(sum(v) for v in gaps.values())
+    lines = [
+        f"device idle between operations: {total / 1e3:.2f} ms ({total / steps:.1f} us/step), "
+        "by the operation that ended it:"
+    ]
+    for name, values in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        lines.append(
+            f"  {name:<60} {sum(values) / 1e3:>8.3f} ms in {len(values):>5} gaps "
+            f"(median {statistics.median(values):.1f} us)"
+        )
     return lines
