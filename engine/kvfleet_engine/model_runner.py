@@ -197,8 +197,8 @@ class ModelRunner:
         return self.model.compute_logits(hidden[inputs.logits_indices]).float()
 
     def prepare_inputs(self, scheduled: SchedulerOutput) -> ModelInputs:
-        """The step's batch tensors, built with numpy in two host buffers (int64 and int32) that
-        reach the device in one copy each."""
+        """The step's batch tensors, built with numpy in one host buffer (int64 segments, then
+        int32 ones) that reaches the device in one copy."""
         items = scheduled.requests
         num_seqs = len(items)
         block_size = self.block_size
