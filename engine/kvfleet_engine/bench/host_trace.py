@@ -12,8 +12,22 @@ from typing import Any
 import torch
 
 
-def trace_steps(engine: Any, num_steps: int, top: int = 14) -> list[str]:
-    """Run up to num_steps engine steps under the profiler, then abort what is left."""
+def trace_steps(
+    engine: Any,
+    prompts: list[list[int]],
+    params: Any,
+    num_steps: int,
+    *,
+    skip_steps: int = 0,
+    top: int = 14,
+) -> list[str]:
+    """Queue the workload again (prefix cache emptied, so its prompts are computed, not found),
+    run skip_steps steps, then up to num_steps under the profiler, then abort what is left."""
+    engine.kv_cache.reset_prefix_cache()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"trace-{i}", prompt, params)
+    for _ in range(skip_steps):
+        engine.step()
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)

@@ -288,10 +288,7 @@ def _kvfleet_throughput(args: argparse.Namespace, s: Setup, prompts: list[list[i
         elapsed = time.perf_counter() - start
     device = timer.device_seconds()
     if args.host_trace:
-        engine = llm.engine
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"trace-{i}", prompt, params)
-        print("\n".join(trace_steps(engine, args.host_trace)))
+        print("\n".join(trace_steps(llm.engine, prompts, params, args.host_trace)))
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_in = sum(len(p) for p in prompts)
     return [
@@ -398,10 +395,8 @@ def _kvfleet_latency(args: argparse.Namespace, s: Setup, prompts: list[list[int]
     if args.host_trace:
         from kvfleet_engine.bench.host_trace import trace_steps
 
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"trace-{i}", prompt, params)
-        engine.step()  # the prompt step
-        print("\n".join(trace_steps(engine, args.host_trace)))
+        lines = trace_steps(engine, prompts, params, args.host_trace, skip_steps=1)  # decode only
+        print("\n".join(lines))
     rate = (args.output_len - 1) / decode
     return [
         Row("kvfleet", "decode_tokens_per_s", rate, "tokens/s"),
