@@ -254,10 +254,10 @@ def _qkv_views(num_tokens, heads, kv_heads, dim, dtype, device, seed):
     )
 
 
-def _rotary_table(dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random angles [100, dim // 2] float64 and their cos | sin table in float64."""
+def _rotary_table(dim: int, seed: int, positions: int = 100) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random angles [positions, dim // 2] float64 and their cos | sin table in float64."""
     gen = torch.Generator().manual_seed(seed)
-    angles = torch.rand(100, dim // 2, generator=gen, dtype=torch.float64) * 6.3
+    angles = torch.rand(positions, dim // 2, generator=gen, dtype=torch.float64) * 6.3
     return angles, torch.cat([angles.cos(), angles.sin()], dim=-1)
 
 
@@ -325,6 +325,67 @@ def test_rotary_store_kv_rotates_then_stores(
     expected_k, expected_v = torch.full_like(k_cache, 7.0), torch.full_like(v_cache, 7.0)
     ref.store_kv(k, v, expected_k, expected_v, slots)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+@pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_rotary_decode_attention_equals_rotary_store_then_decode(
+    device, dtype, tol, sizes, num_splits
+) -> None:
+    """One launch does what rotary_store_kv then paged_decode_attention do: the same cache and
+    the same output, for a padding row (length 0, slot -1) too; q, k and v are left unrotated."""
+    _skip_if_unavailable(device)
+    heads, kv_heads, dim = sizes["num_q_heads"], sizes["num_kv_heads"], sizes["head_dim"]
+    lens = [1, 17, 64, 130, 1] if device == "cpu" else [1, 17, 300, 2049, 4096, 1]
+    case = make_paged_case(lens, [1] * len(lens), **sizes, dtype=dtype, device=device, seed=13)
+    num_seqs = len(lens)
+    cu = torch.tensor([0, *lens]).cumsum(0)
+    slots = case.slot_mapping[cu[1:] - 1].clone()  # each sequence's newest position
+    context_lens = case.context_lens.clone()
+    context_lens[-1], slots[-1] = 0, -1  # a padding row of a captured batch
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    k_cache.view(-1, kv_heads, dim)[slots[:-1]] = 7.0  # the new token is not in the cache yet
+    v_cache.view(-1, kv_heads, dim)[slots[:-1]] = 7.0
+    _, q, k, v = _qkv_views(num_seqs, heads, kv_heads, dim, dtype, device, seed=14)
+    _, cos_sin = _rotary_table(dim, seed=15, positions=max(lens))
+    cos_sin = cos_sin.float().to(device)
+    positions = (torch.tensor(lens) - 1).to(device)
+    q_before, k_before, v_before = q.clone(), k.clone(), v.clone()
+
+    want_k_cache, want_v_cache = k_cache.clone(), v_cache.clone()
+    q_rot, k_rot = q.clone(), k.clone()
+    fused.rotary_store_kv(positions, q_rot, k_rot, v, cos_sin, want_k_cache, want_v_cache, slots)
+    want = decode.paged_decode_attention(
+        q_rot,
+        want_k_cache,
+        want_v_cache,
+        case.block_tables,
+        context_lens,
+        case.scale,
+        num_splits=num_splits,
+    )
+    out = decode.rotary_decode_attention(
+        positions,
+        q,
+        k,
+        v,
+        cos_sin,
+        k_cache,
+        v_cache,
+        slots,
+        case.block_tables,
+        context_lens,
+        case.scale,
+        num_splits=num_splits,
+    )
+    # The rotated key may differ in its last bit: the compiler contracts the rotation's
+    # multiply-adds differently in the two kernels. The value is copied, so it is exact.
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(k_cache, want_k_cache, rtol=2 * eps, atol=8 * eps, equal_nan=True)
+    assert torch.equal(v_cache.nan_to_num(3.0), want_v_cache.nan_to_num(3.0))
+    assert torch.equal(q, q_before) and torch.equal(k, k_before) and torch.equal(v, v_before)
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+    assert relative_error(out, want.double().cpu()) < tol
 
 
 SILU_SHAPES = {"cpu": [(1, 1100), (5, 37)], "cuda": [(1, 14336), (512, 14336), (3, 1000)]}

@@ -2,12 +2,19 @@
 
 `store_kv`, `paged_decode_attention` and `prefill_attention` have the signatures of the torch
 reference (`kvfleet_engine.layers.attention_torch`, ENGINE_CONTRACT.md); `rotary_store_kv` is the
-optional fused op the attention layer uses in place of rotary + `store_kv` (one launch, not two).
+optional fused op the attention layer uses in place of rotary + `store_kv` (one launch, not two),
+and `rotary_decode_attention` the one a decode step uses in place of all three.
 """
 
-from kvfleet_engine.kernels.decode_attention import paged_decode_attention
+from kvfleet_engine.kernels.decode_attention import paged_decode_attention, rotary_decode_attention
 from kvfleet_engine.kernels.fused import rotary_store_kv
 from kvfleet_engine.kernels.kv_store import store_kv
 from kvfleet_engine.kernels.prefill_attention import prefill_attention
 
-__all__ = ["paged_decode_attention", "prefill_attention", "rotary_store_kv", "store_kv"]
+__all__ = [
+    "paged_decode_attention",
+    "prefill_attention",
+    "rotary_decode_attention",
+    "rotary_store_kv",
+    "store_kv",
+]

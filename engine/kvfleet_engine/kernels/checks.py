@@ -75,3 +75,42 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
+
+
+def check_rotary(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin: torch.Tensor
+) -> None:
+    """Rotate-half rotary inputs: q and k heads of one head_dim, a float32 cos | sin table."""
+    num_tokens, _, head_dim = query.shape
+    require(head_dim % 2 == 0, f"head_dim must be even for rotate-half rotary, got {head_dim}")
+    require(key.shape[0] == num_tokens and key.shape[2] == head_dim, "key must match query")
+    require(query.stride(-1) == 1 and key.stride(-1) == 1, "q/k must be contiguous in head_dim")
+    require(
+        cos_sin.dim() == 2 and cos_sin.shape[1] == head_dim and cos_sin.dtype == torch.float32,
+        f"cos_sin must be [max_positions, {head_dim}] float32 (cos | sin halves)",
+    )
+    require(cos_sin.device == query.device, "cos_sin must be on the device of query")
+    require(cos_sin.stride(-1) == 1, "cos_sin must be contiguous in its last dimension")
+    check_index(positions, "positions", 1, torch.int64, query.device)
+    require(positions.shape[0] == num_tokens, "positions must have one entry per token")
+
+
+def check_rotary_store(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Rotary inputs whose new key and value rows are stored in the cache at slot_mapping."""
+    check_rotary(positions, query, key, cos_sin)
+    check_heads(query, "query", k_cache, per_kv_head=False)
+    check_heads(key, "key", k_cache, per_kv_head=True)
+    check_heads(value, "value", k_cache, per_kv_head=True)
+    check_index(slot_mapping, "slot_mapping", 1, torch.int64, k_cache.device)
+    require(
+        value.shape[0] == query.shape[0] and slot_mapping.shape[0] == query.shape[0],
+        "query, key, value and slot_mapping must have the same number of tokens",
+    )

@@ -12,6 +12,7 @@ CUDA graph and replayed with new lengths.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -20,10 +21,27 @@ import triton.language as tl
 from kvfleet_engine.kernels.checks import (
     LOG2E,
     check_paged_attention,
+    check_rotary_store,
     dot_precision,
     next_power_of_2,
     require,
 )
+
+
+@triton.jit
+def _rotated(x_ptr, dims, mask, cos_sin_row, HALF: tl.constexpr):
+    """Rotate-half rotary of the head rows at x_ptr ([rows, BLOCK_D] pointers to each element;
+    `dims` are their [1, BLOCK_D] indices), in float32, rounded back to the input dtype as the
+    in-place rotary kernels round."""
+    partner_shift = tl.where(dims < HALF, HALF, -HALF)
+    freq = tl.where(dims < HALF, dims, dims - HALF)
+    x = tl.load(x_ptr, mask=mask, other=0.0)
+    partner = tl.load(x_ptr + partner_shift, mask=mask, other=0.0).to(tl.float32)
+    cos = tl.load(cos_sin_row + freq, mask=dims < 2 * HALF, other=0.0)
+    sin = tl.load(cos_sin_row + HALF + freq, mask=dims < 2 * HALF, other=0.0)
+    xf = x.to(tl.float32)
+    out = tl.where(dims < HALF, xf * cos - partner * sin, xf * cos + partner * sin)
+    return out.to(x.dtype)
 
 
 # Values that change from step to step are not specialised on (that would recompile mid-run).
@@ -37,6 +55,12 @@ def _decode_split_kernel(
     partial_out_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS, HEAD_DIM] float32
     partial_lse_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS] float32, log2 domain
     out_ptr,  # [num_seqs, num_q_heads, HEAD_DIM]: written here instead when NUM_SPLITS == 1
+    # ROTARY only: this step's key and value rows, positions, cos | sin table and cache slots.
+    key_ptr,
+    value_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    slot_mapping_ptr,
     scale_log2,
     stride_qs,
     stride_qh,
@@ -46,6 +70,11 @@ def _decode_split_kernel(
     stride_cs,
     stride_ch,
     stride_bt,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_rot,
     num_q_heads,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -54,6 +83,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    ROTARY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -69,13 +99,30 @@ def _decode_split_kernel(
     heads = kv_head * GROUP + rows
     row_mask = rows < GROUP
     dim_mask = dims < HEAD_DIM
-    q = tl.load(
-        query_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :],
-        mask=row_mask[:, None] & dim_mask[None, :],
-        other=0.0,
-    )
+    q_rows = query_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :]
+    q_mask = row_mask[:, None] & dim_mask[None, :]
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_offset = kv_head * stride_ch + dims[None, :]
+    if ROTARY:
+        # Rotate this group's query heads in registers; the split holding the newest position
+        # rotates the new key and stores it and the value in the cache before reading it back.
+        cos_sin_row = cos_sin_ptr + tl.load(positions_ptr + seq) * stride_rot
+        q = _rotated(q_rows, dims[None, :], q_mask, cos_sin_row, HEAD_DIM // 2)
+        slot = tl.load(slot_mapping_ptr + seq)
+        store = (start < end) & (end == context_len) & (slot >= 0)
+        new_mask = dim_mask[None, :] & store
+        k_row = key_ptr + seq * stride_ks + kv_head * stride_kh + dims[None, :]
+        k_new = _rotated(k_row, dims[None, :], new_mask, cos_sin_row, HEAD_DIM // 2)
+        v_new = tl.load(
+            value_ptr + seq * stride_vs + kv_head * stride_vh + dims[None, :], mask=new_mask
+        )
+        slot = tl.maximum(slot, 0)
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_offset
+        tl.store(k_cache_ptr + dst, k_new, mask=new_mask)
+        tl.store(v_cache_ptr + dst, v_new, mask=new_mask)
+        tl.debug_barrier()  # the stores above are visible to this program's loads below
+    else:
+        q = tl.load(q_rows, mask=q_mask, other=0.0)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
@@ -164,6 +211,18 @@ def choose_num_splits(
     return max(1, min(wanted, max_tiles, 64))
 
 
+@dataclass(frozen=True)
+class _NewToken:
+    """What the ROTARY variant reads besides the query: the step's key and value rows (before
+    rotary), positions, cos | sin table and cache slots."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
 def paged_decode_attention(
     query: torch.Tensor,  # [num_seqs, num_q_heads, head_dim], one new token per sequence
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -178,10 +237,82 @@ def paged_decode_attention(
     num_stages: int = 2,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
     check_paged_attention(query, k_cache, v_cache, block_tables, context_lens)
+    require(
+        context_lens.shape[0] == query.shape[0], "context_lens must have one entry per query row"
+    )
+    return _decode(
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        scale,
+        None,
+        num_splits,
+        block_n,
+        num_warps,
+        num_stages,
+    )
+
+
+def rotary_decode_attention(
+    positions: torch.Tensor,  # [num_seqs] int64
+    query: torch.Tensor,  # [num_seqs, num_q_heads, head_dim], before rotary (left as it is)
+    key: torch.Tensor,  # [num_seqs, num_kv_heads, head_dim], before rotary (left as it is)
+    value: torch.Tensor,  # [num_seqs, num_kv_heads, head_dim]
+    cos_sin: torch.Tensor,  # [max_positions, head_dim] float32: cos | sin halves
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_seqs] int64; -1 skips the store
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32, including the new token
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
+    """A decode step's whole attention in one launch: rotary on q and k, the store of the new k
+    and v in the cache (`rotary_store_kv`), then `paged_decode_attention` — at batch 1 each of
+    those is a few microseconds of launch latency, and the query makes one trip to memory."""
+    check_paged_attention(query, k_cache, v_cache, block_tables, context_lens)
+    check_rotary_store(positions, query, key, value, cos_sin, k_cache, slot_mapping)
+    require(
+        context_lens.shape[0] == query.shape[0], "context_lens must have one entry per query row"
+    )
+    new = _NewToken(key, value, positions, cos_sin, slot_mapping)
+    return _decode(
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        scale,
+        new,
+        num_splits,
+        block_n,
+        num_warps,
+        num_stages,
+    )
+
+
+def _decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    new: _NewToken | None,
+    num_splits: int | None,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
+) -> torch.Tensor:
     num_seqs, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    require(context_lens.shape[0] == num_seqs, "context_lens must have one entry per query row")
-    out = torch.empty_like(query)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_seqs == 0:
         return out
     group = num_q_heads // num_kv_heads
@@ -197,6 +328,8 @@ def paged_decode_attention(
         (num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=query.device
     )
     block_d = next_power_of_2(head_dim)
+    # Without the new token, its pointers are the query's and its strides 0: never read.
+    rotary = new if new is not None else _NewToken(query, query, query, query, query)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         k_cache,
@@ -206,6 +339,11 @@ def paged_decode_attention(
         partial_out,
         partial_lse,
         out,
+        rotary.key,
+        rotary.value,
+        rotary.positions,
+        rotary.cos_sin,
+        rotary.slot_mapping,
         scale * LOG2E,
         query.stride(0),
         query.stride(1),
@@ -215,6 +353,11 @@ def paged_decode_attention(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
+        rotary.key.stride(0) if new else 0,
+        rotary.key.stride(1) if new else 0,
+        rotary.value.stride(0) if new else 0,
+        rotary.value.stride(1) if new else 0,
+        rotary.cos_sin.stride(0) if new else 0,
         num_q_heads,
         GROUP=group,
         GROUP_PAD=max(16, next_power_of_2(group)),
@@ -223,6 +366,7 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
+        ROTARY=new is not None,
         DOT_PRECISION=dot_precision(query.dtype),
         num_warps=num_warps,
         num_stages=num_stages,

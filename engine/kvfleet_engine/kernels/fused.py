@@ -11,8 +11,8 @@ import triton.language as tl
 
 from kvfleet_engine.kernels.checks import (
     check_cache,
-    check_heads,
-    check_index,
+    check_rotary,
+    check_rotary_store,
     next_power_of_2,
     require,
 )
@@ -195,23 +195,6 @@ def _rotary_store_kv_kernel(
     tl.store(v_cache_ptr + dst + HALF + cols, tl.load(v_first + HALF, mask=mask), mask=mask)
 
 
-def _check_rotary(
-    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin: torch.Tensor
-) -> None:
-    num_tokens, _, head_dim = query.shape
-    require(head_dim % 2 == 0, f"head_dim must be even for rotate-half rotary, got {head_dim}")
-    require(key.shape[0] == num_tokens and key.shape[2] == head_dim, "key must match query")
-    require(query.stride(-1) == 1 and key.stride(-1) == 1, "q/k must be contiguous in head_dim")
-    require(
-        cos_sin.dim() == 2 and cos_sin.shape[1] == head_dim and cos_sin.dtype == torch.float32,
-        f"cos_sin must be [max_positions, {head_dim}] float32 (cos | sin halves)",
-    )
-    require(cos_sin.device == query.device, "cos_sin must be on the device of query")
-    require(cos_sin.stride(-1) == 1, "cos_sin must be contiguous in its last dimension")
-    check_index(positions, "positions", 1, torch.int64, query.device)
-    require(positions.shape[0] == num_tokens, "positions must have one entry per token")
-
-
 def rotary_embedding_(
     positions: torch.Tensor,  # [num_tokens] int64
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], rotated in place
@@ -219,7 +202,7 @@ def rotary_embedding_(
     cos_sin: torch.Tensor,  # [max_positions, head_dim] float32: cos | sin halves
 ) -> None:
     """Rotate-half (NeoX) rotary embedding, in place."""
-    _check_rotary(positions, query, key, cos_sin)
+    check_rotary(positions, query, key, cos_sin)
     num_tokens, num_q_heads, head_dim = query.shape
     if num_tokens == 0:
         return
@@ -254,17 +237,9 @@ def rotary_store_kv(
 ) -> None:
     """`rotary_embedding_` then `store_kv` of the rotated key and the value, in one launch: the
     decoder layer's two smallest kernels, each a few microseconds of launch latency at batch 1."""
-    _check_rotary(positions, query, key, cos_sin)
     check_cache(k_cache, v_cache)
-    check_heads(query, "query", k_cache, per_kv_head=False)
-    check_heads(key, "key", k_cache, per_kv_head=True)
-    check_heads(value, "value", k_cache, per_kv_head=True)
-    check_index(slot_mapping, "slot_mapping", 1, torch.int64, k_cache.device)
+    check_rotary_store(positions, query, key, value, cos_sin, k_cache, slot_mapping)
     num_tokens, num_q_heads, head_dim = query.shape
-    require(
-        value.shape[0] == num_tokens and slot_mapping.shape[0] == num_tokens,
-        "query, key, value and slot_mapping must have the same number of tokens",
-    )
     if num_tokens == 0:
         return
     num_kv_heads = key.shape[1]

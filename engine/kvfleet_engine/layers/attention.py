@@ -1,6 +1,7 @@
 """The attention layer over the paged KV cache: rotate this step's q/k, store its K/V, then attend
 with one backend (ENGINE_CONTRACT.md: the torch reference or the Triton kernels). A backend that
-offers `rotary_store_kv` does the rotation and the store in one launch."""
+offers `rotary_store_kv` does the rotation and the store in one launch, and one that offers
+`rotary_decode_attention` a decode step's rotation, store and attention in one."""
 
 from __future__ import annotations
 
@@ -64,13 +65,15 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.backend: ModuleType | None = None
-        # The backend's fused rotary + store_kv, when it has one.
+        # The backend's fused rotary + store_kv, and rotary + store_kv + decode attention.
         self.rotary_store_kv: Callable[..., None] | None = None
+        self.rotary_decode_attention: Callable[..., torch.Tensor] | None = None
 
     def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: ModuleType) -> None:
         """Attach this layer's slice of the KV cache, [num_blocks, block_size, kv_heads, dim]."""
         self.k_cache, self.v_cache, self.backend = k_cache, v_cache, backend
         self.rotary_store_kv = getattr(backend, "rotary_store_kv", None)
+        self.rotary_decode_attention = getattr(backend, "rotary_decode_attention", None)
 
     def forward(
         self,
@@ -83,6 +86,21 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         backend = self.backend
         assert backend is not None, "Attention.bind() was not called (no KV cache)"
+        if meta.is_decode and self.rotary_decode_attention is not None:
+            out = self.rotary_decode_attention(
+                positions,
+                query,
+                key,
+                value,
+                rotary.cos_sin,
+                self.k_cache,
+                self.v_cache,
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.context_lens,
+                self.scale,
+            )
+            return out.reshape(out.shape[0], -1)
         if self.rotary_store_kv is not None:  # rotates query and key in place
             self.rotary_store_kv(
                 positions,
