@@ -1,4 +1,5 @@
-"""CUDA graphs of the decode forward pass (model + LM head), one per bucketed batch size.
+"""CUDA graphs of the decode forward pass (model, LM head and each row's most likely token), one
+per bucketed batch size.
 
 A decode step launches hundreds of small kernels; replaying a captured graph launches them all
 at once. Inputs live in persistent buffers that each step copies into (padding rows get slot -1,
@@ -42,8 +43,9 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # batch size -> [size, vocab] float32 output
+        self.greedy: dict[int, torch.Tensor] = {}  # batch size -> [size] int64 argmax of logits
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:size],
             block_tables=self.block_tables[:size],
@@ -52,7 +54,8 @@ class DecodeGraphs:
             is_decode=True,
         )
         hidden = self.model(self.input_ids[:size], self.positions[:size], meta)
-        return self.model.compute_logits(hidden).float()
+        logits = self.model.compute_logits(hidden).float()
+        return logits, logits.argmax(dim=-1)  # greedy rows' tokens without a launch of their own
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -63,7 +66,7 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self._forward(size)
+                self.logits[size], self.greedy[size] = self._forward(size)
             pool = graph.pool()
             self.graphs[size] = graph
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
@@ -75,7 +78,8 @@ class DecodeGraphs:
         meta: AttentionMetadata,  # a decode step: one query token per sequence
         pending_sources: torch.Tensor | None = None,  # [num_seqs] row in samples, -1 = known
         samples: torch.Tensor | None = None,  # the previous step's sampled tokens
-    ) -> torch.Tensor | None:  # [num_seqs, vocab] float32, or None if no graph fits
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """([num_seqs, vocab] float32 logits, [num_seqs] int64 argmax), or None if no graph fits."""
         from kvfleet_engine.kernels.graph_inputs import fill_decode_graph_inputs
 
         num_seqs = input_ids.shape[0]
@@ -102,4 +106,4 @@ class DecodeGraphs:
             size,
         )
         self.graphs[size].replay()
-        return self.logits[size][:num_seqs]
+        return self.logits[size][:num_seqs], self.greedy[size][:num_seqs]

@@ -132,8 +132,10 @@ class ModelRunner:
         if not scheduled.requests:
             return LaunchedStep([], [], None, None, None)
         inputs = self.prepare_inputs(scheduled)
-        logits = self.compute_logits(inputs)
-        sampled = self.sampler(logits, inputs.sampling)
+        logits, greedy = self.forward(inputs)
+        sampled = self.sampler(logits, inputs.sampling, greedy)
+        # May be a decode graph's output buffer, which the next replay overwrites: the next step
+        # reads it (the fill of its inputs) before its own forward pass, in stream order.
         self._last_samples = sampled.token_ids
         self._last_sample_rows = {rid: row for row, rid in enumerate(inputs.sampling_request_ids)}
         logprobs = None
@@ -174,27 +176,33 @@ class ModelRunner:
             sampled_token_ids=dict(zip(request_ids, token_ids, strict=True)), logprobs=logprobs
         )
 
-    @torch.inference_mode()
     def compute_logits(self, inputs: ModelInputs) -> torch.Tensor:  # [num_sampling_rows, vocab]
+        return self.forward(inputs)[0]
+
+    @torch.inference_mode()
+    def forward(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[num_sampling_rows, vocab] float32 logits, and each row's argmax when a decode graph
+        computed it (None: the sampler takes it)."""
         if self.decode_graphs is not None and inputs.attention.is_decode:
-            logits = self.decode_graphs.run(
+            graph_out = self.decode_graphs.run(
                 inputs.input_ids,
                 inputs.positions,
                 inputs.attention,
                 inputs.pending_sources,
                 self._last_samples,
             )
-            if logits is not None:
+            if graph_out is not None:
+                logits, greedy = graph_out
                 if len(inputs.sampling_request_ids) == logits.shape[0]:
-                    return logits  # every row samples (the usual decode step), in order
-                return logits[inputs.logits_indices]
+                    return logits, greedy  # every row samples (the usual decode step), in order
+                return logits[inputs.logits_indices], greedy[inputs.logits_indices]
         input_ids = inputs.input_ids
         if inputs.pending_sources is not None:  # the previous step's samples, on the device
             sources = inputs.pending_sources
             sampled = self._last_samples.index_select(0, sources.clamp(min=0))
             input_ids = torch.where(sources >= 0, sampled, input_ids)
         hidden = self.model(input_ids, inputs.positions, inputs.attention)
-        return self.model.compute_logits(hidden[inputs.logits_indices]).float()
+        return self.model.compute_logits(hidden[inputs.logits_indices]).float(), None
 
     def prepare_inputs(self, scheduled: SchedulerOutput) -> ModelInputs:
         """The step's batch tensors, built with numpy in one host buffer (int64 segments, then

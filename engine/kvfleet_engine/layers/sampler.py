@@ -57,13 +57,20 @@ class SamplerOutput:
 
 
 class Sampler(nn.Module):
-    def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        logits = logits.float()  # [num_rows, vocab]
+    def forward(
+        self,
+        logits: torch.Tensor,  # [num_rows, vocab]
+        meta: SamplingMetadata,
+        argmax: torch.Tensor | None = None,  # [num_rows] int64 argmax of logits, if computed
+    ) -> SamplerOutput:
+        logits = logits.float()
         # Logprobs describe the model's own distribution: before penalties and temperature.
         logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
         if meta.penalties is not None:
             logits = apply_penalties(logits, meta.penalties)
-        token_ids = logits.argmax(dim=-1)
+        if argmax is None or meta.penalties is not None:
+            argmax = logits.argmax(dim=-1)
+        token_ids = argmax
         if not meta.all_greedy:
             sampled = self._sample(logits, meta)
             token_ids = torch.where(meta.temperatures == 0.0, token_ids, sampled)
