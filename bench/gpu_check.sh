@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device call (run tool): GPU tests, the attention-kernel microbenchmark, then the latency and
 # throughput benchmarks. Logs and results JSON go to $OUT. Steps default to all; pass a subset:
-#   bench/gpu_check.sh tests engine-tests kernels profile latency throughput throughput-1k
+#   bench/gpu_check.sh tests engine-tests kernels profile gemv latency throughput throughput-1k
 # STEP_TIMEOUT (seconds, default 590) caps each step, so one call ends within the device limit.
+# TESTS_K selects kernel tests (pytest -k); GEMV_TOKENS the gemv batch sizes; PROFILE_ARGS and LATENCY_ARGS add arguments to those
+# steps (e.g. PROFILE_ARGS="--batch-sizes 1 --context 192" LATENCY_ARGS="--host-trace 40").
 set -uo pipefail
 OUT=${OUT:-/tmp/kvfleet-gpu-check}
 mkdir -p "$OUT"
@@ -14,13 +16,17 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --form
 for step in $STEPS; do
   echo "=== $step ($(date +%T))"
   case $step in
-    tests) $PY -m pytest -m gpu tests/kernels tests/perf -q -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    tests) $PY -m pytest -m gpu tests/kernels tests/perf -q -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     engine-tests) $PY -m pytest -m gpu tests/engine/test_gpu.py -q -p no:cacheprovider 2>&1 \
         | tee "$OUT/engine-tests.log" | tail -15 ;;
     kernels) $PY -m kvfleet_engine.bench.kernels --output-dir "$OUT" 2>&1 | tee "$OUT/kernels.log" | grep -v Warning ;;
-    profile) $PY -m kvfleet_engine.bench.profile --shape "$SHAPE" --output-dir "$OUT" 2>&1 | grep -v Warning ;;
+    profile) $PY -m kvfleet_engine.bench.profile --shape "$SHAPE" ${PROFILE_ARGS:-} --output-dir "$OUT" 2>&1 \
+        | grep -v Warning ;;
+    gemv) $PY -m kvfleet_engine.bench.gemv --shape "$SHAPE" --tokens "${GEMV_TOKENS:-1}" \
+        --output-dir "$OUT" 2>&1 | grep -v Warning ;;
     latency) $PY -m kvfleet_cli.main bench latency --shape "$SHAPE" --peer transformers \
-        --output-len 128 --output-dir "$OUT" 2>&1 | tee "$OUT/latency.log" | grep -v 'tok/s\]' | tail -20 ;;
+        --output-len 128 ${LATENCY_ARGS:-} --output-dir "$OUT" 2>&1 | tee "$OUT/latency.log" \
+        | grep -v 'tok/s\]' | tail -${LATENCY_TAIL:-20} ;;
     eager-latency) $PY -m kvfleet_cli.main bench latency --shape "$SHAPE" --enforce-eager \
         --output-len 128 --output-dir "$OUT/eager" 2>&1 | grep -v 'tok/s\]' | tail -14 ;;
     throughput) $PY -m kvfleet_cli.main bench throughput --shape "$SHAPE" --peer transformers \

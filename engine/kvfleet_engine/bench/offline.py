@@ -391,15 +391,45 @@ def _kvfleet_latency(args: argparse.Namespace, s: Setup, prompts: list[list[int]
         return first_token - start, time.perf_counter() - first_token
 
     run("warm-up")
-    ttft, decode = run("timed")
+    # The device's own time per step (upload, graph, download) and its idle time between steps.
+    from kvfleet_engine.bench.step_timing import StepTimer
+
+    with StepTimer(engine.model_runner) as timer:
+        ttft, decode = run("timed")
+    device = timer.device_seconds()
     if args.host_trace:
         from kvfleet_engine.bench.host_trace import trace_steps
 
         lines = trace_steps(engine, prompts, params, args.host_trace, skip_steps=1)  # decode only
         print("\n".join(lines))
     rate = (args.output_len - 1) / decode
-    return [
+    rows = [
         Row("kvfleet", "decode_tokens_per_s", rate, "tokens/s"),
         Row("kvfleet", "inter_token_latency_ms", 1e3 / rate, "ms"),
         Row("kvfleet", "time_to_first_token_ms", ttft * 1e3, "ms"),
     ]
+    if device.get("decode_steps"):
+        steps = device["decode_steps"] + device["prompt_steps"]
+        busy_ms = device["decode_steps_busy_s"] / device["decode_steps"] * 1e3
+        rows.append(Row("kvfleet", "device_decode_step_ms", busy_ms, "ms"))
+        rows.append(Row("kvfleet", "device_idle_per_step_ms", device["idle_s"] / steps * 1e3, "ms"))
+    graphs = engine.model_runner.decode_graphs
+    if graphs is not None:  # the step's CUDA graph alone, replayed back to back
+        graph = graphs.graphs[next(s for s in graphs.sizes if s >= args.batch_size)]
+        replay_ms = _replay_ms(graph.replay)
+        rows.append(Row("kvfleet", "decode_graph_replay_ms", replay_ms, "ms"))
+    return rows
+
+
+def _replay_ms(replay: Callable[[], None], repeats: int = 50) -> float:
+    """Mean device milliseconds of `replay`, queued back to back between two CUDA events."""
+    import torch
+
+    replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        replay()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) / repeats
