@@ -21,10 +21,12 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from kvfleet_engine.bench.results import Row, gpu_name, write_results
 from kvfleet_engine.bench.shapes import SHAPES
 
 Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [1, K], weight [N, K])
@@ -101,6 +103,16 @@ def run_variant(shape: str, name: str, layers: int, tokens: int) -> dict[str, fl
     }
 
 
+def result_rows(runs: list[dict[str, Any]], bandwidth: float) -> list[Row]:
+    """The runs as result rows: milliseconds per step of products, per batch and variant."""
+    rows = [Row("roofline", "copy_bandwidth", bandwidth / 1e9, "GB/s")]
+    for run in runs:
+        setting = "_workspace_off" if run["env"] == "CUBLAS_WORKSPACE_CONFIG=:0:0" else ""
+        metric = f"matmul_step_ms_t{run['tokens']}_{run['variant']}{setting}"
+        rows.append(Row("kvfleet", metric, run["ms"], "ms"))
+    return rows
+
+
 def copy_bandwidth() -> float:
     from kvfleet_engine.bench.roofline import measure_ceilings
 
@@ -151,10 +163,16 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     if args.output_dir:
-        args.output_dir.mkdir(parents=True, exist_ok=True)
-        command = "python -m kvfleet_engine.bench.gemv " + shlex.join(argv or sys.argv[1:])
-        record = {"command": command, "copy_gb_per_s": bandwidth / 1e9, "rows": rows}
-        (args.output_dir / "gemv-variants.json").write_text(json.dumps(record, indent=1))
+        path = write_results(
+            args.output_dir,
+            f"gemv-variants-{args.shape}",
+            gpu_name(torch.device("cuda")),
+            "python -m kvfleet_engine.bench.gemv " + shlex.join(argv or sys.argv[1:]),
+            args.shape,
+            {"layers": args.layers, "tokens": args.tokens, "runs": rows},
+            result_rows(rows, bandwidth),
+        )
+        print(f"wrote {path}")
     return 0
 
 
