@@ -414,22 +414,11 @@ def _kvfleet_latency(args: argparse.Namespace, s: Setup, prompts: list[list[int]
         rows.append(Row("kvfleet", "device_decode_step_ms", busy_ms, "ms"))
         rows.append(Row("kvfleet", "device_idle_per_step_ms", device["idle_s"] / steps * 1e3, "ms"))
     graphs = engine.model_runner.decode_graphs
-    if graphs is not None:  # the step's CUDA graph alone, replayed back to back
+    if graphs is not None:
+        from kvfleet_engine.bench.roofline import back_to_back_seconds
+
+        # the step's CUDA graph alone, replayed back to back
         graph = graphs.graphs[next(s for s in graphs.sizes if s >= args.batch_size)]
-        replay_ms = _replay_ms(graph.replay)
+        replay_ms = back_to_back_seconds(graph.replay) * 1e3
         rows.append(Row("kvfleet", "decode_graph_replay_ms", replay_ms, "ms"))
     return rows
-
-
-def _replay_ms(replay: Callable[[], None], repeats: int = 50) -> float:
-    """Mean device milliseconds of `replay`, queued back to back between two CUDA events."""
-    import torch
-
-    replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        replay()
-    end.record()
-    end.synchronize()
-    return float(start.elapsed_time(end)) / repeats

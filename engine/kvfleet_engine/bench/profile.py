@@ -1,6 +1,6 @@
 """Where a decode step's time goes: the engine's model (random weights, named shape) on a full
-paged KV cache, one decode step at several batch sizes — replayed as a CUDA graph (step time)
-and profiled eagerly (GPU time per kernel kind) — against the roofline of the same step.
+paged KV cache, one decode step at several batch sizes — replayed back to back as a CUDA graph
+(step time) and profiled eagerly (GPU time per kernel kind) — against the roofline of the step.
 
     python -m kvfleet_engine.bench.profile --shape llama-3.1-8b --batch-sizes 1,64,256
 
@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvfleet_engine.bench.results import Row, format_table, gpu_name, write_results
     from kvfleet_engine.bench.roofline import (
         ModelCosts,
+        back_to_back_seconds,
         decode_step_seconds,
         measure_ceilings,
         time_median,
@@ -146,14 +147,16 @@ def main(argv: list[str] | None = None) -> int:
         positions = torch.full((batch,), context, device=device, dtype=torch.int64)
 
         def step(ids=ids, positions=positions, meta=meta) -> torch.Tensor:
-            return model.compute_logits(model(ids, positions, meta))
+            # What the engine's decode graph computes (cuda_graphs.DecodeGraphs).
+            logits = model.compute_logits(model(ids, positions, meta)).float()
+            return logits.argmax(dim=-1)
 
         with torch.inference_mode():
             step()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 step()
-            graph_s = time_median(graph.replay, device, repeats=20)
+            graph_s = back_to_back_seconds(graph.replay)
             eager_s = time_median(step, device, repeats=5)
             by_kind = kernel_seconds(step)
         ideal = decode_step_seconds(costs, ceilings, batch, context + 1)

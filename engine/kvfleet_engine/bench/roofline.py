@@ -37,6 +37,19 @@ def time_median(fn: Callable[[], object], device: torch.device, repeats: int = 1
     return statistics.median(times)
 
 
+def back_to_back_seconds(fn: Callable[[], object], repeats: int = 50) -> float:
+    """Mean device seconds of fn() (GPU work only) queued `repeats` times back to back between
+    two CUDA events, after one warm-up call: the cadence of an engine that keeps the GPU fed."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) / 1e3 / repeats
+
+
 def measure_ceilings(device: torch.device) -> Ceilings:
     on_gpu = device.type == "cuda"
     numel = (1 << 30) if on_gpu else (1 << 24)  # 2 GiB of bf16 per buffer on the GPU

@@ -223,6 +223,14 @@ class _NewToken:
     slot_mapping: torch.Tensor
 
 
+@dataclass(frozen=True)
+class _Launch:
+    num_splits: int | None  # None: choose_num_splits
+    block_n: int  # context tokens per tile
+    num_warps: int
+    num_stages: int
+
+
 def paged_decode_attention(
     query: torch.Tensor,  # [num_seqs, num_q_heads, head_dim], one new token per sequence
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -237,22 +245,8 @@ def paged_decode_attention(
     num_stages: int = 2,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
     check_paged_attention(query, k_cache, v_cache, block_tables, context_lens)
-    require(
-        context_lens.shape[0] == query.shape[0], "context_lens must have one entry per query row"
-    )
-    return _decode(
-        query,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
-        scale,
-        None,
-        num_splits,
-        block_n,
-        num_warps,
-        num_stages,
-    )
+    launch = _Launch(num_splits, block_n, num_warps, num_stages)
+    return _decode(query, k_cache, v_cache, block_tables, context_lens, scale, None, launch)
 
 
 def rotary_decode_attention(
@@ -278,23 +272,9 @@ def rotary_decode_attention(
     those is a few microseconds of launch latency, and the query makes one trip to memory."""
     check_paged_attention(query, k_cache, v_cache, block_tables, context_lens)
     check_rotary_store(positions, query, key, value, cos_sin, k_cache, slot_mapping)
-    require(
-        context_lens.shape[0] == query.shape[0], "context_lens must have one entry per query row"
-    )
     new = _NewToken(key, value, positions, cos_sin, slot_mapping)
-    return _decode(
-        query,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
-        scale,
-        new,
-        num_splits,
-        block_n,
-        num_warps,
-        num_stages,
-    )
+    launch = _Launch(num_splits, block_n, num_warps, num_stages)
+    return _decode(query, k_cache, v_cache, block_tables, context_lens, scale, new, launch)
 
 
 def _decode(
@@ -305,11 +285,11 @@ def _decode(
     context_lens: torch.Tensor,
     scale: float,
     new: _NewToken | None,
-    num_splits: int | None,
-    block_n: int,
-    num_warps: int,
-    num_stages: int,
+    launch: _Launch,
 ) -> torch.Tensor:
+    require(
+        context_lens.shape[0] == query.shape[0], "context_lens must have one entry per query row"
+    )
     num_seqs, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -317,9 +297,10 @@ def _decode(
         return out
     group = num_q_heads // num_kv_heads
     max_context = block_tables.shape[1] * block_size
+    num_splits = launch.num_splits
     if num_splits is None:
         num_splits = choose_num_splits(
-            num_seqs, num_kv_heads, max_context, block_n, _num_sms(query.device)
+            num_seqs, num_kv_heads, max_context, launch.block_n, _num_sms(query.device)
         )
     partial_out = torch.empty(
         (num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
@@ -363,13 +344,13 @@ def _decode(
         GROUP_PAD=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        BLOCK_N=block_n,
+        BLOCK_N=launch.block_n,
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
         ROTARY=new is not None,
         DOT_PRECISION=dot_precision(query.dtype),
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     if num_splits == 1:
         return out

@@ -86,32 +86,15 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         backend = self.backend
         assert backend is not None, "Attention.bind() was not called (no KV cache)"
+        # This step's tokens: rotated, and their K/V stored in the cache.
+        new_tokens = (positions, query, key, value, rotary.cos_sin, self.k_cache, self.v_cache)
         if meta.is_decode and self.rotary_decode_attention is not None:
             out = self.rotary_decode_attention(
-                positions,
-                query,
-                key,
-                value,
-                rotary.cos_sin,
-                self.k_cache,
-                self.v_cache,
-                meta.slot_mapping,
-                meta.block_tables,
-                meta.context_lens,
-                self.scale,
+                *new_tokens, meta.slot_mapping, meta.block_tables, meta.context_lens, self.scale
             )
             return out.reshape(out.shape[0], -1)
         if self.rotary_store_kv is not None:  # rotates query and key in place
-            self.rotary_store_kv(
-                positions,
-                query,
-                key,
-                value,
-                rotary.cos_sin,
-                self.k_cache,
-                self.v_cache,
-                meta.slot_mapping,
-            )
+            self.rotary_store_kv(*new_tokens, meta.slot_mapping)
         else:
             query, key = rotary(positions, query, key)
             backend.store_kv(key, value, self.k_cache, self.v_cache, meta.slot_mapping)
