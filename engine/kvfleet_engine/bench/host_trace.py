@@ -64,7 +64,21 @@ def trace_steps(
         f"  {e.key[:48]:<48} {e.self_cpu_time_total / 1e3:>9.2f} ms  {e.count:>6} calls"
         for e in host[:top]
     ]
-    return lines + _device_gaps(prof, steps)
+    return lines + _device_kinds(events, steps) + _device_gaps(prof, steps)
+
+
+def _device_kinds(events: Any, steps: int) -> list[str]:
+    """Device time per step by kind of kernel (the names bench.profile groups kernels by)."""
+    from kvfleet_engine.bench.profile import kernel_kind
+
+    by_kind: dict[str, float] = collections.defaultdict(float)
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by_kind[kernel_kind(e.key)] += e.self_device_time_total / 1e3 / max(steps, 1)
+    if not by_kind:
+        return []
+    kinds = sorted(by_kind.items(), key=lambda kv: -kv[1])
+    return ["device ms per step by kind: " + ", ".join(f"{k} {v:.3f}" for k, v in kinds)]
 
 
 def _device_gaps(prof: Any, steps: int, top: int = 8) -> list[str]:

@@ -24,7 +24,7 @@ import torch
 from kvfleet_engine.bench.shapes import SHAPES
 
 
-def _kind(name: str) -> str:
+def kernel_kind(name: str) -> str:
     name = name.lower()
     for key, kind in (
         ("gemm", "matmul"),
@@ -55,7 +55,7 @@ def kernel_seconds(step: Callable[[], object]) -> dict[str, float]:
     others = []
     for event in prof.key_averages():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            kind = _kind(event.key)
+            kind = kernel_kind(event.key)
             by_kind[kind] += event.self_device_time_total / 1e6
             if kind == "other elementwise":
                 others.append((event.self_device_time_total, event.count, event.key))
