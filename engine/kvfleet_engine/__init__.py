@@ -13,8 +13,12 @@ from typing import TYPE_CHECKING, Any
 # one-token products 2.5% faster (batch-1 decode step 4.57 -> 4.43 ms) and 64-token ones 5.6%,
 # and leaves prompt-sized ones as they were (`python -m kvfleet_engine.bench.gemv`, results in
 # bench/results/*-gemv-variants.json). PyTorch reads the variable once, when it first makes a
-# cuBLAS handle, so it is set when the package is imported; a value already set wins.
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+# cuBLAS handle, so it is set when the package is imported; a value already set wins. The cuBLASLt
+# workspace (products with a bias) goes to 0 with it: PyTorch caps it at the cuBLAS one anyway, and
+# warns when the requested size is larger.
+if "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":0:0"
+    os.environ.setdefault("CUBLASLT_WORKSPACE_SIZE", "0")
 
 if TYPE_CHECKING:
     from kvfleet_engine.config import EngineConfig

@@ -7,11 +7,15 @@ import os
 import subprocess
 import sys
 
-PRINT_SETTING = "import kvfleet_engine, os; print(os.environ['CUBLAS_WORKSPACE_CONFIG'])"
+PRINT_SETTING = (
+    "import kvfleet_engine, os; "
+    "print(os.environ['CUBLAS_WORKSPACE_CONFIG'], os.environ.get('CUBLASLT_WORKSPACE_SIZE'))"
+)
+SETTINGS = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")
 
 
 def _setting_after_import(**env: str) -> str:
-    base = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    base = {k: v for k, v in os.environ.items() if k not in SETTINGS}
     out = subprocess.run(
         [sys.executable, "-c", PRINT_SETTING],
         env={**base, **env},
@@ -23,8 +27,8 @@ def _setting_after_import(**env: str) -> str:
 
 
 def test_import_turns_the_cublas_workspace_off() -> None:
-    assert _setting_after_import() == ":0:0"
+    assert _setting_after_import() == ":0:0 0"
 
 
 def test_a_setting_already_in_the_environment_wins() -> None:
-    assert _setting_after_import(CUBLAS_WORKSPACE_CONFIG=":4096:8") == ":4096:8"
+    assert _setting_after_import(CUBLAS_WORKSPACE_CONFIG=":4096:8") == ":4096:8 None"
