@@ -4,9 +4,12 @@ Each program owns (sequence, kv head, split): it loads the query heads that shar
 the rows of one tile, so every K/V tile is read once per group, and walks its share of the context
 with an online softmax. A second kernel merges the splits by their log-sum-exp; with a single
 split (large batches) the first kernel writes the output itself and the merge is skipped. The grid
-depends
-only on tensor shapes (context lengths are read on the device), so the launch can be captured in a
-CUDA graph and replayed with new lengths.
+depends only on tensor shapes (context lengths are read on the device), so the launch can be
+captured in a CUDA graph and replayed with new lengths.
+
+`rotary_decode_attention` is the same kernel taking the step's q, k and v before rotary: each
+program rotates its query heads in registers, and the split holding the newest position rotates
+the new key and stores it and the value in the cache before reading the context.
 """
 
 from __future__ import annotations
@@ -334,11 +337,11 @@ def _decode(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
-        rotary.key.stride(0) if new else 0,
-        rotary.key.stride(1) if new else 0,
-        rotary.value.stride(0) if new else 0,
-        rotary.value.stride(1) if new else 0,
-        rotary.cos_sin.stride(0) if new else 0,
+        rotary.key.stride(0) if new is not None else 0,
+        rotary.key.stride(1) if new is not None else 0,
+        rotary.value.stride(0) if new is not None else 0,
+        rotary.value.stride(1) if new is not None else 0,
+        rotary.cos_sin.stride(0) if new is not None else 0,
         num_q_heads,
         GROUP=group,
         GROUP_PAD=max(16, next_power_of_2(group)),
