@@ -243,3 +243,21 @@ def test_stop_string_cuts_the_text(make_llm: Callable[..., Any]) -> None:
     assert completion.text == text[: text.index(stop)]
     assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
     assert len(completion.token_ids) < 16
+
+
+def test_greedy_takes_the_argmax_computed_with_the_logits_unless_penalties_change_it() -> None:
+    """A decode graph hands the sampler each row's argmax; penalties move the maximum, so with
+    penalties the sampler takes the argmax of the penalised logits instead."""
+    logits = torch.tensor([[3.0, 2.0, 0.0]])
+    argmax = logits.argmax(dim=-1)
+    greedy = _meta(1, temperatures=torch.zeros(1), all_greedy=True)
+    assert Sampler()(logits, greedy, argmax).token_ids.tolist() == [0]
+    penalties = Penalties(
+        repetition=torch.tensor([4.0]),
+        presence=torch.tensor([0.0]),
+        frequency=torch.tensor([0.0]),
+        prompt_mask=torch.tensor([[True, False, False]]),  # token 0: 3.0 / 4 = 0.75
+        output_counts=torch.zeros(1, 3, dtype=torch.int32),
+    )
+    penalised = _meta(1, temperatures=torch.zeros(1), all_greedy=True, penalties=penalties)
+    assert Sampler()(logits, penalised, argmax).token_ids.tolist() == [1]
