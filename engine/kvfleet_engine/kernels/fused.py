@@ -103,9 +103,24 @@ def _cos_sin(
 
 
 @triton.jit
-def _rotate_half_(first, mask, cos, sin, HALF: tl.constexpr):
-    """Rotate in place the head rows whose first halves `first` points at ([heads, BLOCK_HALF]);
-    returns the two rotated halves, rounded to the input dtype."""
+def _rotate_heads_(
+    x_ptr,
+    token,
+    stride_t,
+    stride_h,
+    num_heads,
+    cos,
+    sin,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """Rotate in place this token's heads of x ([tokens, heads, head_dim] by its strides); returns
+    the head indices [BLOCK_H, 1], their mask and the two rotated halves, rounded to x's dtype."""
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    mask = (heads < num_heads) & (cols < HALF)
+    first = x_ptr + token * stride_t + heads * stride_h + cols
     x1 = tl.load(first, mask=mask, other=0.0)
     x2 = tl.load(first + HALF, mask=mask, other=0.0)
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
@@ -113,7 +128,7 @@ def _rotate_half_(first, mask, cos, sin, HALF: tl.constexpr):
     out2 = (f2 * cos + f1 * sin).to(x1.dtype)
     tl.store(first, out1, mask=mask)
     tl.store(first + HALF, out2, mask=mask)
-    return out1, out2
+    return heads, mask, out1, out2
 
 
 @triton.jit
@@ -136,13 +151,12 @@ def _rotary_kernel(
 ):
     token = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin(positions_ptr, token, cos_sin_ptr, stride_cs, HALF, BLOCK_HALF)
-    cols = tl.arange(0, BLOCK_HALF)[None, :]
-    q_heads = tl.arange(0, BLOCK_QH)[:, None]
-    q_first = query_ptr + token * stride_qt + q_heads * stride_qh + cols
-    _rotate_half_(q_first, (q_heads < num_q_heads) & (cols < HALF), cos, sin, HALF)
-    kv_heads = tl.arange(0, BLOCK_KVH)[:, None]
-    k_first = key_ptr + token * stride_kt + kv_heads * stride_kh + cols
-    _rotate_half_(k_first, (kv_heads < num_kv_heads) & (cols < HALF), cos, sin, HALF)
+    _rotate_heads_(
+        query_ptr, token, stride_qt, stride_qh, num_q_heads, cos, sin, HALF, BLOCK_QH, BLOCK_HALF
+    )
+    _rotate_heads_(
+        key_ptr, token, stride_kt, stride_kh, num_kv_heads, cos, sin, HALF, BLOCK_KVH, BLOCK_HALF
+    )
 
 
 @triton.jit
@@ -175,15 +189,14 @@ def _rotary_store_kv_kernel(
 ):
     token = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin(positions_ptr, token, cos_sin_ptr, stride_cs, HALF, BLOCK_HALF)
-    cols = tl.arange(0, BLOCK_HALF)[None, :]
-    q_heads = tl.arange(0, BLOCK_QH)[:, None]
-    q_first = query_ptr + token * stride_qt + q_heads * stride_qh + cols
-    _rotate_half_(q_first, (q_heads < num_q_heads) & (cols < HALF), cos, sin, HALF)
-    heads = tl.arange(0, BLOCK_KVH)[:, None]
-    mask = (heads < num_kv_heads) & (cols < HALF)
-    k_first = key_ptr + token * stride_kt + heads * stride_kh + cols
-    k1, k2 = _rotate_half_(k_first, mask, cos, sin, HALF)
+    _rotate_heads_(
+        query_ptr, token, stride_qt, stride_qh, num_q_heads, cos, sin, HALF, BLOCK_QH, BLOCK_HALF
+    )
+    heads, mask, k1, k2 = _rotate_heads_(
+        key_ptr, token, stride_kt, stride_kh, num_kv_heads, cos, sin, HALF, BLOCK_KVH, BLOCK_HALF
+    )
 
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
     slot = tl.load(slot_mapping_ptr + token)
     mask = mask & (slot >= 0)
     slot = tl.maximum(slot, 0)
