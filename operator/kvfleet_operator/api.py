@@ -26,3 +26,5 @@ KEDA_SCALED_OBJECT_CRD = "scaledobjects.keda.sh"
 
 ENGINE_PORT = 8000
 DEFAULT_ENGINE_IMAGE = "ghcr.io/kvfleet/kvfleet-engine:0.1.0"
+# Where the operator reads the GGUF headers of hf:// files (`--hf-endpoint`, $HF_ENDPOINT).
+DEFAULT_HF_ENDPOINT = "https://huggingface.co"

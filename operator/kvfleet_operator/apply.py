@@ -8,6 +8,8 @@ Reads return plain dicts; a missing object is `None`.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import logging
 import time
 from datetime import UTC, datetime
@@ -28,6 +30,7 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
     ("v1", "Pod"): ("pods", True),
     ("v1", "Service"): ("services", True),
     ("v1", "Event"): ("events", True),
+    ("v1", "Secret"): ("secrets", True),
     ("apps/v1", "Deployment"): ("deployments", True),
     ("policy/v1", "PodDisruptionBudget"): ("poddisruptionbudgets", True),
     ("monitoring.coreos.com/v1", "ServiceMonitor"): ("servicemonitors", True),
@@ -85,6 +88,25 @@ class Cluster:
         )
         self._crds[name] = (now, present)
         return present
+
+    async def secret_value(self, namespace: str, name: str, key: str) -> str | None:
+        """One key of a Secret, decoded; None when the Secret or the key is missing or the
+        operator may not read Secrets (the shipped ClusterRole does not grant it)."""
+        try:
+            secret = await self.get("v1", "Secret", name, namespace)
+        except ApiException as exc:
+            if exc.status != 403:
+                raise
+            log.info("may not read Secret %s/%s: %s", namespace, name, exc.reason)
+            return None
+        encoded = ((secret or {}).get("data") or {}).get(key)
+        if encoded is None:
+            return None
+        try:
+            return base64.b64decode(encoded, validate=True).decode()
+        except (binascii.Error, UnicodeDecodeError):
+            log.warning("Secret %s/%s: key %s is not base64 UTF-8 text", namespace, name, key)
+            return None
 
     # -- writes -----------------------------------------------------------------------------
 

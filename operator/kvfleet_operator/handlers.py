@@ -4,6 +4,7 @@ autoscalers run in `loops` (no kopf timers or daemons, so no finalizers on user 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Any
 
@@ -12,6 +13,7 @@ import kopf
 from kvfleet_operator import api
 from kvfleet_operator.apply import Cluster
 from kvfleet_operator.autoscaling.autoscaler import run_autoscaler
+from kvfleet_operator.header_cache import HeaderCache
 from kvfleet_operator.loops import Loops
 from kvfleet_operator.reconcile import reconcile
 
@@ -29,7 +31,9 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.watching.server_timeout = 120
     settings.watching.client_timeout = 150
     memo.cluster = await Cluster.connect()
-    memo.loops = Loops(memo.cluster, memo.get("namespaces", ()), reconcile, run_autoscaler)
+    memo.headers = HeaderCache(memo.get("hf_endpoint", api.DEFAULT_HF_ENDPOINT))
+    resync = functools.partial(reconcile, headers=memo.headers)
+    memo.loops = Loops(memo.cluster, memo.get("namespaces", ()), resync, run_autoscaler)
     memo.loops_task = asyncio.create_task(memo.loops.run())
 
 
@@ -59,6 +63,6 @@ async def child_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 async def _reconcile(memo: kopf.Memo, namespace: str | None, name: str) -> None:
     assert namespace is not None, "InferenceDeployment is namespaced"
     try:
-        await reconcile(memo.cluster, namespace, name)
+        await reconcile(memo.cluster, namespace, name, memo.headers)
     except Exception as exc:  # API errors, timeouts: retried, not fatal
         raise kopf.TemporaryError(f"reconcile failed: {exc}", delay=RETRY_SECONDS) from exc

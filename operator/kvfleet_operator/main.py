@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 from kvfleet_operator import api
@@ -31,6 +32,13 @@ def main(argv: list[str]) -> int:
         metavar="URL",
         help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz",
     )
+    parser.add_argument(
+        "--hf-endpoint",
+        default=os.environ.get("HF_ENDPOINT", api.DEFAULT_HF_ENDPOINT),
+        metavar="URL",
+        help="Hugging Face endpoint (or mirror) from which GGUF headers of hf:// files are "
+        f"read; default $HF_ENDPOINT, else {api.DEFAULT_HF_ENDPOINT}",
+    )
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
 
@@ -49,7 +57,7 @@ def main(argv: list[str]) -> int:
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=args.liveness,
-        memo=kopf.Memo(namespaces=tuple(args.namespace)),
+        memo=kopf.Memo(namespaces=tuple(args.namespace), hf_endpoint=args.hf_endpoint),
     )
     return 0
 

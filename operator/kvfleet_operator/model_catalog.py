@@ -1,13 +1,33 @@
-"""Architecture numbers of well-known models, for memory planning without downloading configs.
+"""Architecture numbers of a model, for memory planning without downloading configs, and where
+they came from: `spec.model.hints` when given, else the built-in catalog, else (for an hf://
+GGUF file) the file's header, which the reconciler reads through `header_cache`.
 
-Looked up by the last path component of spec.model.uri, case-insensitively (so
+The catalog is looked up by the last path component of spec.model.uri, case-insensitively (so
 hf://meta-llama/Llama-3.1-8B-Instruct and pvc://models/llama-3.1-8b-instruct both match).
-`spec.model.hints` covers every other model.
 """
 
 from __future__ import annotations
 
-from kvfleet_operator.models import ModelHints, ModelSpec
+from dataclasses import dataclass
+
+from kvfleet_operator.gguf_header import GGUFSummary, GGUFUnavailable
+from kvfleet_operator.models import MemorySource, ModelHints, ModelSpec
+
+
+@dataclass(frozen=True)
+class ModelArchitecture:
+    """The numbers the plan uses for one model."""
+
+    numbers: ModelHints  # parameters, layers, heads, head dim, context
+    source: MemorySource  # reported as status.memoryPlan.source
+    weight_bytes: int | None = None  # the file's own bytes of weights (GGUF header), else None
+
+
+@dataclass(frozen=True)
+class UnknownModel:
+    """No numbers for the model: memory is not planned."""
+
+    reason: str  # why, and what to set; shown in the Planned condition
 
 
 def _m(params: int, layers: int, heads: int, kv_heads: int, head_dim: int, ctx: int) -> ModelHints:
@@ -56,9 +76,75 @@ MODEL_CATALOG: dict[str, ModelHints] = {
 }
 
 
-def model_architecture(model: ModelSpec) -> ModelHints | None:
-    """spec.model.hints when given, else the catalog entry for the URI's last path component."""
-    if model.hints is not None:
-        return model.hints
+def _catalog_entry(model: ModelSpec) -> ModelHints | None:
     name = model.uri.split("://", 1)[1].rstrip("/").rsplit("/", 1)[-1].lower()
     return MODEL_CATALOG.get(name)
+
+
+def reads_gguf_header(model: ModelSpec) -> bool:
+    """Whether the numbers must come from the file's GGUF header: an hf:// .gguf file, without
+    hints and not in the catalog."""
+    return (
+        model.is_gguf
+        and model.uri.startswith("hf://")
+        and model.hints is None
+        and _catalog_entry(model) is None
+    )
+
+
+def model_architecture(
+    model: ModelSpec, gguf: GGUFSummary | GGUFUnavailable | None = None
+) -> ModelArchitecture | UnknownModel:
+    """spec.model.hints when given, else the catalog entry for the URI's last path component,
+    else the numbers in `gguf` (the header of an hf:// GGUF file, or why it could not be read)."""
+    if model.hints is not None:
+        return ModelArchitecture(model.hints, "hints")
+    entry = _catalog_entry(model)
+    if entry is not None:
+        return ModelArchitecture(entry, "catalog")
+    if isinstance(gguf, GGUFSummary):
+        return _from_gguf(model, gguf)
+    if isinstance(gguf, GGUFUnavailable):
+        return UnknownModel(
+            f"the GGUF header of {model.uri} could not be read: {gguf.reason}; set model.hints"
+        )
+    if model.is_gguf:
+        scheme = model.uri.split("://", 1)[0]
+        if scheme != "hf":
+            return UnknownModel(
+                f"the operator reads GGUF headers of hf:// files only, not {scheme}://: "
+                "set model.hints"
+            )
+        return UnknownModel(f"the GGUF header of {model.uri} was not read: set model.hints")
+    return UnknownModel("model not in the catalog: set model.hints")
+
+
+def _from_gguf(model: ModelSpec, gguf: GGUFSummary) -> ModelArchitecture | UnknownModel:
+    if gguf.split_count > 1:
+        return UnknownModel(
+            f"{model.uri} is one of {gguf.split_count} split GGUF files and its header "
+            "describes only its own tensors: set model.hints"
+        )
+    arch = gguf.architecture
+    required = {
+        f"{arch}.block_count": gguf.block_count,
+        f"{arch}.attention.head_count": gguf.head_count,
+        f"{arch}.attention.key_length or {arch}.embedding_length": gguf.head_dim,
+    }
+    missing = [key for key, value in required.items() if value is None]
+    if gguf.num_parameters == 0:
+        missing.append("tensors")
+    if missing:
+        return UnknownModel(
+            f"the GGUF header of {model.uri} has no {', '.join(missing)}: set model.hints"
+        )
+    assert gguf.block_count and gguf.head_count and gguf.head_count_kv and gguf.head_dim
+    numbers = ModelHints(
+        num_parameters=gguf.num_parameters,
+        num_layers=gguf.block_count,
+        num_attention_heads=gguf.head_count,
+        num_key_value_heads=gguf.head_count_kv,
+        head_dim=gguf.head_dim,
+        max_position_embeddings=gguf.context_length,
+    )
+    return ModelArchitecture(numbers, "ggufHeader", weight_bytes=gguf.weight_bytes)

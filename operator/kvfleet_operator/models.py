@@ -7,18 +7,28 @@ one field, or the old object, are CEL rules attached with `cel(...)`; they run i
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 
 from kvfleet_operator.autoscaling.spec import AutoscalingSpec
 from kvfleet_operator.wire import Model
 
 MODEL_URI_PATTERN = r"^(hf|pvc|s3|file)://.+"
+# A URI ending in .gguf names one GGUF file inside its source; any other URI names a directory.
+GGUF_SUFFIX = ".gguf"
+GGUF_URI_PATTERN = r"^(hf://[^/]+/[^/]+|pvc://[^/]+|s3://[^/]+|file://)/.+[.]gguf$"
+GGUF_URI_MESSAGE = (
+    "model.uri: a .gguf file is named hf://ORG/REPO/FILE.gguf, pvc://CLAIM/PATH/FILE.gguf, "
+    "s3://BUCKET/KEY.gguf or file:///PATH/FILE.gguf"
+)
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8, 16)
 
 WeightQuantization = Literal["none", "int8", "fp8", "int4-awq", "int4-gptq"]
 KVCacheQuantization = Literal["auto", "fp8"]
+# Where the memory plan's model numbers came from (status.memoryPlan.source).
+MemorySource = Literal["catalog", "ggufHeader", "hints"]
 
 
 def cel(*rules: tuple[str, str]) -> dict[str, Any]:
@@ -59,8 +69,16 @@ class ModelSpec(Model):
     uri: str = Field(
         max_length=2048,
         pattern=MODEL_URI_PATTERN,
-        description="Where the weights are: hf://ORG/NAME, pvc://CLAIM/PATH, s3://BUCKET/PREFIX "
-        "or file:///PATH (a directory on the node).",
+        description="Where the weights are: a directory, hf://ORG/NAME, pvc://CLAIM/PATH, "
+        "s3://BUCKET/PREFIX or file:///PATH (on the node); or, ending in .gguf, one GGUF file: "
+        "hf://ORG/REPO/FILE.gguf, pvc://CLAIM/PATH/FILE.gguf, s3://BUCKET/KEY.gguf or "
+        "file:///PATH/FILE.gguf.",
+        json_schema_extra=cel(
+            (
+                f"!self.endsWith('{GGUF_SUFFIX}') || self.matches('{GGUF_URI_PATTERN}')",
+                GGUF_URI_MESSAGE,
+            )
+        ),
     )
     revision: str | None = Field(
         default=None, max_length=128, description="hf:// only: branch, tag or commit to download."
@@ -81,6 +99,24 @@ class ModelSpec(Model):
     hints: ModelHints | None = Field(
         default=None, description="Architecture numbers for a model not in the built-in catalog."
     )
+
+    @field_validator("uri")
+    @classmethod
+    def _gguf_names_a_file(cls, uri: str) -> str:
+        # The same rule as the CEL one above, for objects stored before it existed.
+        if uri.endswith(GGUF_SUFFIX) and not re.match(GGUF_URI_PATTERN, uri):
+            raise ValueError(GGUF_URI_MESSAGE)
+        return uri
+
+    @property
+    def is_gguf(self) -> bool:
+        """Whether the URI names one GGUF file (else a directory of weights)."""
+        return self.uri.endswith(GGUF_SUFFIX)
+
+    def hf_file(self) -> tuple[str, str]:
+        """(ORG/REPO, path of the file in the repository) of an hf:// GGUF URI."""
+        org, repo, path = self.uri.removeprefix("hf://").split("/", 2)
+        return f"{org}/{repo}", path
 
 
 class QuantizationSpec(Model):
@@ -291,6 +327,12 @@ class Condition(Model):
 
 
 class MemoryPlan(Model):
+    # Optional in the schema only so that a status written before the field existed stays valid.
+    source: MemorySource | None = Field(
+        default=None,
+        description="Where the model's numbers came from: catalog (built in), ggufHeader (read "
+        "from the hf:// GGUF file's header) or hints (spec.model.hints).",
+    )
     weights_gib: float = Field(description="Weights per GPU.")
     kv_cache_gib: float = Field(description="KV cache per GPU for the planned concurrency.")
     overhead_gib: float = Field(description="Activations and runtime reserve per GPU.")

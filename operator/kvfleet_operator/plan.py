@@ -2,7 +2,10 @@
 topology of one replica, estimate its memory and list every reason it cannot run.
 
 Memory per GPU, all in bytes (documented in the README):
-  weights  = parameters × bytes per weight (none 2, int8/fp8 1, int4-* 0.5) / (tensor × pipeline)
+  weights  = parameters × bytes per weight (none 2, int8/fp8 1, int4-* 0.5) / (tensor × pipeline);
+             for numbers from a GGUF header, the file's own bytes of weights instead (about 0.6
+             per parameter for Q4_K_M) once the engine keeps GGUF blocks quantized
+             (engine_features.GGUF_WEIGHTS_STAY_QUANTIZED; today it dequantizes them to bf16)
   kv cache = 2 (K and V) × ceil(layers / pipeline) × ceil(kv heads / tensor) × head dim
              × bytes per KV element (2, fp8 1) × maxModelLen × sla.concurrentSequences
   overhead = RUNTIME_RESERVE_GIB (CUDA context, activations, sampler buffers)
@@ -14,7 +17,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvfleet_operator import engine_features
 from kvfleet_operator.engine_features import unavailable_features
+from kvfleet_operator.model_catalog import ModelArchitecture, UnknownModel
 from kvfleet_operator.models import (
     AcceleratorProfileSpec,
     InferenceDeploymentSpec,
@@ -57,6 +62,7 @@ class Plan:
     memory: MemoryPlan | None  # None when the model architecture is unknown
     startup_timeout_seconds: int  # startup probe budget for loading weights
     problems: tuple[Problem, ...]  # empty when the plan can be rolled out
+    memory_unknown_reason: str | None = None  # why memory is None (an unknown model)
 
     @property
     def ok(self) -> bool:
@@ -67,7 +73,7 @@ def plan_deployment(
     name: str,
     spec: InferenceDeploymentSpec,
     profile: AcceleratorProfileSpec | None,
-    model: ModelHints | None,
+    model: ModelArchitecture | UnknownModel,
     cluster: ClusterFeatures,
 ) -> Plan:
     served_model_name = spec.model.served_model_name or name
@@ -80,9 +86,10 @@ def plan_deployment(
         return Plan(served_model_name, None, None, STARTUP_UNKNOWN_MODEL_SECONDS, (problem,))
 
     topology, topology_problem = plan_topology(spec, profile)
-    memory = plan_memory(spec, profile, model) if model is not None else None
+    known = model if isinstance(model, ModelArchitecture) else None
+    memory = plan_memory(spec, profile, known) if known is not None else None
     problems = [
-        *check_parallelism(spec, model),
+        *check_parallelism(spec, known.numbers if known is not None else None),
         *([topology_problem] if topology_problem else []),
         *check_quantization(spec, profile),
     ]
@@ -112,6 +119,7 @@ def plan_deployment(
         memory=memory,
         startup_timeout_seconds=_startup_timeout(spec, memory, topology),
         problems=tuple(problems),
+        memory_unknown_reason=model.reason if isinstance(model, UnknownModel) else None,
     )
 
 
@@ -205,10 +213,11 @@ def check_quantization(
 
 
 def plan_memory(
-    spec: InferenceDeploymentSpec, profile: AcceleratorProfileSpec, model: ModelHints
+    spec: InferenceDeploymentSpec, profile: AcceleratorProfileSpec, architecture: ModelArchitecture
 ) -> MemoryPlan:
     tp, pp = spec.parallelism.tensor, spec.parallelism.pipeline
-    weights = model.num_parameters * BYTES_PER_WEIGHT[spec.quantization.weights] / (tp * pp)
+    model = architecture.numbers
+    weights = _weight_bytes(spec, architecture) / (tp * pp)
     kv_element_bytes = 1 if spec.quantization.kv_cache == "fp8" else 2
     kv_per_token = (
         2
@@ -222,6 +231,7 @@ def plan_memory(
     required = weights / GIB + kv / GIB + RUNTIME_RESERVE_GIB
     available = profile.memory_gib * spec.engine.gpu_memory_utilization
     return MemoryPlan(
+        source=architecture.source,
         weights_gib=round(weights / GIB, 2),
         kv_cache_gib=round(kv / GIB, 2),
         overhead_gib=RUNTIME_RESERVE_GIB,
@@ -229,6 +239,13 @@ def plan_memory(
         available_gib=round(available, 2),
         fits=required <= available,
     )
+
+
+def _weight_bytes(spec: InferenceDeploymentSpec, architecture: ModelArchitecture) -> float:
+    """Bytes of the weights in GPU memory, all GPUs together."""
+    if architecture.weight_bytes is not None and engine_features.GGUF_WEIGHTS_STAY_QUANTIZED:
+        return architecture.weight_bytes
+    return architecture.numbers.num_parameters * BYTES_PER_WEIGHT[spec.quantization.weights]
 
 
 def _memory_message(

@@ -15,8 +15,14 @@ from pydantic import ValidationError
 from kvfleet_operator import api
 from kvfleet_operator.accelerators import resolve_accelerator
 from kvfleet_operator.apply import Cluster
-from kvfleet_operator.model_catalog import model_architecture
-from kvfleet_operator.models import AcceleratorProfileSpec, InferenceDeploymentSpec
+from kvfleet_operator.header_cache import HeaderCache
+from kvfleet_operator.model_catalog import (
+    ModelArchitecture,
+    UnknownModel,
+    model_architecture,
+    reads_gguf_header,
+)
+from kvfleet_operator.models import AcceleratorProfileSpec, InferenceDeploymentSpec, ModelSpec
 from kvfleet_operator.plan import ClusterFeatures, plan_deployment
 from kvfleet_operator.render import render_children, selector_string
 from kvfleet_operator.status import (
@@ -34,15 +40,15 @@ log = logging.getLogger(__name__)
 _locks: defaultdict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
 
 
-async def reconcile(cluster: Cluster, namespace: str, name: str) -> None:
+async def reconcile(cluster: Cluster, namespace: str, name: str, headers: HeaderCache) -> None:
     async with _locks[(namespace, name)]:
         body = await cluster.get(api.API_VERSION, api.INFERENCE_DEPLOYMENT, name, namespace)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return  # gone: owner references let the garbage collector remove the children
-        await _reconcile(cluster, body)
+        await _reconcile(cluster, headers, body)
 
 
-async def _reconcile(cluster: Cluster, body: dict[str, Any]) -> None:
+async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any]) -> None:
     meta = body["metadata"]
     name, namespace, generation = meta["name"], meta["namespace"], meta["generation"]
     old_status = body.get("status") or {}
@@ -64,7 +70,8 @@ async def _reconcile(cluster: Cluster, body: dict[str, Any]) -> None:
         service_monitor=await cluster.has_crd(api.SERVICE_MONITOR_CRD),
         keda=await cluster.has_crd(api.KEDA_SCALED_OBJECT_CRD),
     )
-    plan = plan_deployment(name, spec, profile, model_architecture(spec.model), features)
+    architecture = await read_model_architecture(cluster, headers, namespace, spec.model)
+    plan = plan_deployment(name, spec, profile, architecture, features)
     deployment = await cluster.get("apps/v1", "Deployment", name, namespace)
     if plan.ok:
         assert profile is not None
@@ -99,6 +106,23 @@ async def _reconcile(cluster: Cluster, body: dict[str, Any]) -> None:
         now=now,
     )
     await _write_status(cluster, body, old_status, status)
+
+
+async def read_model_architecture(
+    cluster: Cluster, headers: HeaderCache, namespace: str, model: ModelSpec
+) -> ModelArchitecture | UnknownModel:
+    """The model's numbers; for an hf:// GGUF file without hints, from its header (read once per
+    uri and revision, with the HF_TOKEN of model.credentialsSecret when the operator may read
+    it, else without one)."""
+    if not reads_gguf_header(model):
+        return model_architecture(model)
+
+    async def token() -> str | None:
+        if model.credentials_secret is None:
+            return None
+        return await cluster.secret_value(namespace, model.credentials_secret.name, "HF_TOKEN")
+
+    return model_architecture(model, await headers.summary(model, token))
 
 
 async def _hand_replicas_to_autoscaler(cluster: Cluster, deployment: dict[str, Any]) -> None:

@@ -8,6 +8,8 @@ label by default and would treat the children as its own.
 from __future__ import annotations
 
 import math
+import posixpath
+from dataclasses import dataclass
 from typing import Any
 
 from kvfleet_operator import api
@@ -78,7 +80,7 @@ def render_deployment(
     profile: AcceleratorProfileSpec,
 ) -> Manifest:
     assert plan.topology is not None and plan.topology.kind == "Deployment", plan.topology
-    model_path, model_volume, init_containers = _model_source(spec)
+    source = _model_source(spec)
     drain = spec.rollout.drain_timeout_seconds
     deployment_spec: dict[str, Any] = {
         "selector": {"matchLabels": selector(name)},
@@ -106,15 +108,15 @@ def render_deployment(
                 "tolerations": [
                     t.model_dump(by_alias=True, exclude_none=True) for t in profile.tolerations
                 ],
-                "initContainers": init_containers,
-                "containers": [_engine_container(name, spec, plan, profile, model_path)],
+                "initContainers": source.init_containers,
+                "containers": [_engine_container(name, spec, plan, profile, source)],
                 "volumes": [
                     {
                         "name": "dshm",
                         "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shared_memory},
                     },
                     {"name": "tmp", "emptyDir": {}},
-                    model_volume,
+                    source.volume,
                 ],
             },
         },
@@ -122,7 +124,7 @@ def render_deployment(
     replicas = spec.effective_replicas()
     if replicas is not None:  # left out when the autoscaler owns it
         deployment_spec = {"replicas": replicas, **deployment_spec}
-    if not init_containers:
+    if not source.init_containers:
         del deployment_spec["template"]["spec"]["initContainers"]
     return {
         "apiVersion": "apps/v1",
@@ -171,7 +173,7 @@ def _engine_container(
     spec: InferenceDeploymentSpec,
     plan: Plan,
     profile: AcceleratorProfileSpec,
-    model_path: str,
+    source: ModelSource,
 ) -> dict[str, Any]:
     assert plan.topology is not None
     limits: dict[str, Any] = {profile.resource_name: plan.topology.gpus_per_pod}
@@ -187,7 +189,7 @@ def _engine_container(
         "name": "engine",
         "image": spec.engine.image or api.DEFAULT_ENGINE_IMAGE,
         "command": ["kvfleet", "serve"],
-        "args": engine_args(spec, plan, model_path),
+        "args": engine_args(spec, plan, source.path),
         "ports": [{"name": "http", "containerPort": api.ENGINE_PORT, "protocol": "TCP"}],
         "env": _cache_env(),
         "resources": resources,
@@ -214,7 +216,7 @@ def _engine_container(
         "volumeMounts": [
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "tmp", "mountPath": "/tmp"},
-            {"name": "model", "mountPath": MODEL_DIR, "readOnly": True},
+            {"name": "model", "mountPath": source.mount_path, "readOnly": True},
         ],
     }
 
@@ -236,27 +238,49 @@ def _cache_env() -> list[dict[str, str]]:
     ]
 
 
-def _model_source(
-    spec: InferenceDeploymentSpec,
-) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
-    """(model path in the engine container, the `model` volume, init containers)."""
-    scheme, rest = spec.model.uri.split("://", 1)
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the engine finds the weights, and how they get there."""
+
+    path: str  # `--model`: a directory, or a .gguf file, in the engine container
+    volume: dict[str, Any]  # the `model` volume
+    mount_path: str  # where the engine container mounts that volume (read-only)
+    init_containers: list[dict[str, Any]]  # fetch-model for hf:// and s3://, else none
+
+
+def _model_source(spec: InferenceDeploymentSpec) -> ModelSource:
+    model = spec.model
+    scheme, rest = model.uri.split("://", 1)
     if scheme == "pvc":
         claim, _, sub_path = rest.partition("/")
         volume = {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
-        return f"{MODEL_DIR}/{sub_path}".rstrip("/"), volume, []
+        return ModelSource(f"{MODEL_DIR}/{sub_path}".rstrip("/"), volume, MODEL_DIR, [])
     if scheme == "file":
+        if model.is_gguf:  # the one file, mounted under its own name
+            path = f"{MODEL_DIR}/{posixpath.basename(rest)}"
+            volume = {"name": "model", "hostPath": {"path": rest, "type": "File"}}
+            return ModelSource(path, volume, path, [])
         volume = {"name": "model", "hostPath": {"path": rest, "type": "Directory"}}
-        return MODEL_DIR, volume, []
+        return ModelSource(MODEL_DIR, volume, MODEL_DIR, [])
     target = f"{MODEL_DIR}/model"
+    path = target
     if scheme == "hf":
-        command = ["hf", "download", rest, "--local-dir", target]
-        if spec.model.revision:
-            command += ["--revision", spec.model.revision]
+        if model.is_gguf:  # only that file: hf download ORG/REPO FILE.gguf
+            repo, file = model.hf_file()
+            command = ["hf", "download", repo, file, "--local-dir", target]
+            path = f"{target}/{file}"
+        else:
+            command = ["hf", "download", rest, "--local-dir", target]
+        if model.revision:
+            command += ["--revision", model.revision]
         image = spec.engine.image or api.DEFAULT_ENGINE_IMAGE
     else:
         assert scheme == "s3", scheme
-        command = ["aws", "s3", "sync", spec.model.uri, target, "--no-progress"]
+        if model.is_gguf:  # only that object
+            path = f"{target}/{posixpath.basename(rest)}"
+            command = ["aws", "s3", "cp", model.uri, path, "--no-progress"]
+        else:
+            command = ["aws", "s3", "sync", model.uri, target, "--no-progress"]
         image = S3_IMAGE
     fetch: dict[str, Any] = {
         "name": "fetch-model",
@@ -269,9 +293,9 @@ def _model_source(
             {"name": "model", "mountPath": MODEL_DIR},
         ],
     }
-    if spec.model.credentials_secret is not None:
-        fetch["envFrom"] = [{"secretRef": {"name": spec.model.credentials_secret.name}}]
-    return target, {"name": "model", "emptyDir": {}}, [fetch]
+    if model.credentials_secret is not None:
+        fetch["envFrom"] = [{"secretRef": {"name": model.credentials_secret.name}}]
+    return ModelSource(path, {"name": "model", "emptyDir": {}}, MODEL_DIR, [fetch])
 
 
 def render_service(name: str, namespace: str) -> Manifest:

@@ -213,7 +213,7 @@ def _plan_summary(spec: InferenceDeploymentSpec, plan: Plan) -> str:
         f"({spec.resources.accelerator}) per replica"
     )
     if plan.memory is None:
-        return text + "; memory not estimated (model not in the catalog: set model.hints)"
+        return text + f"; memory not estimated ({plan.memory_unknown_reason})"
     return text + f"; {plan.memory.required_gib}/{plan.memory.available_gib} GiB per GPU"
 
 

@@ -111,3 +111,42 @@ def test_printer_columns_point_at_schema_fields() -> None:
             for part in path:
                 assert part in node.get("properties", {}), f"{column['jsonPath']}: no {part}"
                 node = node["properties"][part]
+
+
+def test_a_gguf_uri_must_name_a_file_in_its_source() -> None:
+    import re
+
+    import pytest
+    from pydantic import ValidationError
+
+    from kvfleet_operator.models import GGUF_URI_MESSAGE, GGUF_URI_PATTERN, ModelSpec
+
+    uri = _schema()["properties"]["spec"]["properties"]["model"]["properties"]["uri"]
+    [rule] = uri["x-kubernetes-validations"]
+    assert rule["rule"] == f"!self.endsWith('.gguf') || self.matches('{GGUF_URI_PATTERN}')"
+    assert rule["message"] == GGUF_URI_MESSAGE
+    valid = [
+        "hf://bartowski/Llama-3.1-8B-GGUF/Llama-3.1-8B-Q4_K_M.gguf",
+        "hf://unsloth/Qwen3-8B-GGUF/Q4_K_M/Qwen3-8B-Q4_K_M.gguf",
+        "pvc://models/llama/llama.gguf",
+        "pvc://models/llama.gguf",
+        "s3://bucket/llama.gguf",
+        "file:///var/models/llama.gguf",
+    ]
+    invalid = [
+        "hf://bartowski/llama.gguf",  # a repository, no file
+        "pvc://llama.gguf",  # a claim, no file
+        "s3://llama.gguf",
+        "file://llama.gguf",  # not an absolute path
+        "hf://org/repo/.gguf",
+    ]
+    for value in valid:
+        assert re.match(GGUF_URI_PATTERN, value), value
+        assert ModelSpec(uri=value).is_gguf
+    for value in invalid:
+        assert not re.match(GGUF_URI_PATTERN, value), value
+        with pytest.raises(ValidationError, match=re.escape(GGUF_URI_MESSAGE)):
+            ModelSpec(uri=value)
+    # Other URIs stay directories.
+    assert not ModelSpec(uri="hf://meta-llama/Llama-3.1-8B-Instruct").is_gguf
+    assert not ModelSpec(uri="hf://org/repo.gguf/").is_gguf

@@ -38,3 +38,15 @@ def test_rendered_args_parse_with_the_engine_parser(make_spec) -> None:
     assert args.max_model_len == 8192 and args.enable_prefix_caching is False
     assert (args.max_queued_requests, args.max_queued_tokens) == (100, 50000)
     assert (args.ttft_slo_ms, args.tpot_slo_ms, args.drain_timeout) == (500, 40, 90)
+
+
+def test_a_gguf_file_is_passed_as_the_model_path(make_spec) -> None:
+    from kvfleet_operator.render import render_deployment
+
+    spec = make_spec(model={"uri": "hf://acme/Tiny-GGUF/q4/tiny-Q4_K_M.gguf"})
+    profile = resolve_accelerator("h100-80gb", {})
+    cluster = ClusterFeatures(leader_worker_set=False, service_monitor=False)
+    plan = plan_deployment("x", spec, profile, model_architecture(spec.model), cluster)
+    pod = render_deployment("x", "ns", spec, plan, profile)["spec"]["template"]["spec"]
+    args = cli.build_parser().parse_args(pod["containers"][0]["args"])
+    assert args.model == "/models/model/q4/tiny-Q4_K_M.gguf"

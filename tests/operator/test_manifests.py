@@ -17,14 +17,13 @@ from kvfleet_operator.plan import ClusterFeatures, plan_deployment
 MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
 
 
-def _plan(path: str):
+def _plan(path: str, gguf_header=None):
     sample = yaml.safe_load((MANIFESTS / "samples" / path).read_text())
     spec = InferenceDeploymentSpec.model_validate(sample["spec"])
     profile = resolve_accelerator(spec.resources.accelerator, {})
     cluster = ClusterFeatures(leader_worker_set=False, service_monitor=False)
-    return plan_deployment(
-        sample["metadata"]["name"], spec, profile, model_architecture(spec.model), cluster
-    )
+    architecture = model_architecture(spec.model, gguf_header)
+    return plan_deployment(sample["metadata"]["name"], spec, profile, architecture, cluster)
 
 
 def test_small_sample_plans_cleanly() -> None:
@@ -36,6 +35,18 @@ def test_large_sample_fits_but_waits_for_the_engine() -> None:
     p = _plan("large.yaml")
     assert p.memory is not None and p.memory.fits
     assert {problem.reason for problem in p.problems} == {"FeatureUnavailable"}
+
+
+def test_gguf_sample_plans_from_the_files_header(write_gguf) -> None:
+    from kvfleet_operator.gguf_header import parse_gguf_header
+
+    path = write_gguf(
+        layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, context=131072,
+        with_data=False,
+    )  # fmt: skip
+    p = _plan("gguf.yaml", parse_gguf_header(path.read_bytes()))
+    assert p.ok and p.memory is not None and p.memory.source == "ggufHeader" and p.memory.fits
+    assert _plan("gguf.yaml").memory is None  # without the header: not estimated
 
 
 def test_kustomization_lists_existing_files() -> None:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 
+from kvfleet_operator import engine_features
 from kvfleet_operator.accelerators import BUILTIN_ACCELERATORS, resolve_accelerator
-from kvfleet_operator.model_catalog import model_architecture
+from kvfleet_operator.gguf_header import GGUFUnavailable, parse_gguf_header
+from kvfleet_operator.model_catalog import model_architecture, reads_gguf_header
 from kvfleet_operator.models import AcceleratorProfileSpec
 from kvfleet_operator.plan import ClusterFeatures, plan_deployment
 
@@ -134,3 +139,110 @@ def test_unknown_model_plans_without_memory_and_hints_fill_in(make_spec) -> None
     }  # fmt: skip
     p = plan(make_spec(model={"uri": "pvc://models/my-finetune", "hints": hints}))
     assert p.memory.weights_gib == pytest.approx(5.59, abs=0.01)
+
+
+GGUF_URI = "hf://bartowski/Meta-Llama-3.1-8B-Instruct-GGUF/Meta-Llama-3.1-8B-Instruct-Q4_1.gguf"
+
+
+def llama_8b_gguf_header(write_gguf):
+    """The header of a Llama-3.1-8B-shaped GGUF file (Q4_1 / Q4_K / Q6_K / Q8_0 / F16 tensors)."""
+    path = write_gguf(
+        layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, context=131072,
+        with_data=False,
+    )  # fmt: skip
+    summary = parse_gguf_header(path.read_bytes())
+    assert summary is not None
+    return summary
+
+
+def test_gguf_header_gives_the_numbers_and_the_files_bytes(make_spec, write_gguf) -> None:
+    header = llama_8b_gguf_header(write_gguf)
+    assert header.num_parameters == 8_030_261_248  # the catalog's Llama 3.1 8B, counted
+    # 4- to 8-bit blocks and an F16 output layer: about 0.8 bytes per parameter, not 2 (bf16).
+    assert 0.55 < header.weight_bytes / header.num_parameters < 0.85
+    spec = make_spec(model={"uri": GGUF_URI})
+    p = plan_with(spec, header)
+    assert p.ok and p.memory.source == "ggufHeader"
+    # The engine dequantizes GGUF weights to bf16 at load: 2 bytes per parameter in GPU memory,
+    # like the catalog entry, and so is the KV cache from the header's layers and heads.
+    catalog = plan(make_spec()).memory
+    assert p.memory.model_dump(exclude={"source"}) == catalog.model_dump(exclude={"source"})
+
+
+def test_gguf_weights_are_the_files_bytes_once_the_engine_keeps_them_quantized(
+    make_spec, write_gguf, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(engine_features, "GGUF_WEIGHTS_STAY_QUANTIZED", True)
+    header = llama_8b_gguf_header(write_gguf)
+    p = plan_with(make_spec(model={"uri": GGUF_URI}), header)
+    assert p.memory.source == "ggufHeader"
+    assert p.memory.weights_gib == round(header.weight_bytes / 1024**3, 2) < 14.96 / 2
+    assert p.memory.kv_cache_gib == pytest.approx(1.0)
+    assert p.startup_timeout_seconds == 120 + math.ceil(10 * p.memory.weights_gib)
+    # The file's own format sets the bytes; quantization.weights does not scale them again.
+    int8 = make_spec(model={"uri": GGUF_URI}, quantization={"weights": "int8"})
+    assert plan_with(int8, header).memory.weights_gib == p.memory.weights_gib
+    # Numbers that do not come from a GGUF header keep parameters × bytes per weight.
+    assert plan(make_spec()).memory.weights_gib == pytest.approx(14.96, abs=0.01)
+
+
+def test_memory_plan_names_its_source(make_spec) -> None:
+    assert plan(make_spec()).memory.source == "catalog"
+    hints = {
+        "numParameters": 8_000_000_000, "numLayers": 32, "numAttentionHeads": 32,
+        "numKeyValueHeads": 8, "headDim": 128,
+    }  # fmt: skip
+    assert plan(make_spec(model={"hints": hints})).memory.source == "hints"
+    # Hints win over the header: the operator does not read it then.
+    spec = make_spec(model={"uri": GGUF_URI, "hints": hints})
+    assert not reads_gguf_header(spec.model) and plan(spec).memory.source == "hints"
+    assert reads_gguf_header(make_spec(model={"uri": GGUF_URI}).model)
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "pvc://models/llama/Llama-3.1-8B-Instruct-Q4_1.gguf",
+        "s3://models/llama/Llama-3.1-8B-Instruct-Q4_1.gguf",
+        "file:///var/models/Llama-3.1-8B-Instruct-Q4_1.gguf",
+    ],
+)
+def test_gguf_the_operator_cannot_read_falls_back_to_hints(make_spec, uri: str) -> None:
+    spec = make_spec(model={"uri": uri})
+    assert not reads_gguf_header(spec.model)
+    p = plan(spec)
+    scheme = uri.split("://")[0]
+    assert p.ok and p.memory is None and p.startup_timeout_seconds == 900
+    assert p.memory_unknown_reason == (
+        f"the operator reads GGUF headers of hf:// files only, not {scheme}://: set model.hints"
+    )
+    hints = {
+        "numParameters": 8_030_261_248, "numLayers": 32, "numAttentionHeads": 32,
+        "numKeyValueHeads": 8, "headDim": 128,
+    }  # fmt: skip
+    p = plan(make_spec(model={"uri": uri, "hints": hints}))
+    assert p.memory.source == "hints" and p.memory.weights_gib == pytest.approx(14.96, abs=0.01)
+
+
+def test_unreadable_split_or_incomplete_headers_say_why(make_spec, write_gguf) -> None:
+    spec = make_spec(model={"uri": GGUF_URI})
+    unread = plan_with(spec, GGUFUnavailable("GET https://huggingface.co/...: HTTP 401"))
+    assert unread.ok and unread.memory is None
+    assert unread.memory_unknown_reason == (
+        f"the GGUF header of {GGUF_URI} could not be read: GET https://huggingface.co/...: "
+        "HTTP 401; set model.hints"
+    )
+    header = parse_gguf_header(write_gguf(metadata={"split.count": 3}).read_bytes())
+    split = plan_with(spec, header)
+    assert split.memory is None and "one of 3 split GGUF files" in split.memory_unknown_reason
+    no_layers = dataclasses.replace(header, split_count=1, block_count=None, head_dim=None)
+    assert plan_with(spec, no_layers).memory_unknown_reason == (
+        f"the GGUF header of {GGUF_URI} has no llama.block_count, llama.attention.key_length or "
+        "llama.embedding_length: set model.hints"
+    )
+    assert "was not read" in plan(spec).memory_unknown_reason
+
+
+def plan_with(spec, header):
+    architecture = model_architecture(spec.model, header)
+    return plan_deployment("x", spec, resolve_accelerator("h100-80gb", {}), architecture, NO_EXTRAS)

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from kvfleet_operator.accelerators import resolve_accelerator
+from kvfleet_operator.gguf_header import parse_gguf_header
 from kvfleet_operator.model_catalog import model_architecture
 from kvfleet_operator.plan import ClusterFeatures, plan_deployment
 from kvfleet_operator.render import engine_args, render_children, render_deployment
@@ -119,3 +120,80 @@ def test_termination_grace_covers_prestop_and_drain(make_spec, drain: int) -> No
         "--drain-timeout",
         str(drain),
     ]
+
+
+HF_GGUF = "hf://bartowski/Meta-Llama-3.1-8B-Instruct-GGUF/Meta-Llama-3.1-8B-Instruct-Q4_1.gguf"
+GGUF_FILE = "Llama-3.1-8B-Instruct-Q4_1.gguf"
+HINTS = {
+    "numParameters": 8_030_261_248, "numLayers": 32, "numAttentionHeads": 32,
+    "numKeyValueHeads": 8, "headDim": 128,
+}  # fmt: skip
+
+
+def gguf_deployment(spec, header=None):
+    profile = resolve_accelerator(spec.resources.accelerator, {})
+    architecture = model_architecture(spec.model, header)
+    p = plan_deployment("llama", spec, profile, architecture, CLUSTER)
+    assert p.ok, p.problems
+    return render_deployment("llama", "team-a", spec, p, profile)
+
+
+def pod_of(deployment: dict) -> dict:
+    return deployment["spec"]["template"]["spec"]
+
+
+def test_hf_gguf_downloads_only_that_file(make_spec, write_gguf) -> None:
+    header = parse_gguf_header(write_gguf(with_data=False, layers=32, hidden=4096).read_bytes())
+    spec = make_spec(
+        model={"uri": HF_GGUF, "revision": "9a8b7c6", "credentialsSecret": {"name": "hf-token"}}
+    )
+    deployment = gguf_deployment(spec, header)
+    check_golden("gguf-hf", [deployment])
+    fetch = pod_of(deployment)["initContainers"][0]
+    assert fetch["command"] == [
+        "hf", "download", "bartowski/Meta-Llama-3.1-8B-Instruct-GGUF",
+        "Meta-Llama-3.1-8B-Instruct-Q4_1.gguf", "--local-dir", "/models/model",
+        "--revision", "9a8b7c6",
+    ]  # fmt: skip
+    assert engine_args_of(deployment)[:2] == [
+        "--model", "/models/model/Meta-Llama-3.1-8B-Instruct-Q4_1.gguf"
+    ]  # fmt: skip
+    # A file in a folder of the repository keeps its folder.
+    nested = make_spec(model={"uri": "hf://unsloth/Qwen3-8B-GGUF/Q4_K_M/Qwen3-8B-Q4_K_M.gguf"})
+    deployment = gguf_deployment(nested)
+    assert pod_of(deployment)["initContainers"][0]["command"][2:4] == [
+        "unsloth/Qwen3-8B-GGUF", "Q4_K_M/Qwen3-8B-Q4_K_M.gguf"
+    ]  # fmt: skip
+    assert engine_args_of(deployment)[1] == "/models/model/Q4_K_M/Qwen3-8B-Q4_K_M.gguf"
+
+
+def test_pvc_gguf_mounts_the_claim_and_points_at_the_file(make_spec) -> None:
+    spec = make_spec(model={"uri": f"pvc://models/llama/{GGUF_FILE}", "hints": HINTS})
+    deployment = gguf_deployment(spec)
+    check_golden("gguf-pvc", [deployment])
+    assert pod_of(deployment)["volumes"][-1]["persistentVolumeClaim"]["claimName"] == "models"
+    assert engine_args_of(deployment)[:2] == ["--model", f"/models/llama/{GGUF_FILE}"]
+
+
+def test_s3_gguf_copies_only_that_object(make_spec) -> None:
+    spec = make_spec(
+        model={"uri": f"s3://models/llama/{GGUF_FILE}", "credentialsSecret": {"name": "aws"}}
+    )
+    deployment = gguf_deployment(spec)
+    check_golden("gguf-s3", [deployment])
+    assert pod_of(deployment)["initContainers"][0]["command"] == [
+        "aws", "s3", "cp", f"s3://models/llama/{GGUF_FILE}", f"/models/model/{GGUF_FILE}",
+        "--no-progress",
+    ]  # fmt: skip
+    assert engine_args_of(deployment)[:2] == ["--model", f"/models/model/{GGUF_FILE}"]
+
+
+def test_file_gguf_mounts_the_one_file(make_spec) -> None:
+    spec = make_spec(model={"uri": f"file:///var/models/{GGUF_FILE}"})
+    deployment = gguf_deployment(spec)
+    check_golden("gguf-file", [deployment])
+    pod = pod_of(deployment)
+    assert pod["volumes"][-1]["hostPath"] == {"path": f"/var/models/{GGUF_FILE}", "type": "File"}
+    mount = pod["containers"][0]["volumeMounts"][-1]
+    assert mount == {"name": "model", "mountPath": f"/models/{GGUF_FILE}", "readOnly": True}
+    assert engine_args_of(deployment)[:2] == ["--model", f"/models/{GGUF_FILE}"]

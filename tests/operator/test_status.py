@@ -171,3 +171,15 @@ def test_rollout_events() -> None:
     assert rollout_event(first, second).reason == "RolloutStarted"
     assert rollout_event(second, second) is None
     assert rollout_event(None, None) is None
+
+
+def test_memory_plan_says_where_its_numbers_came_from(make_spec) -> None:
+    status = status_for(make_spec(), workload())
+    assert status["memoryPlan"]["source"] == "catalog"
+    unknown = status_for(make_spec(model={"uri": "pvc://models/finetune/model.gguf"}), workload())
+    planned = next(c for c in unknown["conditions"] if c["type"] == "Planned")
+    assert unknown["memoryPlan"] is None
+    assert planned["message"].endswith(
+        "memory not estimated (the operator reads GGUF headers of hf:// files only, not pvc://: "
+        "set model.hints)"
+    )
