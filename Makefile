@@ -21,6 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@test -x $(UV) || $(PY) -m pip install -q 'uv==0.9.7'
 	$(UV) pip install --python $(PY) -q -e '.[engine,operator]' --group dev
+	$(PY) -m kvfleet_cli fetch-model smollm2   # the embedded model, cached once (~93 MB)
 	@touch $@
 
 lint: venv

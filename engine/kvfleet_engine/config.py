@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvfleet_engine.loaders.gguf_metadata import find_gguf_file, gguf_eos_token_ids, gguf_hf_config
 from kvfleet_engine.models.registry import check_architecture
 
 log = logging.getLogger(__name__)
@@ -28,32 +29,50 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    # Directory with config.json, *.safetensors and the tokenizer files.
+    # A Hugging Face directory (config.json, *.safetensors, tokenizer files) or a GGUF file.
     path: str
+    # "safetensors" | "gguf": where the config, tokenizer and tensors come from.
+    format: str
     # Hugging Face architecture name, e.g. "LlamaForCausalLM".
     architecture: str
-    # Weight and activation dtype: float32 | bfloat16 | float16.
+    # Weight and activation dtype: float32 | bfloat16 | float16; "auto" only for a GGUF file
+    # (quantized tensors: the runner picks float32 on the CPU, bfloat16 on a GPU).
     dtype: str
     # Longest sequence (prompt + generated tokens) the engine accepts.
     max_model_len: int
-    # Token ids that end generation (config.json / generation_config.json).
+    # Token ids that end generation (config.json / generation_config.json / GGUF metadata).
     eos_token_ids: frozenset[int]
-    # The parsed config.json.
+    # The model's config in config.json's keys (parsed, or built from the GGUF metadata).
     hf_config: dict[str, Any] = field(repr=False, compare=False)
 
     @classmethod
     def from_pretrained(
         cls, path: str, dtype: str = "auto", max_model_len: int | None = None
     ) -> ModelConfig:
+        gguf_file = find_gguf_file(path)
+        if gguf_file is not None:
+            hf_config = gguf_hf_config(str(gguf_file))
+            return cls(
+                path=str(gguf_file),
+                format="gguf",
+                architecture=hf_config["architectures"][0],
+                dtype=_resolve_dtype(dtype, {"dtype": "auto"}),
+                max_model_len=_resolve_max_model_len(max_model_len, hf_config),
+                eos_token_ids=gguf_eos_token_ids(str(gguf_file)),
+                hf_config=hf_config,
+            )
         directory = Path(path)
         config_file = directory / "config.json"
         if not config_file.is_file():
-            raise ValueError(f"model: {path!r} is not a model directory (no config.json)")
+            raise ValueError(
+                f"model: {path!r} is neither a model directory (no config.json) nor a GGUF file"
+            )
         hf_config = json.loads(config_file.read_text())
         architectures = hf_config.get("architectures") or [None]
         check_architecture(architectures[0])
         return cls(
             path=str(directory),
+            format="safetensors",
             architecture=architectures[0],
             dtype=_resolve_dtype(dtype, hf_config),
             max_model_len=_resolve_max_model_len(max_model_len, hf_config),
@@ -217,7 +236,9 @@ class EngineConfig:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group("engine")
-        group.add_argument("--model", required=True, help="Hugging Face model directory")
+        group.add_argument(
+            "--model", required=True, help="Hugging Face model directory, or a GGUF file"
+        )
         group.add_argument(
             "--dtype",
             default="auto",
@@ -318,7 +339,7 @@ def _check(ok: bool, name: str, value: object, allowed: str) -> None:
 def _resolve_dtype(dtype: str, hf_config: dict[str, Any]) -> str:
     dtype = _DTYPE_ALIASES.get(dtype, dtype)
     _check(dtype in DTYPES, "dtype", dtype, " | ".join(DTYPES))
-    if dtype != "auto":
+    if dtype != "auto" or hf_config.get("dtype") == "auto":
         return dtype
     saved = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
     return (

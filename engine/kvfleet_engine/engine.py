@@ -27,10 +27,14 @@ from kvfleet_engine.scheduler import Scheduler, SchedulerOutput
 log = logging.getLogger(__name__)
 
 
-def load_tokenizer(path: str) -> Any:
+def load_tokenizer(model: ModelConfig) -> Any:
+    if model.format == "gguf":
+        from kvfleet_engine.loaders.gguf_tokenizer import gguf_tokenizer
+
+        return gguf_tokenizer(model.path)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(model.path)
 
 
 class LLMEngine:
@@ -55,7 +59,7 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
-        tokenizer = load_tokenizer(config.model.path)
+        tokenizer = load_tokenizer(config.model)
         return cls(config, tokenizer, ModelRunner(config))
 
     # ---- requests ---------------------------------------------------------------------------

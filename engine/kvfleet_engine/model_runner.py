@@ -21,7 +21,7 @@ from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.cuda_graphs import DecodeGraphs
 from kvfleet_engine.layers.attention import Attention, AttentionMetadata, load_backend
 from kvfleet_engine.layers.sampler import Penalties, Sampler, SamplingMetadata
-from kvfleet_engine.models.loader import DTYPES, load_model
+from kvfleet_engine.models.loader import load_model, serving_dtype
 from kvfleet_engine.outputs import ModelRunnerOutput
 from kvfleet_engine.scheduler import PENDING_TOKEN, ScheduledRequest, SchedulerOutput
 
@@ -83,14 +83,14 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.runner.device)
-        self.dtype = DTYPES[config.model.dtype]
+        self.dtype = serving_dtype(config.model, self.device)
         self.block_size = config.cache.block_size
         backend_name = config.runner.attention_backend
         if backend_name == "auto":
             backend_name = "triton" if self.device.type == "cuda" else "torch"
         self.backend = load_backend(backend_name)
         torch.manual_seed(config.runner.seed)
-        self.model = load_model(config.model, self.device)
+        self.model = load_model(config.model, self.device, self.dtype)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler()
         self.num_blocks = self._num_kv_blocks()
@@ -112,7 +112,7 @@ class ModelRunner:
             "model %s on %s (%s, attention %s), %d KV blocks of %d tokens",
             config.model.architecture,
             self.device,
-            config.model.dtype,
+            self.dtype,
             backend_name,
             self.num_blocks,
             self.block_size,

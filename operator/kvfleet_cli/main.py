@@ -10,6 +10,10 @@ from collections.abc import Callable, Sequence
 # name -> ("module:function", one-line help). The function takes argv and returns an exit code.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvfleet_engine.server.cli:main", "serve a model over an OpenAI-compatible HTTP API"),
+    "fetch-model": (
+        "kvfleet_engine.model_store:main",
+        "fetch and cache the embedded SmolLM2 model",
+    ),
     "tiny-model": ("kvfleet_engine.tiny_model:main", "write a tiny random Llama checkpoint"),
     "operator": ("kvfleet_operator.main:main", "run the InferenceDeployment operator (kopf)"),
     "crds": ("kvfleet_operator.crd:main", "write the CRDs generated from the typed models"),

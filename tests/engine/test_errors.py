@@ -51,7 +51,9 @@ def test_unknown_architecture(checkpoints: Checkpoints, tmp_path: Path) -> None:
 
 
 def test_not_a_model_directory(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="is not a model directory"):
+    with pytest.raises(
+        ValueError, match=r"is neither a model directory \(no config.json\) nor a GGUF file"
+    ):
         LLM(str(tmp_path))
 
 

@@ -10,6 +10,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "serve": ("kvfleet_engine.bench.serve:main", "load an OpenAI-compatible server"),
     "throughput": ("kvfleet_engine.bench.offline:throughput", "offline batch generation speed"),
     "latency": ("kvfleet_engine.bench.offline:latency", "batch-1 decode speed"),
+    "chat": ("kvfleet_engine.bench.chat:main", "a real model's chats, kvfleet vs transformers"),
 }
 
 

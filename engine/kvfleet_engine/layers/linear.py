@@ -28,8 +28,11 @@ class Linear(nn.Module):
             param.data.copy_(loaded)
             return
         offset, rows = self.shard_offsets()[shard]
-        if loaded.shape[0] != rows:
-            raise ValueError(f"shard {shard!r} has {loaded.shape[0]} rows, expected {rows}")
+        expected = (rows, *param.shape[1:])
+        if tuple(loaded.shape) != expected:
+            raise ValueError(
+                f"shard {shard!r} has shape {tuple(loaded.shape)}, expected {expected}"
+            )
         param.data[offset : offset + rows].copy_(loaded)
 
 

@@ -1,4 +1,5 @@
-"""Rotary position embedding (rotate-half / NeoX layout), with "llama3" frequency scaling."""
+"""Rotary position embedding (rotate-half / NeoX layout), with "llama3" frequency scaling or
+stored per-frequency factors."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+# "frequency_factors": each frequency divided by a stored factor (how GGUF files keep Llama 3.1's
+# scaling: the `rope_freqs` tensor).
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "frequency_factors")
 
 
 def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
@@ -29,6 +32,8 @@ def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor: 
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if params["rope_type"] == "llama3":
         inv_freq = _llama3_scaling(inv_freq, params)
+    elif params["rope_type"] == "frequency_factors":
+        inv_freq = inv_freq / torch.tensor(params["frequency_factors"], dtype=torch.float32)
     return inv_freq
 
 

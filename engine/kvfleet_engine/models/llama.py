@@ -103,7 +103,9 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: dict[str, Any], arch: str) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        # _weight: no random init (on the meta device it would import torch._dynamo, seconds).
+        shape = (cfg["vocab_size"], cfg["hidden_size"])
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, arch) for _ in range(cfg["num_hidden_layers"])
         )

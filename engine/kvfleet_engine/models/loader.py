@@ -1,15 +1,14 @@
-"""Build a model on the meta device, materialise it on the target device, load safetensors."""
+"""Build a model on the meta device, materialise it on the target device, load its weights from
+the checkpoint (safetensors directory or GGUF file)."""
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from kvfleet_engine.config import ModelConfig
@@ -34,9 +33,16 @@ class CausalLM(Protocol):
     def modules(self) -> Iterator[nn.Module]: ...
 
 
-def load_model(config: ModelConfig, device: torch.device) -> CausalLM:
+def serving_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
+    """The dtype weights and activations run in. `auto` is left open only for GGUF files, whose
+    tensors are quantized: float32 on the CPU, bfloat16 on a GPU."""
+    if config.dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return DTYPES[config.dtype]
+
+
+def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
     cls = model_class(config.architecture)
-    dtype = DTYPES[config.dtype]
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -51,59 +57,71 @@ def load_model(config: ModelConfig, device: torch.device) -> CausalLM:
         reset = getattr(module, "reset_buffers", None)
         if reset is not None:
             reset()
-    load_weights(model, Path(config.path))
+    load_weights(model, checkpoint_tensors(config, device), config.path)
     model.eval()
     return model
 
 
-def checkpoint_files(directory: Path) -> list[Path]:
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [directory / name for name in sorted(set(weight_map.values()))]
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model: no *.safetensors files in {directory}")
-    return files
+def checkpoint_tensors(
+    config: ModelConfig, device: torch.device
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's (Hugging Face name, tensor) pairs, whatever its format."""
+    if config.format == "gguf":
+        from kvfleet_engine.loaders.gguf_tensors import gguf_tensors
+
+        for name, array in gguf_tensors(config.path):
+            yield name, torch.from_numpy(array)
+    else:
+        from kvfleet_engine.loaders.safetensors import safetensors_tensors
+
+        yield from safetensors_tensors(Path(config.path), device)
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, directory: Path) -> None:
+def load_weights(
+    model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], source: str
+) -> None:
+    """Copy each checkpoint tensor into its parameter (fused q/k/v and gate/up shards through the
+    layer's own loader); every parameter must be filled."""
     params = dict(model.named_parameters())
-    device = next(iter(params.values())).device
-    read_device = str(device) if device.type == "cuda" else "cpu"  # straight to the GPU
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
     modules = dict(model.named_modules())
-    unloaded = set(params)
-    for file in checkpoint_files(directory):
-        with safe_open(str(file), framework="pt", device=read_device) as f:
-            for name in f.keys():
-                if "rotary_emb.inv_freq" in name:
-                    continue
-                target, shard = name, None
-                for part, (fused, shard_name) in packed.items():
-                    if f".{part}." in name:
-                        target, shard = name.replace(f".{part}.", f".{fused}."), shard_name
-                        break
-                param = params.get(target)
-                if param is None:
-                    if name == "lm_head.weight" and "lm_head.weight" not in params:
-                        continue
-                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-                module = modules[target.rsplit(".", 1)[0]]
-                loader = module.load_shard if isinstance(module, Linear) else None
-                tensor = f.get_tensor(name)
-                try:
-                    if loader is not None:
-                        loader(param, tensor, shard)
-                    elif param.shape != tensor.shape:
-                        raise ValueError(f"shape {tuple(tensor.shape)} != {tuple(param.shape)}")
-                    else:
-                        param.copy_(tensor)
-                except ValueError as error:
-                    raise ValueError(f"checkpoint tensor {name!r}: {error}") from error
-                unloaded.discard(target)
+    unloaded = {  # (parameter, shard): each shard of a fused weight is its own checkpoint tensor
+        (name, shard)
+        for name in params
+        for shard in _shards(modules[name.rsplit(".", 1)[0]], name.rsplit(".", 1)[1])
+    }
+    for name, tensor in tensors:
+        target, shard = name, None
+        for part, (fused, shard_name) in packed.items():
+            if f".{part}." in name:
+                target, shard = name.replace(f".{part}.", f".{fused}."), shard_name
+                break
+        param = params.get(target)
+        if param is None:
+            if name == "lm_head.weight" and "lm_head.weight" not in params:
+                continue
+            raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+        module = modules[target.rsplit(".", 1)[0]]
+        try:
+            if isinstance(module, Linear):
+                module.load_shard(param, tensor, shard)
+            elif param.shape != tensor.shape:
+                raise ValueError(f"shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+            else:
+                param.copy_(tensor)
+        except ValueError as error:
+            raise ValueError(f"checkpoint tensor {name!r}: {error}") from error
+        unloaded.discard((target, shard))
     if getattr(model, "tie_word_embeddings", False):
-        unloaded.discard("lm_head.weight")
+        unloaded.discard(("lm_head.weight", None))
     if unloaded:
-        raise ValueError(f"checkpoint in {directory} lacks weights for: {sorted(unloaded)[:5]}")
+        missing = sorted(name if shard is None else f"{name} ({shard})" for name, shard in unloaded)
+        raise ValueError(f"checkpoint {source} lacks weights for: {missing[:5]}")
+
+
+def _shards(module: nn.Module, param_name: str) -> list[str | None]:
+    """The checkpoint tensors that fill one parameter: one per shard of a fused linear."""
+    if isinstance(module, Linear) and module.shard_offsets():
+        return list(module.shard_offsets())
+    return [None]

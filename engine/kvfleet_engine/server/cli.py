@@ -2,7 +2,8 @@
 
     kvfleet serve --model PATH [--served-model-name N] [--host H] [--port P] [engine flags]
 
-Without --model it writes the embedded tiny model to a temporary directory and serves that.
+Without --model it serves the embedded model, SmolLM2-135M-Instruct (fetched and cached on first
+use: `kvfleet fetch-model`), as "smollm2-135m-instruct".
 SIGTERM: /ready turns 503, new requests get 503, in-flight requests finish (up to
 --drain-timeout seconds, then they are aborted), and the process exits 0.
 """
@@ -14,8 +15,6 @@ import asyncio
 import logging
 import signal
 import sys
-import tempfile
-from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -75,23 +74,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     parser = build_parser()
-    with tempfile.TemporaryDirectory(prefix="kvfleet-tiny-") as tiny_dir:
-        embedded = not any(a == "--model" or a.startswith("--model=") for a in argv)
-        if embedded and not any(a in ("-h", "--help") for a in argv):
-            argv = [*argv, "--model", tiny_dir]
-        args = parser.parse_args(argv)
-        logging.basicConfig(
-            level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-        )
-        if args.drain_timeout < 0:
-            parser.error("--drain-timeout: must be >= 0")
-        if embedded:
-            from kvfleet_engine.tiny_model import write_tiny_model
+    embedded = not any(a == "--model" or a.startswith("--model=") for a in argv)
+    if embedded and not any(a in ("-h", "--help") for a in argv):
+        from kvfleet_engine.model_store import DEFAULT_MODEL, FetchError, fetch
 
-            log.info("no --model given: serving the embedded tiny model from %s", tiny_dir)
-            write_tiny_model(Path(tiny_dir))
-            args.served_model_name = args.served_model_name or "kvfleet-tiny"
-        return _serve(parser, args)
+        try:
+            path = fetch(DEFAULT_MODEL)
+        except FetchError as error:
+            print(f"kvfleet serve: no --model given and {error}", file=sys.stderr)
+            return 1
+        argv = [*argv, "--model", str(path)]
+        if not any(a.startswith("--served-model-name") for a in argv):
+            argv += ["--served-model-name", DEFAULT_MODEL.served_name]
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.drain_timeout < 0:
+        parser.error("--drain-timeout: must be >= 0")
+    if embedded:
+        log.info("no --model given: serving the embedded model from %s", args.model)
+    return _serve(parser, args)
 
 
 def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -106,7 +109,11 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         config = EngineConfig.from_cli_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    engine = LLMEngine.from_config(config)
+    try:
+        engine = LLMEngine.from_config(config)
+    except ValueError as exc:  # a checkpoint that does not match its config, a corrupt file
+        print(f"kvfleet serve: {exc}", file=sys.stderr)
+        return 2
     served_name = args.served_model_name or args.model
     metrics = EngineMetrics(
         EngineInfo(

@@ -1,0 +1,128 @@
+"""SmolLM2-135M-Instruct, the embedded model (a real Q4_1 GGUF file), against transformers
+loading the same file with its own GGUF loader: on CPU in float32 the greedy tokens of 20 chat
+prompts are identical, 64 tokens each, including a prompt of more than 1,000 tokens, prompts
+served from the prefix cache and requests preempted for lack of KV blocks."""
+
+from __future__ import annotations
+
+import pydoc_data.topics
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from engine_cases import assert_greedy_equal, reference_greedy
+
+from kvfleet_engine import LLM, SamplingParams
+from kvfleet_engine.model_store import DEFAULT_MODEL, fetch
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 64
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "Give me three tips for sleeping better.",
+    "Translate 'good morning' into Spanish and German.",
+    "What is the difference between weather and climate?",
+    "Name the planets of the solar system in order.",
+    "How do I reverse a list in Python?",
+    "Why is the sky blue?",
+    "Suggest a name for a small bakery.",
+    "What does a compiler do?",
+    "Summarise the plot of Romeo and Juliet.",
+    "What are the primary colours?",
+    "How many legs does a spider have?",
+    "Write a short apology for being late to a meeting.",
+    "What is photosynthesis?",
+    "Describe a cat to someone who has never seen one.",
+]
+# A follow-up turn: its prompt extends the first conversation's, so it is served from the cache.
+FOLLOW_UP = [
+    {"role": "user", "content": QUESTIONS[0]},
+    {"role": "assistant", "content": "The capital of France is Paris."},
+    {"role": "user", "content": "And what is it famous for?"},
+]
+LONG_TEXT = pydoc_data.topics.topics["for"] + pydoc_data.topics.topics["with"]  # ~1,270 tokens
+
+
+def _long_question(question: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"{LONG_TEXT}\n\n{question}"}]
+
+
+def _conversations() -> list[list[dict[str, str]]]:
+    single = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    longs = [_long_question("Summarise the text above."), _long_question("What is it about?")]
+    # Two waves of 10: the second starts by extending a first-wave conversation and repeating the
+    # long text (admitted first, they find those blocks before the rest of the wave evicts them).
+    return [*single[:9], longs[0], FOLLOW_UP, longs[1], *single[9:]]
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    return fetch(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(smollm2.parent), gguf_file=smollm2.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+def test_chat_answer_is_real(smollm2: Path) -> None:
+    llm = LLM(str(smollm2), device="cpu", max_model_len=512)
+    chat = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": QUESTIONS[0]}], tokenize=False, add_generation_prompt=True
+    )
+    out = llm.generate([chat], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert out[0].outputs[0].text == "The capital of France is Paris."
+    assert out[0].outputs[0].finish_reason == "stop"
+
+
+def test_greedy_tokens_match_transformers(smollm2: Path, reference: Any) -> None:
+    # 128 blocks of 16 = one 2,048-token sequence: the waves need more, so requests are
+    # preempted and recomputed.
+    llm = LLM(str(smollm2), device="cpu", dtype="float32", max_model_len=2048, kv_cache_blocks=128)
+    tokenizer = llm.get_tokenizer()
+    prompts = [
+        tokenizer.encode(
+            tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        )
+        for messages in _conversations()
+    ]
+    assert len(prompts) == 20 and max(len(p) for p in prompts) > 1000
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    half = len(prompts) // 2
+    outputs = llm.generate(prompt_token_ids=prompts[:half], sampling_params=params, use_tqdm=False)
+    outputs += llm.generate(prompt_token_ids=prompts[half:], sampling_params=params, use_tqdm=False)
+    stats = llm.engine.stats()
+    assert stats.num_preemptions_total > 0
+    cached = {i: out.num_cached_tokens for i, out in enumerate(outputs) if out.num_cached_tokens}
+    assert cached.get(half, 0) >= 32, cached  # the follow-up turn
+    assert cached.get(half + 1, 0) > 1000, cached  # the long text, second time
+    for index, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
+        expected = reference_greedy(reference, prompt, NEW_TOKENS)
+        assert_greedy_equal(list(out.outputs[0].token_ids), expected, f"prompt {index}")
+
+
+def test_tokenizer_matches_transformers_gguf_tokenizer(smollm2: Path) -> None:
+    """Same ids as transformers' GGUF tokenizer on text without digits; digits are split one by
+    one, as SmolLM2's own tokenizer.json and llama.cpp (`tokenizer.ggml.pre = smollm`) do."""
+    from transformers import AutoTokenizer
+
+    ours = LLM(str(smollm2), device="cpu", max_model_len=512).get_tokenizer()
+    theirs = AutoTokenizer.from_pretrained(str(smollm2.parent), gguf_file=smollm2.name)
+    for messages in _conversations():
+        text = ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert text == theirs.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        if not any(ch.isdigit() for ch in text):
+            assert ours.encode(text) == theirs.encode(text)
+    assert ours.encode("2026") == [ours.convert_tokens_to_ids(d) for d in "2026"]
+    assert ours.decode(ours.encode("Hello, wörld 42!")) == "Hello, wörld 42!"
