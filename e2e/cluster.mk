@@ -14,7 +14,8 @@ cluster-down: venv
 cluster-status: venv
 	@$(PY) e2e/cluster.py status
 
-# The demo: the control plane, its GPU nodes, then the operator autoscaling real engines.
+# The demo: the control plane, its GPU nodes, then SmolLM2 answering a question and the operator
+# autoscaling its engines under chat load.
 demo: venv
 	@$(PY) e2e/cluster.py up
 	@$(PY) e2e/cluster.py nodes

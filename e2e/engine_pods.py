@@ -1,10 +1,11 @@
-"""Real engines standing in for kwok pods: one `kvfleet serve` (tiny model, CPU) per Running pod
-of a Deployment, bound at the pod's IP:8000 (kwok hands out IPs from a loopback CIDR), started
-when the pod appears and stopped (SIGTERM, so it drains) when the pod goes. Used by the
-autoscaling e2e test and `make demo`."""
+"""Real engines standing in for kwok pods: one `kvfleet serve` (CPU) per Running pod of a
+Deployment, bound at the pod's IP:8000 (kwok hands out IPs from a loopback CIDR), started when the
+pod appears and stopped (SIGTERM, so it drains) when the pod goes. Used by the autoscaling e2e
+test (tiny random model) and `make demo` (SmolLM2, a GGUF file)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -17,16 +18,30 @@ import httpx
 from kvcluster.kubectl import Kubectl
 from kvcluster.procs import stop_child
 
+# One CPU thread per engine, as if each pod had its own core. Measured on 2 shared cores, SmolLM2
+# with 8 chat requests in flight: 2 threads (torch's default) 22 tok/s alone, 6 tok/s while two
+# more engines start, which then take 112 s to serve; 1 thread: 36 tok/s, 12 tok/s and 63 s.
+ENGINE_THREADS = 1
+
 
 class EnginePods:
     """One `kvfleet serve` per pod of the Deployment, bound at the pod's IP, kept in step with
     the pods by a background thread."""
 
     def __init__(
-        self, kubectl: Kubectl, namespace: str, deployment: str, model: Path, logs: Path
+        self,
+        kubectl: Kubectl,
+        namespace: str,
+        deployment: str,
+        model: Path,
+        logs: Path,
+        served_model_name: str | None = None,
     ) -> None:
+        """`model`: a model directory or GGUF file, served as `served_model_name` (default: the
+        Deployment's name, as the operator does); each engine logs to `logs`/engine-POD.log."""
         self.kubectl, self.namespace, self.deployment = kubectl, namespace, deployment
         self.model, self.logs = model, logs
+        self.served_model_name = served_model_name or deployment
         self.procs: dict[str, tuple[str, subprocess.Popen[bytes]]] = {}
         self.started: list[str] = []  # pod names, in start order
         self._stop = threading.Event()
@@ -80,15 +95,18 @@ class EnginePods:
             self._stop.wait(0.5)
 
     def _start(self, name: str, ip: str) -> None:
+        # 256 tokens a step, not 512: the start-up self-benchmark's prefill (3 x 256 tokens) then
+        # takes ~4 s of SmolLM2 on 2 cores, not ~10; 8 chat prompts still fit in two steps.
         command = [
             sys.executable, "-m", "kvfleet_cli", "serve", "--model", str(self.model),
-            "--served-model-name", self.deployment, "--host", ip, "--port", "8000",
+            "--served-model-name", self.served_model_name, "--host", ip, "--port", "8000",
             "--device", "cpu",
             "--kv-cache-blocks", "256", "--max-model-len", "512", "--max-num-seqs", "8",
-            "--max-num-batched-tokens", "512", "--drain-timeout", "5",
+            "--max-num-batched-tokens", "256", "--drain-timeout", "5",
         ]  # fmt: skip
         with (self.logs / f"engine-{name}.log").open("ab") as log:
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            env = {**os.environ, "OMP_NUM_THREADS": str(ENGINE_THREADS)}
+            proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
         with self._lock:
             self.procs[name] = (ip, proc)
             self.started.append(name)

@@ -2,6 +2,11 @@
 
     kvfleet bench serve --url http://localhost:8000 --request-rate 8 --num-prompts 200 \\
         --dataset random --random-input-len 512 --random-output-len 128 --output result.json
+    kvfleet bench serve --url http://localhost:8000 --concurrency 8 --num-prompts 64 \\
+        --dataset chat --chat-output-len 64 --no-ignore-eos
+
+Datasets: `random` (token ids of exact lengths), `jsonl` (your prompts), `chat` (built-in English
+questions, each sent as a user message to /v1/chat/completions).
 
 Every request streams, so TTFT (request sent -> first token), ITL (gaps between streamed
 tokens), TPOT ((e2e - TTFT) / (output tokens - 1)) and end-to-end latency are measured per
@@ -27,6 +32,7 @@ from typing import Any
 import httpx
 
 from kvfleet_engine.argtypes import positive_float, positive_int
+from kvfleet_engine.bench.chat import QUESTIONS
 
 # --- workload --------------------------------------------------------------------------------
 
@@ -79,6 +85,11 @@ def jsonl_requests(path: Path, num: int, default_output_len: int) -> list[BenchR
     if not requests:
         raise ValueError(f"{path}: no prompts found")
     return requests
+
+
+def chat_requests(num: int, output_len: int) -> list[BenchRequest]:
+    """The built-in chat questions in turn, each answered in at most `output_len` tokens."""
+    return [BenchRequest(QUESTIONS[i % len(QUESTIONS)], 0, output_len) for i in range(num)]
 
 
 # --- one request -------------------------------------------------------------------------------
@@ -322,7 +333,12 @@ def _goodput(text: str) -> tuple[str, float]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", required=True, help="server base URL, e.g. http://localhost:8000")
     parser.add_argument("--model", help="model name to send (default: the server's first model)")
-    parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    parser.add_argument(
+        "--endpoint",
+        choices=["completions", "chat"],
+        help="/v1/completions or /v1/chat/completions (default: chat for --dataset chat, else "
+        "completions)",
+    )
     load = parser.add_mutually_exclusive_group(required=True)
     load.add_argument(
         "--request-rate",
@@ -331,8 +347,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     load.add_argument("--concurrency", type=positive_int, help="requests kept in flight")
     parser.add_argument("--num-prompts", type=positive_int, default=100)
-    parser.add_argument("--dataset", choices=["random", "jsonl"], default="random")
+    parser.add_argument(
+        "--dataset",
+        choices=["random", "jsonl", "chat"],
+        default="random",
+        help="random token ids, a jsonl file of prompts, or built-in chat questions",
+    )
     parser.add_argument("--dataset-path", type=Path, help="jsonl dataset file")
+    parser.add_argument(
+        "--chat-output-len", type=positive_int, default=128, help="max_tokens of each chat answer"
+    )
     parser.add_argument("--random-input-len", type=positive_int, default=256)
     parser.add_argument("--random-output-len", type=positive_int, default=128)
     parser.add_argument("--random-range-ratio", type=float, default=0.0)
@@ -371,10 +395,16 @@ def main(argv: list[str]) -> int:
         parser.error("--random-range-ratio: must be in [0, 1)")
     if args.dataset == "jsonl" and args.dataset_path is None:
         parser.error("--dataset jsonl needs --dataset-path")
+    if args.dataset == "chat" and args.endpoint == "completions":
+        parser.error("--dataset chat sends messages: --endpoint chat (or leave it out)")
+    if args.endpoint is None:
+        args.endpoint = "chat" if args.dataset == "chat" else "completions"
     try:
         model = args.model or _first_model(args.url)
         if args.dataset == "jsonl":
             requests = jsonl_requests(args.dataset_path, args.num_prompts, args.random_output_len)
+        elif args.dataset == "chat":
+            requests = chat_requests(args.num_prompts, args.chat_output_len)
         else:
             requests = random_requests(
                 args.num_prompts,
