@@ -24,7 +24,7 @@ _DTYPE_ALIASES = {
     "fp16": "float16",
     "half": "float16",
 }
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "sdpa", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class ModelConfig:
                 path=str(gguf_file),
                 format="gguf",
                 architecture=hf_config["architectures"][0],
-                dtype=_resolve_dtype(dtype, {"dtype": "auto"}),
+                dtype=_resolve_dtype(dtype, None),  # "auto" stays: the runner picks by device
                 max_model_len=_resolve_max_model_len(max_model_len, hf_config),
                 eos_token_ids=gguf_eos_token_ids(str(gguf_file)),
                 hf_config=hf_config,
@@ -130,7 +130,8 @@ class SchedulerConfig:
 class RunnerConfig:
     # "auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N".
     device: str = "auto"
-    # Paged attention implementation: auto (triton on cuda, torch on cpu) | torch | triton.
+    # Paged attention implementation: auto (triton on cuda, sdpa on cpu) | sdpa | torch
+    # (the plain reference) | triton.
     attention_backend: str = "auto"
     # Never capture CUDA graphs.
     enforce_eager: bool = False
@@ -336,10 +337,12 @@ def _check(ok: bool, name: str, value: object, allowed: str) -> None:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
-def _resolve_dtype(dtype: str, hf_config: dict[str, Any]) -> str:
+def _resolve_dtype(dtype: str, hf_config: dict[str, Any] | None) -> str:
+    """The dtype setting, with `auto` replaced by the checkpoint's dtype (hf_config None: a GGUF
+    file, whose quantized tensors have none)."""
     dtype = _DTYPE_ALIASES.get(dtype, dtype)
     _check(dtype in DTYPES, "dtype", dtype, " | ".join(DTYPES))
-    if dtype != "auto" or hf_config.get("dtype") == "auto":
+    if dtype != "auto" or hf_config is None:
         return dtype
     saved = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
     return (

@@ -87,7 +87,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         backend_name = config.runner.attention_backend
         if backend_name == "auto":
-            backend_name = "triton" if self.device.type == "cuda" else "torch"
+            backend_name = "triton" if self.device.type == "cuda" else "sdpa"
         self.backend = load_backend(backend_name)
         torch.manual_seed(config.runner.seed)
         self.model = load_model(config.model, self.device, self.dtype)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_cases import assert_greedy_equal, reference_greedy
+from engine_cases import Reference, assert_greedy_equal
 
 from kvfleet_engine import LLM, SamplingParams
 from kvfleet_engine.model_store import DEFAULT_MODEL, fetch
@@ -84,6 +84,42 @@ def test_chat_answer_is_real(smollm2: Path) -> None:
     assert out[0].outputs[0].finish_reason == "stop"
 
 
+def reference_greedy_batch(model: Any, prompts: list[list[int]], pad_id: int) -> list[Reference]:
+    """transformers' greedy tokens for each prompt, NEW_TOKENS each (EOS an ordinary token), the
+    prompts left-padded into one batch, with each step's runner-up and logit gap (for ties)."""
+    from transformers import DynamicCache
+
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor(
+        [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device
+    )  # [prompts, width]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    steps = []  # [prompts, vocab] logits of each step
+    with torch.inference_mode():
+        for _ in range(NEW_TOKENS):
+            out = model(
+                input_ids=ids, attention_mask=mask, position_ids=positions,
+                past_key_values=cache, use_cache=True,
+            )  # fmt: skip
+            steps.append(out.logits[:, -1].float())
+            ids = steps[-1].argmax(dim=-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
+            positions = positions[:, -1:] + 1
+    logits = torch.stack(steps, dim=1)  # [prompts, NEW_TOKENS, vocab]
+    top = logits.topk(2, dim=-1)
+    return [
+        Reference(
+            tokens=top.indices[row, :, 0].tolist(),
+            runner_up=top.indices[row, :, 1].tolist(),
+            gaps=(top.values[row, :, 0] - top.values[row, :, 1]).tolist(),
+            first_logits=logits[row, 0],
+        )
+        for row in range(len(prompts))
+    ]
+
+
 def test_greedy_tokens_match_transformers(smollm2: Path, reference: Any) -> None:
     # 128 blocks of 16 = one 2,048-token sequence: the waves need more, so requests are
     # preempted and recomputed.
@@ -105,9 +141,13 @@ def test_greedy_tokens_match_transformers(smollm2: Path, reference: Any) -> None
     cached = {i: out.num_cached_tokens for i, out in enumerate(outputs) if out.num_cached_tokens}
     assert cached.get(half, 0) >= 32, cached  # the follow-up turn
     assert cached.get(half + 1, 0) > 1000, cached  # the long text, second time
-    for index, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
-        expected = reference_greedy(reference, prompt, NEW_TOKENS)
-        assert_greedy_equal(list(out.outputs[0].token_ids), expected, f"prompt {index}")
+    pad = tokenizer.pad_token_id
+    expected = [
+        *reference_greedy_batch(reference, prompts[:half], pad),
+        *reference_greedy_batch(reference, prompts[half:], pad),
+    ]
+    for index, (out, ref) in enumerate(zip(outputs, expected, strict=True)):
+        assert_greedy_equal(list(out.outputs[0].token_ids), ref, f"prompt {index}")
 
 
 def test_tokenizer_matches_transformers_gguf_tokenizer(smollm2: Path) -> None:
@@ -126,3 +166,39 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(smollm2: Path) -> None:
             assert ours.encode(text) == theirs.encode(text)
     assert ours.encode("2026") == [ours.convert_tokens_to_ids(d) for d in "2026"]
     assert ours.decode(ours.encode("Hello, wörld 42!")) == "Hello, wörld 42!"
+
+
+@pytest.mark.gpu
+def test_gpu_bfloat16_agreement_with_transformers(smollm2: Path) -> None:
+    """bf16 on the GPU (CUDA graphs, Triton kernels) against transformers in bf16 on the same
+    GPU: rounding differs, so greedy paths may part after a while; the matched prefix of each of
+    the 20 prompts is printed (run with -s); the median must be 8 tokens or more, and the first
+    token must agree for 16 of the 20 prompts. (Greedy equality is checked on the CPU, in
+    float32, by test_greedy_tokens_match_transformers.)"""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(smollm2.parent), gguf_file=smollm2.name, dtype=torch.bfloat16
+    ).to("cuda")
+    llm = LLM(str(smollm2), device="cuda", dtype="bfloat16", max_model_len=2048)
+    tokenizer = llm.get_tokenizer()
+    prompts = [
+        tokenizer.encode(
+            tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        )
+        for messages in _conversations()
+    ]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    matched = []
+    for prompt, out in zip(prompts, outputs, strict=True):
+        theirs = reference_greedy_batch(reference, [prompt], tokenizer.pad_token_id)[0].tokens
+        ours = list(out.outputs[0].token_ids)
+        pairs = enumerate(zip(ours, theirs, strict=True))
+        matched.append(next((i for i, (a, b) in pairs if a != b), NEW_TOKENS))
+    print(f"\nbf16 matched prefix of {NEW_TOKENS} tokens, per prompt: {matched}")
+    print(f"mean {sum(matched) / len(matched):.1f}, full matches {matched.count(NEW_TOKENS)}/20")
+    # Two H200 runs (2026-12-01): means 31.8 and 18.9 tokens, medians 18 and 15; bf16 rounding of
+    # a 576-wide model flips near-ties, even the first token of 2 of 20 prompts in one run.
+    assert sorted(matched)[len(matched) // 2] >= 8
+    assert sum(m >= 1 for m in matched) >= 16

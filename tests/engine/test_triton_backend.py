@@ -1,5 +1,5 @@
 """The engine on the Triton attention backend, run by the Triton interpreter on CPU: the same
-greedy tokens as transformers, so the runner feeds the kernels what ENGINE_CONTRACT.md says.
+greedy tokens as transformers, so the runner feeds the kernels what the reference backend takes.
 
 TRITON_INTERPRET must be set before triton is first imported (transformers imports it), so the
 engine runs in a fresh subprocess."""

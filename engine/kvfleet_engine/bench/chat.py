@@ -92,9 +92,8 @@ def main(argv: list[str]) -> int:
         }
         command = shlex.join(["kvfleet", "bench", "chat", *argv])
         device = gpu_name(torch.device(args.device))
-        path = write_results(
-            args.output, "chat-smollm2", device, command, workload["model"], workload, rows
-        )
+        what = "chat-smollm2" if args.model is None else f"chat-{Path(model).stem}"
+        path = write_results(args.output, what, device, command, workload["model"], workload, rows)
         print(f"wrote {path}")
     return 0
 

@@ -1,9 +1,10 @@
 """Triton kernels for the paged KV cache, each behind a wrapper that checks its inputs.
 
 `store_kv`, `paged_decode_attention` and `prefill_attention` have the signatures of the torch
-reference (`kvfleet_engine.layers.attention_torch`, ENGINE_CONTRACT.md); `rotary_store_kv` is the
-optional fused op the attention layer uses in place of rotary + `store_kv` (one launch, not two),
-and `rotary_decode_attention` the one a decode step uses in place of all three.
+reference (`kvfleet_engine.layers.attention_torch`, whose docstring gives the cache layout);
+`rotary_store_kv` is the optional fused op the attention layer uses in place of rotary +
+`store_kv` (one launch, not two), and `rotary_decode_attention` the one a decode step uses in
+place of all three.
 """
 
 from kvfleet_engine.kernels.decode_attention import paged_decode_attention, rotary_decode_attention

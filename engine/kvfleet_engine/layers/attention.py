@@ -1,7 +1,8 @@
 """The attention layer over the paged KV cache: rotate this step's q/k, store its K/V, then attend
-with one backend (ENGINE_CONTRACT.md: the torch reference or the Triton kernels). A backend that
-offers `rotary_store_kv` does the rotation and the store in one launch, and one that offers
-`rotary_decode_attention` a decode step's rotation, store and attention in one."""
+with one backend (`attention_torch`, the reference; `attention_sdpa`, the CPU one; the Triton
+kernels on a GPU), all with the reference's signatures. A backend that offers `rotary_store_kv`
+does the rotation and the store in one launch, and one that offers `rotary_decode_attention` a
+decode step's rotation, store and attention in one."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from kvfleet_engine.layers.rotary import RotaryEmbedding
 
 BACKEND_MODULES = {
     "torch": "kvfleet_engine.layers.attention_torch",
+    "sdpa": "kvfleet_engine.layers.attention_sdpa",
     "triton": "kvfleet_engine.kernels",
 }
 _BACKEND_FUNCTIONS = ("store_kv", "paged_decode_attention", "prefill_attention")

@@ -2,7 +2,8 @@
 
 Simple on purpose: one sequence at a time, gather its blocks, dense attention with a causal mask.
 Runs on CPU and GPU in any float dtype (softmax in float32).
-Layout and signatures: ENGINE_CONTRACT.md.
+Cache layout: [num_blocks, block_size, num_kv_heads, head_dim] per layer for K and for V; a
+token's slot is block_id * block_size + offset. Every backend takes these signatures.
 """
 
 from __future__ import annotations

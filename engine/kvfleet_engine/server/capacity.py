@@ -91,10 +91,10 @@ def measure_capacity(
     decode_small = decode_step_s(small)
     decode_large = decode_step_s(large) if large != small else decode_small
 
-    # Prefill: one long prompt, one step, one token; the first run of a new shape pays for
-    # kernel compilation, so the fastest of three runs counts.
+    # Prefill: one long prompt, one step, one token; on a GPU the first run of a new shape pays
+    # for kernel compilation, so the fastest of three runs counts (a CPU compiles nothing).
     prefill_runs = []
-    for k in range(3):
+    for k in range(3 if engine.model_runner.device.type == "cuda" else 1):
         engine.add_request(f"kvfleet-capacity-prefill-{k}", prompt(prefill_tokens), greedy(1))
         t0 = time.perf_counter()
         _run_to_completion(engine)
