@@ -1,4 +1,5 @@
-"""The plain-torch paged attention (the reference for every kernel) against dense attention."""
+"""The plain-torch paged attention (the reference for every kernel) and the CPU backend built on
+torch's scaled_dot_product_attention, against dense attention."""
 
 from __future__ import annotations
 
@@ -6,14 +7,18 @@ import pytest
 import torch
 from paged_cases import dense_attention, make_paged_case, relative_error
 
-from kvfleet_engine.layers import attention_torch as ref
+from kvfleet_engine.layers import attention_sdpa, attention_torch
+
+BACKENDS = pytest.mark.parametrize(
+    "backend", [attention_torch, attention_sdpa], ids=["torch", "sdpa"]
+)
 
 
 def test_store_kv_writes_each_slot_and_skips_minus_one() -> None:
     k_cache = torch.zeros(4, 8, 2, 16)
     v_cache = torch.zeros(4, 8, 2, 16)
     key, value = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
-    ref.store_kv(key, value, k_cache, v_cache, torch.tensor([17, -1, 5]))
+    attention_torch.store_kv(key, value, k_cache, v_cache, torch.tensor([17, -1, 5]))
     assert torch.equal(k_cache[2, 1], key[0]) and torch.equal(v_cache[2, 1], value[0])
     assert torch.equal(k_cache[0, 5], key[2]) and torch.equal(v_cache[0, 5], value[2])
     assert int((k_cache != 0).any(-1).any(-1).sum()) == 2, "only two slots were written"
@@ -23,9 +28,10 @@ def test_store_kv_writes_each_slot_and_skips_minus_one() -> None:
     ("num_q_heads", "num_kv_heads", "context_lens"),
     [(8, 2, [1, 15, 16, 17, 100]), (4, 4, [33, 2]), (6, 1, [64])],
 )
-def test_decode_matches_dense_attention(num_q_heads, num_kv_heads, context_lens) -> None:
+@BACKENDS
+def test_decode_matches_dense_attention(backend, num_q_heads, num_kv_heads, context_lens) -> None:
     case = make_paged_case(context_lens, [1] * len(context_lens), num_q_heads, num_kv_heads)
-    out = ref.paged_decode_attention(
+    out = backend.paged_decode_attention(
         case.query, case.k_cache, case.v_cache, case.block_tables, case.context_lens, case.scale
     )
     assert out.shape == case.query.shape and out.dtype == case.query.dtype
@@ -40,9 +46,10 @@ def test_decode_matches_dense_attention(num_q_heads, num_kv_heads, context_lens)
         ([33, 20], [0, 20]),  # a sequence with no query tokens this step
     ],
 )
-def test_prefill_matches_dense_causal_attention(context_lens, query_lens) -> None:
+@BACKENDS
+def test_prefill_matches_dense_causal_attention(backend, context_lens, query_lens) -> None:
     case = make_paged_case(context_lens, query_lens, block_size=8)
-    out = ref.prefill_attention(
+    out = backend.prefill_attention(
         case.query,
         case.k_cache,
         case.v_cache,
@@ -54,13 +61,17 @@ def test_prefill_matches_dense_causal_attention(context_lens, query_lens) -> Non
     assert relative_error(out, dense_attention(case)) < 1e-5
 
 
-def test_store_then_decode_round_trip_in_bfloat16() -> None:
+@BACKENDS
+def test_store_then_decode_round_trip_in_bfloat16(backend) -> None:
+    """Slots past each sequence hold NaN: a backend must never let them count."""
     case = make_paged_case([30, 7], [1, 1], dtype=torch.bfloat16)
     k_cache = torch.full_like(case.k_cache, float("nan"))
     v_cache = torch.full_like(case.v_cache, float("nan"))
-    ref.store_kv(torch.cat(case.keys), torch.cat(case.values), k_cache, v_cache, case.slot_mapping)
-    out = ref.paged_decode_attention(
+    backend.store_kv(
+        torch.cat(case.keys), torch.cat(case.values), k_cache, v_cache, case.slot_mapping
+    )
+    out = backend.paged_decode_attention(
         case.query, k_cache, v_cache, case.block_tables, case.context_lens, case.scale
     )
-    assert out.dtype == torch.bfloat16
+    assert out.dtype == torch.bfloat16 and not out.isnan().any()
     assert relative_error(out, dense_attention(case)) < 1e-2
