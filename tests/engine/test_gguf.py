@@ -170,3 +170,39 @@ def test_serve_reports_a_broken_file_without_a_traceback(
 def test_max_model_len_beyond_the_files_context(models: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=r"max_model_len must be in \[2, 1024\]"):
         LLM(str(models["qwen2"][1]), device="cpu", max_model_len=4096)
+
+
+def test_sentencepiece_vocabulary_matches_transformers(tmp_path: Path) -> None:
+    """A `llama` (SentencePiece BPE) vocabulary with scores and byte fallback, as Llama 2 and
+    Mistral files carry: the same pieces as transformers' GGUF tokenizer, BOS first as llama.cpp
+    adds it (`tokenizer.ggml.add_bos_token`), and text decoded back exactly."""
+    from transformers import AutoTokenizer
+
+    from kvfleet_engine.loaders.gguf_tokenizer import gguf_tokenizer
+
+    words = ["▁the", "▁cat", "▁sat", "▁on", "▁mat", "▁hello", "▁world", "he", "llo", "▁h", "at"]
+    letters = list("abcdefghijklmnopqrstuvwxyz")
+    tokens = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], "▁", *letters, *words]
+    writer = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types([2, 3, 3, *[6] * 256, *[1] * (1 + len(letters) + len(words))])
+    writer.add_token_scores(
+        [0.0] * 259 + [-100.0] + [-50.0 - i for i in range(26)] + [-float(i) for i in range(11)]
+    )
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours = gguf_tokenizer(str(tmp_path / "spm.gguf"))
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    for text in ["the cat sat on the mat", "hello world", "Hello wörld!\n  x", "thecat"]:
+        ids = ours.encode(text)
+        assert ids[0] == 1 and ids[1:] == ours.encode(text, add_special_tokens=False)
+        assert ids[1:] == [i for i in theirs.encode(text) if i != 1]
+        assert ours.decode(ids, skip_special_tokens=True) == text
