@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvfleet_engine.layers.attention_torch import gather_kv, store_kv
+from kvfleet_engine.layers.attention_torch import prefill_each_sequence, store_kv
 
 __all__ = ["paged_decode_attention", "prefill_attention", "store_kv"]
 
@@ -59,23 +59,24 @@ def prefill_attention(
     context_lens: torch.Tensor,  # [num_seqs] int32 = cached prefix + this step's query tokens
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
-    out = torch.empty_like(query)
-    starts = cu_query_lens.tolist()
-    for seq, context_len in enumerate(context_lens.tolist()):
-        start, end = starts[seq], starts[seq + 1]
-        if end == start:
-            continue
-        key = gather_kv(k_cache, block_tables[seq], context_len).transpose(0, 1)[None]
-        value = gather_kv(v_cache, block_tables[seq], context_len).transpose(0, 1)[None]
-        q = query[start:end].transpose(0, 1)[None]  # [1, num_q_heads, q_len, head_dim]
-        q_len = end - start
-        mask = None
-        if q_len < context_len:  # query i sees the context up to its own position
-            positions = torch.arange(context_len - q_len, context_len, device=query.device)
-            mask = torch.arange(context_len, device=query.device) <= positions[:, None]
-        attended = F.scaled_dot_product_attention(
-            q, key, value, attn_mask=mask, is_causal=mask is None and q_len > 1, scale=scale,
-            enable_gqa=True,
-        )  # fmt: skip
-        out[start:end] = attended[0].transpose(0, 1)
-    return out
+    return prefill_each_sequence(
+        _attend, query, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale
+    )
+
+
+def _attend(
+    query: torch.Tensor,  # [q_len, num_q_heads, head_dim], the last q_len positions of the context
+    key: torch.Tensor,  # [context_len, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [context_len, num_kv_heads, head_dim]
+    scale: float,
+) -> torch.Tensor:  # [q_len, num_q_heads, head_dim]
+    q_len, context_len = query.shape[0], key.shape[0]
+    mask = None
+    if q_len < context_len:  # query i sees the context up to its own position
+        positions = torch.arange(context_len - q_len, context_len, device=query.device)
+        mask = torch.arange(context_len, device=query.device) <= positions[:, None]
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None],
+        attn_mask=mask, is_causal=mask is None and q_len > 1, scale=scale, enable_gqa=True,
+    )  # fmt: skip
+    return out[0].transpose(0, 1)

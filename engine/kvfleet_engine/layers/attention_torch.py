@@ -8,6 +8,8 @@ token's slot is block_id * block_size + offset. Every backend takes these signat
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -81,6 +83,23 @@ def prefill_attention(
     context_lens: torch.Tensor,  # [num_seqs] int32 = cached prefix + this step's query tokens
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
+    return prefill_each_sequence(
+        _attend, query, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale
+    )
+
+
+def prefill_each_sequence(
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor],
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """prefill_attention's loop: each sequence's query tokens attend (with `attend(query [q_len,
+    heads, dim], key, value [context_len, kv_heads, dim], scale)`) to its gathered context."""
     out = torch.empty_like(query)
     starts = cu_query_lens.tolist()
     for seq, context_len in enumerate(context_lens.tolist()):
@@ -89,5 +108,5 @@ def prefill_attention(
             continue
         key = gather_kv(k_cache, block_tables[seq], context_len)
         value = gather_kv(v_cache, block_tables[seq], context_len)
-        out[start:end] = _attend(query[start:end], key, value, scale)
+        out[start:end] = attend(query[start:end], key, value, scale)
     return out

@@ -81,10 +81,7 @@ def gguf_hf_config(path: str) -> dict[str, Any]:
         return value
 
     hidden = int(required("embedding_length"))
-    num_heads = int(required("attention.head_count"))
-    num_kv_heads = _uniform(
-        field(reader, f"{arch}.attention.head_count_kv", num_heads), "head_count_kv"
-    )
+    num_heads, num_kv_heads = head_counts(reader, arch)
     head_dim = int(field(reader, f"{arch}.attention.key_length") or hidden // num_heads)
     rope_dim = int(field(reader, f"{arch}.rope.dimension_count") or head_dim)
     if rope_dim != head_dim:
@@ -113,6 +110,15 @@ def gguf_hf_config(path: str) -> dict[str, Any]:
         "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
     }
     return config
+
+
+def head_counts(reader: Any, arch: str) -> tuple[int, int]:
+    """(query heads, KV heads); KV heads default to the query heads."""
+    num_heads = field(reader, f"{arch}.attention.head_count")
+    if num_heads is None:
+        raise ValueError(f"model: GGUF metadata lacks {arch}.attention.head_count")
+    num_kv_heads = field(reader, f"{arch}.attention.head_count_kv", num_heads)
+    return int(num_heads), _uniform(num_kv_heads, "head_count_kv")
 
 
 def _uniform(value: Any, key: str) -> int:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from kvfleet_engine.loaders.gguf_metadata import TENSOR_TYPES, field, open_gguf
+from kvfleet_engine.loaders.gguf_metadata import TENSOR_TYPES, field, head_counts, open_gguf
 
 # GGUF name -> Hugging Face name; {i} is the layer index.
 _GLOBAL_NAMES = {
@@ -66,9 +66,7 @@ def gguf_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
 
     reader = open_gguf(path)
     arch = field(reader, "general.architecture")
-    num_heads = int(field(reader, f"{arch}.attention.head_count"))
-    num_kv_heads = field(reader, f"{arch}.attention.head_count_kv", num_heads)
-    num_kv_heads = int(num_kv_heads[0] if isinstance(num_kv_heads, list) else num_kv_heads)
+    num_heads, num_kv_heads = head_counts(reader, arch) if arch == "llama" else (0, 0)
     for tensor in reader.tensors:
         if tensor.name in _CONFIG_TENSORS:
             continue
