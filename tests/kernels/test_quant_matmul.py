@@ -7,6 +7,7 @@ products, torch._scaled_mm included, and inside a CUDA graph.
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import numpy as np
@@ -62,30 +63,32 @@ def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
     return float((out.float() - expected.float()).norm() / expected.float().norm())
 
 
+@functools.cache
 def make_int4(n: int, k: int, group_size: int, scale_dtype=torch.float16, device=DEVICE, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (n, k), generator=gen)
-    scales = torch.rand(n, k // group_size, generator=gen) * 0.02 + 0.001
-    offsets = -8 * scales * (1 + 0.1 * torch.randn(n, k // group_size, generator=gen))
-    weight = layout.pack_int4(codes, scales, offsets, group_size, scale_dtype=scale_dtype)
-    return layout.Int4Weight(
-        weight.qweight.to(device),
-        weight.scales.to(device),
-        weight.offsets.to(device),
-        None,
-        group_size,
-    )
+    """A random packed int4 weight [K, N] (built on the device: the 8B products are large)."""
+    gen = torch.Generator(device).manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=gen, device=device)
+    scales = torch.rand(n, k // group_size, generator=gen, device=device) * 0.02 + 0.001
+    noise = torch.randn(n, k // group_size, generator=gen, device=device)
+    offsets = -8 * scales * (1 + 0.1 * noise)
+    return layout.pack_int4(codes, scales, offsets, group_size, scale_dtype=scale_dtype)
 
 
+@functools.cache
 def make_int8(n: int, k: int, group_size: int | None, device=DEVICE, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    weight = layout.quantize_int8(torch.randn(n, k, generator=gen) * 0.02, group_size)
-    return layout.Int8Weight(weight.qweight.to(device), weight.scales.to(device), weight.group_size)
+    gen = torch.Generator(device).manual_seed(seed)
+    weight = torch.randn(n, k, generator=gen, device=device) * 0.02
+    return layout.quantize_int8(weight, group_size)
 
 
 def make_x(m: int, k: int, dtype=torch.float32, device=DEVICE, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
+    gen = torch.Generator(device).manual_seed(seed)
+    return torch.randn(m, k, generator=gen, device=device).to(dtype)
+
+
+@functools.cache
+def make_fp8(n: int, k: int, device=DEVICE):
+    return layout.quantize_fp8(make_x(n, k, device=device, seed=3) * 0.02)
 
 
 def run_int4(x, weight, plan=None):
@@ -186,7 +189,7 @@ def test_fp8_row_quantization_matches_reference() -> None:
 @on_cpu
 @pytest.mark.parametrize("m", [1, 20])
 def test_triton_fp8_gemm_matches_reference(m) -> None:
-    weight = layout.quantize_fp8(make_x(80, 96, seed=3))
+    weight = make_fp8(80, 96)
     x = make_x(m, 96, dtype=torch.float16)
     out = fp8.fp8_matmul(x, weight.weight, weight.scale, torch.float16)
     assert out.shape == (m, 80) and out.dtype == torch.float16
@@ -219,7 +222,7 @@ def test_int8_and_fp8_reject_bad_operands_naming_them() -> None:
     x = make_x(2, 96)
     with pytest.raises(ValueError, match="qweight"):
         int8.int8_matmul(x, weight.qweight.to(torch.int32), weight.scales, 32)
-    fp8_weight = layout.quantize_fp8(make_x(64, 96))
+    fp8_weight = make_fp8(64, 96)
     with pytest.raises(ValueError, match="x must be bfloat16 or float16"):
         fp8.fp8_matmul(x, fp8_weight.weight, fp8_weight.scale, torch.bfloat16)
     with pytest.raises(ValueError, match="weight_scale"):
@@ -263,7 +266,7 @@ def test_gpu_int8_llama_products(n, k, group_size, m) -> None:
 def test_gpu_fp8_llama_products(n, k, m, backend) -> None:
     if not ON_GPU:
         pytest.skip("needs a CUDA GPU")
-    weight = layout.quantize_fp8(make_x(n, k, seed=3) * 0.02)
+    weight = make_fp8(n, k)
     x = make_x(m, k, dtype=torch.bfloat16)
     x_q, x_scale = fp8.quantize_fp8_rows(x)
     expected_q, expected_scale = layout.quantize_fp8_rows(x)
@@ -286,7 +289,7 @@ def test_gpu_products_replay_in_a_cuda_graph(m) -> None:
         pytest.skip("needs a CUDA GPU")
     n, k = 4096, 4096
     w4, w8 = make_int4(n, k, 128), make_int8(n, k, None)
-    wf = layout.quantize_fp8(make_x(n, k, seed=3) * 0.02)
+    wf = make_fp8(n, k)
     x = make_x(m, k, dtype=torch.bfloat16)
 
     def products():

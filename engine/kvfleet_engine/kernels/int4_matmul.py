@@ -88,7 +88,7 @@ def _load_codes(qweight_ptr, k0, offs_n, n_mask, N, BITS: tl.constexpr, BLOCK_K:
         return bits.to(tl.float32, bitcast=True) - 8388736.0
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["steps_per_split"])  # one compile for every split of K
 def _gemv_kernel(
     x_ptr,
     qweight_ptr,
@@ -140,11 +140,11 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _sum_splits_kernel(partial_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits_kernel(partial_ptr, out_ptr, numel, split_k, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for split in tl.static_range(SPLIT_K):
+    for split in range(split_k):
         acc += tl.load(partial_ptr + split * numel + offs, mask=mask, other=0.0)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -273,7 +273,7 @@ def launch(
         if split_k > 1:
             block = 1024
             _sum_splits_kernel[(triton.cdiv(m * n, block),)](
-                target, out, m * n, SPLIT_K=split_k, BLOCK=block
+                target, out, m * n, split_k, BLOCK=block
             )
     elif plan.kernel == "gemm":
         grid = (triton.cdiv(m, plan.block_m) * triton.cdiv(n, plan.block_n),)
