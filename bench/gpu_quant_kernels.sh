@@ -15,9 +15,9 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --form
 for step in $STEPS; do
   echo "=== $step ($(date +%T))"
   case $step in
-    tests) timeout -k 5 "${TESTS_TIMEOUT:-170}" $PY -m pytest -m gpu tests/kernels/test_quant_matmul.py \
+    tests) timeout -k 5 "${TESTS_TIMEOUT:-150}" $PY -m pytest -m gpu tests/kernels/test_quant_matmul.py \
         -q -p no:cacheprovider --durations=5 2>&1 | tee "$OUT/tests.log" | grep -v Warning | tail -40 ;;
-    bench) timeout -k 5 "${BENCH_TIMEOUT:-330}" $PY -m kvfleet_engine.bench.quant_gemv \
+    bench) timeout -k 5 "${BENCH_TIMEOUT:-300}" $PY -m kvfleet_engine.bench.quant_gemv \
         --tokens "${TOKENS:-1,8,64,256,4096}" --sweep-tokens "${SWEEP_TOKENS:-1,8,256,4096}" \
         --layers "${LAYERS:-8}" --output-dir "$OUT" 2>&1 | tee "$OUT/quant_gemv.log" | grep -v Warning ;;
     *) echo "unknown step $step" ;;

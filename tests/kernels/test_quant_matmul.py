@@ -125,7 +125,9 @@ PLANS = [
     pytest.param(MatmulPlan("gemv", 1, 32, 16, split_k=5), 1, id="gemv-split5"),
     pytest.param(MatmulPlan("gemv", 16, 64, 32, use_dot=True), 9, id="gemv-dot"),
     pytest.param(MatmulPlan("gemv", 16, 64, 32, split_k=3, use_dot=True), 16, id="gemv-dot-split3"),
+    pytest.param(MatmulPlan("gemv", 4, 64, 32, 2, int4_codes="int4-rows"), 4, id="gemv-rows"),
     pytest.param(MatmulPlan("gemm", 16, 32, 16), 40, id="gemm-small-tiles"),
+    pytest.param(MatmulPlan("gemm", 16, 32, 32, int4_codes="int4-rows"), 20, id="gemm-rows"),
     pytest.param(MatmulPlan("dequantize", 0, 64, 32), 5, id="dequantize"),
 ]
 
@@ -234,9 +236,14 @@ def test_int8_and_fp8_reject_bad_operands_naming_them() -> None:
 # ---- on the GPU, the Llama-3.1-8B products ------------------------------------------------------
 
 
+# (group_size, rows): each kernel of the shape table (GEMV at 1 and 8 rows, GEMM tiles of 64 and
+# 128 rows, dequantize + cuBLAS at 1024) at group 128, and GEMV / GEMM at group 32
+INT4_CASES = [(128, 1), (128, 8), (128, 64), (128, 300), (128, 1024), (32, 1), (32, 300)]
+INT8_CASES = [(None, 1), (None, 8), (None, 300), (None, 1024), (32, 1), (32, 300)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8, 64, 300, 1024])
-@pytest.mark.parametrize("group_size", [128, 32])
+@pytest.mark.parametrize(("group_size", "m"), INT4_CASES)
 @pytest.mark.parametrize(("n", "k"), LLAMA_8B)
 def test_gpu_int4_llama_products(n, k, group_size, m) -> None:
     if not ON_GPU:
@@ -248,8 +255,7 @@ def test_gpu_int4_llama_products(n, k, group_size, m) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8, 64, 300, 1024])
-@pytest.mark.parametrize("group_size", [None, 32])
+@pytest.mark.parametrize(("group_size", "m"), INT8_CASES)
 @pytest.mark.parametrize(("n", "k"), LLAMA_8B)
 def test_gpu_int8_llama_products(n, k, group_size, m) -> None:
     if not ON_GPU:
@@ -261,7 +267,7 @@ def test_gpu_int8_llama_products(n, k, group_size, m) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", fp8.BACKENDS)
-@pytest.mark.parametrize("m", [1, 8, 64, 300])
+@pytest.mark.parametrize("m", [1, 8, 300])
 @pytest.mark.parametrize(("n", "k"), LLAMA_8B)
 def test_gpu_fp8_llama_products(n, k, m, backend) -> None:
     if not ON_GPU:

@@ -90,7 +90,7 @@ VARIANTS: dict[str, tuple[str, Product]] = {  # name -> (format, product)
 def gemv_candidates(m: int) -> dict[str, Callable[[int, int, int, int], ints.MatmulPlan]]:
     """The auto GEMV plan with other BLOCK_N / BLOCK_K / warps and split-K scaled by a factor."""
 
-    def variant(block_n: int, block_k: int, warps: int, split: float, dot: bool = False):
+    def variant(block_n: int, block_k: int, warps: int, split: float, dot=False, rows=False):
         def plan_of(m: int, n: int, k: int, group: int) -> ints.MatmulPlan:
             auto = auto_plan(m, n, k, group)
             scaled = auto.split_k * block_n / auto.block_n  # about as many programs
@@ -102,25 +102,27 @@ def gemv_candidates(m: int) -> dict[str, Callable[[int, int, int, int], ints.Mat
                 split_k=max(1, round(scaled * split)) if split else 1,
                 num_warps=warps,
                 use_dot=dot,
+                int4_codes="int4-rows" if rows else "int4",
             )
 
         return plan_of
 
-    blocks = [(64, 128, 4), (128, 128, 4), (256, 128, 4), (256, 128, 8), (128, 64, 4)]
+    blocks = [(64, 128, 4), (128, 128, 4), (256, 128, 8), (128, 64, 4), (128, 32, 4)]
     out = {
         f"bn{bn} bk{bk} w{w} split{'x' + str(s) if s else '=1'}": variant(bn, bk, w, s)
         for bn, bk, w in blocks
-        for s in (0, 0.5, 1, 2)
+        for s in (0, 1, 2) + ((0.5,) if (bn, bk) == (128, 128) else ())
     }
+    out |= {f"rows bn128 bk{bk} w4 splitx1": variant(128, bk, 4, 1, rows=True) for bk in (32, 128)}
     if m > 1:
-        out |= {f"dot bn{bn} split x1": variant(bn, 64, 4, 1, dot=True) for bn in (64, 128)}
+        out |= {f"dot bn{bn} bk64 splitx1": variant(bn, 64, 4, 1, dot=True) for bn in (64, 128)}
     return out
 
 
 def prompt_candidates() -> dict[str, Callable[[int, int, int, int], ints.MatmulPlan]]:
     def gemm(block_m: int, block_n: int, warps: int, stages: int):
         return lambda m, n, k, g: ints.MatmulPlan(
-            "gemm", block_m, block_n, 64, 1, False, warps, stages
+            "gemm", block_m, block_n, 64, num_warps=warps, num_stages=stages
         )
 
     return {
@@ -256,32 +258,15 @@ def best_per_product(runs: list[dict[str, Any]]) -> dict[str, str]:
     return {name: f"{variant} ({us:.1f} us)" for name, (us, variant) in best.items()}
 
 
-def sweeps(bench: Bench, tokens: list[int]) -> tuple[dict[str, dict[str, str]], list[dict]]:
-    """Candidates per (format, rows); returns each product's fastest candidate, and all runs."""
-    best, all_runs = {}, []
-    for m in tokens:
-        groups = []
-        if m <= ints.GEMV_MAX_ROWS:
-            for fmt, label in (("int4", f"int4-g{INT4_GROUP}"), ("int8", "int8")):
-                groups.append(
-                    (fmt, label, {n: int_product(c) for n, c in gemv_candidates(m).items()})
-                )
-        else:
-            for fmt, label in (("int4", f"int4-g{INT4_GROUP}"), ("int8", "int8")):
-                groups.append(
-                    (fmt, label, {n: int_product(c) for n, c in prompt_candidates().items()})
-                )
-        kind = "decode" if m <= fp8.DECODE_MAX_ROWS else "prompt"
-        blocks = FP8_TRITON_BLOCKS[kind]
-        groups.append(("fp8", "fp8-triton", {str(b): fp8_product("triton", b) for b in blocks}))
-        for fmt, label, candidates in groups:
-            print(f"--- sweep {label} at {m} rows")
-            runs = [safe_run(bench, m, fmt, p, f"{label} {n}") for n, p in candidates.items()]
-            all_runs += [r for r in runs if r]
-            found = best_per_product([r for r in runs if r])
-            best[f"{label} m{m}"] = found
-            print(f"best {label} m{m}: " + "; ".join(f"{k}: {v}" for k, v in found.items()))
-    return best, all_runs
+def sweep_groups(m: int) -> list[tuple[str, str, dict[str, Product]]]:
+    """(format, label, candidates) swept at m rows."""
+    groups = []
+    for fmt, label in (("int4", f"int4-g{INT4_GROUP}"), ("int8", "int8")):
+        plans = gemv_candidates(m) if m <= ints.GEMV_MAX_ROWS else prompt_candidates()
+        groups.append((fmt, label, {name: int_product(plan) for name, plan in plans.items()}))
+    blocks = FP8_TRITON_BLOCKS["decode" if m <= fp8.DECODE_MAX_ROWS else "prompt"]
+    groups.append(("fp8", "fp8-triton", {str(b): fp8_product("triton", b) for b in blocks}))
+    return groups
 
 
 def result_rows(runs: list[dict[str, Any]], bandwidth: float) -> list[Row]:
@@ -315,25 +300,35 @@ def main(argv: list[str] | None = None) -> int:
         for variant, (fmt, product) in VARIANTS.items():
             run = safe_run(bench, m, fmt, product, variant)
             runs += [run] if run else []
-    sweep_tokens = [int(t) for t in args.sweep_tokens.split(",") if t]
-    best, sweep_runs = sweeps(bench, sweep_tokens)
-    if args.output_dir:
+    sweep_best: dict[str, dict[str, str]] = {}
+    sweep_runs: list[dict[str, Any]] = []
+
+    def save() -> None:  # after each part, so a run cut short keeps what it measured
+        if not args.output_dir:
+            return
+        workload = {"layers": args.layers, "tokens": args.tokens, "runs": runs}
+        workload |= {"sweep_best": sweep_best, "sweep_runs": sweep_runs}
         path = write_results(
             args.output_dir,
             f"quant-gemv-{args.shape}",
             gpu_name(bench.device),
             "python -m kvfleet_engine.bench.quant_gemv " + shlex.join(argv or sys.argv[1:]),
             args.shape,
-            {
-                "layers": args.layers,
-                "tokens": args.tokens,
-                "runs": runs,
-                "sweep_best": best,
-                "sweep_runs": sweep_runs,
-            },
+            workload,
             result_rows(runs, bandwidth),
         )
         print(f"wrote {path}")
+
+    save()
+    for m in (int(t) for t in args.sweep_tokens.split(",") if t):
+        for fmt, label, candidates in sweep_groups(m):
+            print(f"--- sweep {label} at {m} rows")
+            found = [safe_run(bench, m, fmt, p, f"{label} {n}") for n, p in candidates.items()]
+            sweep_runs.extend(run for run in found if run)
+            best = best_per_product([run for run in found if run])
+            sweep_best[f"{label} m{m}"] = best
+            print(f"best {label} m{m}: " + "; ".join(f"{k}: {v}" for k, v in best.items()))
+            save()
     return 0
 
 

@@ -37,6 +37,7 @@ class MatmulPlan:
     block_k: int  # rows of the weight per loop step; a power of two dividing group_size
     split_k: int = 1  # gemv: slices of K summed by a second kernel
     use_dot: bool = False  # gemv: tl.dot on the tensor cores instead of FMAs
+    int4_codes: str = "int4"  # how int4 codes unpack: "int4" (reshape) or "int4-rows" (gather)
     num_warps: int = 4
     num_stages: int = 3
 
@@ -52,7 +53,7 @@ def plan_matmul(m: int, n: int, k: int, group_size: int, device: torch.device) -
     """Block sizes by shape class (a fixed table, so nothing is tuned inside graph capture)."""
     pow2_of_group = group_size & -group_size  # the largest power of two dividing group_size
     if m <= GEMV_MAX_ROWS:
-        block_k = min(128, pow2_of_group)
+        block_k = min(max(16, 128 // next_power_of_2(m)), pow2_of_group)  # x·code is M·K·N
         block_n = 128
         n_blocks, k_blocks = triton.cdiv(n, block_n), k // block_k
         wanted = max(1, 4 * _num_sms(device) // n_blocks)  # ~4 programs per SM
@@ -69,15 +70,28 @@ def plan_matmul(m: int, n: int, k: int, group_size: int, device: torch.device) -
 
 
 @triton.jit
-def _load_codes(qweight_ptr, k0, offs_n, n_mask, N, BITS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Codes of weight rows k0 .. k0 + BLOCK_K, columns offs_n, as float32 [BLOCK_K, BLOCK_N]."""
-    if BITS == 4:  # int32 [K // 8, N]: row k in bits 4 * (k % 8) of packed row k // 8
+def _load_codes(
+    qweight_ptr, k0, offs_n, n_mask, N,
+    CODES: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Codes of weight rows k0 .. k0 + BLOCK_K, columns offs_n, as float32 [BLOCK_K, BLOCK_N].
+    CODES: "int4" (each packed int32 loaded once, its 8 nibbles reshaped into rows), "int4-rows"
+    (each row loads its int32 and shifts: 8x the load instructions, no reshape) or "int8"."""
+    if CODES == "int4":  # int32 [K // 8, N]: row k in bits 4 * (k % 8) of packed row k // 8
         rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         packed = tl.load(
             qweight_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :], mask=n_mask[None, :]
         )
         nibbles = (packed[:, None, :] >> (4 * tl.arange(0, 8))[None, :, None]) & 0xF
-        bits = tl.reshape(nibbles, (BLOCK_K, offs_n.shape[0])) | 0x4B000000
+        bits = tl.reshape(nibbles, (BLOCK_K, BLOCK_N)) | 0x4B000000
+        return bits.to(tl.float32, bitcast=True) - 8388608.0
+    elif CODES == "int4-rows":
+        rows = k0 + tl.arange(0, BLOCK_K)
+        packed = tl.load(
+            qweight_ptr + (rows // 8)[:, None].to(tl.int64) * N + offs_n[None, :],
+            mask=n_mask[None, :],
+        )
+        bits = ((packed >> (4 * (rows % 8))[:, None]) & 0xF) | 0x4B000000
         return bits.to(tl.float32, bitcast=True) - 8388608.0
     else:  # int8 [K, N], symmetric: 2^23 + 128 + code, then subtract
         rows = k0 + tl.arange(0, BLOCK_K)
@@ -101,7 +115,7 @@ def _gemv_kernel(
     stride_xm,
     group_size,
     steps_per_split,
-    BITS: tl.constexpr,
+    CODES: tl.constexpr,
     HAS_OFFSETS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -118,7 +132,7 @@ def _gemv_kernel(
     k_end = tl.minimum(K, k_start + steps_per_split * BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):  # BLOCK_K divides group_size: one group per step
-        codes = _load_codes(qweight_ptr, k0, offs_n, n_mask, N, BITS, BLOCK_K)
+        codes = _load_codes(qweight_ptr, k0, offs_n, n_mask, N, CODES, BLOCK_K, BLOCK_N)
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(
             x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
@@ -152,10 +166,11 @@ def _sum_splits_kernel(partial_ptr, out_ptr, numel, split_k, BLOCK: tl.constexpr
 @triton.jit
 def _dequantized_tile(
     qweight_ptr, scales_ptr, offsets_ptr, k0, offs_n, n_mask, N, group_size,
-    BITS: tl.constexpr, HAS_OFFSETS: tl.constexpr, BLOCK_K: tl.constexpr,
+    CODES: tl.constexpr, HAS_OFFSETS: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """code * scale + offset of rows k0 .. k0 + BLOCK_K (one group), float32 [BLOCK_K, BLOCK_N]."""
-    codes = _load_codes(qweight_ptr, k0, offs_n, n_mask, N, BITS, BLOCK_K)
+    codes = _load_codes(qweight_ptr, k0, offs_n, n_mask, N, CODES, BLOCK_K, BLOCK_N)
     group = (k0 // group_size) * N
     scale = tl.load(scales_ptr + group + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     weight = codes * scale[None, :]
@@ -168,7 +183,7 @@ def _dequantized_tile(
 @triton.jit
 def _gemm_kernel(
     x_ptr, qweight_ptr, scales_ptr, offsets_ptr, out_ptr, M, N, K, stride_xm, group_size,
-    BITS: tl.constexpr, HAS_OFFSETS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CODES: tl.constexpr, HAS_OFFSETS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -184,7 +199,7 @@ def _gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         weight = _dequantized_tile(
             qweight_ptr, scales_ptr, offsets_ptr, k0, offs_n, n_mask, N, group_size,
-            BITS, HAS_OFFSETS, BLOCK_K,
+            CODES, HAS_OFFSETS, BLOCK_K, BLOCK_N,
         )  # fmt: skip
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(
@@ -200,14 +215,14 @@ def _gemm_kernel(
 @triton.jit
 def _dequantize_kernel(
     qweight_ptr, scales_ptr, offsets_ptr, weight_ptr, N, group_size,
-    BITS: tl.constexpr, HAS_OFFSETS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    CODES: tl.constexpr, HAS_OFFSETS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     k0 = tl.program_id(0) * BLOCK_K
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     weight = _dequantized_tile(
         qweight_ptr, scales_ptr, offsets_ptr, k0, offs_n, n_mask, N, group_size,
-        BITS, HAS_OFFSETS, BLOCK_K,
+        CODES, HAS_OFFSETS, BLOCK_K, BLOCK_N,
     )  # fmt: skip
     rows = k0 + tl.arange(0, BLOCK_K)
     out = weight_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :]
@@ -252,14 +267,14 @@ def launch(
     plan: MatmulPlan,
 ) -> torch.Tensor:
     """Run one plan on checked operands; returns [M, N] in x's dtype."""
-    bits = 4 if qweight.dtype == torch.int32 else 8
+    codes = "int8" if qweight.dtype == torch.int8 else plan.int4_codes
     m, k = x.shape
     n = qweight.shape[1]
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)  # [M, N]
     if m == 0:
         return out
     offsets_arg = scales if offsets is None else offsets  # not read without offsets
-    common = dict(BITS=bits, HAS_OFFSETS=offsets is not None, BLOCK_K=plan.block_k)
+    common = dict(CODES=codes, HAS_OFFSETS=offsets is not None, BLOCK_K=plan.block_k)
     if plan.kernel == "gemv":
         steps = triton.cdiv(k // plan.block_k, plan.split_k)
         split_k = triton.cdiv(k // plan.block_k, steps)  # no empty slices
