@@ -10,7 +10,7 @@ kernels with 8-bit signed codes and no offsets (`int8_matmul`). Three kernels, o
 - dequantize + cuBLAS (long prompts): the weight is expanded once into x's dtype; at thousands of
   rows the product is compute-bound and the expansion is a few percent of it.
 Codes become floats through their bits (0x4B000000 | code is the float 2^23 + code), not through
-integer conversions, which run at a quarter of the FMA rate.
+integer-to-float conversions, which issue at a fraction of the FMA rate.
 """
 
 from __future__ import annotations
