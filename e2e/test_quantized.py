@@ -161,11 +161,13 @@ def operator(cluster: E2ECluster, namespace: str, tmp_path: Path) -> Iterator[Pa
     stop_child(proc, signal.SIGTERM, 20)
 
 
-def wait(check: Callable[[], T | None], timeout: float, what: str, logs: list[Path]) -> T:
-    def tails() -> str:
-        return "\n".join(f"--- {p.name} ---\n{tail(p, 25)}" for p in logs if p.exists())
+def tails(logs: Path) -> str:
+    """The end of every log in `logs`: the operator's and each engine's."""
+    return "\n".join(f"--- {p.name} ---\n{tail(p, 25)}" for p in sorted(logs.glob("*.log")))
 
-    return wait_until(check, timeout, what, tails)
+
+def wait(check: Callable[[], T | None], timeout: float, what: str, logs: Path) -> T:
+    return wait_until(check, timeout, what, lambda: tails(logs))
 
 
 def test_int4_awq_rolls_out_to_ready_and_serves(
@@ -195,7 +197,7 @@ def test_int4_awq_rolls_out_to_ready_and_serves(
         },
     }
     kubectl("apply", "--server-side", "-f", "-", input=json.dumps(manifest))
-    logs = [operator]
+    logs = operator.parent  # operator.log, then engine-POD.log
 
     def infd() -> dict[str, Any]:
         return dict(kubectl.json("get", "infd", NAME, "-n", namespace))
@@ -225,12 +227,13 @@ def test_int4_awq_rolls_out_to_ready_and_serves(
     with EnginePods(
         kubectl, namespace, NAME, model, tmp_path, extra_args=quantization_flags
     ) as engines:
-        ips = wait(
-            lambda: engines.ready_ips(),
-            240,
-            "the AWQ engine to be ready",
-            logs + [tmp_path / f"engine-{n}.log" for n in engines.started],
-        )
+
+        def engine_ready() -> list[str]:
+            exited = [name for name, (_, proc) in engines.procs.items() if proc.poll() is not None]
+            assert not exited, f"the engine of {exited} exited\n{tails(logs)}"
+            return engines.ready_ips()
+
+        ips = wait(engine_ready, 240, "the AWQ engine to be ready", logs)
         response = httpx.post(
             f"http://{ips[0]}:8000/v1/completions",
             json={"model": NAME, "prompt": "hello", "max_tokens": 8, "temperature": 0,
