@@ -18,6 +18,20 @@ from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.server.cli import build_parser
 
 
+def _gaps_at_first_divergence(reference: list[Any], other: list[Any]) -> list[float]:
+    """For each pair of greedy completions that differ: how many nats below its own token the
+    reference run (asked for logprobs) rated the other run's token where they first differ — the
+    context is the same up to there."""
+    gaps = []
+    for ref, out in zip(reference, other, strict=True):
+        pairs = zip(ref.token_ids, out.token_ids, strict=True)
+        first = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+        if first is not None:
+            logprobs = ref.logprobs[first]
+            gaps.append(logprobs[ref.token_ids[first]] - logprobs.get(out.token_ids[first], -1e9))
+    return gaps
+
+
 def _num_blocks(llm: Any) -> int:
     return llm.engine.kv_cache.num_blocks  # what the KV-cache metrics count
 
@@ -52,17 +66,14 @@ def test_fp8_greedy_tokens_follow_the_exact_cache(make_llm: Callable[..., Any]) 
         llm = make_llm("qwen3", max_model_len=256, kv_cache_dtype=kv_cache_dtype)
         results = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         outputs[kv_cache_dtype] = [r.outputs[0] for r in results]
-    first_equal, gaps = 0, []
-    for exact, fp8 in zip(outputs["auto"], outputs["fp8"], strict=True):
-        first_equal += exact.token_ids[0] == fp8.token_ids[0]
-        pairs = zip(exact.token_ids, fp8.token_ids, strict=True)
-        first = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
-        if first is not None:  # the same context up to here: the exact run's logprobs apply
-            logprobs = exact.logprobs[first]
-            gaps.append(logprobs[exact.token_ids[first]] - logprobs.get(fp8.token_ids[first], -1e9))
+    first_equal = sum(
+        exact.token_ids[0] == fp8.token_ids[0]
+        for exact, fp8 in zip(outputs["auto"], outputs["fp8"], strict=True)
+    )
+    gaps = _gaps_at_first_divergence(outputs["auto"], outputs["fp8"])
     assert first_equal >= 26
     assert max(gaps) < 0.2, sorted(gaps)
-    assert len(gaps) <= 24, "most prompts still agree on every token"
+    assert len(gaps) <= 24, "at least 8 prompts agree on all 16 tokens (measured: 11)"
 
 
 def test_kv_cache_dtype_is_checked_naming_the_field(checkpoints: Checkpoints) -> None:
@@ -102,3 +113,38 @@ def test_fp8_on_the_triton_backend_needs_compute_capability_8_9(
     assert model_runner.resolve_kv_cache_dtype("auto", torch.bfloat16, cuda, "triton") == (
         torch.bfloat16
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp8_cache_on_the_gpu_in_decode_graphs(checkpoints: Checkpoints) -> None:
+    """bf16 model, Triton kernels: the fp8 cache in the captured decode graphs agrees with eager
+    steps and follows the bf16 cache, up to near-ties (bf16 rounding moves logits by ~1e-2)."""
+    from kvfleet_engine import LLM
+
+    prompts = random_prompts([1, 17, 45, 120, 300, 700, 5, 64], seed=23)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
+    runs = {}
+    settings = {
+        "bf16": {},
+        "fp8": {"kv_cache_dtype": "fp8"},
+        "fp8-eager": {"kv_cache_dtype": "fp8", "enforce_eager": True},
+    }
+    for name, kwargs in settings.items():
+        llm = LLM(
+            str(checkpoints.path("qwen3")),
+            dtype="bfloat16",
+            device="cuda",
+            max_model_len=1024,
+            max_num_seqs=16,
+            **kwargs,
+        )
+        assert (llm.engine.model_runner.decode_graphs is None) == ("eager" in name)
+        results = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        runs[name] = [r.outputs[0] for r in results]
+        del llm
+        torch.cuda.empty_cache()
+    graph_gaps = _gaps_at_first_divergence(runs["fp8-eager"], runs["fp8"])
+    assert all(gap < 0.1 for gap in graph_gaps), sorted(graph_gaps)
+    fp8_gaps = _gaps_at_first_divergence(runs["bf16"], runs["fp8"])
+    assert all(gap < 0.3 for gap in fp8_gaps), sorted(fp8_gaps)
