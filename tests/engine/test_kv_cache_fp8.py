@@ -4,8 +4,13 @@ at a near-tie."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -74,6 +79,45 @@ def test_fp8_greedy_tokens_follow_the_exact_cache(make_llm: Callable[..., Any]) 
     assert first_equal >= 26
     assert max(gaps) < 0.2, sorted(gaps)
     assert len(gaps) <= 24, "at least 8 prompts agree on all 16 tokens (measured: 11)"
+
+
+TRITON_SCRIPT = """
+import json, sys
+sys.path.insert(0, sys.argv[3])
+import test_kv_fp8  # the interpreter made to round e4m3 as a GPU does (and to index by scalars)
+from kvfleet_engine import LLM, SamplingParams
+
+path, prompts = sys.argv[1], json.loads(sys.argv[2])
+params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+tokens = {}
+for backend in ("triton", "sdpa"):
+    llm = LLM(path, device="cpu", attention_backend=backend, kv_cache_dtype="fp8",
+              max_model_len=256, max_num_batched_tokens=32, max_num_seqs=4)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    tokens[backend] = [o.outputs[0].token_ids for o in outputs]
+print(json.dumps(tokens))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter check")
+def test_triton_backend_reads_the_fp8_cache_as_sdpa_does(checkpoints: Checkpoints) -> None:
+    """The engine on the Triton kernels (fused rotary + store for prompts, rotary + store +
+    attention for decodes), run by the interpreter, picks the greedy tokens sdpa picks over the
+    same fp8 cache (prompts are chunked, so prefill reads cached fp8 prefixes too)."""
+    kernel_tests = Path(__file__).resolve().parents[1] / "kernels"
+    prompts = random_prompts([1, 17, 40, 5], seed=31)
+    proc = subprocess.run(
+        [sys.executable, "-c", TRITON_SCRIPT, str(checkpoints.path("qwen3")), json.dumps(prompts),
+         str(kernel_tests)],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tokens = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert tokens["triton"] == tokens["sdpa"]
 
 
 def test_kv_cache_dtype_is_checked_naming_the_field(checkpoints: Checkpoints) -> None:
