@@ -32,7 +32,7 @@ from kvfleet_engine.kernels.checks import (
     next_power_of_2,
     require,
 )
-from kvfleet_engine.kernels.kv_fp8 import quantize_rows, tile_scales
+from kvfleet_engine.kernels.kv_fp8 import V_SCALE_BOOST, quantize_rows, tile_scales
 from kvfleet_engine.layers.attention_torch import KVCache
 
 
@@ -175,13 +175,15 @@ def _decode_split_kernel(
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if FP8:
-            weighted = (p * v_scale[None, :]).to(q.dtype)
+            weighted = (p * (v_scale * V_SCALE_BOOST)[None, :]).to(q.dtype)
             pv = tl.dot(weighted, v.to(q.dtype), input_precision=DOT_PRECISION)
         else:
             pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
+    if FP8:
+        acc = acc * (1.0 / V_SCALE_BOOST)
     nonempty = l_i > 0
     out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
     out_mask = row_mask[:, None] & dim_mask[None, :]

@@ -23,8 +23,9 @@ Why:
   with one kv head reads a block's scales as one contiguous run instead of one 2-byte value per
   num_kv_heads * 2 bytes (which would pull whole 32-byte sectors for each).
 - Dequantization is folded into attention: scores = (q · codes) * k_scale per column, and the
-  softmax weights are multiplied by v_scale before p · codes. K and V tiles are only converted
-  (e4m3 to the query's dtype, exact) for tl.dot; q stays in its dtype.
+  softmax weights are multiplied by v_scale (times 2^9, kept in fp16's normal range) before
+  p · codes. K and V tiles are only converted (e4m3 to the query's dtype, exact) for tl.dot; q
+  stays in its dtype.
 
 Hardware: Triton has an e4m3 type (float8e4nv) only on compute capability >= 8.9 (Ada, Hopper) and
 refuses to compile it below (A100), so the engine refuses kv_cache_dtype=fp8 with the triton
@@ -41,6 +42,10 @@ from kvfleet_engine.layers.attention_torch import AMAX_FLOOR, FP8_MAX
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+# A scale is ~1/448 of its row's largest value, so softmax weights times v's scales would fall
+# among fp16's subnormals for small values; the attention kernels weight by scale * 2^9 instead
+# and take 2^-9 of the sum, exactly.
+V_SCALE_BOOST = tl.constexpr(512.0)
 
 
 @triton.jit

@@ -22,7 +22,7 @@ from kvfleet_engine.kernels.checks import (
     next_power_of_2,
     require,
 )
-from kvfleet_engine.kernels.kv_fp8 import tile_scales
+from kvfleet_engine.kernels.kv_fp8 import V_SCALE_BOOST, tile_scales
 
 
 # Values that change from step to step are not specialised on (that would recompile mid-run).
@@ -140,13 +140,15 @@ def _prefill_kernel(
             p = tl.exp2(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if FP8:
-                weighted = (p * v_scale[None, :]).to(q.dtype)
+                weighted = (p * (v_scale * V_SCALE_BOOST)[None, :]).to(q.dtype)
                 pv = tl.dot(weighted, v.to(q.dtype), input_precision=DOT_PRECISION)
             else:
                 pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 
+        if FP8:
+            acc = acc * (1.0 / V_SCALE_BOOST)
         out = acc / l_i[:, None]
         tl.store(
             out_ptr + token_ids[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
