@@ -54,6 +54,9 @@ def _common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument(
+        "--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="KV cache element type"
+    )
+    parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -128,9 +131,12 @@ def setup(args: argparse.Namespace) -> Iterator[Setup]:
     print(f"building a random {args.shape} model ...", flush=True)
     torch.manual_seed(args.seed)
     model = shapes.build_random_model(args.shape, dtype, device)
+    kv_bytes_per_token = shapes.kv_bytes_per_token(args.shape, dtype.itemsize)
+    if args.kv_cache_dtype == "fp8":  # e4m3 codes and a 2-byte scale per head_dim of them
+        head_dim = shapes.SHAPES[args.shape][1]["head_dim"]
+        kv_bytes_per_token = shapes.kv_bytes_per_token(args.shape, 1) * (head_dim + 2) // head_dim
     costs = roofline.ModelCosts(
-        weight_bytes=shapes.weight_bytes_per_step(model),
-        kv_bytes_per_token=shapes.kv_bytes_per_token(args.shape, dtype.itemsize),
+        weight_bytes=shapes.weight_bytes_per_step(model), kv_bytes_per_token=kv_bytes_per_token
     )
     with tempfile.TemporaryDirectory(prefix="kvfleet-bench-", dir=_scratch_dir()) as tmp:
         start = time.perf_counter()
@@ -154,6 +160,7 @@ def _llm(args: argparse.Namespace, s: Setup, max_model_len: int) -> Any:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         seed=args.seed,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 
@@ -233,6 +240,7 @@ def throughput(argv: list[str]) -> int:
         "sampling": "greedy, ignore_eos",
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "cuda_graphs": not args.enforce_eager,
         "async_scheduling": args.async_scheduling,
     }
