@@ -118,18 +118,48 @@ def test_int4_matches_reference(group_size, m) -> None:
     assert relative_error(out, layout.int4_linear_reference(x, weight)) < 1e-5
 
 
-# Plans the shape table may pick on the GPU, forced at small sizes: split-K with slices of unequal
-# length, the tensor-core GEMV, small GEMM tiles, the dequantize + matmul path.
+# Plans the shape table may pick on the GPU, forced at small sizes: the GEMV with split-K slices
+# of unequal length summed by the last program or by a second kernel, the tensor-core kernel with
+# int4 nibble planes or reshaped codes, scales after the dot or on the weights, with split-K, and
+# the dequantize + matmul path.
 PLANS = [
     pytest.param(MatmulPlan("gemv", 4, 64, 32, split_k=2), 3, id="gemv-split2"),
     pytest.param(MatmulPlan("gemv", 1, 32, 16, split_k=5), 1, id="gemv-split5"),
-    pytest.param(MatmulPlan("gemv", 16, 64, 32, use_dot=True), 9, id="gemv-dot"),
-    pytest.param(MatmulPlan("gemv", 16, 64, 32, split_k=3, use_dot=True), 16, id="gemv-dot-split3"),
-    pytest.param(MatmulPlan("gemv", 4, 64, 32, 2, int4_codes="int4-rows"), 4, id="gemv-rows"),
-    pytest.param(MatmulPlan("gemm", 16, 32, 16), 40, id="gemm-small-tiles"),
-    pytest.param(MatmulPlan("gemm", 16, 32, 32, int4_codes="int4-rows"), 20, id="gemm-rows"),
+    pytest.param(MatmulPlan("gemv", 2, 64, 32, 3, "kernel"), 2, id="gemv-split3-kernel-sums"),
+    pytest.param(MatmulPlan("dot", 16, 64, 32, int4_planes=False), 9, id="dot-reshape"),
+    pytest.param(MatmulPlan("dot", 16, 64, 32, split_k=3), 16, id="dot-split3"),
+    pytest.param(MatmulPlan("dot", 16, 32, 32, 2, "kernel"), 5, id="dot-split2-kernel-sums"),
+    pytest.param(MatmulPlan("dot", 16, 32, 32, scale_after_dot=False), 40, id="dot-scaled-weights"),
     pytest.param(MatmulPlan("dequantize", 0, 64, 32), 5, id="dequantize"),
 ]
+# int4 nibble planes need 16 packed rows per dot: a K step of 128 (one group of 128)
+PLANES = [
+    pytest.param(MatmulPlan("dot", 16, 32, 128), 7, id="planes"),
+    pytest.param(MatmulPlan("dot", 16, 32, 128, split_k=3), 16, id="planes-split3"),
+    pytest.param(MatmulPlan("dot", 32, 32, 128, scale_after_dot=False), 40, id="planes-scaled"),
+    pytest.param(MatmulPlan("gemv", 2, 32, 128, split_k=2), 2, id="gemv-group-step"),
+    pytest.param(MatmulPlan("gemv", 1, 32, 128, split_k=2), 1, id="row-gemv-group-step"),
+    pytest.param(MatmulPlan("gemv", 1, 64, 64, 3, "kernel"), 1, id="row-gemv-half-groups"),
+]
+
+
+@on_cpu
+@pytest.mark.parametrize(("plan", "m"), PLANES)
+def test_int4_planes_match_reference(plan, m) -> None:
+    weight = make_int4(40, 384, 128)  # K = 3 groups of 128
+    x = make_x(m, 384)
+    assert relative_error(run_int4(x, weight, plan), layout.int4_linear_reference(x, weight)) < 1e-5
+
+
+@on_cpu
+def test_split_k_counters_are_zero_after_each_product() -> None:
+    """The last program of each tile resets its counter, so the next product starts from 0."""
+    weight = make_int4(72, 96, 32)
+    x = make_x(3, 96)
+    plan = MatmulPlan("gemv", 4, 32, 16, split_k=4)
+    first = run_int4(x, weight, plan)
+    assert int(int4._counters(x.device).abs().sum()) == 0
+    assert torch.equal(run_int4(x, weight, plan), first)
 
 
 @on_cpu
@@ -151,11 +181,12 @@ def test_int8_plans_match_reference(plan, m) -> None:
 @on_cpu
 @pytest.mark.parametrize("group_size", [None, 32])  # None: per output channel (one group of K)
 @pytest.mark.parametrize("m", [1, 5, 33])
-def test_int8_matches_reference(group_size, m) -> None:
-    weight = make_int8(200, 160, group_size)
+@pytest.mark.parametrize("n", [200, 198])  # one row: int32 words of 4 columns, or bytes
+def test_int8_matches_reference(group_size, m, n) -> None:
+    weight = make_int8(n, 160, group_size)
     x = make_x(m, 160)
     out = run_int8(x, weight)
-    assert out.shape == (m, 200)
+    assert out.shape == (m, n)
     assert relative_error(out, layout.int8_linear_reference(x, weight)) < 1e-5
 
 
@@ -182,20 +213,56 @@ def test_fp8_row_quantization_matches_reference() -> None:
     x[2] = 0  # an all-zero row takes the smallest scale, not a division by zero
     x[4, 7] = 1000.0  # one outlier sets its row's scale
     x_q, scale = fp8.quantize_fp8_rows(x)
-    expected_q, expected_scale = layout.quantize_fp8_rows(x)
     assert x_q.dtype == layout.FP8_DTYPE and scale.shape == (6, 1)
-    assert torch.equal(scale, expected_scale)
+    assert_row_quantization(x, x_q, scale)
+
+
+def assert_row_quantization(x: torch.Tensor, x_q: torch.Tensor, scale: torch.Tensor) -> None:
+    """scale is amax / 448 correctly rounded (computed in float64, then rounded once: torch's
+    CUDA `tensor / 448.0` multiplies by a rounded reciprocal and may be 1 ulp off), and x_q is
+    x / scale rounded to e4m3 bit for bit."""
+    amax = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+    assert torch.equal(scale, (amax.double() / layout.FP8_MAX).float())
+    expected_q = (x.float() / scale).clamp(-layout.FP8_MAX, layout.FP8_MAX).to(layout.FP8_DTYPE)
     assert torch.equal(x_q.view(torch.uint8), expected_q.view(torch.uint8))
 
 
+def fp8_weight_only_reference(x: torch.Tensor, weight: layout.Fp8Weight) -> torch.Tensor:
+    """x (not quantized) @ the dequantized weightᵀ, in float32."""
+    return x.float() @ (weight.weight.float() * weight.scale[:, None]).t()
+
+
 @on_cpu
-@pytest.mark.parametrize("m", [1, 20])
+@pytest.mark.parametrize("m", [fp8.GEMV_MAX_ROWS + 1, 40])  # W8A8: rows above the GEMV's
 def test_triton_fp8_gemm_matches_reference(m) -> None:
     weight = make_fp8(80, 96)
     x = make_x(m, 96, dtype=torch.float16)
     out = fp8.fp8_matmul(x, weight.weight, weight.scale, torch.float16)
     assert out.shape == (m, 80) and out.dtype == torch.float16
     assert relative_error(out, layout.fp8_linear_reference(x, weight)) < 2e-3
+
+
+FP8_GEMV_BLOCKS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, split_k, use_dot, reduce), rows
+    pytest.param(None, 1, id="auto-1-row"),
+    pytest.param(None, 5, id="auto-5-rows"),
+    pytest.param((4, 32, 64, 4, 3, False, "last"), 3, id="split3-unequal"),
+    pytest.param((2, 16, 32, 4, 4, False, "kernel"), 2, id="split4-kernel-sums"),
+    pytest.param((16, 32, 64, 4, 2, True, "last"), 9, id="dot-split2"),
+]
+
+
+@on_cpu
+@pytest.mark.parametrize(("blocks", "m"), FP8_GEMV_BLOCKS)
+def test_fp8_weight_only_gemv_matches_reference(blocks, m) -> None:
+    """Decode rows skip activation quantization: the product of x itself (K not a multiple of
+    BLOCK_K, so the last step is masked)."""
+    weight = make_fp8(80, 200)
+    x = make_x(m, 200, dtype=torch.float16)
+    out = fp8.fp8_gemv(x, weight.weight, weight.scale, torch.float16, blocks)
+    assert out.shape == (m, 80) and out.dtype == torch.float16
+    assert relative_error(out, fp8_weight_only_reference(x, weight)) < 1e-3
+    if blocks is None:  # what fp8_matmul runs at decode sizes (its checks, then this)
+        assert torch.equal(fp8.fp8_matmul(x, weight.weight, weight.scale, torch.float16), out)
 
 
 BAD_INT4_INPUTS = [
@@ -236,10 +303,12 @@ def test_int8_and_fp8_reject_bad_operands_naming_them() -> None:
 # ---- on the GPU, the Llama-3.1-8B products ------------------------------------------------------
 
 
-# (group_size, rows): each kernel of the shape table (GEMV at 1 and 8 rows, GEMM tiles of 64 and
-# 128 rows, dequantize + cuBLAS at 1024) at group 128, and GEMV / GEMM at group 32
-INT4_CASES = [(128, 1), (128, 8), (128, 64), (128, 300), (128, 1024), (32, 1), (32, 300)]
-INT8_CASES = [(None, 1), (None, 8), (None, 300), (None, 1024), (32, 1), (32, 300)]
+# (group_size, rows): each kernel of the shape table (GEMV at 1 and 4 rows, split-K dot at 8 and
+# 16, dot tiles of 64 and 128 rows, dequantize + cuBLAS at 1024) at group 128, and GEMV / dot at
+# group 32
+INT4_CASES = [(128, 1), (128, 4), (128, 8), (128, 16), (128, 64), (128, 300), (128, 1024)]
+INT4_CASES += [(32, 1), (32, 8), (32, 300)]
+INT8_CASES = [(None, 1), (None, 4), (None, 8), (None, 300), (None, 1024), (32, 1), (32, 300)]
 
 
 @pytest.mark.gpu
@@ -266,6 +335,18 @@ def test_gpu_int8_llama_products(n, k, group_size, m) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize(("n", "k"), LLAMA_8B)
+def test_gpu_fp8_weight_only_llama_products(n, k, m) -> None:
+    if not ON_GPU:
+        pytest.skip("needs a CUDA GPU")
+    weight = make_fp8(n, k)
+    x = make_x(m, k, dtype=torch.bfloat16)
+    out = fp8.fp8_matmul(x, weight.weight, weight.scale, torch.bfloat16)
+    assert relative_error(out, fp8_weight_only_reference(x, weight)) < 1e-2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", fp8.BACKENDS)
 @pytest.mark.parametrize("m", [1, 8, 300])
 @pytest.mark.parametrize(("n", "k"), LLAMA_8B)
@@ -275,16 +356,15 @@ def test_gpu_fp8_llama_products(n, k, m, backend) -> None:
     weight = make_fp8(n, k)
     x = make_x(m, k, dtype=torch.bfloat16)
     x_q, x_scale = fp8.quantize_fp8_rows(x)
-    expected_q, expected_scale = layout.quantize_fp8_rows(x)
-    assert torch.equal(x_scale, expected_scale)
-    assert torch.equal(x_q.view(torch.uint8), expected_q.view(torch.uint8))
+    assert_row_quantization(x, x_q, x_scale)
     if backend == "scaled_mm":
         out = fp8.scaled_mm_fp8(x_q, x_scale, weight.weight, weight.scale)
     else:
         out = fp8.triton_fp8_gemm(x_q, x_scale, weight.weight, weight.scale, torch.bfloat16)
     assert out.dtype == torch.bfloat16
     assert relative_error(out, layout.fp8_linear_reference(x, weight)) < 1e-2
-    assert relative_error(fp8.fp8_matmul(x, weight.weight, weight.scale, torch.float16), out) < 1e-2
+    fp16_out = fp8.fp8_matmul(x, weight.weight, weight.scale, torch.float16)
+    assert relative_error(fp16_out, out) < 1e-2
 
 
 @pytest.mark.gpu

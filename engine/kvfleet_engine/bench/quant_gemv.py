@@ -1,20 +1,19 @@
 """The quantized products of one decoder layer (qkv, o, gate_up, down) against bf16 F.linear: for
 each batch size (rows of x) and format, the time per layer, bytes read, achieved GB/s and its
-fraction of the measured copy bandwidth, and TFLOP/s; then a sweep of block sizes and split-K
-factors for the decode-sized int4 and int8 GEMVs and of tiles for the fp8 Triton GEMM, and each
-product's fastest candidate (what the shape tables in kernels/int4_matmul.py and fp8_matmul.py
-should pick).
+fraction of the measured copy bandwidth, and TFLOP/s; then sweeps (decode rows: CUDA-core GEMV
+blocks and split-K, the split-K tensor-core kernel, the fp8 weight-only GEMV and W8A8 tiles;
+prompt rows: int4 / int8 dot tiles against dequantize + cuBLAS) with each product's fastest
+candidate (what the shape tables in kernels/int4_matmul.py and fp8_matmul.py should pick).
 
 Each product runs for every layer (distinct weights per layer, so nothing stays in L2) in one
 CUDA graph, timed by replaying it.
 
-    python -m kvfleet_engine.bench.quant_gemv --shape llama-3.1-8b --tokens 1,8,64,256,4096
+    python -m kvfleet_engine.bench.quant_gemv --shape llama-3.1-8b --tokens 1,4,16,256,4096
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import shlex
 import sys
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from kvfleet_engine.bench.gemv import copy_bandwidth, layer_shapes
 from kvfleet_engine.bench.results import Row, gpu_name, write_results
@@ -68,8 +68,14 @@ def auto_plan(m: int, n: int, k: int, group: int) -> ints.MatmulPlan:
     return ints.plan_matmul(m, n, k, group, torch.device("cuda"))
 
 
-def fp8_product(backend: str, blocks: tuple[int, int, int, int, int] | None = None) -> Product:
+def fp8_product(backend: str, blocks: tuple | None = None) -> Product:
+    """backend: "auto" (fp8_matmul's choice), "gemv" (weight-only), "scaled_mm" or "triton"."""
+
     def product(x: torch.Tensor, w: Weights) -> torch.Tensor:
+        if backend == "auto":
+            return fp8.fp8_matmul(x, w[0], w[1], torch.bfloat16)
+        if backend == "gemv":
+            return fp8.fp8_gemv(x, w[0], w[1], torch.bfloat16, blocks)
         x_q, x_scale = fp8.quantize_fp8_rows(x)
         if backend == "scaled_mm":
             return fp8.scaled_mm_fp8(x_q, x_scale, w[0], w[1])
@@ -82,62 +88,110 @@ VARIANTS: dict[str, tuple[str, Product]] = {  # name -> (format, product)
     "bf16": ("bf16", lambda x, w: F.linear(x, w[0])),
     "int8": ("int8", int_product(auto_plan)),
     f"int4-g{INT4_GROUP}": ("int4", int_product(auto_plan)),
-    "fp8-scaled_mm": ("fp8", fp8_product("scaled_mm")),
-    "fp8-triton": ("fp8", fp8_product("triton")),
+    "fp8": ("fp8", fp8_product("auto")),
+    "fp8-w8a8-scaled_mm": ("fp8", fp8_product("scaled_mm")),
+    "fp8-w8a8-triton": ("fp8", fp8_product("triton")),
 }
+PlanOf = Callable[[int, int, int, int], ints.MatmulPlan]
 
 
-def gemv_candidates(m: int) -> dict[str, Callable[[int, int, int, int], ints.MatmulPlan]]:
-    """The auto GEMV plan with other BLOCK_N / BLOCK_K / warps and split-K scaled by a factor."""
+def plan(kernel: str, block_m: int, block_n: int, block_k: int, per_sm: int = 0, **kw) -> PlanOf:
+    """A fixed plan whose split-K gives about `per_sm` programs per SM (0: no split)."""
 
-    def variant(block_n: int, block_k: int, warps: int, split: float, dot=False, rows=False):
-        def plan_of(m: int, n: int, k: int, group: int) -> ints.MatmulPlan:
-            auto = auto_plan(m, n, k, group)
-            scaled = auto.split_k * block_n / auto.block_n  # about as many programs
-            return dataclasses.replace(
-                auto,
-                block_m=16 if dot else auto.block_m,
-                block_n=block_n,
-                block_k=min(block_k, group & -group),
-                split_k=max(1, round(scaled * split)) if split else 1,
-                num_warps=warps,
-                use_dot=dot,
-                int4_codes="int4-rows" if rows else "int4",
-            )
+    def plan_of(m: int, n: int, k: int, group: int) -> ints.MatmulPlan:
+        bk = min(block_k, group & -group)
+        bm = block_m or ints.next_power_of_2(m)
+        tiles = triton.cdiv(n, block_n) * (1 if kernel == "gemv" else triton.cdiv(m, bm))
+        split = ints.split_for(tiles, k // bk, torch.device("cuda"), per_sm) if per_sm else 1
+        return ints.MatmulPlan(kernel, bm, block_n, bk, split, **kw)
 
-        return plan_of
+    return plan_of
 
-    blocks = [(64, 128, 4), (128, 128, 4), (256, 128, 8), (128, 64, 4), (128, 32, 4)]
-    out = {
-        f"bn{bn} bk{bk} w{w} split{'x' + str(s) if s else '=1'}": variant(bn, bk, w, s)
-        for bn, bk, w in blocks
-        for s in (0, 1, 2) + ((0.5,) if (bn, bk) == (128, 128) else ())
-    }
-    out |= {f"rows bn128 bk{bk} w4 splitx1": variant(128, bk, 4, 1, rows=True) for bk in (32, 128)}
-    if m > 1:
-        out |= {f"dot bn{bn} bk64 splitx1": variant(bn, 64, 4, 1, dot=True) for bn in (64, 128)}
+
+def gemv_candidates(fmt: str, m: int) -> dict[str, PlanOf]:
+    """One row: CUDA-core GEMV blocks (BLOCK_N, BLOCK_K, warps) x programs per SM. More rows: the
+    split-K tensor-core kernel (int4 as nibble planes, K steps of 128, or reshaped codes), and up
+    to 4 rows the 3-D GEMV."""
+    if m == 1:
+        blocks = [(128, 128, 4), (256, 128, 4), (256, 128, 8), (512, 128, 8), (128, 64, 4)]
+        blocks += [(64, 128, 2)]
+        if fmt == "int8":  # a [BLOCK_K, BLOCK_N] register tile per row: int8 steps are shorter
+            blocks = [(128, 32, 4), (128, 16, 4), (256, 32, 8), (256, 16, 4), (128, 64, 4)]
+            blocks += [(512, 16, 8)]
+        out = {
+            f"gemv bn{bn} bk{bk} w{w} {s}/sm": plan("gemv", 0, bn, bk, s, num_warps=w)
+            for bn, bk, w in blocks
+            for s in (2, 4, 8)
+        }
+        bn, bk, w = blocks[0]
+        out["gemv kernel-sums"] = plan("gemv", 0, bn, bk, 4, split_reduce="kernel", num_warps=w)
+        return out
+    out = {}
+    if m <= 4:
+        gemv_blocks = [(128, 128, 4), (128, 64, 4)]
+        if fmt == "int8":
+            gemv_blocks = [(128, 16, 4), (128, 32, 4)]
+        for bn, bk, w in gemv_blocks:
+            out[f"gemv bn{bn} bk{bk} w{w} 4/sm"] = plan("gemv", 0, bn, bk, 4, num_warps=w)
+    for bn, bk, s, planes in [
+        (128, 128, 4, True), (64, 128, 4, True), (128, 128, 8, True), (128, 128, 2, True),
+        (128, 64, 4, False), (256, 128, 4, True),
+    ]:  # fmt: skip
+        name = f"dot bn{bn} bk{bk}{'' if planes else ' reshape'} {s}/sm"
+        out[name] = plan("dot", 16, bn, bk, s, int4_planes=planes)
     return out
 
 
-def prompt_candidates() -> dict[str, Callable[[int, int, int, int], ints.MatmulPlan]]:
-    def gemm(block_m: int, block_n: int, warps: int, stages: int):
-        return lambda m, n, k, g: ints.MatmulPlan(
-            "gemm", block_m, block_n, 64, num_warps=warps, num_stages=stages
-        )
+def prompt_candidates(m: int) -> dict[str, PlanOf]:
+    """dot tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), scales on the weights or after the
+    dot, int4 as planes (BLOCK_K 128) or reshaped (64); and dequantize + cuBLAS."""
+    out: dict[str, PlanOf] = {}
+    tiles = [(64, 128, 128, 4, 3), (128, 128, 128, 8, 3), (128, 256, 128, 8, 3)]
+    tiles += [(128, 128, 64, 8, 4), (64, 256, 128, 4, 3)]
+    for bm, bn, bk, w, st in tiles if m > 64 else tiles[:1] + tiles[3:4]:
+        for after in (False, True):
+            name = f"dot {bm}x{bn}x{bk} w{w} s{st} {'scale-after' if after else 'scaled-w'}"
+            out[name] = plan(
+                "dot", bm, bn, bk, int4_planes=bk >= 128, scale_after_dot=after, num_warps=w,
+                num_stages=st,
+            )  # fmt: skip
+    out["dequantize+cuBLAS"] = lambda m, n, k, g: ints.MatmulPlan("dequantize", 0, 128, 64)
+    return out
 
-    return {
-        "gemm 64x128 w4 s3": gemm(64, 128, 4, 3),
-        "gemm 128x128 w8 s3": gemm(128, 128, 8, 3),
-        "gemm 128x256 w8 s3": gemm(128, 256, 8, 3),
-        "gemm 128x128 w4 s4": gemm(128, 128, 4, 4),
-        "dequantize+cuBLAS": lambda m, n, k, g: ints.MatmulPlan("dequantize", 0, 128, 64),
-    }
+
+def fp8_candidates(m: int) -> dict[str, Product]:
+    """Weight-only GEMV blocks (BLOCK_N, BLOCK_K, warps) x programs per SM (its dot form from 2
+    rows); from 2 rows also W8A8 Triton tiles."""
+    out: dict[str, Product] = {}
+    if m == 1:
+        blocks = [(64, 128, 4), (128, 64, 4), (64, 64, 4), (32, 128, 4), (128, 32, 4)]
+        blocks += [(256, 32, 8)]
+        per_sm: tuple[int, ...] = (2, 4, 8)
+    else:
+        blocks, per_sm = ([(16, 128, 4)] if m <= 4 else []), (4,)
+    for bn, bk, w in blocks:
+        for s in per_sm:
+            out[f"gemv bn{bn} bk{bk} w{w} {s}/sm"] = fp8_gemv_product(m, bn, bk, w, s, False)
+    if m > 1:
+        dots = [(32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 4), (128, 128, 4, 4)]
+        dots += [(64, 128, 4, 2), (64, 128, 4, 8), (128, 128, 8, 4)] if m > 4 else []
+        for bn, bk, w, s in dots:
+            out[f"gemv-dot bn{bn} bk{bk} w{w} {s}/sm"] = fp8_gemv_product(m, bn, bk, w, s, True)
+        w8a8 = [(16, 64, 256, 4, 4)]
+        w8a8 += [(16, 32, 256, 4, 4), (16, 128, 128, 4, 4)] if m > 4 else []
+        for blocks_ in w8a8:
+            out[f"w8a8-triton {blocks_}"] = fp8_product("triton", blocks_)
+    return out
 
 
-FP8_TRITON_BLOCKS = {
-    "decode": [(16, 32, 256, 4, 4), (16, 64, 256, 4, 4), (16, 64, 128, 4, 3), (16, 128, 128, 4, 4)],
-    "prompt": [(64, 128, 128, 4, 4), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3)],
-}
+def fp8_gemv_product(m: int, bn: int, bk: int, warps: int, per_sm: int, dot: bool) -> Product:
+    def product(x: torch.Tensor, w: Weights) -> torch.Tensor:
+        n, k = w[0].shape
+        split = ints.split_for(triton.cdiv(n, bn), triton.cdiv(k, bk), x.device, per_sm)
+        blocks = (ints.next_power_of_2(m), bn, bk, warps, split, dot, "last")
+        return fp8.fp8_gemv(x, w[0], w[1], torch.bfloat16, blocks)
+
+    return product
 
 
 def graph_seconds(step: Callable[[], None]) -> float:
@@ -234,7 +288,8 @@ def plans_line(m: int, shapes: list[tuple[str, int, int]]) -> str:
             p = auto_plan(m, n, k, group_of(k))
             out.append(
                 f"{fmt} {name}: {p.kernel} bm{p.block_m} bn{p.block_n} bk{p.block_k} "
-                f"split{p.split_k}{' dot' if p.use_dot else ''} w{p.num_warps} s{p.num_stages}"
+                f"split{p.split_k}{'' if p.int4_planes else ' reshape'}"
+                f"{' scale-after' if p.scale_after_dot else ''} w{p.num_warps} s{p.num_stages}"
             )
     return "plans  " + "; ".join(out)
 
@@ -262,10 +317,10 @@ def sweep_groups(m: int) -> list[tuple[str, str, dict[str, Product]]]:
     """(format, label, candidates) swept at m rows."""
     groups = []
     for fmt, label in (("int4", f"int4-g{INT4_GROUP}"), ("int8", "int8")):
-        plans = gemv_candidates(m) if m <= ints.GEMV_MAX_ROWS else prompt_candidates()
+        plans = gemv_candidates(fmt, m) if m <= ints.DOT_MAX_SPLIT_ROWS else prompt_candidates(m)
         groups.append((fmt, label, {name: int_product(plan) for name, plan in plans.items()}))
-    blocks = FP8_TRITON_BLOCKS["decode" if m <= fp8.DECODE_MAX_ROWS else "prompt"]
-    groups.append(("fp8", "fp8-triton", {str(b): fp8_product("triton", b) for b in blocks}))
+    if m <= fp8.DECODE_MAX_ROWS:
+        groups.append(("fp8", "fp8", fp8_candidates(m)))
     return groups
 
 
@@ -282,9 +337,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvfleet_engine.bench.quant_gemv")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--tokens", default="1,8,64,256,4096", help="comma-separated rows of x")
     parser.add_argument(
-        "--sweep-tokens", default="1,8,256,4096", help="rows to sweep plans at ('' none)"
+        "--tokens", default="1,4,8,16,64,256,4096", help="comma-separated rows of x"
+    )
+    parser.add_argument(
+        "--sweep-tokens", default="1,16,256,4", help="rows to sweep plans at ('' none)"
     )
     parser.add_argument("--output-dir", type=Path)
     args = parser.parse_args(argv)

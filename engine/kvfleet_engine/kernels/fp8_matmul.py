@@ -1,7 +1,13 @@
-"""fp8 W8A8 products: x [M, K] is quantized per token to e4m3 by a small Triton kernel (row absmax,
-scale, cast), then multiplied by the e4m3 weight [N, K] with rowwise scales, either by
-torch._scaled_mm (cuBLASLt / CUTLASS) or by a Triton fp8 GEMM; `FP8_BACKENDS` says which per
-shape class. out = (x_q · x_scale) @ (w · w_scale)ᵀ, as `quant.layout.fp8_linear_reference`.
+"""fp8 products with e4m3 weights [N, K] and a float32 scale per output channel.
+
+Decode (up to GEMV_MAX_ROWS rows): weight-only, a GEMV that multiplies x as it is by the weights
+converted to float32 (one row: FMAs) or to x's dtype (more rows: tl.dot); no activation
+quantization, so no second kernel and no rounding of x: at least as accurate as W8A8;
+out = x @ (w · w_scale)ᵀ.
+More rows, W8A8: x [M, K] is quantized per token to e4m3 by a small Triton kernel (row absmax,
+scale, cast), then multiplied by the weight with rowwise scales, either by torch._scaled_mm
+(cuBLASLt / CUTLASS) or by a Triton fp8 GEMM; `FP8_BACKENDS` says which per shape class.
+out = (x_q · x_scale) @ (w · w_scale)ᵀ, as `quant.layout.fp8_linear_reference`.
 """
 
 from __future__ import annotations
@@ -10,12 +16,20 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet_engine.kernels.checks import next_power_of_2, require
+from kvfleet_engine.kernels.checks import dot_precision, next_power_of_2, require
+from kvfleet_engine.kernels.int4_matmul import (
+    COUNTERS,
+    _finish,
+    _sum_splits_kernel,
+    split_for,
+    split_k_buffers,
+)
 from kvfleet_engine.quant.layout import FP8_DTYPE, FP8_MAX
 
 BACKENDS = ("scaled_mm", "triton")
+GEMV_MAX_ROWS = 16  # up to this many rows: the weight-only GEMV (FMAs for one row, else tl.dot)
 DECODE_MAX_ROWS = 16
-# shape class -> backend (to be set from bench.quant_gemv's measurements on the H200)
+# shape class -> W8A8 backend (to be set from bench.quant_gemv's measurements on the H200)
 FP8_BACKENDS = {"decode": "scaled_mm", "prompt": "scaled_mm"}
 
 
@@ -90,6 +104,97 @@ def _fp8_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit(do_not_specialize=["steps_per_split", "split_k"])  # one compile for every split
+def _fp8_gemv_kernel(
+    x_ptr, weight_ptr, weight_scale_ptr, out_ptr, partial_ptr, counter_ptr,
+    M, N, K, stride_xm, steps_per_split, split_k,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+    LAST_REDUCES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Weight-only: each program owns BLOCK_N weight rows and one of SPLIT_K slices of K; the
+    FMA form keeps x·w in a [BLOCK_M, BLOCK_N, BLOCK_K] tile reduced once at the end, the dot
+    form runs tl.dot on the weights converted to x's dtype (exact: e4m3 fits in 16 bits)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    k_start = pid_k * steps_per_split * BLOCK_K
+    k_end = tl.minimum(K, k_start + steps_per_split * BLOCK_K)
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        weight = tl.load(  # [BLOCK_N, BLOCK_K]
+            weight_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :],
+            mask=n_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        x = tl.load(  # [BLOCK_M, BLOCK_K]
+            x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        if USE_DOT:
+            w_t = tl.trans(weight.to(tl.float32).to(x.dtype))
+            acc = tl.dot(x, w_t, acc, input_precision=DOT_PRECISION)
+        else:
+            acc += x.to(tl.float32)[:, None, :] * weight.to(tl.float32)[None, :, :]
+    if USE_DOT:
+        out = acc
+    else:
+        out = tl.sum(acc, axis=2)
+    weight_scale = tl.load(weight_scale_ptr + offs_n, mask=n_mask, other=0.0)
+    _finish(
+        out * weight_scale[None, :], out_ptr, partial_ptr, counter_ptr, pid_n, pid_k, split_k,
+        offs_m, offs_n, M, N, LAST_REDUCES,
+    )  # fmt: skip
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, split_k or 0: about 4 programs per SM, use_dot, reduce)
+Fp8GemvBlocks = tuple[int, int, int, int, int, bool, str]
+
+
+def fp8_gemv_blocks(m: int) -> Fp8GemvBlocks:
+    """The weight-only GEMV's blocks for M rows."""
+    if m == 1:
+        return 1, 64, 128, 4, 0, False, "last"
+    return 16, 64, 128, 4, 0, True, "last"
+
+
+def fp8_gemv(
+    x: torch.Tensor,  # [M, K] bfloat16 / float16
+    weight: torch.Tensor,  # e4m3 [N, K]
+    weight_scale: torch.Tensor,  # float32 [N]
+    out_dtype: torch.dtype,
+    blocks: Fp8GemvBlocks | None = None,
+) -> torch.Tensor:
+    """x @ (weight · weight_scale)ᵀ without quantizing x -> [M, N] in out_dtype."""
+    m, k = x.shape
+    n = weight.shape[0]
+    block_m, block_n, block_k, num_warps, split, use_dot, reduce = blocks or fp8_gemv_blocks(m)
+    out = torch.empty(m, n, device=x.device, dtype=out_dtype)  # [M, N]
+    if m == 0:
+        return out
+    n_blocks, k_steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+    require(n_blocks <= COUNTERS, f"at most {COUNTERS} output tiles per product")
+    steps = triton.cdiv(k_steps, split or split_for(n_blocks, k_steps, x.device))
+    split_k, partial, counters = split_k_buffers(triton.cdiv(k_steps, steps), m, n, x.device)
+    _fp8_gemv_kernel[(n_blocks, split_k)](
+        x, weight, weight_scale, out, partial, counters, m, n, k, x.stride(0), steps, split_k,
+        BLOCK_M=max(16, block_m) if use_dot else block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        USE_DOT=use_dot, LAST_REDUCES=reduce == "last", DOT_PRECISION=dot_precision(x.dtype),
+        num_warps=num_warps,
+    )  # fmt: skip
+    if split_k > 1 and reduce != "last":
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](partial, out, m * n, split_k, BLOCK=block)
+    return out
+
+
 def fp8_gemm_blocks(m: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the Triton fp8 GEMM for M rows."""
     if m <= DECODE_MAX_ROWS:
@@ -148,7 +253,8 @@ def fp8_matmul(
     weight_scale: torch.Tensor,  # float32 [N]
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """(quantized x) @ weightᵀ with both scales -> [M, N] in out_dtype (bias is the caller's)."""
+    """x @ weightᵀ with the weight's scales -> [M, N] in out_dtype (bias is the caller's): the
+    weight-only GEMV up to GEMV_MAX_ROWS rows, W8A8 (x quantized per token) above."""
     require(x.dim() == 2, f"x must be [M, K], got shape {tuple(x.shape)}")
     require(
         x.dtype in (torch.bfloat16, torch.float16), f"x must be bfloat16 or float16, got {x.dtype}"
@@ -176,7 +282,9 @@ def fp8_matmul(
             torch.cuda.get_device_capability(x.device) >= (8, 9),
             "fp8 products need a GPU of compute capability >= 8.9 (Ada, Hopper or newer)",
         )
+    if m <= GEMV_MAX_ROWS:
+        return fp8_gemv(x, weight, weight_scale, out_dtype)
     x_q, x_scale = quantize_fp8_rows(x)
-    if m > 0 and fp8_backend(m, n, k, out_dtype) == "scaled_mm":
+    if fp8_backend(m, n, k, out_dtype) == "scaled_mm":
         return scaled_mm_fp8(x_q, x_scale, weight, weight_scale)
     return triton_fp8_gemm(x_q, x_scale, weight, weight_scale, out_dtype)

@@ -2,15 +2,21 @@
 W = code * scale + offset per group of `group_size` rows (the layouts of `quant.layout`).
 
 int4 is the general case (packed unsigned codes with scales and offsets); int8 runs the same
-kernels with 8-bit signed codes and no offsets (`int8_matmul`). Three kernels, one per shape class:
-- GEMV (decode, M <= 16): each program owns a BLOCK_N slice of outputs and one of SPLIT_K slices
-  of K, streams its weights once, and sums x·code per group before scaling (one FMA per weight
-  and row); split-K partials are summed by a second, small kernel.
-- GEMM (prompts): tiles of dequantized weights into tl.dot.
+kernels with 8-bit signed codes and no offsets (`int8_matmul`). Kernels by shape class:
+- GEMV (decode, one row of x): FMAs on the CUDA cores, bound by instruction issue rather than
+  bytes, so each weight costs one LOP3 (its code masked in place into the mantissa of 2^23),
+  one FADD (minus 2^23) and one FFMA. Each program owns BLOCK_N columns and one of SPLIT_K
+  slices of K; the group's x·code products accumulate unscaled in a [rows, columns] register
+  tile, scales multiply that tile once per group, offsets multiply the group's Σx, and a single
+  reduction over rows ends the program. A 3-D form takes a few rows of x.
+- dot (decode batches and prompts): tiles of codes into tl.dot on the tensor cores, int4 codes
+  as 8 planes of one nibble each (x gathered to match, no reshape) or reshaped; scales on the
+  group's fp32 product or on the weights before the dot.
 - dequantize + cuBLAS (long prompts): the weight is expanded once into x's dtype; at thousands of
   rows the product is compute-bound and the expansion is a few percent of it.
-Codes become floats through their bits (0x4B000000 | code is the float 2^23 + code), not through
-integer-to-float conversions, which issue at a fraction of the FMA rate.
+Split-K partials are summed by the last program of each output tile (a counter, deterministic
+order) or by a second kernel. Codes become floats through their bits, not through integer-to-float
+conversions, which issue at a fraction of the FMA rate.
 """
 
 from __future__ import annotations
@@ -24,9 +30,13 @@ import triton.language as tl
 
 from kvfleet_engine.kernels.checks import FLOAT_DTYPES, dot_precision, next_power_of_2, require
 
-GEMV_MAX_ROWS = 16  # above this many rows of x the tiled GEMM reads the weights fewer times
+GEMV_MAX_ROWS = 1  # above this many rows of x the tensor cores beat one FMA per weight and row
+DOT_MAX_SPLIT_ROWS = 16  # up to this many rows the dot kernel splits K (decode batches)
 DEQUANTIZE_MIN_ROWS = 1024  # from this many rows, dequantize once and use cuBLAS
-KERNELS = ("gemv", "gemm", "dequantize")
+KERNELS = ("gemv", "dot", "dequantize")
+SPLIT_REDUCE = ("last", "kernel")  # who sums split-K partials: the last program, or a kernel
+MAGIC: tl.constexpr = tl.constexpr(0x4B000000)  # 2^23: OR-ing c < 2^23 in gives 2^23 + c
+COUNTERS = 1 << 16  # split-K counters per device (one per output tile)
 
 
 @dataclass(frozen=True)
@@ -35,9 +45,10 @@ class MatmulPlan:
     block_m: int  # rows of x per program (gemv: all of them, a power of two)
     block_n: int  # output columns per program
     block_k: int  # rows of the weight per loop step; a power of two dividing group_size
-    split_k: int = 1  # gemv: slices of K summed by a second kernel
-    use_dot: bool = False  # gemv: tl.dot on the tensor cores instead of FMAs
-    int4_codes: str = "int4"  # how int4 codes unpack: "int4" (reshape) or "int4-rows" (gather)
+    split_k: int = 1  # gemv / dot: slices of K, summed as split_reduce says
+    split_reduce: str = "last"  # one of SPLIT_REDUCE
+    int4_planes: bool = True  # dot: int4 as 8 nibble planes (else unpacked by a reshape)
+    scale_after_dot: bool = True  # dot: scales on the group's product (else on the weights)
     num_warps: int = 4
     num_stages: int = 3
 
@@ -49,24 +60,75 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.cache
+def _counters(device: torch.device) -> torch.Tensor:
+    """int32 [COUNTERS], zero between calls: each split-K tile's last program resets its own."""
+    return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+
+
+def split_for(n_blocks: int, k_steps: int, device: torch.device, per_sm: int = 4) -> int:
+    """Slices of K that give about `per_sm` programs per SM (at least 2 steps per slice)."""
+    wanted = max(1, per_sm * _num_sms(device) // max(1, n_blocks))
+    return max(1, min(wanted, k_steps // 2))
+
+
 def plan_matmul(m: int, n: int, k: int, group_size: int, device: torch.device) -> MatmulPlan:
     """Block sizes by shape class (a fixed table, so nothing is tuned inside graph capture)."""
     pow2_of_group = group_size & -group_size  # the largest power of two dividing group_size
     if m <= GEMV_MAX_ROWS:
-        block_k = min(max(16, 128 // next_power_of_2(m)), pow2_of_group)  # x·code is M·K·N
-        block_n = 128
-        n_blocks, k_blocks = triton.cdiv(n, block_n), k // block_k
-        wanted = max(1, 4 * _num_sms(device) // n_blocks)  # ~4 programs per SM
-        steps = triton.cdiv(k_blocks, min(wanted, max(1, k_blocks // 2)))
-        return MatmulPlan(
-            "gemv", next_power_of_2(m), block_n, block_k, triton.cdiv(k_blocks, steps)
-        )
+        block_k, block_n = min(128, pow2_of_group), 128
+        split = split_for(triton.cdiv(n, block_n), k // block_k, device)
+        return MatmulPlan("gemv", next_power_of_2(m), block_n, block_k, split)
     if m >= DEQUANTIZE_MIN_ROWS or pow2_of_group < 16:  # tl.dot needs K tiles of >= 16
         return MatmulPlan("dequantize", 0, 128, min(64, pow2_of_group))
+    block_k = min(128, pow2_of_group)
+    planes = block_k >= 128  # 8 planes of >= 16 packed rows each
+    if m <= DOT_MAX_SPLIT_ROWS:
+        block_n = 128
+        split = split_for(triton.cdiv(n, block_n), k // block_k, device)
+        return MatmulPlan("dot", 16, block_n, block_k, split, int4_planes=planes)
     block_m = 64 if m <= 64 else 128
     return MatmulPlan(
-        "gemm", block_m, 128, min(64, pow2_of_group), num_warps=8 if block_m == 128 else 4
-    )
+        "dot", block_m, 128, block_k, int4_planes=planes, scale_after_dot=False,
+        num_warps=8 if block_m == 128 else 4,
+    )  # fmt: skip
+
+
+# ---- codes -------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _nibble_plane(packed, J: tl.constexpr):
+    """Nibble J of each packed int32 as float32 code · 16^E exactly, E = J (J < 5) or J - 3: the
+    nibble is masked in place (J >= 5: after one shift by 12), so x must carry 16^-E."""
+    if J < 5:
+        bits = (packed & (0xF << (4 * J))) | MAGIC
+    else:
+        bits = ((packed >> 12) & (0xF << (4 * (J - 3)))) | MAGIC
+    return bits.to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _plane_weight(J: tl.constexpr):
+    """16^-E of `_nibble_plane` J (an exact power of two)."""
+    if J < 5:
+        return 1.0 / (1 << (4 * J))
+    else:
+        return 1.0 / (1 << (4 * (J - 3)))
+
+
+@triton.jit
+def _shifted_plane(packed, J: tl.constexpr):
+    """Nibble J of each packed int32 as float32 code (0..15)."""
+    bits = ((packed >> (4 * J)) & 0xF) | MAGIC
+    return bits.to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _int8_codes(codes):
+    """int8 codes as float32 (2^23 + 128 + code, minus 2^23 + 128)."""
+    bits = codes.to(tl.int32) + (MAGIC + 128)
+    return bits.to(tl.float32, bitcast=True) - 8388736.0
 
 
 @triton.jit
@@ -74,83 +136,53 @@ def _load_codes(
     qweight_ptr, k0, offs_n, n_mask, N,
     CODES: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Codes of weight rows k0 .. k0 + BLOCK_K, columns offs_n, as float32 [BLOCK_K, BLOCK_N].
-    CODES: "int4" (each packed int32 loaded once, its 8 nibbles reshaped into rows), "int4-rows"
-    (each row loads its int32 and shifts: 8x the load instructions, no reshape) or "int8"."""
+    """Codes of weight rows k0 .. k0 + BLOCK_K in natural order, float32 [BLOCK_K, BLOCK_N]
+    (int4: the 8 nibbles of each packed row reshaped into rows)."""
     if CODES == "int4":  # int32 [K // 8, N]: row k in bits 4 * (k % 8) of packed row k // 8
         rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         packed = tl.load(
             qweight_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :], mask=n_mask[None, :]
         )
         nibbles = (packed[:, None, :] >> (4 * tl.arange(0, 8))[None, :, None]) & 0xF
-        bits = tl.reshape(nibbles, (BLOCK_K, BLOCK_N)) | 0x4B000000
+        bits = tl.reshape(nibbles, (BLOCK_K, BLOCK_N)) | MAGIC
         return bits.to(tl.float32, bitcast=True) - 8388608.0
-    elif CODES == "int4-rows":
-        rows = k0 + tl.arange(0, BLOCK_K)
-        packed = tl.load(
-            qweight_ptr + (rows // 8)[:, None].to(tl.int64) * N + offs_n[None, :],
-            mask=n_mask[None, :],
-        )
-        bits = ((packed >> (4 * (rows % 8))[:, None]) & 0xF) | 0x4B000000
-        return bits.to(tl.float32, bitcast=True) - 8388608.0
-    else:  # int8 [K, N], symmetric: 2^23 + 128 + code, then subtract
+    else:  # int8 [K, N]
         rows = k0 + tl.arange(0, BLOCK_K)
         codes = tl.load(
             qweight_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :], mask=n_mask[None, :]
         )
-        bits = codes.to(tl.int32) + 0x4B000080
-        return bits.to(tl.float32, bitcast=True) - 8388736.0
+        return _int8_codes(codes)
 
 
-@triton.jit(do_not_specialize=["steps_per_split"])  # one compile for every split of K
-def _gemv_kernel(
-    x_ptr,
-    qweight_ptr,
-    scales_ptr,
-    offsets_ptr,
-    out_ptr,  # [M, N] in x's dtype, or float32 [SPLIT_K, M, N] partial sums
-    M,
-    N,
-    K,
-    stride_xm,
-    group_size,
-    steps_per_split,
-    CODES: tl.constexpr,
-    HAS_OFFSETS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    USE_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask, n_mask = offs_m < M, offs_n < N
-    k_start = pid_k * steps_per_split * BLOCK_K
-    k_end = tl.minimum(K, k_start + steps_per_split * BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):  # BLOCK_K divides group_size: one group per step
-        codes = _load_codes(qweight_ptr, k0, offs_n, n_mask, N, CODES, BLOCK_K, BLOCK_N)
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(
-            x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-            mask=m_mask[:, None],
-            other=0.0,
-        )
-        if USE_DOT:
-            dots = tl.dot(x, codes.to(x.dtype), input_precision=DOT_PRECISION)
-        else:
-            dots = tl.sum(x.to(tl.float32)[:, :, None] * codes[None, :, :], axis=1)
-        group = (k0 // group_size) * N
-        scale = tl.load(scales_ptr + group + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        acc += dots * scale[None, :]
-        if HAS_OFFSETS:
-            offset = tl.load(offsets_ptr + group + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * offset[None, :]
-    out = out_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+# ---- split-K -----------------------------------------------------------------------------------
+
+
+@triton.jit
+def _finish(
+    acc, out_ptr, partial_ptr, counter_ptr, tile, pid_k, split_k, offs_m, offs_n, M, N,
+    LAST_REDUCES: tl.constexpr,
+):  # fmt: skip
+    """Store a program's [BLOCK_M, BLOCK_N] float32 result: the output itself without split-K;
+    else its partial, and (LAST_REDUCES) the tile's last program sums all partials in split
+    order into the output and resets the tile's counter."""
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    rows = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    if split_k == 1:
+        tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(partial_ptr + pid_k * M * N + rows, acc, mask=mask)
+        if LAST_REDUCES:
+            tl.debug_barrier()  # every thread's partial is written before the release below
+            done = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if done == split_k - 1:
+                total = tl.zeros_like(acc)
+                for split in range(split_k):
+                    total += tl.load(
+                        partial_ptr + split * M * N + rows, mask=mask, other=0.0,
+                        cache_modifier=".cg",
+                    )  # fmt: skip
+                tl.store(out_ptr + rows, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(counter_ptr + tile, 0)
 
 
 @triton.jit
@@ -163,30 +195,212 @@ def _sum_splits_kernel(partial_ptr, out_ptr, numel, split_k, BLOCK: tl.constexpr
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# ---- GEMV (CUDA cores) -------------------------------------------------------------------------
+
+
 @triton.jit
-def _dequantized_tile(
-    qweight_ptr, scales_ptr, offsets_ptr, k0, offs_n, n_mask, N, group_size,
-    CODES: tl.constexpr, HAS_OFFSETS: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+def _scale_group(
+    acc0, acc1, acc2, acc3, step0, step1, step2, step3, x_sum, scales_ptr, offsets_ptr, k0,
+    offs_c, c_mask, N, group_size, CODES: tl.constexpr, HAS_OFFSETS: tl.constexpr,
 ):  # fmt: skip
-    """code * scale + offset of rows k0 .. k0 + BLOCK_K (one group), float32 [BLOCK_K, BLOCK_N]."""
-    codes = _load_codes(qweight_ptr, k0, offs_n, n_mask, N, CODES, BLOCK_K, BLOCK_N)
+    """acc_b + step_b · scale (+ Σx · offset) for the group of row k0, [rows, columns] tiles
+    (int8: byte b of word c is column 4 c + b)."""
     group = (k0 // group_size) * N
-    scale = tl.load(scales_ptr + group + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    weight = codes * scale[None, :]
-    if HAS_OFFSETS:
-        offset = tl.load(offsets_ptr + group + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        weight += offset[None, :]
-    return weight
+    if CODES == "int4":
+        scale = tl.load(scales_ptr + group + offs_c, mask=c_mask).to(tl.float32)
+        acc0 += step0 * scale[None, :]
+        if HAS_OFFSETS:
+            offset = tl.load(offsets_ptr + group + offs_c, mask=c_mask).to(tl.float32)
+            acc0 += x_sum * offset[None, :]
+    else:
+        scales = scales_ptr + group + 4 * offs_c
+        acc0 += step0 * tl.load(scales, mask=c_mask).to(tl.float32)[None, :]
+        acc1 += step1 * tl.load(scales + 1, mask=c_mask).to(tl.float32)[None, :]
+        acc2 += step2 * tl.load(scales + 2, mask=c_mask).to(tl.float32)[None, :]
+        acc3 += step3 * tl.load(scales + 3, mask=c_mask).to(tl.float32)[None, :]
+    return acc0, acc1, acc2, acc3
 
 
 @triton.jit
-def _gemm_kernel(
-    x_ptr, qweight_ptr, scales_ptr, offsets_ptr, out_ptr, M, N, K, stride_xm, group_size,
-    CODES: tl.constexpr, HAS_OFFSETS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+def _byte_codes(word, BYTE: tl.constexpr, flip):
+    """Byte BYTE (0 or 1) of int32 words holding signed int8 codes: float32 code · 256^BYTE,
+    masked in place with the sign bit flipped (flip = MAGIC | 0x80 << 8 BYTE, at run time:
+    2^23 + (code + 128) · 256^BYTE, minus the bias)."""
+    bits = (word & (0xFF << (8 * BYTE))) ^ flip
+    return bits.to(tl.float32, bitcast=True) - (8388608.0 + 128.0 * (1 << (8 * BYTE)))
+
+
+@triton.jit(do_not_specialize=["steps_per_split", "split_k", "magic", "flip0", "flip1"])
+def _gemv_row_kernel(
+    x_ptr, qweight_ptr, scales_ptr, offsets_ptr, out_ptr, partial_ptr, counter_ptr,
+    N, K, group_size, steps_per_split, split_k, magic, flip0, flip1,
+    CODES: tl.constexpr, HAS_OFFSETS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUPS: tl.constexpr, LAST_REDUCES: tl.constexpr,
+):  # fmt: skip
+    """The GEMV of one row of x. Tiles are 2-D [rows, columns], so each thread keeps the 16-byte
+    vectors it loads (a tile with a third, row-of-x dimension gets one column per thread). int4:
+    packed rows [BLOCK_K // 8, BLOCK_N], nibble j masked in place as code · 16^E (x carries
+    16^-E); int8: int32 words of 4 columns [BLOCK_K, BLOCK_N // 4], byte b as code · 256^(b % 2).
+    magic (MAGIC; flip0 / flip1: MAGIC | 0x80 / 0x8000) comes at run time: in a register,
+    (bits & mask) ^ magic is one LOP3 (with two immediates it takes two).
+    GROUPS: "step" (BLOCK_K == group_size), "all" (one group: the scales multiply the sums once,
+    at the end) or "any"."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    ROWS: tl.constexpr = BLOCK_K // 8 if CODES == "int4" else BLOCK_K  # loaded rows per step
+    COLS: tl.constexpr = BLOCK_N if CODES == "int4" else BLOCK_N // 4  # loaded int32 columns
+    words_per_row = N if CODES == "int4" else N // 4
+    offs_c = pid_n * COLS + tl.arange(0, COLS)  # int4: output columns; int8: words
+    c_mask = offs_c < words_per_row
+    offs_r = tl.arange(0, ROWS)
+    k_start = pid_k * steps_per_split * BLOCK_K
+    k_end = tl.minimum(K, k_start + steps_per_split * BLOCK_K)
+    acc0 = tl.zeros((ROWS, COLS), dtype=tl.float32)  # Σ_groups scale · Σ x·code (int8: byte 0)
+    acc1 = tl.zeros((ROWS, COLS), dtype=tl.float32)  # int8: bytes 1..3
+    acc2 = tl.zeros((ROWS, COLS), dtype=tl.float32)
+    acc3 = tl.zeros((ROWS, COLS), dtype=tl.float32)
+    part0 = tl.zeros((ROWS, COLS), dtype=tl.float32)  # GROUPS "any": the group's Σ x·code
+    part1 = tl.zeros((ROWS, COLS), dtype=tl.float32)
+    part2 = tl.zeros((ROWS, COLS), dtype=tl.float32)
+    part3 = tl.zeros((ROWS, COLS), dtype=tl.float32)
+    x_sum = tl.zeros((ROWS, 1), dtype=tl.float32)  # int4 offsets: the group's Σ x per row
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if CODES == "int4":
+            row0 = k0 // 8
+        else:
+            row0 = k0
+        words = (row0 + offs_r)[:, None].to(tl.int64) * words_per_row + offs_c[None, :]
+        packed = tl.load(qweight_ptr + words, mask=c_mask[None, :], other=0)  # [ROWS, COLS]
+        if GROUPS == "all":  # products go straight into the accumulators
+            step0, step1, step2, step3 = acc0, acc1, acc2, acc3
+        elif GROUPS == "step":
+            step0 = tl.zeros((ROWS, COLS), dtype=tl.float32)
+            step1, step2, step3 = step0, step0, step0
+        else:
+            step0, step1, step2, step3 = part0, part1, part2, part3
+        if CODES == "int4":  # plane j: rows k0 + 8 r + j, nibble j masked in place, x · 16^-E
+            high = packed >> 12  # nibbles 5..7 at bits 8..19 (a mask at bit 0 would make it a
+            # bit-field extract: two instructions)
+            for j in tl.static_range(8):
+                x_j = tl.load(x_ptr + k0 + 8 * offs_r + j).to(tl.float32)[:, None]  # [ROWS, 1]
+                if HAS_OFFSETS:
+                    x_sum += x_j
+                if j < 5:
+                    bits = (packed & (0xF << (4 * j))) ^ magic
+                else:
+                    bits = (high & (0xF << (4 * (j - 3)))) ^ magic
+                codes = bits.to(tl.float32, bitcast=True) - 8388608.0
+                step0 += (x_j * _plane_weight(j)) * codes
+        else:  # bytes 0, 1 in place (code · 1, code · 256); bytes 2, 3 after a shift by 16
+            x = tl.load(x_ptr + k0 + offs_r).to(tl.float32)[:, None]  # [ROWS, 1]
+            high = packed >> 16
+            step0 += x * _byte_codes(packed, 0, flip0)
+            step1 += x * _byte_codes(packed, 1, flip1)
+            step2 += x * _byte_codes(high, 0, flip0)
+            step3 += x * _byte_codes(high, 1, flip1)
+        if GROUPS == "all":
+            acc0, acc1, acc2, acc3 = step0, step1, step2, step3
+        elif GROUPS == "step":
+            acc0, acc1, acc2, acc3 = _scale_group(
+                acc0, acc1, acc2, acc3, step0, step1, step2, step3, x_sum, scales_ptr,
+                offsets_ptr, k0, offs_c, c_mask, N, group_size, CODES, HAS_OFFSETS,
+            )  # fmt: skip
+            x_sum = tl.zeros((ROWS, 1), dtype=tl.float32)
+        else:
+            if ((k0 + BLOCK_K) % group_size == 0) | (k0 + BLOCK_K >= k_end):  # the group ends
+                acc0, acc1, acc2, acc3 = _scale_group(
+                    acc0, acc1, acc2, acc3, step0, step1, step2, step3, x_sum, scales_ptr,
+                    offsets_ptr, k0, offs_c, c_mask, N, group_size, CODES, HAS_OFFSETS,
+                )  # fmt: skip
+                x_sum = tl.zeros((ROWS, 1), dtype=tl.float32)
+                step0 = tl.zeros((ROWS, COLS), dtype=tl.float32)
+                step1, step2, step3 = step0, step0, step0
+            part0, part1, part2, part3 = step0, step1, step2, step3
+    if GROUPS == "all":  # scale the sums once
+        zero = tl.zeros((ROWS, COLS), dtype=tl.float32)
+        acc0, acc1, acc2, acc3 = _scale_group(
+            zero, zero, zero, zero, acc0, acc1, acc2, acc3, x_sum, scales_ptr, offsets_ptr,
+            k_start, offs_c, c_mask, N, group_size, CODES, HAS_OFFSETS,
+        )  # fmt: skip
+    if CODES == "int4":
+        out = tl.sum(acc0, axis=0)  # [BLOCK_N]
+    else:  # byte b of word c is column 4 c + b; bytes 1 and 3 carry 256
+        even = tl.join(tl.sum(acc0, axis=0), tl.sum(acc2, axis=0))  # [COLS, 2]: bytes 0, 2
+        odd = tl.join(tl.sum(acc1, axis=0), tl.sum(acc3, axis=0)) * (1.0 / 256)  # bytes 1, 3
+        out = tl.reshape(tl.join(even, odd), (BLOCK_N,))  # [c, t, s] is byte 2 t + s
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    _finish(
+        out[None, :], out_ptr, partial_ptr, counter_ptr, pid_n, pid_k, split_k,
+        tl.arange(0, 1), offs_n, 1, N, LAST_REDUCES,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["steps_per_split", "split_k"])  # one compile for every split
+def _gemv_kernel(
+    x_ptr, qweight_ptr, scales_ptr, offsets_ptr, out_ptr, partial_ptr, counter_ptr,
+    M, N, K, stride_xm, group_size, steps_per_split, split_k,
+    CODES: tl.constexpr, HAS_OFFSETS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LAST_REDUCES: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm  # [BLOCK_M, 1]
+    k_start = pid_k * steps_per_split * BLOCK_K
+    k_end = tl.minimum(K, k_start + steps_per_split * BLOCK_K)
+    ROWS: tl.constexpr = BLOCK_K // 8 if CODES == "int4" else BLOCK_K  # loaded rows per step
+    offs_r = tl.arange(0, ROWS)
+    acc = tl.zeros((BLOCK_M, ROWS, BLOCK_N), dtype=tl.float32)  # Σ_groups scale · Σ x·code
+    part = tl.zeros((BLOCK_M, ROWS, BLOCK_N), dtype=tl.float32)  # this group's Σ x·code
+    x_sum = tl.zeros((BLOCK_M, ROWS), dtype=tl.float32)  # this group's Σ x, per loaded row
+    for k0 in range(k_start, k_end, BLOCK_K):  # BLOCK_K divides group_size: one group per step
+        if CODES == "int4":
+            row0 = k0 // 8
+        else:
+            row0 = k0
+        w_rows = (row0 + offs_r)[:, None].to(tl.int64) * N + offs_n[None, :]
+        packed = tl.load(qweight_ptr + w_rows, mask=n_mask[None, :], other=0)  # [ROWS, BLOCK_N]
+        if CODES == "int4":  # x_j [BLOCK_M, ROWS]: x of rows k0 + 8 r + j
+            for j in tl.static_range(8):
+                x_j = tl.load(x_rows + k0 + 8 * offs_r[None, :] + j, mask=m_mask[:, None])
+                x_j = x_j.to(tl.float32)
+                if HAS_OFFSETS:
+                    x_sum += x_j
+                part += (x_j * _plane_weight(j))[:, :, None] * _nibble_plane(packed, j)[None, :, :]
+        else:
+            x = tl.load(x_rows + k0 + offs_r[None, :], mask=m_mask[:, None]).to(tl.float32)
+            part += x[:, :, None] * _int8_codes(packed)[None, :, :]
+        if ((k0 + BLOCK_K) % group_size == 0) | (k0 + BLOCK_K >= k_end):  # the group ends
+            group = (k0 // group_size) * N
+            scale = tl.load(scales_ptr + group + offs_n, mask=n_mask).to(tl.float32)
+            acc += part * scale[None, None, :]
+            part = tl.zeros((BLOCK_M, ROWS, BLOCK_N), dtype=tl.float32)
+            if HAS_OFFSETS:
+                offset = tl.load(offsets_ptr + group + offs_n, mask=n_mask).to(tl.float32)
+                acc += x_sum[:, :, None] * offset[None, None, :]
+                x_sum = tl.zeros((BLOCK_M, ROWS), dtype=tl.float32)
+    out = tl.sum(acc, axis=1)  # [BLOCK_M, BLOCK_N]
+    _finish(
+        out, out_ptr, partial_ptr, counter_ptr, pid_n, pid_k, split_k, offs_m, offs_n, M, N,
+        LAST_REDUCES,
+    )  # fmt: skip
+
+
+# ---- dot (tensor cores) ------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["steps_per_split", "split_k"])
+def _dot_kernel(
+    x_ptr, qweight_ptr, scales_ptr, offsets_ptr, out_ptr, partial_ptr, counter_ptr,
+    M, N, K, stride_xm, group_size, steps_per_split, split_k,
+    CODES: tl.constexpr, HAS_OFFSETS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PLANES: tl.constexpr,
+    SCALE_AFTER_DOT: tl.constexpr, LAST_REDUCES: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     num_pid_m, num_pid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     first_m = (pid // (GROUP_M * num_pid_n)) * GROUP_M  # GROUP_M row blocks share weight tiles
     rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
@@ -195,21 +409,67 @@ def _gemm_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm  # [BLOCK_M, 1]
+    dtype = x_ptr.dtype.element_ty
+    k_start = pid_k * steps_per_split * BLOCK_K
+    k_end = tl.minimum(K, k_start + steps_per_split * BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        weight = _dequantized_tile(
-            qweight_ptr, scales_ptr, offsets_ptr, k0, offs_n, n_mask, N, group_size,
-            CODES, HAS_OFFSETS, BLOCK_K, BLOCK_N,
-        )  # fmt: skip
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(
-            x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-            mask=m_mask[:, None],
-            other=0.0,
-        )
-        acc = tl.dot(x, weight.to(x.dtype), acc, input_precision=DOT_PRECISION)
-    out = out_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # SCALE_AFTER_DOT: the group's x @ code
+    x_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)  # SCALE_AFTER_DOT: the group's Σ x
+    for k0 in range(k_start, k_end, BLOCK_K):
+        group = (k0 // group_size) * N
+        scale = tl.load(scales_ptr + group + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if HAS_OFFSETS:
+            offset = tl.load(offsets_ptr + group + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if SCALE_AFTER_DOT:
+            x_all = tl.load(
+                x_rows + k0 + tl.arange(0, BLOCK_K)[None, :], mask=m_mask[:, None], other=0.0
+            )
+            x_sum += tl.sum(x_all.to(tl.float32), axis=1)
+        if PLANES:  # int4: plane j holds rows k0 + 8 r + j
+            offs_r = tl.arange(0, BLOCK_K // 8)
+            packed = tl.load(
+                qweight_ptr + (k0 // 8 + offs_r)[:, None].to(tl.int64) * N + offs_n[None, :],
+                mask=n_mask[None, :],
+                other=0,
+            )
+            for j in tl.static_range(8):
+                x_j = tl.load(x_rows + k0 + 8 * offs_r[None, :] + j, mask=m_mask[:, None])
+                codes = _shifted_plane(packed, j)
+                if SCALE_AFTER_DOT:
+                    part = tl.dot(x_j, codes.to(dtype), part, input_precision=DOT_PRECISION)
+                else:
+                    weight = codes * scale[None, :]
+                    if HAS_OFFSETS:
+                        weight += offset[None, :]
+                    acc = tl.dot(x_j, weight.to(dtype), acc, input_precision=DOT_PRECISION)
+        else:
+            codes = _load_codes(qweight_ptr, k0, offs_n, n_mask, N, CODES, BLOCK_K, BLOCK_N)
+            x = tl.load(
+                x_rows + k0 + tl.arange(0, BLOCK_K)[None, :], mask=m_mask[:, None], other=0.0
+            )
+            if SCALE_AFTER_DOT:
+                part = tl.dot(x, codes.to(dtype), part, input_precision=DOT_PRECISION)
+            else:
+                weight = codes * scale[None, :]
+                if HAS_OFFSETS:
+                    weight += offset[None, :]
+                acc = tl.dot(x, weight.to(dtype), acc, input_precision=DOT_PRECISION)
+        if SCALE_AFTER_DOT:
+            if ((k0 + BLOCK_K) % group_size == 0) | (k0 + BLOCK_K >= k_end):  # the group ends
+                acc += part * scale[None, :]
+                if HAS_OFFSETS:
+                    acc += x_sum[:, None] * offset[None, :]
+                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                x_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    tile = pid_m * num_pid_n + pid_n
+    _finish(
+        acc, out_ptr, partial_ptr, counter_ptr, tile, pid_k, split_k, offs_m, offs_n, M, N,
+        LAST_REDUCES,
+    )  # fmt: skip
+
+
+# ---- dequantize + cuBLAS -----------------------------------------------------------------------
 
 
 @triton.jit
@@ -220,13 +480,19 @@ def _dequantize_kernel(
     k0 = tl.program_id(0) * BLOCK_K
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    weight = _dequantized_tile(
-        qweight_ptr, scales_ptr, offsets_ptr, k0, offs_n, n_mask, N, group_size,
-        CODES, HAS_OFFSETS, BLOCK_K, BLOCK_N,
-    )  # fmt: skip
+    codes = _load_codes(qweight_ptr, k0, offs_n, n_mask, N, CODES, BLOCK_K, BLOCK_N)
+    group = (k0 // group_size) * N
+    scale = tl.load(scales_ptr + group + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    weight = codes * scale[None, :]
+    if HAS_OFFSETS:
+        offset = tl.load(offsets_ptr + group + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        weight += offset[None, :]
     rows = k0 + tl.arange(0, BLOCK_K)
     out = weight_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :]
     tl.store(out, weight.to(weight_ptr.dtype.element_ty), mask=n_mask[None, :])
+
+
+# ---- wrappers ----------------------------------------------------------------------------------
 
 
 def check_operands(
@@ -258,6 +524,14 @@ def check_operands(
     return m, n, k
 
 
+def split_k_buffers(
+    split_k: int, m: int, n: int, device: torch.device
+) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(split_k, float32 partials [split_k, M, N] or a stand-in, the split-K counters)."""
+    partial = torch.empty(split_k if split_k > 1 else 1, m if split_k > 1 else 1, n, device=device)
+    return split_k, partial, _counters(device)
+
+
 def launch(
     x: torch.Tensor,  # [M, K]
     qweight: torch.Tensor,  # int4: int32 [K // 8, N]; int8: int8 [K, N]
@@ -267,7 +541,7 @@ def launch(
     plan: MatmulPlan,
 ) -> torch.Tensor:
     """Run one plan on checked operands; returns [M, N] in x's dtype."""
-    codes = "int8" if qweight.dtype == torch.int8 else plan.int4_codes
+    codes = "int8" if qweight.dtype == torch.int8 else "int4"
     m, k = x.shape
     n = qweight.shape[1]
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)  # [M, N]
@@ -275,35 +549,47 @@ def launch(
         return out
     offsets_arg = scales if offsets is None else offsets  # not read without offsets
     common = dict(CODES=codes, HAS_OFFSETS=offsets is not None, BLOCK_K=plan.block_k)
-    if plan.kernel == "gemv":
-        steps = triton.cdiv(k // plan.block_k, plan.split_k)
-        split_k = triton.cdiv(k // plan.block_k, steps)  # no empty slices
-        target = out if split_k == 1 else torch.empty(split_k, m, n, device=x.device)
-        _gemv_kernel[(triton.cdiv(n, plan.block_n), split_k)](
-            x, qweight, scales, offsets_arg, target, m, n, k, x.stride(0), group_size, steps,
-            BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, USE_DOT=plan.use_dot,
-            DOT_PRECISION=dot_precision(x.dtype), num_warps=plan.num_warps,
-            num_stages=plan.num_stages, **common,
-        )  # fmt: skip
-        if split_k > 1:
-            block = 1024
-            _sum_splits_kernel[(triton.cdiv(m * n, block),)](
-                target, out, m * n, split_k, BLOCK=block
-            )
-    elif plan.kernel == "gemm":
-        grid = (triton.cdiv(m, plan.block_m) * triton.cdiv(n, plan.block_n),)
-        _gemm_kernel[grid](
-            x, qweight, scales, offsets_arg, out, m, n, k, x.stride(0), group_size,
-            BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, GROUP_M=8,
-            DOT_PRECISION=dot_precision(x.dtype), num_warps=plan.num_warps,
-            num_stages=plan.num_stages, **common,
-        )  # fmt: skip
-    else:
+    if plan.kernel == "dequantize":
         weight = torch.empty(k, n, device=x.device, dtype=x.dtype)  # [K, N]
         _dequantize_kernel[(k // plan.block_k, triton.cdiv(n, plan.block_n))](
             qweight, scales, offsets_arg, weight, n, group_size, BLOCK_N=plan.block_n, **common
         )
-        torch.matmul(x, weight, out=out)
+        return torch.matmul(x, weight, out=out)
+    steps = triton.cdiv(k // plan.block_k, plan.split_k)
+    split_k = triton.cdiv(k // plan.block_k, steps)  # no empty slices
+    n_blocks = triton.cdiv(n, plan.block_n)
+    m_blocks = 1 if plan.kernel == "gemv" else triton.cdiv(m, plan.block_m)
+    require(m_blocks * n_blocks <= COUNTERS, f"at most {COUNTERS} output tiles per product")
+    last_reduces = plan.split_reduce == "last"
+    split_k, partial, counters = split_k_buffers(split_k, m, n, x.device)
+    args = (
+        x, qweight, scales, offsets_arg, out, partial, counters,
+        m, n, k, x.stride(0), group_size, steps, split_k,
+    )  # fmt: skip
+    if plan.kernel == "gemv" and m == 1 and (codes == "int4" or n % 4 == 0):
+        words = qweight if codes == "int4" else qweight.view(torch.int32)  # int8: [K, N // 4]
+        groups = "step" if group_size == plan.block_k else "all" if group_size == k else "any"
+        _gemv_row_kernel[(n_blocks, split_k)](
+            x, words, scales, offsets_arg, out, partial, counters,
+            n, k, group_size, steps, split_k, MAGIC.value, MAGIC.value | 0x80, MAGIC.value | 0x8000,
+            BLOCK_N=plan.block_n, GROUPS=groups, LAST_REDUCES=last_reduces,
+            num_warps=plan.num_warps, num_stages=plan.num_stages, **common,
+        )  # fmt: skip
+    elif plan.kernel == "gemv":
+        _gemv_kernel[(n_blocks, split_k)](
+            *args, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, LAST_REDUCES=last_reduces,
+            num_warps=plan.num_warps, num_stages=plan.num_stages, **common,
+        )  # fmt: skip
+    else:
+        _dot_kernel[(m_blocks * n_blocks, split_k)](
+            *args, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, GROUP_M=8,
+            PLANES=plan.int4_planes and codes == "int4", SCALE_AFTER_DOT=plan.scale_after_dot,
+            LAST_REDUCES=last_reduces, DOT_PRECISION=dot_precision(x.dtype),
+            num_warps=plan.num_warps, num_stages=plan.num_stages, **common,
+        )  # fmt: skip
+    if split_k > 1 and not last_reduces:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](partial, out, m * n, split_k, BLOCK=block)
     return out
 
 
