@@ -88,7 +88,7 @@ class OpenAIServing:
     def __init__(self, engine: AsyncEngine, state: ServerState) -> None:
         self.engine = engine
         self.state = state
-        self.tokenizer = engine.engine.tokenizer
+        self.tokenizer = engine.tokenizer
 
     # --- entry points ------------------------------------------------------------------------
 
