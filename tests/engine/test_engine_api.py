@@ -1,4 +1,5 @@
-"""LLMEngine as the server drives it: step outputs, abort, stats, timestamps, priorities."""
+"""LLMEngine (the engine core plus text, in one process): step outputs, abort, stats, timestamps,
+priorities; and the step records the engine core sends to the API process."""
 
 from __future__ import annotations
 

@@ -2,9 +2,10 @@
 
 It spawns the core (a fresh interpreter: CUDA does not survive fork), waits for its start-up
 report (`CoreReady`, or `CoreFailed` with the reason), then sends records and hands every
-record that comes back to a callback on the event loop, from a reader thread whose blocking
-receive releases the GIL. End of file on the pipe means the core exited: the callback learns
-its exit code. Neither side sends a callable; named calls are `Call` records.
+record that comes back to a callback, read on the event loop itself when the pipe turns
+readable (no thread hand-off, no GIL ping-pong per step). End of file on the pipe means the
+core exited: the exit callback learns its exit code. Neither side sends a callable; named calls
+are `Call` records.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
-import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -61,7 +61,8 @@ class CoreClient:
         self._encode = encoder().encode
         self._call_ids = itertools.count()
         self._calls: dict[int, tuple[str, asyncio.Future[Any]]] = {}
-        self._reader: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by attach()
+        self._closed = False
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -111,30 +112,45 @@ class CoreClient:
         on_exit: Callable[[int | None], None],
     ) -> None:
         """Deliver every record from the core to `on_record` on `loop`; `on_exit(exit code)`
-        once the core has gone."""
-        if self._reader is not None:
+        once the core has gone. Call on the loop."""
+        if self._loop is not None:
             return
         assert self._conn is not None, "start() first"
+        self._loop = loop
+        conn, decode = self._conn, from_core_decoder().decode
 
-        def deliver(record: FromCore) -> None:
-            if isinstance(record, CallResult):
-                self._resolve(record)
-            else:
-                on_record(record)
+        def on_readable() -> None:
+            try:
+                while True:  # every record that is in the pipe now
+                    record = decode(conn.recv_bytes())
+                    if isinstance(record, CallResult):
+                        self._resolve(record)
+                    else:
+                        on_record(record)
+                    if not conn.poll():
+                        return
+            except (EOFError, OSError):
+                pass
+            except msgspec.DecodeError:
+                log.exception("undecodable record from the engine core")
+            loop.remove_reader(fd)
+            loop.create_task(self._reap(on_exit))
 
-        self._reader = threading.Thread(
-            target=self._read,
-            args=(loop, deliver, on_exit),
-            name="kvfleet-core-reader",
-            daemon=True,
-        )
-        self._reader.start()
+        fd = conn.fileno()
+        loop.add_reader(fd, on_readable)
+
+    async def _reap(self, on_exit: Callable[[int | None], None]) -> None:
+        """The core closed its end: wait for its exit code (off the loop), then report."""
+        assert self._process is not None
+        await asyncio.get_running_loop().run_in_executor(None, self._process.join, 5)
+        on_exit(self._process.exitcode)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Ask the core to exit, wait for it, kill it if it does not; idempotent."""
         process = self._process
-        if process is None:
+        if process is None or self._closed:
             return
+        self._closed = True
         if process.is_alive():
             self.send(Shutdown())
             process.join(timeout_s)
@@ -143,6 +159,9 @@ class CoreClient:
             process.kill()
             process.join(5)
         if self._conn is not None:
+            loop = self._loop
+            if loop is not None and not loop.is_closed():
+                loop.remove_reader(self._conn.fileno())
             self._conn.close()
 
     @property
@@ -190,25 +209,3 @@ class CoreClient:
         result_type = CALLS[name]
         value = None if result_type is None else msgspec.convert(result.result, result_type)
         done.set_result(value)
-
-    def _read(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        deliver: Callable[[FromCore], None],
-        on_exit: Callable[[int | None], None],
-    ) -> None:
-        assert self._conn is not None and self._process is not None
-        decode = from_core_decoder().decode
-        try:
-            while True:
-                record = decode(self._conn.recv_bytes())
-                loop.call_soon_threadsafe(deliver, record)
-        except (EOFError, OSError):
-            pass
-        except msgspec.DecodeError:
-            log.exception("undecodable record from the engine core")
-        self._process.join(5)
-        try:
-            loop.call_soon_threadsafe(on_exit, self._process.exitcode)
-        except RuntimeError:  # the loop closed first: nobody is left to tell
-            pass

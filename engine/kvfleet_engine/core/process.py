@@ -15,6 +15,7 @@ group; the API process shuts it down).
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -79,6 +80,8 @@ def run_engine_core(config: EngineConfig, conn: Connection, log_level: str = "IN
         load_s=time.perf_counter() - started,
     )
     conn.send_bytes(encode(ready))
+    gc.collect()
+    gc.freeze()  # the model's objects live to the end: keep them out of every collection
     loop = CoreLoop(core, conn)
     try:
         loop.run()

@@ -11,9 +11,10 @@ in 9-10 µs and decodes in 37-39 µs with msgspec, against 23-37 / 47-61 µs wit
 25-27 / 28-61 µs with msgpack (the Python package), on this project's 2-core CPU machine. A full
 round trip of that record (encode, send, decode, re-encode, send back, decode) took a median of
 165-257 µs over a `multiprocessing.Pipe` (a Unix socketpair) against 361-368 µs over a ZeroMQ
-PAIR socket on `ipc://`, three interleaved runs of 3,000 round trips each
-(`python -m kvfleet_engine.bench.ipc` reproduces it). At a 17 ms step that is ~1% of a step for
-the pipe, so the transport is not what limits serving, and the pipe needs no extra dependency.
+PAIR socket on `ipc://` (three interleaved runs of 3,000 round trips each; a later short run on
+the same, then busier, machine had 261 against 190 µs: the two are within its noise).
+`python -m kvfleet_engine.bench.ipc` reproduces it. Either is ~1-2% of a 17 ms step, so the
+transport is not what limits serving; the pipe needs no extra dependency and no socket file.
 
 PROTOCOL_VERSION changes whenever a record changes shape; the core announces it in `CoreReady`
 and the client refuses a core that speaks another version.
