@@ -1,39 +1,38 @@
-"""The asyncio front of the synchronous `LLMEngine`.
+"""The asyncio front of the engine core, in the API process.
 
-One dedicated thread owns the engine and runs its step loop; the event loop never calls the
-engine directly. Requests and aborts cross to that thread through a command queue; each step's
-outputs cross back in one `call_soon_threadsafe` and land in per-request asyncio queues. So HTTP
-handling never stalls decoding, and a slow client never stalls the batch.
+The engine core (scheduler, model runner, step loop) runs in its own process (`core.process`),
+reached through a `CoreClient`. This side validates and sends each request once, turns each
+step's new token ids into text (`OutputProcessor`: detokenizing, stop strings) and hands the
+outputs to per-request asyncio queues, so HTTP handling and detokenizing never hold up the step
+loop's GIL, and a slow client never stalls the batch. Budget changes, the capacity probe and
+stats are named calls to the core, never closures.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
+from kvfleet_engine.client.output_processor import OutputProcessor
+from kvfleet_engine.core.records import AbortRequests, AddRequest, CoreFailed, FromCore, StepOutputs
+from kvfleet_engine.core.validation import validate_request
 from kvfleet_engine.metrics import EngineMetrics, FinishedRequestStats, IterationStats
-from kvfleet_engine.server.admission import QueueSnapshot
 
 if TYPE_CHECKING:
-    from kvfleet_engine.engine import LLMEngine
-    from kvfleet_engine.outputs import RequestOutput
+    from kvfleet_engine.client.core_client import CoreClient
+    from kvfleet_engine.core.capacity import CapacityReport
+    from kvfleet_engine.outputs import RequestOutput, SchedulerStats
     from kvfleet_engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-_IDLE_POLL_S = 0.05  # how long the idle engine thread waits for a command before re-checking
-
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped on an exception; no request can be served any more."""
+    """The engine core stopped; no request can be served any more."""
 
 
 class RequestAbortedError(RuntimeError):
@@ -41,29 +40,8 @@ class RequestAbortedError(RuntimeError):
 
 
 @dataclass
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int
-    arrival_time: float
-    accepted: asyncio.Future[None]
-
-
-@dataclass
-class _Abort:
-    request_ids: list[str]
-
-
-@dataclass
-class _Call:
-    fn: Callable[[LLMEngine], Any]
-    done: asyncio.Future[Any]
-
-
-@dataclass
 class _Timing:
-    """Per-request bookkeeping on the event-loop thread, for latency metrics."""
+    """Per-request bookkeeping for latency metrics."""
 
     num_prompt_tokens: int
     arrival_time: float
@@ -116,46 +94,45 @@ class _Counters:
 
 
 class AsyncEngine:
-    """Drives one `LLMEngine` on its own thread; all public methods run on the event loop."""
+    """Serves requests through one engine-core process; all methods run on the event loop."""
 
-    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None) -> None:
-        self.engine = engine
+    def __init__(
+        self, client: CoreClient, tokenizer: Any, metrics: EngineMetrics | None = None
+    ) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.model_config = client.config.model
         self.metrics = metrics
-        self.error: BaseException | None = None  # set when the engine thread died
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
+        self.error: BaseException | None = None  # set when the core died
+        # Called once with the error when the core dies (the server exits non-zero).
+        self.on_core_died: Callable[[BaseException], None] | None = None
+        self.processor = OutputProcessor(tokenizer)
         self._streams: dict[str, RequestStream] = {}
         self._timings: dict[str, _Timing] = {}
         self._counters = _Counters()
         self._num_running = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._started = False
+        self._stopping = False
+        self._core_error: str | None = None  # the reason the core sent before it exited
 
     # --- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the engine thread (idempotent); call from inside the event loop."""
-        if self._thread is not None:
+        """Start receiving the core's outputs (idempotent); call from inside the event loop."""
+        if self._started:
             return
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
-        self._thread.start()
+        self._started = True
+        self.client.attach(asyncio.get_running_loop(), self._on_record, self._on_core_exit)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop the engine thread; pending requests are failed."""
-        if self._thread is None:
-            return
-        self._stop.set()
-        self._commands.put(None)
-        self._thread.join(timeout_s)
-        self._thread = None
-        for stream in list(self._streams.values()):
-            stream._put(EngineDeadError("engine shut down"))
-        self._streams.clear()
+        """Stop the core; pending requests are failed."""
+        self._stopping = True
+        self.client.shutdown(timeout_s)
+        self._fail_all(EngineDeadError("engine shut down"))
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.error is None
+        return self._started and self.error is None and not self._stopping
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -167,34 +144,25 @@ class AsyncEngine:
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> RequestStream:
-        """Queue a request; returns once the engine accepted it.
+        """Send a request to the core; its outputs arrive on the returned stream.
 
-        Raises ValueError (the engine's message) when the engine refuses the request.
+        Raises ValueError naming the problem when the engine cannot run the request.
         """
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error}")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
-        loop = asyncio.get_running_loop()
+        prompt = list(prompt_token_ids)
+        validate_request(self.model_config, prompt, params)
         arrival = time.time() if arrival_time is None else arrival_time
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
-        self._timings[request_id] = _Timing(len(prompt_token_ids), arrival)
-        self._counters.queued[request_id] = len(prompt_token_ids)
-        self._counters.queued_tokens += len(prompt_token_ids)
-        accepted: asyncio.Future[None] = loop.create_future()
-        self._commands.put(
-            _Add(request_id, list(prompt_token_ids), params, priority, arrival, accepted)
-        )
-        try:
-            await accepted
-        except ValueError:  # refused by the engine: it holds nothing
-            self._forget(request_id)
-            raise
-        except BaseException:  # the client went away, or the engine failed: it may hold it
-            self._forget(request_id)
-            self._commands.put(_Abort([request_id]))
-            raise
+        self._timings[request_id] = _Timing(len(prompt), arrival)
+        self._counters.queued[request_id] = len(prompt)
+        self._counters.queued_tokens += len(prompt)
+        self.processor.add_request(request_id, prompt, params, arrival)
+        fields = {name: getattr(params, name) for name in params.__dataclass_fields__}
+        self.client.send(AddRequest(request_id, prompt, fields, priority, arrival))
         return stream
 
     def abort(self, request_ids: Sequence[str]) -> None:
@@ -212,114 +180,91 @@ class AsyncEngine:
             if stream is not None and not stream.finished:
                 stream._put(RequestAbortedError(f"request {rid} was aborted"))
             self._forget(rid)
-        self._commands.put(_Abort(ids))
+        self.client.send(AbortRequests(ids))
         if self.metrics is not None and finished:
             self.metrics.observe_iteration(IterationStats(finished=finished))
 
     def abort_all(self) -> None:
         self.abort(list(self._streams))
 
-    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run `fn(engine)` on the engine thread between steps and return its result."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[T] = loop.create_future()
-        self._commands.put(_Call(fn, done))
-        return await done
+    # --- named calls to the core -------------------------------------------------------------
+
+    async def measure_capacity(
+        self, decode_batches: tuple[int, int], prefill_tokens: int
+    ) -> CapacityReport:
+        """The start-up self-benchmark, run in the core (it must be idle)."""
+        report: CapacityReport = await self._call(
+            "measure_capacity", decode_batches=list(decode_batches), prefill_tokens=prefill_tokens
+        )
+        return report
+
+    async def set_token_budget(self, num_tokens: int) -> None:
+        """Cap every step of the core at `num_tokens` (SLA mode)."""
+        await self._call("set_token_budget", num_tokens=num_tokens)
+
+    async def stats(self) -> SchedulerStats:
+        stats: SchedulerStats = await self._call("stats")
+        return stats
+
+    async def _call(self, name: str, **args: Any) -> Any:
+        if self.error is not None:
+            raise EngineDeadError(f"engine stopped: {self.error}")
+        return await self.client.call(name, **args)
 
     # --- state for admission, readiness and drain -------------------------------------------
 
-    def queue_snapshot(self) -> QueueSnapshot:
-        return QueueSnapshot(
-            num_queued_requests=len(self._counters.queued),
-            num_queued_tokens=self._counters.queued_tokens,
-            num_running=self._num_running,
-        )
+    @property
+    def num_queued_requests(self) -> int:
+        """Requests sent without a first token yet."""
+        return len(self._counters.queued)
+
+    @property
+    def num_queued_tokens(self) -> int:
+        """Prompt tokens of those requests."""
+        return self._counters.queued_tokens
+
+    @property
+    def num_running(self) -> int:
+        """Requests in the core's running batch at its latest step."""
+        return self._num_running
 
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    # --- engine thread ---------------------------------------------------------------------
+    # --- records from the core ---------------------------------------------------------------
 
-    def _run(self) -> None:
-        engine = self.engine
-        try:
-            while not self._stop.is_set():
-                busy = engine.has_unfinished_requests()
-                if self._apply_commands(block=not busy) and not engine.has_unfinished_requests():
-                    # An abort emptied the engine: no step will report the freed blocks.
-                    self._post(self._observe_stats, engine.stats())
-                if not engine.has_unfinished_requests():
-                    continue
-                outputs = engine.step()
-                stats = engine.stats()
-                self._post(self._dispatch, outputs, stats, time.time())
-        except BaseException as exc:  # the loop must report, not vanish
-            log.exception("engine loop died")
-            self.error = exc
-            self._post(self._fail_all, exc)
+    def _on_record(self, record: FromCore) -> None:
+        if isinstance(record, StepOutputs):
+            self._dispatch(record)
+        elif isinstance(record, CoreFailed):
+            self._core_error = record.error
 
-    def _apply_commands(self, block: bool) -> int:
-        """Apply every queued command (when idle, first wait briefly for one); how many."""
-        applied = 0
-        try:
-            get = self._commands.get
-            command = get(timeout=_IDLE_POLL_S) if block else self._commands.get_nowait()
-            while True:
-                self._apply(command)
-                applied += 1
-                command = self._commands.get_nowait()
-        except queue.Empty:
-            return applied
-
-    def _apply(self, command: _Add | _Abort | _Call | None) -> None:
-        engine = self.engine
-        if command is None:
+    def _on_core_exit(self, exitcode: int | None) -> None:
+        if self._stopping:
             return
-        if isinstance(command, _Add):
-            try:
-                engine.add_request(
-                    command.request_id,
-                    command.prompt_token_ids,
-                    command.params,
-                    priority=command.priority,
-                    arrival_time=command.arrival_time,
-                )
-            except ValueError as exc:  # the request's fault: the client gets a 400
-                self._post(_resolve, command.accepted, None, exc)
-            except Exception as exc:  # the engine's fault: fail this request, keep serving
-                log.exception("add_request(%s) failed", command.request_id)
-                self._post(_resolve, command.accepted, None, exc)
-            else:
-                self._post(_resolve, command.accepted, None, None)
-        elif isinstance(command, _Abort):
-            engine.abort_request(command.request_ids)
-        else:
-            try:
-                result = command.fn(engine)
-            except Exception as exc:
-                self._post(_resolve, command.done, None, exc)
-            else:
-                self._post(_resolve, command.done, result, None)
+        reason = self._core_error or "no reason given"
+        error = EngineDeadError(f"engine core process exited (exit code {exitcode}): {reason}")
+        log.error("%s", error)
+        self.error = error
+        self.client.fail_calls(error)
+        self._fail_all(error)
+        if self.on_core_died is not None:
+            self.on_core_died(error)
 
-    def _post(self, fn: Callable[..., None], *args: Any) -> None:
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(fn, *args)
-            except RuntimeError:  # loop closed between the check and the call
-                pass
-
-    # --- event-loop side -------------------------------------------------------------------
-
-    def _observe_stats(self, stats: Any) -> None:
+    def _dispatch(self, step: StepOutputs) -> None:
+        stats = step.stats
         self._num_running = stats.num_running
-        if self.metrics is not None:
-            self.metrics.observe_scheduler(stats)
-
-    def _dispatch(self, outputs: list[RequestOutput], stats: Any, now: float) -> None:
-        self._num_running = stats.num_running
+        for request_id, reason in step.rejected.items():
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream._put(RequestAbortedError(f"the engine refused the request: {reason}"))
+            self.processor.remove(request_id)
+            self._forget(request_id)
         iteration = IterationStats()
+        outputs, stopped = self.processor.process(step)
+        if stopped:  # ended by a stop string here: the core still runs them
+            self.client.send(AbortRequests(stopped))
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -330,7 +275,8 @@ class AsyncEngine:
                 self._forget(out.request_id)
         if self.metrics is not None:
             self.metrics.observe_scheduler(stats)
-            self.metrics.observe_iteration(iteration)
+            if iteration.ttfts_s or iteration.inter_token_latencies_s or iteration.finished:
+                self.metrics.observe_iteration(iteration)
 
     def _account(self, out: RequestOutput, iteration: IterationStats) -> None:
         timing = self._timings.get(out.request_id)
@@ -370,17 +316,9 @@ class AsyncEngine:
         self._dequeue(request_id)
         self._streams.pop(request_id, None)
         self._timings.pop(request_id, None)
+        self.processor.remove(request_id)
 
     def _fail_all(self, exc: BaseException) -> None:
         for rid, stream in list(self._streams.items()):
             stream._put(EngineDeadError(f"engine stopped: {exc}"))
             self._forget(rid)
-
-
-def _resolve(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
-    if future.done():
-        return
-    if exc is not None:
-        future.set_exception(exc)
-    else:
-        future.set_result(result)

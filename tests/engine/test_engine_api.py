@@ -1,4 +1,5 @@
-"""LLMEngine as the server drives it: step outputs, abort, stats, timestamps, priorities."""
+"""LLMEngine (the engine core plus text, in one process): step outputs, abort, stats, timestamps,
+priorities; and the step records the engine core sends to the API process."""
 
 from __future__ import annotations
 
@@ -93,3 +94,33 @@ def _stream(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams)
             if output.finished:
                 finals[output.request_id] = output
     return [finals[f"s{i}-{len(params.stop)}"] for i in range(len(prompts))]
+
+
+def test_step_records_carry_only_each_steps_new_tokens(make_llm: Callable[..., Any]) -> None:
+    """What crosses to the API process per step: the new token ids, once, and how it ended."""
+    from kvfleet_engine.core.records import StepOutputs, encoder, from_core_decoder
+
+    engine: LLMEngine = make_llm("llama3", kv_cache_blocks=64).engine
+    short, long_ = random_prompts([5, 40], seed=43)
+    engine.add_request("short", short, PARAMS)
+    engine.add_request("long", long_, SamplingParams(temperature=0.0, max_tokens=3, logprobs=1))
+    records = []
+    while engine.has_unfinished_requests():
+        wire = encoder().encode(engine.step_outputs())
+        records.append(from_core_decoder().decode(wire))
+    assert all(isinstance(r, StepOutputs) for r in records)
+    tokens: dict[str, list[int]] = {"short": [], "long": []}
+    for record in records:
+        assert all(len(ids) == 1 for ids in record.new_token_ids)  # one new token per step
+        for request_id, ids in zip(record.request_ids, record.new_token_ids, strict=True):
+            tokens[request_id] += ids
+    assert [len(tokens["short"]), len(tokens["long"])] == [6, 3]
+    assert records[0].started.keys() == {"short", "long"}
+    assert {rid for r in records for rid in r.finished} == {"short", "long"}
+    finished = {rid: f for r in records for rid, f in r.finished.items()}
+    assert finished["short"].finish_reason == "length"
+    logprobs = [lp for r in records for lp in r.new_logprobs.get("long", [])]
+    assert len(logprobs) == 3 and all(
+        t in lp for t, lp in zip(tokens["long"], logprobs, strict=True)
+    )
+    assert records[-1].stats.num_blocks_free == 64

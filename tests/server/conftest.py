@@ -1,4 +1,5 @@
-"""A real tiny-model engine behind the real app, served by uvicorn on a free port."""
+"""A real tiny-model engine core (its own process, as `kvfleet serve` runs it) behind the real
+app, served by uvicorn on a free port."""
 
 from __future__ import annotations
 
@@ -30,12 +31,13 @@ class LiveServer:
 @pytest.fixture(scope="session")
 def live_server(tiny_model_dir: Path) -> Iterator[LiveServer]:
     from kvfleet_engine.async_engine import AsyncEngine
+    from kvfleet_engine.client.core_client import CoreClient
     from kvfleet_engine.config import EngineConfig
-    from kvfleet_engine.engine import LLMEngine
     from kvfleet_engine.metrics import EngineInfo, EngineMetrics
     from kvfleet_engine.server.admission import AdmissionConfig
     from kvfleet_engine.server.app import build_app
     from kvfleet_engine.server.state import ServerSettings, ServerState
+    from kvfleet_engine.tokenizer import load_tokenizer
 
     config = EngineConfig.create(
         str(tiny_model_dir),
@@ -45,7 +47,8 @@ def live_server(tiny_model_dir: Path) -> Iterator[LiveServer]:
         max_num_batched_tokens=1024,
         max_model_len=512,
     )
-    engine = LLMEngine.from_config(config)
+    client = CoreClient(config, log_level="warning")
+    client.start()
     metrics = EngineMetrics(EngineInfo(MODEL_NAME, "test", "none", 1))
     settings = ServerSettings(
         served_model_name=MODEL_NAME,
@@ -56,7 +59,8 @@ def live_server(tiny_model_dir: Path) -> Iterator[LiveServer]:
         admission=AdmissionConfig(None, None, None, None),
         drain_timeout_s=5.0,
     )
-    state = ServerState(settings, AsyncEngine(engine, metrics), metrics)
+    engine = AsyncEngine(client, load_tokenizer(config.model), metrics)
+    state = ServerState(settings, engine, metrics)
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning")
@@ -68,3 +72,4 @@ def live_server(tiny_model_dir: Path) -> Iterator[LiveServer]:
     yield LiveServer(url, state)
     server.should_exit = True
     thread.join(30)
+    client.shutdown()

@@ -12,14 +12,22 @@ Every request streams, so TTFT (request sent -> first token), ITL (gaps between 
 tokens), TPOT ((e2e - TTFT) / (output tokens - 1)) and end-to-end latency are measured per
 request and reported at the chosen percentiles, with request and token throughput and goodput
 (requests per second that met every given SLO). Works against any OpenAI-compatible server.
+
+At hundreds of streams one Python client process runs out of CPU before a fast server does:
+`--client-processes N` splits the requests, the concurrency (or the request rate) over N
+processes, each with its own event loop and connections; the duration runs from the first
+process's start to the last one's end.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import math
+import multiprocessing
+import queue
 import random
 import sys
 import time
@@ -51,18 +59,21 @@ def random_requests(
     range_ratio: float,
     token_range: tuple[int, int],
     seed: int,
+    prefix_len: int = 0,
 ) -> list[BenchRequest]:
-    """Prompts of random token ids; lengths uniform in [len*(1-ratio), len*(1+ratio)]."""
+    """Prompts of random token ids; lengths uniform in [len*(1-ratio), len*(1+ratio)]. The first
+    `prefix_len` tokens of every prompt are the same (a shared system prompt, say)."""
     rng = random.Random(seed)
     low, high = token_range
+    prefix = [rng.randint(low, high) for _ in range(prefix_len)]
 
     def length(mean: int) -> int:
         return max(1, rng.randint(int(mean * (1 - range_ratio)), int(mean * (1 + range_ratio))))
 
     requests = []
     for _ in range(num):
-        n_in = length(input_len)
-        ids = [rng.randint(low, high) for _ in range(n_in)]
+        n_in = max(length(input_len), prefix_len + 1)
+        ids = prefix + [rng.randint(low, high) for _ in range(n_in - prefix_len)]
         requests.append(BenchRequest(ids, n_in, length(output_len)))
     return requests
 
@@ -235,6 +246,74 @@ async def run_load(
     return results, duration
 
 
+class _SharedProgress:
+    """A client process's progress bar: a counter the parent process reads."""
+
+    def __init__(self, counter: Any) -> None:
+        self.counter = counter
+
+    def update(self, n: int) -> None:
+        with self.counter.get_lock():
+            self.counter.value += n
+
+
+def _client_process(
+    k: int,
+    args: argparse.Namespace,
+    model: str,
+    requests: list[BenchRequest],
+    counter: Any,
+    results: Any,
+) -> None:
+    start = time.perf_counter()
+    share, _ = asyncio.run(run_load(args, model, requests, _SharedProgress(counter)))
+    results.put((k, share, start, time.perf_counter()))
+
+
+def run_load_processes(
+    args: argparse.Namespace, model: str, requests: list[BenchRequest], progress: Any
+) -> tuple[list[RequestResult], float]:
+    """`run_load` split over args.client_processes processes: request i goes to process
+    i % N; the concurrency or the rate is divided among them."""
+    num = min(args.client_processes, len(requests), args.concurrency or len(requests))
+    context = multiprocessing.get_context("spawn")
+    counter = context.Value("i", 0)
+    results_queue = context.Queue()
+    processes = []
+    for k in range(num):
+        share_args = copy.copy(args)
+        if args.concurrency is not None:
+            share_args.concurrency = args.concurrency // num + (k < args.concurrency % num)
+        else:
+            share_args.request_rate = args.request_rate / num
+            share_args.seed = args.seed + k
+        share = requests[k::num]
+        process = context.Process(
+            target=_client_process,
+            args=(k, share_args, model, share, counter, results_queue),
+            name=f"bench-client-{k}",
+        )
+        process.start()
+        processes.append(process)
+    shares: dict[int, tuple[list[RequestResult], float, float]] = {}
+    while len(shares) < num:
+        try:
+            k, share_results, start, end = results_queue.get(timeout=0.2)
+            shares[k] = (share_results, start, end)
+        except queue.Empty:
+            failed = [p.name for p in processes if p.exitcode not in (None, 0)]
+            if failed:
+                raise RuntimeError(f"client process(es) {failed} failed") from None
+        progress.update(counter.value - progress.n)
+    for process in processes:
+        process.join()
+    results: list[RequestResult] = [RequestResult() for _ in requests]
+    for k, (share_results, _, _) in shares.items():
+        results[k::num] = share_results
+    duration = max(end for _, _, end in shares.values()) - min(s for _, s, _ in shares.values())
+    return results, duration
+
+
 # --- report --------------------------------------------------------------------------------
 
 
@@ -361,6 +440,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--random-output-len", type=positive_int, default=128)
     parser.add_argument("--random-range-ratio", type=float, default=0.0)
     parser.add_argument(
+        "--random-prefix-len",
+        type=int,
+        default=0,
+        help="the first N tokens of every random prompt are shared (prefix caching)",
+    )
+    parser.add_argument(
         "--random-token-range",
         default="3:250",
         help="LOW:HIGH token ids for random prompts (fits every vocabulary by default)",
@@ -376,6 +461,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--percentiles", default="50,90,99", help="comma-separated")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request seconds")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--client-processes",
+        type=positive_int,
+        default=1,
+        help="client processes sharing the load (use several at hundreds of streams)",
+    )
     parser.add_argument("--output", type=Path, help="write the JSON result here")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
@@ -393,6 +484,8 @@ def main(argv: list[str]) -> int:
         parser.error("--random-token-range LOW:HIGH and --percentiles P,P,... take numbers")
     if not 0 <= args.random_range_ratio < 1:
         parser.error("--random-range-ratio: must be in [0, 1)")
+    if not 0 <= args.random_prefix_len < args.random_input_len:
+        parser.error("--random-prefix-len: must be in [0, --random-input-len)")
     if args.dataset == "jsonl" and args.dataset_path is None:
         parser.error("--dataset jsonl needs --dataset-path")
     if args.dataset == "chat" and args.endpoint == "completions":
@@ -413,6 +506,7 @@ def main(argv: list[str]) -> int:
                 args.random_range_ratio,
                 (low, high),
                 args.seed,
+                args.random_prefix_len,
             )
     except (httpx.HTTPError, ValueError, OSError) as exc:
         print(f"kvfleet bench serve: {exc}", file=sys.stderr)
@@ -421,7 +515,10 @@ def main(argv: list[str]) -> int:
     from tqdm import tqdm
 
     with tqdm(total=len(requests), desc="requests", unit="req", disable=args.no_progress) as bar:
-        results, duration = asyncio.run(run_load(args, model, requests, bar))
+        if args.client_processes > 1:
+            results, duration = run_load_processes(args, model, requests, bar)
+        else:
+            results, duration = asyncio.run(run_load(args, model, requests, bar))
     summary = summarize(results, duration, percentiles, dict(args.goodput))
     print(format_report(summary))
     if args.output:

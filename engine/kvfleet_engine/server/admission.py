@@ -2,13 +2,25 @@
 
 Pure functions of a queue snapshot and a fitted step-time model, so the decisions are testable
 without an engine. The engine loop supplies the snapshot; the start-up self-benchmark supplies
-the model (`capacity.measure_capacity`).
+the model (`kvfleet_engine.core.capacity.measure_capacity`, run in the engine core).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from kvfleet_engine.core.capacity import StepTimeModel
+
+__all__ = [
+    "AdmissionConfig",
+    "AdmissionPolicy",
+    "QueueSnapshot",
+    "Rejection",
+    "StepTimeModel",
+    "estimate_ttft_s",
+    "sla_token_budget",
+]
 
 
 @dataclass(frozen=True)
@@ -17,23 +29,6 @@ class AdmissionConfig:
     max_queued_tokens: int | None  # their prompt tokens; None: no limit
     ttft_slo_s: float | None  # SLA mode: refuse work whose estimated TTFT exceeds this
     tpot_slo_s: float | None  # SLA mode: cap each step's token budget so a step fits this
-
-
-@dataclass(frozen=True)
-class StepTimeModel:
-    """Seconds one engine step takes for `num_tokens` scheduled tokens: fixed + per-token cost."""
-
-    fixed_s: float  # launch/scheduling overhead of a step, seconds
-    per_token_s: float  # marginal seconds per scheduled token
-
-    def step_seconds(self, num_tokens: int) -> float:
-        return self.fixed_s + self.per_token_s * num_tokens
-
-    def max_tokens_within(self, seconds: float) -> int:
-        """Largest token count whose step still fits in `seconds` (0 if none does)."""
-        if seconds <= self.fixed_s:
-            return 0
-        return int((seconds - self.fixed_s) / max(self.per_token_s, 1e-12))
 
 
 @dataclass(frozen=True)

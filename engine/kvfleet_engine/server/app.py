@@ -13,7 +13,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvfleet_engine.server.capacity import measure_capacity
 from kvfleet_engine.server.errors import APIError, error_body, param_from_location
 from kvfleet_engine.server.protocol import (
     ChatCompletionRequest,
@@ -44,7 +43,8 @@ _PriorityHeader = Annotated[
 
 
 def build_app(state: ServerState) -> FastAPI:
-    """The HTTP app over `state.engine`; its lifespan starts the engine thread and warms up."""
+    """The HTTP app over `state.engine`; its lifespan attaches to the engine core (started
+    already) and warms it up, and at the end shuts the core down."""
     engine = state.engine
     serving = OpenAIServing(engine, state)
 
@@ -87,7 +87,7 @@ def build_app(state: ServerState) -> FastAPI:
         log.exception("unhandled error on %s", request.url.path)
         return JSONResponse(error_body(f"internal error: {exc}", type_="internal_error"), 500)
 
-    @app.get("/health", summary="Liveness: the engine thread is running")
+    @app.get("/health", summary="Liveness: the engine core process is running")
     async def health() -> JSONResponse:
         if engine.error is not None:
             return JSONResponse({"status": "dead", "error": str(engine.error)}, 503)
@@ -142,24 +142,30 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 async def _warm_up(state: ServerState) -> None:
-    """Self-benchmark, apply the SLA token budget, publish capacity; then report ready."""
+    """Self-benchmark in the core, apply the SLA token budget, publish capacity; then report
+    ready."""
     engine = state.engine
     settings = state.settings
     prefill_tokens = max(2, min(settings.max_num_batched_tokens, settings.max_model_len - 2, 512))
     decode_batches = (min(settings.max_num_seqs, 8), min(settings.max_num_seqs, 64))
     try:
-        report = await engine.call(
-            lambda e: measure_capacity(
-                e, decode_batches=decode_batches, prefill_tokens=prefill_tokens
-            )
+        report = await engine.measure_capacity(decode_batches, prefill_tokens)
+        log.info(
+            "self-benchmark in the engine core: step = %.3f ms + %.4f ms/token; prefill of %d "
+            "tokens %.2f ms (%.1f s)",
+            report.step_model.fixed_s * 1e3,
+            report.step_model.per_token_s * 1e3,
+            report.prefill_tokens,
+            report.prefill_step_s * 1e3,
+            report.elapsed_s,
         )
         budget = state.policy.calibrate(report.step_model)
         if budget is not None:
-            await engine.call(lambda e: e.scheduler.set_token_budget(budget))
+            await engine.set_token_budget(budget)
             log.info("SLA mode: step token budget %d to hold TPOT", budget)
         max_batch = min(settings.max_num_seqs, state.policy.token_budget)
         state.metrics.set_capacity(report.capacity_tokens_per_second(max_batch))
-        state.metrics.set_baseline(await engine.call(lambda e: e.stats()))
+        state.metrics.set_baseline(await engine.stats())
     except asyncio.CancelledError:
         raise
     except Exception as exc:

@@ -6,6 +6,11 @@ Without --model it serves the embedded model, SmolLM2-135M-Instruct (fetched and
 use: `kvfleet fetch-model`), as "smollm2-135m-instruct".
 SIGTERM: /ready turns 503, new requests get 503, in-flight requests finish (up to
 --drain-timeout seconds, then they are aborted), and the process exits 0.
+
+The engine core (model, scheduler, step loop) runs in a child process; this process serves
+HTTP, tokenizes and detokenizes. If the core dies, /health turns 503, in-flight requests end
+with an error, and this process exits 1 (so Kubernetes restarts the pod). If this process dies,
+however it dies, the core notices the closed pipe and exits too.
 """
 
 from __future__ import annotations
@@ -99,21 +104,28 @@ def main(argv: list[str]) -> int:
 
 def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from kvfleet_engine.async_engine import AsyncEngine
+    from kvfleet_engine.client.core_client import CoreClient, CoreStartError
     from kvfleet_engine.config import EngineConfig
-    from kvfleet_engine.engine import LLMEngine
     from kvfleet_engine.metrics import EngineInfo, EngineMetrics
     from kvfleet_engine.server.app import build_app
     from kvfleet_engine.server.state import ServerSettings, ServerState
+    from kvfleet_engine.tokenizer import load_tokenizer
 
     try:
         config = EngineConfig.from_cli_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    client = CoreClient(config, log_level=args.log_level)
     try:
-        engine = LLMEngine.from_config(config)
-    except ValueError as exc:  # a checkpoint that does not match its config, a corrupt file
+        client.start()
+    except CoreStartError as exc:  # user error: a checkpoint that does not match its config
         print(f"kvfleet serve: {exc}", file=sys.stderr)
-        return 2
+        return 2 if exc.user_error else 1
+    try:
+        tokenizer = load_tokenizer(config.model)
+    except BaseException:
+        client.shutdown()
+        raise
     served_name = args.served_model_name or args.model
     metrics = EngineMetrics(
         EngineInfo(
@@ -125,8 +137,8 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     )
     settings = ServerSettings(
         served_model_name=served_name,
-        max_model_len=engine.model_config.max_model_len,
-        vocab_size=engine.model_config.vocab_size,
+        max_model_len=config.model.max_model_len,
+        vocab_size=config.model.vocab_size,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         max_num_seqs=config.scheduler.max_num_seqs,
         admission=AdmissionConfig(
@@ -137,14 +149,17 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         ),
         drain_timeout_s=args.drain_timeout,
     )
-    state = ServerState(settings, AsyncEngine(engine, metrics), metrics)
+    state = ServerState(settings, AsyncEngine(client, tokenizer, metrics), metrics)
     app = build_app(state)
     server = DrainingServer(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level), state
     )
-    server.run()
-    log.info("server stopped")
-    return 0
+    try:
+        server.run()
+    finally:
+        client.shutdown()  # whatever ended the server, the core goes with it
+    log.info("server stopped (exit code %d)", server.exit_code)
+    return server.exit_code
 
 
 def _version() -> str:
@@ -157,12 +172,24 @@ def _version() -> str:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn, except that SIGTERM drains: stop admitting, finish in-flight work, then exit."""
+    """uvicorn, except that SIGTERM drains: stop admitting, finish in-flight work, then exit;
+    and that the engine core dying ends it with exit code 1."""
+
+    # After the core died: time for the failed requests' error chunks to reach their clients.
+    CORE_DEATH_GRACE_S = 0.5
 
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.state = state
+        self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
+        state.engine.on_core_died = self._core_died
+
+    def _core_died(self, error: BaseException) -> None:
+        log.error("engine core died (%s): exiting with code 1", error)
+        self.exit_code = 1
+        loop = asyncio.get_running_loop()
+        loop.call_later(self.CORE_DEATH_GRACE_S, setattr, self, "should_exit", True)
 
     async def serve(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
         self._loop = asyncio.get_running_loop()

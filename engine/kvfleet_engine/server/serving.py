@@ -88,7 +88,7 @@ class OpenAIServing:
     def __init__(self, engine: AsyncEngine, state: ServerState) -> None:
         self.engine = engine
         self.state = state
-        self.tokenizer = engine.engine.tokenizer
+        self.tokenizer = engine.tokenizer
 
     # --- entry points ------------------------------------------------------------------------
 
@@ -433,7 +433,7 @@ def _field_in(message: str, candidates: dict[str, Any]) -> str | None:
 
 def _chunk_writer(fan: _Fanout, object_name: str) -> Callable[[dict[str, Any]], str]:
     """Formats one streamed chunk with one choice. Plain dicts and a pre-serialized envelope:
-    this runs for every request at every step, on the event loop the engine thread shares."""
+    this runs for every request at every step, on the API process's event loop."""
     envelope = json.dumps(
         {"id": fan.request_id, "object": object_name, "created": fan.created, "model": fan.model},
         separators=(",", ":"),

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from kvfleet_engine.async_engine import AsyncEngine
 from kvfleet_engine.metrics import EngineMetrics
-from kvfleet_engine.server.admission import AdmissionConfig, AdmissionPolicy
+from kvfleet_engine.server.admission import AdmissionConfig, AdmissionPolicy, QueueSnapshot
 from kvfleet_engine.server.errors import APIError
 
 
@@ -61,7 +61,11 @@ class ServerState:
 
     def admit(self, num_prompt_tokens: int, num_requests: int) -> None:
         """429 with Retry-After when the waiting queue or the TTFT target has no room."""
-        rejection = self.policy.check(self.engine.queue_snapshot(), num_prompt_tokens, num_requests)
+        engine = self.engine
+        queue = QueueSnapshot(
+            engine.num_queued_requests, engine.num_queued_tokens, engine.num_running
+        )
+        rejection = self.policy.check(queue, num_prompt_tokens, num_requests)
         if rejection is None:
             return
         self.metrics.observe_rejected(rejection.reason)

@@ -1,7 +1,8 @@
 """Start-up self-benchmark: warms the engine up and measures what one replica can do.
 
-Runs on the engine thread before the server reports ready. Three measurements fit a linear step
-time model, step_seconds(tokens) = fixed + per_token * tokens:
+Runs inside the engine core (the named call `measure_capacity`) before the server reports
+ready. Three measurements fit a linear step time model,
+step_seconds(tokens) = fixed + per_token * tokens:
 - decode at two batch sizes (median step time each): the cost of one more decoding request;
 - prefill: one prompt of `prefill_tokens` tokens in one step: the cost of one more prompt token.
 per_token is the larger of the two slopes (the estimate errs towards slower steps). From the
@@ -19,12 +20,27 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvfleet_engine.server.admission import StepTimeModel
-
 if TYPE_CHECKING:
-    from kvfleet_engine.engine import LLMEngine
+    from kvfleet_engine.core.engine_core import EngineCore
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepTimeModel:
+    """Seconds one engine step takes for `num_tokens` scheduled tokens: fixed + per-token cost."""
+
+    fixed_s: float  # launch/scheduling overhead of a step, seconds
+    per_token_s: float  # marginal seconds per scheduled token
+
+    def step_seconds(self, num_tokens: int) -> float:
+        return self.fixed_s + self.per_token_s * num_tokens
+
+    def max_tokens_within(self, seconds: float) -> int:
+        """Largest token count whose step still fits in `seconds` (0 if none does)."""
+        if seconds <= self.fixed_s:
+            return 0
+        return int((seconds - self.fixed_s) / max(self.per_token_s, 1e-12))
 
 
 @dataclass(frozen=True)
@@ -43,18 +59,18 @@ class CapacityReport:
 
 
 def measure_capacity(
-    engine: LLMEngine,
+    engine: EngineCore,
     *,
     decode_batches: tuple[int, int],
     prefill_tokens: int,
     decode_steps: int = 8,
     prompt_len: int = 16,
 ) -> CapacityReport:
-    """Warm up and measure; leaves the engine idle. Must run on the engine's own thread."""
+    """Warm up and measure; leaves the engine idle. Runs in the engine core, between steps."""
     from kvfleet_engine.sampling import SamplingParams
 
     started = time.perf_counter()
-    vocab = min(int(engine.tokenizer.vocab_size), 30_000)
+    vocab = min(engine.model_config.vocab_size, 30_000)
     seeds = iter(range(1, 1_000_000))
 
     def prompt(length: int) -> list[int]:
@@ -73,13 +89,13 @@ def measure_capacity(
             )
         first_tokens: set[str] = set()
         while len(first_tokens) < batch and engine.has_unfinished_requests():
-            first_tokens.update(out.request_id for out in engine.step())
+            first_tokens.update(request.request_id for request in engine.advance())
         times = []
         while engine.has_unfinished_requests():
             t0 = time.perf_counter()
-            outputs = engine.step()
+            progressed = engine.advance()
             elapsed = time.perf_counter() - t0
-            if len(outputs) == batch and not any(out.finished for out in outputs):
+            if len(progressed) == batch and not any(r.is_finished for r in progressed):
                 times.append(elapsed)
         return statistics.median(times) if times else 0.0
 
@@ -132,6 +148,6 @@ def measure_capacity(
     return report
 
 
-def _run_to_completion(engine: LLMEngine) -> None:
+def _run_to_completion(engine: EngineCore) -> None:
     while engine.has_unfinished_requests():
-        engine.step()
+        engine.advance()

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# One device call (under 9 minutes): the engine core in its own process, served on the H200.
+# Builds the random-weight Llama-3.1-8B-shaped checkpoint (bench/make_checkpoint.py, ~25 s),
+# starts `kvfleet serve` on it, runs the issue-16 loads with bench/serve_client.py (8 client
+# processes, the method of the vLLM comparison) and with `kvfleet bench serve --client-processes
+# 8`, drains it with SIGTERM, then measures the offline figures for the same requests
+# (bench/offline_serve_requests.py). JSON lines and logs go to $OUT; a table at the end.
+#   WHEELS=.whl/server bash bench/gpu_serve_core.sh   # WHEELS: fastapi, starlette, uvicorn,
+#                                                     # pydantic(-core), msgspec wheels
+# Loads (512-token prompts): c1 8 x 512->128, c64 256 x 512->256, c256 512 x 512->256,
+# c1024 2048 x 512->256, shared prefix c64 256 x 2048->128 (1536 shared).
+set -uo pipefail
+OUT=${OUT:-/tmp/kvfleet-serve-core}
+PORT=${PORT:-8100}
+mkdir -p "$OUT"
+ulimit -n 65536 2>/dev/null || ulimit -n 8192  # 1,024 streams: a socket each, on both sides
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/engine:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}"
+if [ -n "${WHEELS:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$WHEELS"/*.whl || exit 1
+  export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+python3 -c "import msgspec, fastapi, uvicorn" || { echo "missing wheels (WHEELS=...)"; exit 1; }
+SCRATCH=$(python3 -c "import shutil; print('/dev/shm' if shutil.disk_usage('/dev/shm').free > 20e9 else '/tmp')")
+CKPT=$SCRATCH/kvfleet-8b-random
+echo "=== checkpoint ($(date +%T))"
+[ -f "$CKPT/config.json" ] || timeout 120 python3 bench/make_checkpoint.py "$CKPT" || exit 1
+echo "=== serve ($(date +%T))"
+python3 -m kvfleet_cli.main serve --model "$CKPT" --served-model-name m --host 127.0.0.1 \
+  --port "$PORT" --max-model-len 4096 --gpu-memory-utilization 0.9 >"$OUT/serve.log" 2>&1 &
+SERVER=$!
+t0=$(date +%s)
+get() { python3 -c "import sys, urllib.request as u; print(u.urlopen(sys.argv[1]).read().decode())" "$1"; }
+for _ in $(seq 240); do
+  get "http://127.0.0.1:$PORT/ready" >/dev/null 2>&1 && break
+  kill -0 $SERVER 2>/dev/null || { tail -30 "$OUT/serve.log"; exit 1; }
+  sleep 1
+done
+echo "ready after $(( $(date +%s) - t0 )) s"
+grep -E "engine core|self-benchmark|ready" "$OUT/serve.log" | tail -4
+URL=http://127.0.0.1:$PORT
+client() {  # CONCURRENCY NUM IN OUT [SHARED]
+  timeout 150 python3 bench/serve_client.py "$URL" m kvfleet "$@" | tee -a "$OUT/serve_client.jsonl"
+}
+bench() {  # NAME, then bench serve flags
+  local name=$1; shift
+  timeout 150 python3 -m kvfleet_cli.main bench serve --url "$URL" --model m --no-progress \
+    --client-processes 8 --random-token-range 1000:119999 --output "$OUT/bench-$name.json" "$@" \
+    | grep -E "completed|output token throughput|ttft_ms|tpot_ms" | sed "s/^/  [$name] /"
+}
+echo "=== serve_client.py loads ($(date +%T))"
+client 1 4 512 32 >/dev/null  # warm-up
+client 1 8 512 128
+client 64 256 512 256
+client 256 512 512 256
+client 1024 2048 512 256
+client 64 256 2048 128 1536
+echo "=== kvfleet bench serve loads ($(date +%T))"
+bench c1 --concurrency 1 --num-prompts 8 --random-input-len 512 --random-output-len 128
+bench c64 --concurrency 64 --num-prompts 256 --random-input-len 512 --random-output-len 256
+bench c256 --concurrency 256 --num-prompts 512 --random-input-len 512 --random-output-len 256
+bench c1024 --concurrency 1024 --num-prompts 2048 --random-input-len 512 --random-output-len 256
+bench shared --concurrency 64 --num-prompts 256 --random-input-len 2048 \
+  --random-prefix-len 1536 --random-output-len 128
+get "$URL/metrics" | grep -E "^kvfleet_(engine|generation|prompt|request_success|preemptions)" \
+  >"$OUT/metrics.txt"
+echo "=== drain ($(date +%T))"
+kill -TERM $SERVER
+wait $SERVER
+echo "server exit code $?"
+echo "=== offline, same requests ($(date +%T))"
+timeout 200 python3 bench/offline_serve_requests.py "$CKPT" "$OUT/offline.json" 2>&1 \
+  | grep '^{' | tail -1
+echo "=== table ($(date +%T))"
+python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+rows = [json.loads(line) for line in (out / "serve_client.jsonl").read_text().splitlines() if line]
+offline = json.loads((out / "offline.json").read_text()) if (out / "offline.json").exists() else {}
+print(f"{'load':<22}{'ok/failed':>10}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}")
+for r in rows:
+    name = f"c{r['concurrency']} {r['num']}x{r['input_len']}->{r['output_len']}" + (f" ({r['shared_prefix']} shared)" if r["shared_prefix"] else "")
+    print(f"{name:<22}{str(r['ok']) + '/' + str(r['failed']):>10}{r['out_tok_s']:>11}{r['ttft_p50_ms']:>10}{r['ttft_p99_ms']:>10}{r['tpot_p50_ms']:>10}")
+print("offline, same requests:", json.dumps(offline))
+for path in sorted(out.glob("bench-*.json")):
+    res = json.loads(path.read_text())["results"]
+    print(f"bench serve {path.stem[6:]:<8} {res['completed']}/{res['failed']}  "
+          f"{res['output_token_throughput']:.0f} tok/s  TTFT p50 {res['ttft_ms']['p50']:.1f}  "
+          f"TPOT p50 {res['tpot_ms']['p50']:.2f} ms")
+PY
+echo "=== done ($(date +%T))"

@@ -1,0 +1,1 @@
+"""The API process's side of the engine core: the process client and the output processor."""

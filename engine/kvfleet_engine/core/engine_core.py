@@ -1,0 +1,160 @@
+"""`EngineCore`: the scheduler, the model runner and the step that drives them; no tokenizer.
+
+It is what runs in the engine-core process (`core.process`), and the base of the in-process
+`LLMEngine`, which adds text. A step advances every running request by one token
+(`advance`); `step_outputs` packs what it produced into the record that crosses to the API
+process: per request, only the tokens it got in this step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+from kvfleet_engine.config import EngineConfig, ModelConfig
+from kvfleet_engine.core.records import Finished, Started, StepOutputs
+from kvfleet_engine.core.validation import validate_request
+from kvfleet_engine.kv_cache import KVCacheManager
+from kvfleet_engine.model_runner import LaunchedStep, ModelRunner
+from kvfleet_engine.outputs import SchedulerStats
+from kvfleet_engine.request import Request, RequestStatus
+from kvfleet_engine.sampling import SamplingParams
+from kvfleet_engine.scheduler import Scheduler, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
+        self.config = config
+        self.model_config: ModelConfig = config.model
+        self.model_runner = runner
+        self.kv_cache = KVCacheManager(
+            runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, config.model.max_model_len)
+        # The step launched but not collected yet (async scheduling).
+        self.in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        # request id -> output tokens already reported by step_outputs().
+        self._num_reported: dict[str, int] = {}
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> EngineCore:
+        return cls(config, ModelRunner(config))
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queue a request. Raises ValueError naming the problem for bad input."""
+        validate_request(self.model_config, prompt_token_ids, params)
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            eos_token_ids=self.model_config.eos_token_ids,
+            priority=priority,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+        )
+        self.scheduler.add(request)
+        return request
+
+    def abort_request(self, request_ids: Iterable[str]) -> None:
+        """Drop requests (running or waiting) and free their blocks; they produce no output."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.scheduler.finish(ids, RequestStatus.FINISHED_ABORTED)
+        for request_id in ids:
+            self._num_reported.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def advance(self) -> list[Request]:
+        """Advance every running request by one step. Returns the requests that got a token
+        (finished or not); with async scheduling, those of the step launched last time."""
+        if self.in_flight is None:
+            self.in_flight = self._launch_next()
+        progressed = []
+        if not self.config.scheduler.async_scheduling or self._needs_host_tokens():
+            progressed = self._collect_in_flight()  # the next step is built from known tokens
+        launched = self._launch_next()
+        progressed += self._collect_in_flight()
+        self.in_flight = launched
+        if launched is not None and not self.scheduler.has_unfinished_requests():
+            self._collect_in_flight()  # every request it ran has ended: drop its tokens
+        return progressed
+
+    def step_outputs(self) -> StepOutputs:
+        """One step, as the record the API process receives: each request's new tokens."""
+        progressed = self.advance()
+        request_ids: list[str] = []
+        new_token_ids: list[list[int]] = []
+        new_logprobs: dict[str, list[dict[int, float]]] = {}
+        started: dict[str, Started] = {}
+        finished: dict[str, Finished] = {}
+        reported = self._num_reported
+        now = time.time()
+        for request in progressed:
+            request_id = request.request_id
+            num_before = reported.get(request_id, 0)
+            if num_before == request.num_output_tokens:
+                continue  # listed twice in one step: its tokens are out already
+            request_ids.append(request_id)
+            new_token_ids.append(request.output_token_ids[num_before:])
+            if request.params.logprobs is not None:
+                new_logprobs[request_id] = request.output_logprobs[num_before:]
+            if num_before == 0:
+                metrics = request.metrics
+                started[request_id] = Started(
+                    max(request.num_cached_tokens, 0), metrics.first_scheduled_time or now
+                )
+            if request.is_finished:
+                reported.pop(request_id, None)
+                finished[request_id] = Finished(
+                    request.status.finish_reason or "stop",
+                    request.stop_reason,
+                    request.metrics.finished_time or now,
+                )
+            else:
+                reported[request_id] = request.num_output_tokens
+        timestamp = progressed[0].metrics.last_token_time if progressed else None
+        return StepOutputs(
+            request_ids=request_ids,
+            new_token_ids=new_token_ids,
+            timestamp=timestamp or now,
+            stats=self.scheduler.stats(),
+            new_logprobs=new_logprobs,
+            started=started,
+            finished=finished,
+        )
+
+    def _launch_next(self) -> tuple[SchedulerOutput, LaunchedStep] | None:
+        scheduled = self.scheduler.schedule()
+        launched = self.model_runner.launch(scheduled)
+        return (scheduled, launched) if scheduled.requests else None
+
+    def _collect_in_flight(self) -> list[Request]:
+        if self.in_flight is None:
+            return []
+        scheduled, launched = self.in_flight
+        self.in_flight = None
+        return self.scheduler.update(scheduled, self.model_runner.collect(launched))
+
+    def _needs_host_tokens(self) -> bool:
+        """A running request's next step needs its latest token on the host (penalties count
+        the output tokens when the step is built)."""
+        return any(request.params.has_penalties for request in self.scheduler.running)
