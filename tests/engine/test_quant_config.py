@@ -48,6 +48,8 @@ def test_auto_detects_each_method() -> None:
     assert ct.scheme_for("model.layers.3.mlp.up_proj") == WeightScheme("int4", "ct-pack", 128)
     assert ct.scheme_for("lm_head") is None
     assert _resolve(None, _ct(FP8, "float-quantized")).kinds == {"fp8"}
+    w8a16 = _resolve("int8", _ct(W8, "pack-quantized"))  # llmcompressor's W8A16 packs int8 too
+    assert w8a16.scheme_for("m.q_proj") == WeightScheme("int8", "ct-pack")
     assert _resolve(None, None) is None
     assert _resolve("none", None) is None
 

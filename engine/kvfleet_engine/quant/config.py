@@ -234,6 +234,14 @@ def _ct_scheme(format_name: str | None, weights: dict[str, Any]) -> WeightScheme
             )
         _check_int(num_bits, group, "compressed-tensors", allow_8=True)
         return WeightScheme("int8", "ct-int", group_size=group)
+    if format_name == "pack-quantized" and num_bits == 8:  # llmcompressor's W8A16
+        if not symmetric:
+            raise ValueError(
+                "compressed-tensors int8 with symmetric false is not supported; supported: "
+                "symmetric int8"
+            )
+        _check_int(num_bits, group, "compressed-tensors", allow_8=True)
+        return WeightScheme("int8", "ct-pack", group_size=group)
     if format_name == "pack-quantized":
         _check_int(num_bits, group, "compressed-tensors", allow_8=False)
         if weights.get("actorder") not in (None, False, "weight", "group"):

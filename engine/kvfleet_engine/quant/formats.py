@@ -9,8 +9,9 @@ The published layouts (K = in_features, N = out_features, G = group size):
   `scales` [K / G, N]; `g_idx` [K]; w = (q - z) * s with z = stored + 1 in format "gptq" (v1
   stores zero - 1) and z = stored in "gptq_v2". Symmetric checkpoints have z = 2^(bits - 1).
 - compressed-tensors pack-quantized: `weight_packed` int32 [N, K / 8] packed along K in value
-  order (pack_to_int32), each signed code stored as code + 8; `weight_zero_point` (asymmetric
-  only) int32 [N / 8, K / G] packed along N the same way; `weight_scale` [N, K / G];
+  order (pack_to_int32), each signed code stored as code + 8 (8-bit: [N, K / 4], code + 128);
+  `weight_zero_point` (asymmetric only) int32 [N / 8, K / G] packed along N the same way;
+  `weight_scale` [N, K / G];
   w = (q - zp) * s in signed terms, so an unsigned code c has offset -(zp + 8) * s.
 """
 

@@ -74,7 +74,7 @@ def checkpoint_tensors(
         ]
     elif scheme.layout == "ct-pack":
         found = [
-            T("weight_packed", (n, k // 8), torch.int32),
+            T("weight_packed", (n, k // (32 // _bits(scheme))), torch.int32),
             T("weight_scale", (n, groups), torch.float32),
             T("weight_g_idx", (k,), torch.int32, kind="equal", optional=True),
             T("weight_shape", (2,), torch.int64, kind="shape"),
@@ -278,6 +278,9 @@ def to_kernel_layout(
         return pack_int8(tensors["weight"], tensors["weight_scale"], group_size)
     if layout == "gptq" and scheme.kind == "int8":
         return _gptq_int8(scheme, tensors, group_size)
+    if layout == "ct-pack" and scheme.kind == "int8":  # signed codes stored as code + 128
+        codes = formats.unpack_along_last(tensors["weight_packed"], 8) - 128
+        return pack_int8(codes.to(torch.int8), tensors["weight_scale"], group_size)
     if layout == "ct-pack":
         codes, scales, offsets = formats.compressed_tensors_canonical(
             tensors["weight_packed"], tensors["weight_scale"], tensors.get("weight_zero_point")
