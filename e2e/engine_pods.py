@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +37,15 @@ class EnginePods:
         model: Path,
         logs: Path,
         served_model_name: str | None = None,
+        extra_args: Sequence[str] = (),
     ) -> None:
         """`model`: a model directory or GGUF file, served as `served_model_name` (default: the
-        Deployment's name, as the operator does); each engine logs to `logs`/engine-POD.log."""
+        Deployment's name, as the operator does) with `extra_args` appended to each command
+        line (e.g. the operator's `--quantization`); each engine logs to
+        `logs`/engine-POD.log."""
         self.kubectl, self.namespace, self.deployment = kubectl, namespace, deployment
         self.model, self.logs = model, logs
+        self.extra_args = list(extra_args)
         self.served_model_name = served_model_name or deployment
         self.procs: dict[str, tuple[str, subprocess.Popen[bytes]]] = {}
         self.started: list[str] = []  # pod names, in start order
@@ -102,7 +107,7 @@ class EnginePods:
             "--served-model-name", self.served_model_name, "--host", ip, "--port", "8000",
             "--device", "cpu",
             "--kv-cache-blocks", "256", "--max-model-len", "512", "--max-num-seqs", "8",
-            "--max-num-batched-tokens", "256", "--drain-timeout", "5",
+            "--max-num-batched-tokens", "256", "--drain-timeout", "5", *self.extra_args,
         ]  # fmt: skip
         with (self.logs / f"engine-{name}.log").open("ab") as log:
             env = {**os.environ, "OMP_NUM_THREADS": str(ENGINE_THREADS)}

@@ -28,6 +28,7 @@ _DTYPE_ALIASES = {
     "half": "float16",
 }
 ATTENTION_BACKENDS = ("auto", "sdpa", "torch", "triton")
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     # Reuse the KV of full blocks shared with earlier prompts.
     enable_prefix_caching: bool = True
+    # KV cache element type: auto (the model's dtype) | fp8 (e4m3 values with a scale per token
+    # and kv head: about twice the tokens in the same memory).
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -177,6 +181,7 @@ class EngineConfig:
         max_num_batched_tokens: int = 8192,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
+        kv_cache_dtype: str = "auto",
         attention_backend: str = "auto",
         enforce_eager: bool = False,
         async_scheduling: bool = True,
@@ -234,6 +239,12 @@ class EngineConfig:
             attention_backend,
             " | ".join(ATTENTION_BACKENDS),
         )
+        _check(
+            kv_cache_dtype in KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            kv_cache_dtype,
+            " | ".join(KV_CACHE_DTYPES),
+        )
         return cls(
             model=ModelConfig.from_pretrained(
                 model, dtype=dtype, max_model_len=max_model_len, quantization=quantization
@@ -243,6 +254,7 @@ class EngineConfig:
                 num_blocks=kv_cache_blocks,
                 gpu_memory_utilization=gpu_memory_utilization,
                 enable_prefix_caching=enable_prefix_caching,
+                kv_cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -303,6 +315,12 @@ class EngineConfig:
             help="reuse KV of shared prompt prefixes",
         )
         group.add_argument(
+            "--kv-cache-dtype",
+            default="auto",
+            choices=KV_CACHE_DTYPES,
+            help="KV cache element type (auto: the model's dtype; fp8: e4m3 with per-token scales)",
+        )
+        group.add_argument(
             "--attention-backend",
             default="auto",
             choices=ATTENTION_BACKENDS,
@@ -343,6 +361,7 @@ class EngineConfig:
             max_num_batched_tokens=ns.max_num_batched_tokens,
             max_model_len=ns.max_model_len,
             enable_prefix_caching=ns.enable_prefix_caching,
+            kv_cache_dtype=ns.kv_cache_dtype,
             attention_backend=ns.attention_backend,
             enforce_eager=ns.enforce_eager,
             async_scheduling=ns.async_scheduling,

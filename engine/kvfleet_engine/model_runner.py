@@ -20,6 +20,7 @@ import torch
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.cuda_graphs import DecodeGraphs
 from kvfleet_engine.layers.attention import Attention, AttentionMetadata, load_backend
+from kvfleet_engine.layers.attention_torch import FP8_DTYPE, SCALE_DTYPE
 from kvfleet_engine.layers.sampler import Penalties, Sampler, SamplingMetadata
 from kvfleet_engine.models.loader import load_model, serving_dtype
 from kvfleet_engine.outputs import ModelRunnerOutput
@@ -29,6 +30,27 @@ log = logging.getLogger(__name__)
 
 # KV cache memory when sizing it on the CPU (there is no memory probe worth trusting).
 CPU_KV_CACHE_BYTES = 2 << 30
+# Triton has an e4m3 type (float8e4nv) from this compute capability on (Ada, Hopper).
+FP8_TRITON_MIN_CAPABILITY = (8, 9)
+
+
+def resolve_kv_cache_dtype(
+    setting: str, model_dtype: torch.dtype, device: torch.device, backend_name: str
+) -> torch.dtype:
+    """The cache's element type: the model's (auto), or e4m3 (fp8). The torch and sdpa backends
+    read an fp8 cache on any device; the Triton kernels need an e4m3 type the GPU has."""
+    if setting == "auto":
+        return model_dtype
+    if device.type == "cuda" and backend_name == "triton":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < FP8_TRITON_MIN_CAPABILITY:
+            need = ".".join(map(str, FP8_TRITON_MIN_CAPABILITY))
+            raise ValueError(
+                f"kv_cache_dtype=fp8 needs compute capability >= {need} for the triton attention "
+                f"backend; {device} ({torch.cuda.get_device_name(device)}) has "
+                f"{capability[0]}.{capability[1]}: use kv_cache_dtype=auto"
+            )
+    return FP8_DTYPE
 
 
 def resolve_device(name: str) -> torch.device:
@@ -89,6 +111,9 @@ class ModelRunner:
         if backend_name == "auto":
             backend_name = "triton" if self.device.type == "cuda" else "sdpa"
         self.backend = load_backend(backend_name)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(
+            config.cache.kv_cache_dtype, self.dtype, self.device, backend_name
+        )
         torch.manual_seed(config.runner.seed)
         self.model = load_model(config.model, self.device, self.dtype)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -109,13 +134,15 @@ class ModelRunner:
         self._last_samples = torch.empty(0, dtype=torch.int64, device=self.device)
         self._last_sample_rows: dict[str, int] = {}
         log.info(
-            "model %s on %s (%s, attention %s), %d KV blocks of %d tokens",
+            "model %s on %s (%s, attention %s), %d KV blocks of %d tokens, KV cache %s%s",
             config.model.architecture,
             self.device,
             self.dtype,
             backend_name,
             self.num_blocks,
             self.block_size,
+            self.kv_cache_dtype,
+            " with bfloat16 scales per token and kv head" if self._fp8_cache else "",
         )
 
     # ---- the step -------------------------------------------------------------------------
@@ -358,11 +385,17 @@ class ModelRunner:
 
     # ---- KV cache -------------------------------------------------------------------------
 
+    @property
+    def _fp8_cache(self) -> bool:
+        return self.kv_cache_dtype == FP8_DTYPE
+
     def _block_bytes(self) -> int:
+        """K and V of one block in every layer, with an fp8 cache's scales."""
         model = self.config.model
-        element_size = torch.empty(0, dtype=self.dtype).element_size()
-        per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * element_size
-        return per_token * self.block_size
+        row_bytes = model.head_dim * self.kv_cache_dtype.itemsize  # one token's K of one kv head
+        if self._fp8_cache:
+            row_bytes += SCALE_DTYPE.itemsize
+        return 2 * model.num_layers * model.num_kv_heads * row_bytes * self.block_size
 
     def _num_kv_blocks(self) -> int:
         requested = self.config.cache.num_blocks
@@ -448,15 +481,22 @@ class ModelRunner:
             ),
         )
 
-    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, ...]]:
+        """Each layer's K and V caches [num_blocks, block_size, kv_heads, head_dim] and, for an
+        fp8 cache, their scales [num_blocks, kv_heads, block_size], bound to the layer."""
         model = self.config.model
         shape = (num_blocks, self.block_size, model.num_kv_heads, model.head_dim)
-        caches = []
+        scales_shape = (num_blocks, model.num_kv_heads, self.block_size)
+        caches: list[tuple[torch.Tensor, ...]] = []
         for layer in self.attention_layers:
-            k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.bind(k_cache, v_cache, self.backend)
-            caches.append((k_cache, v_cache))
+            k_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            v_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            scales: tuple[torch.Tensor, ...] = ()
+            if self._fp8_cache:
+                k_scales = torch.zeros(scales_shape, dtype=SCALE_DTYPE, device=self.device)
+                scales = (k_scales, torch.zeros_like(k_scales))
+            layer.bind(k_cache, v_cache, self.backend, *scales)
+            caches.append((k_cache, v_cache, *scales))
         return caches
 
 

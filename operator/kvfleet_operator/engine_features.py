@@ -1,8 +1,13 @@
-"""What the kvfleet engine can do today (see ENGINE_CONTRACT: `--tensor-parallel-size` accepts 1
-and `--quantization` accepts none). The CRD accepts the full API so that plans for larger
-topologies are computed and reported; an InferenceDeployment that needs more than this list is
-reported as Stalled with reason FeatureUnavailable, and nothing is rolled out for it. Widen these
-sets when the engine gains the feature; no CRD change is needed."""
+"""What the kvfleet engine can serve today. The operator and the engine meet only at the
+`kvfleet serve` command line (tests/operator/test_engine_contract.py parses every rendered
+argument list with the engine's own parser); these sets say which spec values the operator may
+hand it: `--tensor-parallel-size` 1 only; `--quantization` int8, fp8, awq and gptq (render.py
+maps the CRD's names onto the engine's); `--kv-cache-dtype` auto or fp8.
+
+The CRD accepts the full API so that plans for larger topologies are computed and reported; an
+InferenceDeployment that needs a value outside these sets is reported as Stalled with reason
+FeatureUnavailable, and nothing is rolled out for it. Widen a set when the engine gains the
+feature; no CRD change is needed."""
 
 from __future__ import annotations
 
@@ -10,8 +15,8 @@ from kvfleet_operator.models import InferenceDeploymentSpec
 
 TENSOR_PARALLEL_SIZES = frozenset({1})
 PIPELINE_PARALLEL_SIZES = frozenset({1})
-WEIGHT_QUANTIZATIONS = frozenset({"none"})
-KV_CACHE_QUANTIZATIONS = frozenset({"auto"})
+WEIGHT_QUANTIZATIONS = frozenset({"none", "int8", "fp8", "int4-awq", "int4-gptq"})
+KV_CACHE_QUANTIZATIONS = frozenset({"auto", "fp8"})
 # Whether a GGUF file's weights stay in their quantized blocks in GPU memory. Not yet: the engine
 # dequantizes them at load into bfloat16, so the memory plan counts 2 bytes per parameter, not the
 # file's own bytes. Set it when the engine runs GGUF blocks as they are.
@@ -39,7 +44,7 @@ def unavailable_features(spec: InferenceDeploymentSpec) -> list[str]:
     if spec.quantization.kv_cache not in KV_CACHE_QUANTIZATIONS:
         missing.append(
             f"quantization.kvCache={spec.quantization.kv_cache}: the engine keeps the KV cache "
-            f"in the model dtype ({_one_of(KV_CACHE_QUANTIZATIONS)}) only for now"
+            f"as {_one_of(KV_CACHE_QUANTIZATIONS)} only for now"
         )
     return missing
 

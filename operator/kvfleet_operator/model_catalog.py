@@ -30,7 +30,10 @@ class UnknownModel:
     reason: str  # why, and what to set; shown in the Planned condition
 
 
-def _m(params: int, layers: int, heads: int, kv_heads: int, head_dim: int, ctx: int) -> ModelHints:
+def _m(
+    params: int, layers: int, heads: int, kv_heads: int, head_dim: int, ctx: int, hidden: int,
+    ffn: int,
+) -> ModelHints:  # fmt: skip
     return ModelHints(
         num_parameters=params,
         num_layers=layers,
@@ -38,19 +41,22 @@ def _m(params: int, layers: int, heads: int, kv_heads: int, head_dim: int, ctx: 
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         max_position_embeddings=ctx,
+        hidden_size=hidden,
+        intermediate_size=ffn,
     )
 
 
-_LLAMA_3_1_8B = _m(8_030_261_248, 32, 32, 8, 128, 131072)
-_LLAMA_3_1_70B = _m(70_553_706_496, 80, 64, 8, 128, 131072)
-_LLAMA_3_1_405B = _m(405_853_388_800, 126, 128, 8, 128, 131072)
-_LLAMA_3_2_1B = _m(1_235_814_400, 16, 32, 8, 64, 131072)
-_LLAMA_3_2_3B = _m(3_212_749_824, 28, 24, 8, 128, 131072)
-_QWEN2_5_0_5B = _m(494_032_768, 24, 14, 2, 64, 32768)
-_QWEN2_5_7B = _m(7_615_616_512, 28, 28, 4, 128, 32768)
-_QWEN2_5_72B = _m(72_706_203_648, 80, 64, 8, 128, 32768)
-_QWEN3_8B = _m(8_190_735_360, 36, 32, 8, 128, 40960)
-_MISTRAL_7B = _m(7_248_023_552, 32, 32, 8, 128, 32768)
+# params, layers, heads, KV heads, head dim, context, hidden, intermediate (each config.json).
+_LLAMA_3_1_8B = _m(8_030_261_248, 32, 32, 8, 128, 131072, 4096, 14336)
+_LLAMA_3_1_70B = _m(70_553_706_496, 80, 64, 8, 128, 131072, 8192, 28672)
+_LLAMA_3_1_405B = _m(405_853_388_800, 126, 128, 8, 128, 131072, 16384, 53248)
+_LLAMA_3_2_1B = _m(1_235_814_400, 16, 32, 8, 64, 131072, 2048, 8192)
+_LLAMA_3_2_3B = _m(3_212_749_824, 28, 24, 8, 128, 131072, 3072, 8192)
+_QWEN2_5_0_5B = _m(494_032_768, 24, 14, 2, 64, 32768, 896, 4864)
+_QWEN2_5_7B = _m(7_615_616_512, 28, 28, 4, 128, 32768, 3584, 18944)
+_QWEN2_5_72B = _m(72_706_203_648, 80, 64, 8, 128, 32768, 8192, 29568)
+_QWEN3_8B = _m(8_190_735_360, 36, 32, 8, 128, 40960, 4096, 12288)
+_MISTRAL_7B = _m(7_248_023_552, 32, 32, 8, 128, 32768, 4096, 14336)
 
 MODEL_CATALOG: dict[str, ModelHints] = {
     "llama-3.1-8b": _LLAMA_3_1_8B,

@@ -52,6 +52,22 @@ class ModelHints(Model):
     max_position_embeddings: int | None = Field(
         default=None, ge=1, description="Longest context the model supports."
     )
+    hidden_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="Hidden size (hidden_size); numAttentionHeads × headDim when unset.",
+    )
+    intermediate_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="MLP width (intermediate_size). With it, quantized plans count the linear "
+        "layers' weights apart from the embeddings and norms, which stay 16-bit; without it, "
+        "every parameter counts as quantized.",
+    )
+
+    @property
+    def hidden(self) -> int:
+        return self.hidden_size or self.num_attention_heads * self.head_dim
 
 
 class ModelSpec(Model):

@@ -2,12 +2,20 @@
 topology of one replica, estimate its memory and list every reason it cannot run.
 
 Memory per GPU, all in bytes (documented in the README):
-  weights  = parameters × bytes per weight (none 2, int8/fp8 1, int4-* 0.5) / (tensor × pipeline);
-             for numbers from a GGUF header, the file's own bytes of weights instead (about 0.6
+  weights  = bytes of the weights in the engine's layout (kvfleet_engine/quant/layout.py)
+             / (tensor × pipeline). none: 2 per parameter (bf16). Quantized: each linear layer
+             of a block (q, k, v, o, gate, up, down; in × out) holds codes (int8/fp8 1 byte,
+             int4 0.5) plus scale bytes: int8 and fp8 one float32 per output column, int4 an
+             fp16 scale and an fp16 offset per 128 input columns of each output column
+             (0.5 + 4/128 = 0.53125 per weight); the rest of the parameters (embeddings, lm
+             head, norms, biases) stays 2 bytes. Without the MLP width (hints without
+             intermediateSize) every parameter counts as a linear weight of hidden-size inputs.
+             For numbers from a GGUF header, the file's own bytes of weights instead (about 0.6
              per parameter for Q4_K_M) once the engine keeps GGUF blocks quantized
              (engine_features.GGUF_WEIGHTS_STAY_QUANTIZED; today it dequantizes them to bf16)
-  kv cache = 2 (K and V) × ceil(layers / pipeline) × ceil(kv heads / tensor) × head dim
-             × bytes per KV element (2, fp8 1) × maxModelLen × sla.concurrentSequences
+  kv cache = 2 (K and V) × ceil(layers / pipeline) × ceil(kv heads / tensor)
+             × (head dim × bytes per KV element (auto 2, fp8 1) + scale bytes (fp8: one
+             float32 per token and KV head, else 0)) × maxModelLen × sla.concurrentSequences
   overhead = RUNTIME_RESERVE_GIB (CUDA context, activations, sampler buffers)
   fits when weights + kv cache + overhead <= device memory × engine.gpuMemoryUtilization
 """
@@ -18,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 from kvfleet_operator import engine_features
+from kvfleet_operator.accelerators import PRODUCT_LABEL
 from kvfleet_operator.engine_features import unavailable_features
 from kvfleet_operator.model_catalog import ModelArchitecture, UnknownModel
 from kvfleet_operator.models import (
@@ -26,16 +35,39 @@ from kvfleet_operator.models import (
     MemoryPlan,
     ModelHints,
     Topology,
+    WeightQuantization,
 )
 
 GIB = 1024**3
 RUNTIME_RESERVE_GIB = 1.5
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
-BYTES_PER_WEIGHT = {"none": 2.0, "int8": 1.0, "fp8": 1.0, "int4-awq": 0.5, "int4-gptq": 0.5}
+UNQUANTIZED_BYTES = 2  # bf16: every weight of `none`, and what a quantized model keeps unquantized
+KV_ELEMENT_BYTES = {"auto": 2, "fp8": 1}
+# The e4m3 KV cache keeps one float32 scale per (token, KV head) beside the blocks, for K and V.
+KV_SCALE_BYTES = {"auto": 0, "fp8": 4}
+INT4_GROUP_SIZE = 128  # input columns per int4 scale and offset (AWQ's and GPTQ's usual group)
 # Startup probe budget: loading reads weights from local disk or a volume.
 STARTUP_BASE_SECONDS = 120
 STARTUP_SECONDS_PER_GIB = 10
 STARTUP_UNKNOWN_MODEL_SECONDS = 900
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How the engine stores a quantized linear layer's weights (kvfleet_engine/quant/layout.py)."""
+
+    code_bytes: float  # bytes per weight
+    scale_bytes: int  # bytes per (group of input columns, output column): scale and offset
+    group_size: int | None  # input columns per scale; None: one scale per output column
+
+
+WEIGHT_FORMATS: dict[str, WeightFormat] = {
+    "int8": WeightFormat(code_bytes=1, scale_bytes=4, group_size=None),  # float32 scales [1, N]
+    "fp8": WeightFormat(code_bytes=1, scale_bytes=4, group_size=None),  # float32 scale [N]
+    # fp16 scales and fp16 offsets, each [K // group, N]
+    "int4-awq": WeightFormat(code_bytes=0.5, scale_bytes=2 + 2, group_size=INT4_GROUP_SIZE),
+    "int4-gptq": WeightFormat(code_bytes=0.5, scale_bytes=2 + 2, group_size=INT4_GROUP_SIZE),
+}
 
 
 @dataclass(frozen=True)
@@ -202,11 +234,13 @@ def check_quantization(
         if value == "fp8"
     ]
     need = ".".join(str(p) for p in FP8_MIN_COMPUTE_CAPABILITY)
+    gpu = spec.resources.accelerator
+    if PRODUCT_LABEL in profile.node_selector:
+        gpu += f" ({profile.node_selector[PRODUCT_LABEL]})"
     return [
         Problem(
             "UnsupportedQuantization",
-            f"{field} needs compute capability >= {need}; {spec.resources.accelerator} has "
-            f"{profile.compute_capability}",
+            f"{field} needs compute capability >= {need}; {gpu} has {profile.compute_capability}",
         )
         for field in fp8_fields
     ]
@@ -218,13 +252,12 @@ def plan_memory(
     tp, pp = spec.parallelism.tensor, spec.parallelism.pipeline
     model = architecture.numbers
     weights = _weight_bytes(spec, architecture) / (tp * pp)
-    kv_element_bytes = 1 if spec.quantization.kv_cache == "fp8" else 2
+    kv_cache = spec.quantization.kv_cache
     kv_per_token = (
         2
         * math.ceil(model.num_layers / pp)
         * math.ceil(model.num_key_value_heads / tp)
-        * model.head_dim
-        * kv_element_bytes
+        * (model.head_dim * KV_ELEMENT_BYTES[kv_cache] + KV_SCALE_BYTES[kv_cache])
     )
     max_len = spec.model.max_model_len or model.max_position_embeddings or 0
     kv = kv_per_token * max_len * spec.sla.concurrent_sequences
@@ -245,7 +278,38 @@ def _weight_bytes(spec: InferenceDeploymentSpec, architecture: ModelArchitecture
     """Bytes of the weights in GPU memory, all GPUs together."""
     if architecture.weight_bytes is not None and engine_features.GGUF_WEIGHTS_STAY_QUANTIZED:
         return architecture.weight_bytes
-    return architecture.numbers.num_parameters * BYTES_PER_WEIGHT[spec.quantization.weights]
+    return weight_bytes(architecture.numbers, spec.quantization.weights)
+
+
+def weight_bytes(model: ModelHints, weights: WeightQuantization) -> float:
+    """Bytes of a model's weights in `weights` format, all GPUs together."""
+    fmt = WEIGHT_FORMATS.get(weights)
+    if fmt is None:
+        return model.num_parameters * UNQUANTIZED_BYTES
+    shapes = _block_linears(model)
+    linear = model.num_layers * sum(k * n for k, n in shapes)
+    if not shapes or linear > model.num_parameters:  # no MLP width, or hints that disagree
+        return model.num_parameters * (
+            fmt.code_bytes + fmt.scale_bytes / (fmt.group_size or model.hidden)
+        )
+    quantized = model.num_layers * sum(_linear_bytes(fmt, k, n) for k, n in shapes)
+    return quantized + (model.num_parameters - linear) * UNQUANTIZED_BYTES
+
+
+def _block_linears(model: ModelHints) -> list[tuple[int, int]]:
+    """(in, out) features of the linear layers of one block: q, k, v, o, gate, up, down; empty
+    without the MLP width."""
+    if model.intermediate_size is None:
+        return []
+    hidden, ffn = model.hidden, model.intermediate_size
+    q, kv = model.num_attention_heads * model.head_dim, model.num_key_value_heads * model.head_dim
+    return [(hidden, q), (hidden, kv), (hidden, kv), (q, hidden), (hidden, ffn), (hidden, ffn),
+            (ffn, hidden)]  # fmt: skip
+
+
+def _linear_bytes(fmt: WeightFormat, in_features: int, out_features: int) -> float:
+    groups = 1 if fmt.group_size is None else math.ceil(in_features / fmt.group_size)
+    return in_features * out_features * fmt.code_bytes + groups * out_features * fmt.scale_bytes
 
 
 def _memory_message(

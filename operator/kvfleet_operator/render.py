@@ -21,6 +21,9 @@ MODEL_DIR = "/models"
 PRE_STOP_SECONDS = 5
 STARTUP_PERIOD_SECONDS = 10
 S3_IMAGE = "amazon/aws-cli:2.22.35"
+# quantization.weights -> `kvfleet serve --quantization`; `none` passes no flag, so the engine
+# reads the checkpoint's config.json (a plain checkpoint then loads as bf16).
+ENGINE_QUANTIZATION = {"int8": "int8", "fp8": "fp8", "int4-awq": "awq", "int4-gptq": "gptq"}
 Manifest = dict[str, Any]
 
 
@@ -152,7 +155,9 @@ def engine_args(spec: InferenceDeploymentSpec, plan: Plan, model_path: str) -> l
     if spec.parallelism.tensor != 1:
         args += ["--tensor-parallel-size", str(spec.parallelism.tensor)]
     if spec.quantization.weights != "none":
-        args += ["--quantization", spec.quantization.weights]
+        args += ["--quantization", ENGINE_QUANTIZATION[spec.quantization.weights]]
+    if spec.quantization.kv_cache != "auto":
+        args += ["--kv-cache-dtype", spec.quantization.kv_cache]
     args.append(
         "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching"
     )
@@ -166,6 +171,20 @@ def engine_args(spec: InferenceDeploymentSpec, plan: Plan, model_path: str) -> l
         args += ["--tpot-slo-ms", str(spec.sla.tpot_ms)]
     args += ["--drain-timeout", str(spec.rollout.drain_timeout_seconds)]
     return args + list(engine.extra_args)
+
+
+def rendered_weights(args: list[str]) -> str:
+    """quantization.weights that an engine command line serves: the inverse of engine_args,
+    reading the last `--quantization` as the engine's parser does (extraArgs come last); an
+    engine name the CRD has no name for is returned as it is."""
+    value = "none"
+    for i, arg in enumerate(args):
+        if arg == "--quantization" and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith("--quantization="):
+            value = arg.partition("=")[2]
+    crd_names = {engine: crd for crd, engine in ENGINE_QUANTIZATION.items()}
+    return crd_names.get(value, value)
 
 
 def _engine_container(

@@ -9,7 +9,7 @@ from typing import Any
 
 from kvfleet_operator.models import InferenceDeploymentSpec
 from kvfleet_operator.plan import Plan
-from kvfleet_operator.render import endpoint_url, selector_string
+from kvfleet_operator.render import endpoint_url, rendered_weights, selector_string
 
 OWN_CONDITIONS = ("Ready", "Reconciling", "Stalled", "Planned", "Available")
 # Container waiting reasons that mean the pod will not serve without a change.
@@ -37,6 +37,7 @@ class WorkloadState:
     deadline_exceeded: bool  # Progressing=False, ProgressDeadlineExceeded
     failing_pods: tuple[str, ...]  # "pod: reason" for pods stuck in a failing state
     unschedulable: str | None  # the scheduler's message for a pending pod, if any
+    quantization: str  # quantization.weights of the Deployment's engine container
 
 
 def summarize_workload(deployment: dict[str, Any], pods: list[dict[str, Any]]) -> WorkloadState:
@@ -69,7 +70,14 @@ def summarize_workload(deployment: dict[str, Any], pods: list[dict[str, Any]]) -
         ),
         failing_pods=tuple(sorted(failing)),
         unschedulable=unschedulable,
+        quantization=_engine_weights(spec),
     )
+
+
+def _engine_weights(deployment_spec: dict[str, Any]) -> str:
+    containers = deployment_spec.get("template", {}).get("spec", {}).get("containers", [])
+    engine: dict[str, Any] = next((c for c in containers if c.get("name") == "engine"), {})
+    return rendered_weights(list(engine.get("args", [])))
 
 
 def compute_status(
@@ -97,7 +105,7 @@ def compute_status(
         "updatedReplicas": workload.updated if workload else 0,
         "replicasSummary": f"{ready}/{desired}",
         "scaling": _scaling(spec),
-        "quantization": spec.quantization.weights,
+        "quantization": _quantization(spec, plan, workload),
         "selector": selector_string(name),
         "endpoint": {
             "url": endpoint_url(name, namespace),
@@ -107,6 +115,16 @@ def compute_status(
         "memoryPlan": plan.memory.model_dump(by_alias=True) if plan.memory else None,
     }
     return status
+
+
+def _quantization(
+    spec: InferenceDeploymentSpec, plan: Plan, workload: WorkloadState | None
+) -> str | None:
+    """The weight format the engine pods run: the Deployment's, which a stalled spec change does
+    not touch; the spec's while its first Deployment is created; None when nothing runs."""
+    if workload is not None:
+        return workload.quantization
+    return spec.quantization.weights if plan.ok else None
 
 
 def _desired(spec: InferenceDeploymentSpec, workload: WorkloadState | None) -> int:

@@ -8,7 +8,7 @@ import pytest
 from kvfleet_operator.accelerators import resolve_accelerator
 from kvfleet_operator.model_catalog import model_architecture
 from kvfleet_operator.plan import ClusterFeatures, plan_deployment
-from kvfleet_operator.render import engine_args
+from kvfleet_operator.render import ENGINE_QUANTIZATION, engine_args
 
 cli = pytest.importorskip("kvfleet_engine.server.cli")
 
@@ -50,3 +50,17 @@ def test_a_gguf_file_is_passed_as_the_model_path(make_spec) -> None:
     pod = render_deployment("x", "ns", spec, plan, profile)["spec"]["template"]["spec"]
     args = cli.build_parser().parse_args(pod["containers"][0]["args"])
     assert args.model == "/models/model/q4/tiny-Q4_K_M.gguf"
+
+
+@pytest.mark.parametrize("weights", sorted(ENGINE_QUANTIZATION))
+def test_quantized_args_parse_with_the_engine_parser(make_spec, weights: str) -> None:
+    parser = cli.build_parser()
+    if "--kv-cache-dtype" not in parser.format_help():
+        pytest.skip("this engine's `kvfleet serve` has no --kv-cache-dtype yet")
+    spec = make_spec(quantization={"weights": weights, "kvCache": "fp8"})
+    profile = resolve_accelerator("h100-80gb", {})
+    cluster = ClusterFeatures(leader_worker_set=False, service_monitor=False)
+    plan = plan_deployment("x", spec, profile, model_architecture(spec.model), cluster)
+    assert plan.ok, plan.problems
+    args = parser.parse_args(engine_args(spec, plan, "/models/model"))
+    assert (args.quantization, args.kv_cache_dtype) == (ENGINE_QUANTIZATION[weights], "fp8")

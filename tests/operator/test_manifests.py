@@ -37,6 +37,24 @@ def test_large_sample_fits_but_waits_for_the_engine() -> None:
     assert {problem.reason for problem in p.problems} == {"FeatureUnavailable"}
 
 
+def test_quantized_sample_plans_awq_weights_and_an_fp8_kv_cache_on_an_l4() -> None:
+    p = _plan("quantized.yaml")
+    assert p.ok and p.memory is not None and p.memory.source == "hints"
+    assert (p.memory.weights_gib, p.memory.kv_cache_gib, p.memory.required_gib) == (
+        5.41, 8.25, 15.16
+    )  # fmt: skip
+    assert p.memory.available_gib == 21.6 and p.memory.fits
+    # The same spec on an A100 (compute capability 8.0) stops at the fp8 KV cache.
+    sample = yaml.safe_load((MANIFESTS / "samples" / "quantized.yaml").read_text())
+    sample["spec"]["resources"]["accelerator"] = "a100-80gb"
+    spec = InferenceDeploymentSpec.model_validate(sample["spec"])
+    profile = resolve_accelerator("a100-80gb", {})
+    cluster = ClusterFeatures(leader_worker_set=False, service_monitor=False)
+    a100 = plan_deployment("x", spec, profile, model_architecture(spec.model), cluster)
+    assert [problem.reason for problem in a100.problems] == ["UnsupportedQuantization"]
+    assert a100.problems[0].message.startswith("quantization.kvCache=fp8 needs compute capability")
+
+
 def test_gguf_sample_plans_from_the_files_header(write_gguf) -> None:
     from kvfleet_operator.gguf_header import parse_gguf_header
 

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 
 import pytest
 
 from kvfleet_operator import engine_features
 from kvfleet_operator.accelerators import BUILTIN_ACCELERATORS, resolve_accelerator
 from kvfleet_operator.gguf_header import GGUFUnavailable, parse_gguf_header
-from kvfleet_operator.model_catalog import model_architecture, reads_gguf_header
-from kvfleet_operator.models import AcceleratorProfileSpec
-from kvfleet_operator.plan import ClusterFeatures, plan_deployment
+from kvfleet_operator.model_catalog import MODEL_CATALOG, model_architecture, reads_gguf_header
+from kvfleet_operator.models import AcceleratorProfileSpec, KVCacheQuantization, WeightQuantization
+from kvfleet_operator.plan import ClusterFeatures, plan_deployment, weight_bytes
 
 NO_EXTRAS = ClusterFeatures(leader_worker_set=False, service_monitor=False)
 WITH_LWS = ClusterFeatures(leader_worker_set=True, service_monitor=False)
@@ -64,19 +65,101 @@ def test_kv_cache_scales_with_length_and_concurrency(make_spec) -> None:
     assert reasons(p)[0] == "InsufficientGPUMemory"
 
 
-def test_quantization_shrinks_weights_and_fp8_kv_halves_cache(make_spec) -> None:
-    p = plan(make_spec(quantization={"weights": "int4-awq", "kvCache": "fp8"}))
-    assert p.memory.weights_gib == pytest.approx(14.96 / 4, abs=0.01)
-    assert p.memory.kv_cache_gib == pytest.approx(0.5, abs=0.01)
+# Llama-3.1-8B per block, (in, out): q (4096, 4096), k and v (4096, 1024), o (4096, 4096),
+# gate and up (4096, 14336), down (14336, 4096): 218,103,808 weights; 32 blocks 6,979,321,856.
+# The other 1,050,939,392 parameters (embeddings, lm head, norms) stay bf16: 2,101,878,784 B.
+LLAMA_8B_LINEAR = 6_979_321_856
+LLAMA_8B_REST_BYTES = 2 * 1_050_939_392
+LLAMA_8B_OUT_COLUMNS = 32 * (4096 + 1024 + 1024 + 4096 + 14336 + 14336 + 4096)  # 1,376,256
+
+
+@pytest.mark.parametrize(
+    ("weights", "expected_bytes"),
+    [
+        ("none", 2 * 8_030_261_248),
+        # 1 byte codes + one float32 scale per output column
+        ("int8", LLAMA_8B_LINEAR + 4 * LLAMA_8B_OUT_COLUMNS + LLAMA_8B_REST_BYTES),
+        ("fp8", LLAMA_8B_LINEAR + 4 * LLAMA_8B_OUT_COLUMNS + LLAMA_8B_REST_BYTES),
+        # 0.5 byte codes + fp16 scale and fp16 offset per 128 inputs: 0.53125 bytes per weight
+        ("int4-awq", LLAMA_8B_LINEAR * 0.53125 + LLAMA_8B_REST_BYTES),
+        ("int4-gptq", LLAMA_8B_LINEAR * 0.53125 + LLAMA_8B_REST_BYTES),
+    ],
+)
+def test_weights_are_the_engines_bytes_per_format(make_spec, weights, expected_bytes) -> None:
+    assert weight_bytes(MODEL_CATALOG["llama-3.1-8b"], weights) == expected_bytes
+    p = plan(make_spec(quantization={"weights": weights}))
+    assert p.ok, p.problems
+    assert p.memory.weights_gib == round(expected_bytes / 1024**3, 2)
+
+
+def test_quantized_weights_in_gib_and_startup(make_spec) -> None:
+    gib = {w: plan(make_spec(quantization={"weights": w})).memory.weights_gib
+           for w in ("none", "int8", "fp8", "int4-awq")}  # fmt: skip
+    assert gib == {"none": 14.96, "int8": 8.46, "fp8": 8.46, "int4-awq": 5.41}
+    # Loading time follows the bytes read: 120 s + 10 s per GiB.
+    p = plan(make_spec(quantization={"weights": "int4-awq"}))
+    assert p.startup_timeout_seconds == 120 + math.ceil(10 * 5.41)
+
+
+def test_without_the_mlp_width_every_parameter_counts_as_quantized(make_spec) -> None:
+    hints = {
+        "numParameters": 1_000_000_000, "numLayers": 16, "numAttentionHeads": 16,
+        "numKeyValueHeads": 4, "headDim": 128,
+    }  # fmt: skip
+    numbers = make_spec(model={"uri": "pvc://models/x", "hints": hints}).model.hints
+    assert numbers.hidden == 2048  # heads × head dim
+    assert weight_bytes(numbers, "int4-awq") == 531_250_000  # 0.5 + 4 / 128 per parameter
+    assert weight_bytes(numbers, "int8") == 1_000_000_000 * (1 + 4 / 2048)
+    assert weight_bytes(numbers, "none") == 2_000_000_000
+    # Hints with the MLP width split the linears from the 16-bit rest, as the catalog does.
+    full = {
+        "numParameters": 8_030_261_248, "numLayers": 32, "numAttentionHeads": 32,
+        "numKeyValueHeads": 8, "headDim": 128, "hiddenSize": 4096, "intermediateSize": 14336,
+    }  # fmt: skip
+    numbers = make_spec(model={"uri": "pvc://models/x", "hints": full}).model.hints
+    assert weight_bytes(numbers, "int4-awq") == LLAMA_8B_LINEAR * 0.53125 + LLAMA_8B_REST_BYTES
+
+
+def test_fp8_kv_cache_halves_the_cache_plus_its_scales(make_spec) -> None:
+    long = {"model": {"maxModelLen": 131072}, "sla": {"concurrentSequences": 8}}
+    auto = plan(make_spec(**long)).memory
+    fp8 = plan(make_spec(**long, quantization={"kvCache": "fp8"})).memory
+    # 2 × 32 layers × 8 KV heads × 128 × 2 B × 131072 × 8 = 128 GiB; e4m3: 1 B per element and
+    # a float32 scale per (token, KV head) for K and V: × (128 + 4) / 256 = 66 GiB.
+    assert (auto.kv_cache_gib, fp8.kv_cache_gib) == (128.0, 66.0)
+    assert fp8.required_gib == pytest.approx(fp8.weights_gib + 66.0 + 1.5, abs=0.01)
 
 
 def test_fp8_needs_compute_capability_8_9(make_spec) -> None:
-    p = plan(make_spec(quantization={"weights": "fp8"}, resources={"accelerator": "a100-80gb"}))
-    assert reasons(p)[0] == "UnsupportedQuantization"
-    assert "quantization.weights=fp8 needs compute capability >= 8.9" in p.problems[0].message
-    assert "a100-80gb has 8.0" in p.problems[0].message
-    # On Hopper fp8 is fine for the hardware; only the engine gate remains.
-    assert reasons(plan(make_spec(quantization={"weights": "fp8"}))) == ["FeatureUnavailable"]
+    both = {"weights": "fp8", "kvCache": "fp8"}
+    p = plan(make_spec(quantization=both, resources={"accelerator": "a100-80gb"}))
+    assert reasons(p) == ["UnsupportedQuantization", "UnsupportedQuantization"]
+    assert [problem.message for problem in p.problems] == [
+        f"quantization.{field}=fp8 needs compute capability >= 8.9; a100-80gb "
+        "(NVIDIA-A100-SXM4-80GB) has 8.0"
+        for field in ("weights", "kvCache")
+    ]
+    # int4 and int8 run on Ampere; fp8 from Ada (L4, 8.9) and Hopper on.
+    for weights in ("int8", "int4-awq", "int4-gptq"):
+        assert plan(make_spec(quantization={"weights": weights},
+                              resources={"accelerator": "a100-80gb"})).ok  # fmt: skip
+    for accelerator in ("l4", "h100-80gb", "b200"):
+        spec = make_spec(
+            model={"maxModelLen": 4096}, quantization=both, resources={"accelerator": accelerator}
+        )
+        assert plan(spec).ok, accelerator
+    # A cluster profile without a product label is named by its own name.
+    ampere = AcceleratorProfileSpec(memory_gib=24, compute_capability="8.6")
+    spec = make_spec(quantization={"kvCache": "fp8"}, resources={"accelerator": "lab-a10"})
+    p = plan(spec, profiles={"lab-a10": ampere})
+    assert p.problems[0].message.endswith("lab-a10 has 8.6")
+
+
+def test_every_crd_quantization_is_served(make_spec) -> None:
+    for weights in typing.get_args(WeightQuantization):
+        for kv_cache in typing.get_args(KVCacheQuantization):
+            spec = make_spec(quantization={"weights": weights, "kvCache": kv_cache})
+            assert plan(spec).ok, (weights, kv_cache)
 
 
 def test_heads_must_divide_by_tensor_parallel(make_spec) -> None:
@@ -106,11 +189,18 @@ def test_replica_larger_than_a_node_needs_leader_worker_set(make_spec) -> None:
     assert set(reasons(plan(spec, WITH_LWS))) == {"FeatureUnavailable"}
 
 
-def test_engine_feature_gate_names_each_field(make_spec) -> None:
-    p = plan(make_spec(parallelism={"tensor": 2}, quantization={"kvCache": "fp8"}))
-    assert reasons(p) == ["FeatureUnavailable", "FeatureUnavailable"]
-    assert "parallelism.tensor=2" in p.problems[0].message
-    assert "quantization.kvCache=fp8" in p.problems[1].message
+def test_engine_feature_gate_names_each_field(make_spec, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An engine without quantized weights or an e4m3 KV cache: the same gate holds them back.
+    monkeypatch.setattr(engine_features, "WEIGHT_QUANTIZATIONS", frozenset({"none"}))
+    monkeypatch.setattr(engine_features, "KV_CACHE_QUANTIZATIONS", frozenset({"auto"}))
+    quantized = {"weights": "int4-awq", "kvCache": "fp8"}
+    p = plan(make_spec(parallelism={"tensor": 2}, quantization=quantized))
+    assert reasons(p) == ["FeatureUnavailable"] * 3
+    assert [problem.message for problem in p.problems] == [
+        "parallelism.tensor=2: the engine serves tensor parallel size 1 only for now",
+        "quantization.weights=int4-awq: the engine serves none weights only for now",
+        "quantization.kvCache=fp8: the engine keeps the KV cache as auto only for now",
+    ]
 
 
 def test_unknown_accelerator_and_custom_profile(make_spec) -> None:

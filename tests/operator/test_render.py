@@ -12,7 +12,12 @@ from kvfleet_operator.accelerators import resolve_accelerator
 from kvfleet_operator.gguf_header import parse_gguf_header
 from kvfleet_operator.model_catalog import model_architecture
 from kvfleet_operator.plan import ClusterFeatures, plan_deployment
-from kvfleet_operator.render import engine_args, render_children, render_deployment
+from kvfleet_operator.render import (
+    engine_args,
+    render_children,
+    render_deployment,
+    rendered_weights,
+)
 
 GOLDEN = Path(__file__).parent / "golden"
 CLUSTER = ClusterFeatures(leader_worker_set=False, service_monitor=True)
@@ -197,3 +202,43 @@ def test_file_gguf_mounts_the_one_file(make_spec) -> None:
     mount = pod["containers"][0]["volumeMounts"][-1]
     assert mount == {"name": "model", "mountPath": f"/models/{GGUF_FILE}", "readOnly": True}
     assert engine_args_of(deployment)[:2] == ["--model", f"/models/{GGUF_FILE}"]
+
+
+@pytest.mark.parametrize(
+    ("weights", "engine_name"),
+    [("int8", "int8"), ("fp8", "fp8"), ("int4-awq", "awq"), ("int4-gptq", "gptq")],
+)
+def test_quantization_flags_use_the_engine_names(make_spec, weights, engine_name) -> None:
+    args = engine_args_of(children(make_spec(quantization={"weights": weights}))[0])
+    assert args[args.index("--quantization") + 1] == engine_name
+    assert "--kv-cache-dtype" not in args
+    assert rendered_weights(args) == weights
+
+
+def test_unquantized_spec_passes_no_quantization_flags(make_spec) -> None:
+    args = engine_args_of(children(make_spec())[0])
+    assert "--quantization" not in args and "--kv-cache-dtype" not in args
+    assert rendered_weights(args) == "none"
+
+
+def test_awq_weights_with_an_fp8_kv_cache(make_spec) -> None:
+    spec = make_spec(
+        model={"uri": "hf://hugging-quants/Meta-Llama-3.1-8B-Instruct-AWQ-INT4", "hints": {
+            **HINTS, "hiddenSize": 4096, "intermediateSize": 14336}},
+        quantization={"weights": "int4-awq", "kvCache": "fp8"},
+        resources={"accelerator": "l4"},
+    )  # fmt: skip
+    deployment = children(spec)[0]
+    check_golden("awq-fp8-kv", [deployment])
+    args = engine_args_of(deployment)
+    assert args[args.index("--quantization") :][:2] == ["--quantization", "awq"]
+    assert args[args.index("--kv-cache-dtype") :][:2] == ["--kv-cache-dtype", "fp8"]
+    # 5.41 GiB of weights load in 120 s + 10 s per GiB: 175 s, 18 probes of 10 s.
+    assert pod_of(deployment)["containers"][0]["startupProbe"]["failureThreshold"] == 18
+
+
+def test_rendered_weights_reads_the_last_flag_as_the_engine_does() -> None:
+    assert rendered_weights(["--quantization", "awq", "--quantization", "gptq"]) == "int4-gptq"
+    assert rendered_weights(["--quantization", "awq", "--quantization=int8"]) == "int8"
+    # An engine name the CRD does not have, given through engine.extraArgs, is shown as it is.
+    assert rendered_weights(["--quantization", "compressed-tensors"]) == "compressed-tensors"

@@ -39,7 +39,7 @@ def conditions(status) -> dict[str, tuple[str, str]]:
 def workload(**kw) -> WorkloadState:
     base = dict(
         desired=2, replicas=2, updated=2, ready=2, current=True, deadline_exceeded=False,
-        failing_pods=(), unschedulable=None,
+        failing_pods=(), unschedulable=None, quantization="none",
     )  # fmt: skip
     return WorkloadState(**{**base, **kw})
 
@@ -183,3 +183,29 @@ def test_memory_plan_says_where_its_numbers_came_from(make_spec) -> None:
         "memory not estimated (the operator reads GGUF headers of hf:// files only, not pvc://: "
         "set model.hints)"
     )
+
+
+def _engine_deployment(args: list[str]) -> dict:
+    return {
+        "metadata": {"generation": 1},
+        "spec": {"replicas": 1, "template": {"spec": {"containers": [
+            {"name": "engine", "args": ["--model", "/models", *args]}]}}},
+        "status": {"observedGeneration": 1, "replicas": 1, "readyReplicas": 1},
+    }  # fmt: skip
+
+
+def test_quantization_is_the_weight_format_the_pods_run(make_spec) -> None:
+    awq = make_spec(quantization={"weights": "int4-awq", "kvCache": "fp8"})
+    running = summarize_workload(_engine_deployment(["--quantization", "awq"]), [])
+    assert running.quantization == "int4-awq"
+    assert status_for(awq, running)["quantization"] == "int4-awq"
+    # While the first Deployment is created: the spec's format, about to run.
+    assert status_for(awq, None)["quantization"] == "int4-awq"
+    # A change to fp8 that cannot run on an A100 leaves the bf16 pods serving: status says so.
+    fp8_a100 = make_spec(quantization={"weights": "fp8"}, resources={"accelerator": "a100-80gb"})
+    serving = summarize_workload(_engine_deployment([]), [])
+    status = status_for(fp8_a100, serving)
+    assert conditions(status)["Stalled"] == ("True", "UnsupportedQuantization")
+    assert status["quantization"] == "none"
+    # Nothing runs at all: no format is in effect.
+    assert status_for(fp8_a100, None)["quantization"] is None

@@ -1,8 +1,10 @@
 """Kernel microbenchmark: the paged decode attention kernel (64 sequences × 4k context, Llama-3.1-8B
-heads, bf16) against the measured copy bandwidth, over a few tile/split/warp settings; plus
-batch-1 decode at 4k and a prefill step.
+heads, bf16 queries) against the measured copy bandwidth, over a few tile/split/warp settings;
+plus batch-1 decode at 4k and a prefill step. Each runs over a bf16 cache and over an fp8 one
+(e4m3 codes + a bf16 scale per token and kv head, `kernels/kv_fp8.py`): the KV bytes a decode step
+reads (scales included) per second, against copy bandwidth, and the speed-up of fp8 over bf16.
 
-    python -m kvfleet_engine.bench.kernels --output-dir bench/results
+    python -m kvfleet_engine.bench.kernels --output-dir bench/results [--kv-cache-dtype fp8]
 """
 
 from __future__ import annotations
@@ -15,20 +17,39 @@ from pathlib import Path
 import torch
 
 
-def _paged_kv(num_seqs: int, context: int, num_kv_heads: int, head_dim: int, block_size: int):
+def _paged_kv(
+    num_seqs: int, context: int, num_kv_heads: int, head_dim: int, block_size: int, fp8: bool
+):
+    """Random K/V in shuffled blocks: bf16, or quantized to e4m3 codes with their scales."""
+    from kvfleet_engine.layers.attention_torch import quantize_kv
+
     blocks_per_seq = -(-context // block_size)
     num_blocks = num_seqs * blocks_per_seq
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    scales: dict[str, torch.Tensor] = {}
+    if fp8:  # scales [num_blocks, num_kv_heads, block_size]
+        (k_cache, k_scales), (v_cache, v_scales) = quantize_kv(k_cache), quantize_kv(v_cache)
+        scales = {
+            "k_scales": k_scales.transpose(1, 2).contiguous(),
+            "v_scales": v_scales.transpose(1, 2).contiguous(),
+        }
     order = torch.randperm(num_blocks, device="cuda", dtype=torch.int64).to(torch.int32)
     block_tables = order.view(num_seqs, blocks_per_seq).contiguous()
     context_lens = torch.full((num_seqs,), context, device="cuda", dtype=torch.int32)
-    return k_cache, v_cache, block_tables, context_lens
+    return k_cache, v_cache, block_tables, context_lens, scales
+
+
+def _kv_bytes(num_tokens: int, num_kv_heads: int, head_dim: int, fp8: bool) -> int:
+    """K and V of num_tokens tokens: bf16 rows, or e4m3 rows and a 2-byte scale each."""
+    row = head_dim + 2 if fp8 else 2 * head_dim
+    return 2 * num_tokens * num_kv_heads * row
 
 
 def main(argv: list[str] | None = None) -> int:
     import triton.testing
+    from triton.runtime.errors import OutOfResources
 
     from kvfleet_engine.bench.results import Row, format_table, gpu_name, write_results
     from kvfleet_engine.bench.roofline import measure_ceilings
@@ -38,6 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", type=Path, default=Path("bench/results"))
     parser.add_argument("--num-seqs", type=int, default=64)
     parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=("all", "auto", "fp8"),
+        default="all",
+        help="cache of the runs: bf16 (auto), fp8, or both (all)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernel microbenchmarks need a CUDA GPU")
@@ -50,32 +77,72 @@ def main(argv: list[str] | None = None) -> int:
     rows = [Row("roofline", "copy_bandwidth", bw / 1e9, "GB/s")]
     lines = []
 
-    def decode_case(num_seqs: int, context: int, label: str, variants: list[dict]) -> None:
-        k_cache, v_cache, block_tables, context_lens = _paged_kv(
-            num_seqs, context, num_kv_heads, head_dim, block_size
+    def decode_case(
+        num_seqs: int, context: int, label: str, variants: list[dict], fp8: bool
+    ) -> float:
+        """Best time (ms) over the variants; rows for the best and for the engine's settings."""
+        k_cache, v_cache, block_tables, context_lens, scales = _paged_kv(
+            num_seqs, context, num_kv_heads, head_dim, block_size, fp8
         )
         query = torch.randn(num_seqs, num_q_heads, head_dim, device="cuda", dtype=torch.bfloat16)
-        kv_bytes = 2 * num_seqs * context * num_kv_heads * head_dim * 2
+        kv_bytes = _kv_bytes(num_seqs * context, num_kv_heads, head_dim, fp8)
         best = None
         for variant in variants:
-            ms = triton.testing.do_bench(
-                lambda v=variant: paged_decode_attention(
-                    query, k_cache, v_cache, block_tables, context_lens, scale, **v
-                ),
-                warmup=25,
-                rep=100,
-                return_mode="median",
-            )
+            try:
+                ms = triton.testing.do_bench(
+                    lambda v=variant: paged_decode_attention(
+                        query, k_cache, v_cache, block_tables, context_lens, scale, **scales, **v
+                    ),
+                    warmup=25,
+                    rep=100,
+                    return_mode="median",
+                )
+            except OutOfResources as error:  # a tile too large for shared memory
+                lines.append(f"{label:<24} {variant!s:<58} skipped: {error}")
+                continue
             fraction = kv_bytes / (ms * 1e-3) / bw
             lines.append(
-                f"{label:<24} {variant!s:<58} {ms * 1e3:9.1f} us  {fraction:6.1%} of copy BW"
+                f"{label:<24} {variant!s:<58} {ms * 1e3:9.1f} us  "
+                f"{kv_bytes / ms / 1e6:7.0f} GB/s  {fraction:6.1%} of copy BW"
             )
+            if variant == {}:  # what the engine launches
+                rows.append(
+                    Row("kvfleet", f"{label}_default_bandwidth_fraction", fraction, "fraction")
+                )
             if best is None or ms < best[0]:
                 best = (ms, variant, fraction)
         assert best is not None
         rows.append(Row("kvfleet", f"{label}_us", best[0] * 1e3, "us"))
+        rows.append(Row("kvfleet", f"{label}_gbps", kv_bytes / best[0] / 1e6, "GB/s"))
         rows.append(Row("kvfleet", f"{label}_bandwidth_fraction", best[2], "fraction"))
         lines.append(f"{label}: best {best[1]}")
+        return best[0]
+
+    def prefill_case(label: str, fp8: bool) -> None:
+        """8 prompts of 1024 tokens, compute-bound: TFLOP/s (causal: half the square)."""
+        num_seqs, q_len = 8, 1024
+        k_cache, v_cache, block_tables, _, scales = _paged_kv(
+            num_seqs, q_len, num_kv_heads, head_dim, block_size, fp8
+        )
+        query = torch.randn(
+            num_seqs * q_len, num_q_heads, head_dim, device="cuda", dtype=torch.bfloat16
+        )
+        cu = torch.arange(0, (num_seqs + 1) * q_len, q_len, device="cuda", dtype=torch.int32)
+        lens = torch.full((num_seqs,), q_len, device="cuda", dtype=torch.int32)
+        flops = num_seqs * num_q_heads * 4 * head_dim * q_len * q_len / 2
+        best_ms = float("inf")
+        for variant in [{}, {"block_m": 128}, {"block_m": 128, "num_warps": 8}]:
+            ms = triton.testing.do_bench(
+                lambda v=variant: prefill_attention(
+                    query, k_cache, v_cache, block_tables, cu, lens, scale, **scales, **v
+                ),
+                return_mode="median",
+            )
+            lines.append(
+                f"{label} {variant!s:<40} {ms * 1e3:9.1f} us  {flops / ms / 1e9:6.1f} TFLOP/s"
+            )
+            best_ms = min(best_ms, ms)
+        rows.append(Row("kvfleet", f"{label}_tflops", flops / best_ms / 1e9, "TFLOP/s"))
 
     sweep = [
         {},
@@ -90,33 +157,28 @@ def main(argv: list[str] | None = None) -> int:
         {"block_n": 64, "num_stages": 3},
         {"block_n": 16, "num_warps": 2},
     ]
-    decode_case(args.num_seqs, args.context, "decode_64x4k", sweep)
-    decode_case(1, args.context, "decode_1x4k", [{}, {"block_n": 32}, {"num_splits": 64}])
-
-    # Prefill: 8 prompts of 1024 tokens, compute-bound: report TFLOP/s (causal: half the square).
-    num_seqs, q_len = 8, 1024
-    k_cache, v_cache, block_tables, _ = _paged_kv(
-        num_seqs, q_len, num_kv_heads, head_dim, block_size
-    )
-    query = torch.randn(
-        num_seqs * q_len, num_q_heads, head_dim, device="cuda", dtype=torch.bfloat16
-    )
-    cu = torch.arange(0, (num_seqs + 1) * q_len, q_len, device="cuda", dtype=torch.int32)
-    lens = torch.full((num_seqs,), q_len, device="cuda", dtype=torch.int32)
-    flops = num_seqs * num_q_heads * 4 * head_dim * q_len * q_len / 2
-    best_ms = float("inf")
-    for variant in [{}, {"block_m": 128}, {"block_m": 128, "num_warps": 8}]:
-        ms = triton.testing.do_bench(
-            lambda v=variant: prefill_attention(
-                query, k_cache, v_cache, block_tables, cu, lens, scale, **v
-            ),
-            return_mode="median",
+    # An e4m3 tile holds half the bytes of a bf16 one: longer tiles keep as many bytes in flight.
+    fp8_sweep = [
+        *sweep,
+        {"block_n": 128, "num_stages": 3},
+        {"block_n": 128, "num_warps": 8, "num_stages": 3},
+        {"block_n": 256, "num_warps": 8},
+    ]
+    dtypes = {"all": (False, True), "auto": (False,), "fp8": (True,)}[args.kv_cache_dtype]
+    big = f"decode_{args.num_seqs}x{args.context // 1024}k"
+    times: dict[bool, float] = {}
+    for fp8 in dtypes:
+        suffix = "_fp8" if fp8 else ""
+        times[fp8] = decode_case(
+            args.num_seqs, args.context, big + suffix, fp8_sweep if fp8 else sweep, fp8
         )
-        lines.append(
-            f"prefill_8x1k {variant!s:<40} {ms * 1e3:9.1f} us  {flops / ms / 1e9:6.1f} TFLOP/s"
-        )
-        best_ms = min(best_ms, ms)
-    rows.append(Row("kvfleet", "prefill_8x1k_tflops", flops / best_ms / 1e9, "TFLOP/s"))
+        one = [{}, {"block_n": 32}, {"num_splits": 64}]
+        decode_case(1, args.context, f"decode_1x{args.context // 1024}k{suffix}", one, fp8)
+        prefill_case(f"prefill_8x1k{suffix}", fp8)
+    if len(times) == 2:
+        speedup = times[False] / times[True]
+        rows.append(Row("kvfleet", f"{big}_fp8_speedup_over_bf16", speedup, "x"))
+        lines.append(f"{big}: fp8 cache {speedup:.2f}x the bf16 cache's speed")
 
     print("\n".join(lines))
     command = "python -m kvfleet_engine.bench.kernels " + shlex.join(argv or sys.argv[1:])
@@ -126,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         "head_dim": head_dim,
         "block_size": block_size,
         "dtype": "bfloat16",
+        "kv_cache_dtypes": [
+            {False: "bfloat16", True: "fp8 (e4m3 + bfloat16 scale per token and kv head)"}[fp8]
+            for fp8 in dtypes
+        ],
     }
     path = write_results(
         args.output_dir,

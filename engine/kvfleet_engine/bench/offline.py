@@ -85,6 +85,9 @@ def _common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument(
+        "--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="KV cache element type"
+    )
+    parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -97,9 +100,6 @@ def _common_args(parser: argparse.ArgumentParser) -> None:
         default=["none"],
         help="weights, a comma-separated list run one after the other: "
         + " | ".join(QUANTIZATIONS),
-    )
-    parser.add_argument(
-        "--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="KV cache element type"
     )
     parser.add_argument(
         "--host-trace",
@@ -169,12 +169,15 @@ def setup(args: argparse.Namespace) -> Iterator[Setup]:
     print(f"building a random {args.shape} model ...", flush=True)
     torch.manual_seed(args.seed)
     model = shapes.build_random_model(args.shape, dtype, device)
-    kv_element_size = 1 if args.kv_cache_dtype == "fp8" else dtype.itemsize
+    kv_bytes_per_token = shapes.kv_bytes_per_token(args.shape, dtype.itemsize)
+    if args.kv_cache_dtype == "fp8":  # e4m3 codes and a 2-byte scale per head_dim of them
+        head_dim = shapes.SHAPES[args.shape][1]["head_dim"]
+        kv_bytes_per_token = shapes.kv_bytes_per_token(args.shape, 1) * (head_dim + 2) // head_dim
     group_size = int4_group_size(args.shape)
     costs = {
         name: roofline.ModelCosts(
             weight_bytes=shapes.weight_bytes_per_step(model, name, group_size),
-            kv_bytes_per_token=shapes.kv_bytes_per_token(args.shape, kv_element_size),
+            kv_bytes_per_token=kv_bytes_per_token,
             weights_per_token=shapes.matmul_weights_per_token(model),
         )
         for name in args.quantization
@@ -198,9 +201,6 @@ def setup(args: argparse.Namespace) -> Iterator[Setup]:
 def _llm(args: argparse.Namespace, s: Setup, max_model_len: int, quantization: str) -> Any:
     from kvfleet_engine.llm import LLM
 
-    extra: dict[str, Any] = {}
-    if args.kv_cache_dtype != "auto":  # the setting lands with the fp8 KV cache
-        extra["kv_cache_dtype"] = args.kv_cache_dtype
     return LLM(
         str(s.checkpoints[quantization]),
         quantization=None if quantization == "none" else quantization,
@@ -214,7 +214,7 @@ def _llm(args: argparse.Namespace, s: Setup, max_model_len: int, quantization: s
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         seed=args.seed,
-        **extra,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 
@@ -311,10 +311,10 @@ def throughput(argv: list[str]) -> int:
         "sampling": "greedy, ignore_eos",
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "cuda_graphs": not args.enforce_eager,
         "async_scheduling": args.async_scheduling,
         "quantization": args.quantization,
-        "kv_cache_dtype": args.kv_cache_dtype,
     }
     if args.peer == "transformers":
         workload["peer_num_prompts"] = len(peer_prompts)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from kvfleet_engine.layers.attention_torch import FP8_DTYPE, SCALE_DTYPE
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LOG2E = 1.4426950408889634  # the attention kernels compute exp2(x * scale * LOG2E) = e^(x * scale)
 
@@ -15,19 +17,51 @@ def require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def check_cache(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+) -> None:
+    """A float cache without scales, or an fp8 cache with its scales."""
     require(k_cache.dim() == 4, "k_cache must be [num_blocks, block_size, num_kv_heads, head_dim]")
     require(v_cache.shape == k_cache.shape, "v_cache must have the shape of k_cache")
     require(v_cache.stride() == k_cache.stride(), "v_cache must have the strides of k_cache")
     require(k_cache.dtype == v_cache.dtype, "k_cache and v_cache must share a dtype")
-    require(k_cache.dtype in FLOAT_DTYPES, f"cache dtype must be one of {FLOAT_DTYPES}")
+    require(
+        k_cache.dtype in (*FLOAT_DTYPES, FP8_DTYPE),
+        f"cache dtype must be one of {(*FLOAT_DTYPES, FP8_DTYPE)}",
+    )
     require(k_cache.stride(-1) == 1, "k_cache/v_cache must be contiguous in head_dim")
     block_size = k_cache.shape[1]
     require(block_size & (block_size - 1) == 0, "block_size must be a power of two")
+    if k_cache.dtype != FP8_DTYPE:
+        require(k_scales is None and v_scales is None, "only an fp8 cache has k_scales/v_scales")
+        return
+    require(k_scales is not None and v_scales is not None, "an fp8 cache needs k_scales/v_scales")
+    assert k_scales is not None and v_scales is not None
+    num_blocks, _, num_kv_heads, _ = k_cache.shape
+    require(
+        k_scales.shape == (num_blocks, num_kv_heads, block_size),
+        f"k_scales must be [num_blocks, num_kv_heads, block_size] = "
+        f"{[num_blocks, num_kv_heads, block_size]}, got {list(k_scales.shape)}",
+    )
+    require(v_scales.shape == k_scales.shape, "v_scales must have the shape of k_scales")
+    require(v_scales.stride() == k_scales.stride(), "v_scales must have the strides of k_scales")
+    require(
+        k_scales.dtype == SCALE_DTYPE and v_scales.dtype == SCALE_DTYPE,
+        f"k_scales/v_scales must be {SCALE_DTYPE}",
+    )
+    require(k_scales.stride(-1) == 1, "k_scales/v_scales must be contiguous in block_size")
+    require(
+        k_scales.device == k_cache.device and v_scales.device == k_cache.device,
+        "k_scales/v_scales must be on the cache's device",
+    )
 
 
 def check_heads(x: torch.Tensor, name: str, k_cache: torch.Tensor, per_kv_head: bool) -> None:
-    """x: [num_tokens, num_heads, head_dim] on the cache's device, in the cache's dtype."""
+    """x: [num_tokens, num_heads, head_dim] on the cache's device, in the cache's dtype (any float
+    dtype for an fp8 cache)."""
     _, _, num_kv_heads, head_dim = k_cache.shape
     require(x.dim() == 3, f"{name} must be [num_tokens, num_heads, head_dim]")
     require(x.shape[2] == head_dim, f"{name} head_dim {x.shape[2]} != cache head_dim {head_dim}")
@@ -35,7 +69,10 @@ def check_heads(x: torch.Tensor, name: str, k_cache: torch.Tensor, per_kv_head: 
         require(x.shape[1] == num_kv_heads, f"{name} must have {num_kv_heads} kv heads")
     else:
         require(x.shape[1] % num_kv_heads == 0, f"{name} heads must be a multiple of kv heads")
-    require(x.dtype == k_cache.dtype, f"{name} dtype {x.dtype} != cache dtype {k_cache.dtype}")
+    if k_cache.dtype == FP8_DTYPE:
+        require(x.dtype in FLOAT_DTYPES, f"{name} dtype must be one of {FLOAT_DTYPES}")
+    else:
+        require(x.dtype == k_cache.dtype, f"{name} dtype {x.dtype} != cache dtype {k_cache.dtype}")
     require(x.device == k_cache.device, f"{name} must be on the cache's device")
     require(x.stride(-1) == 1, f"{name} must be contiguous in head_dim")
 
@@ -55,10 +92,12 @@ def check_paged_attention(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
+    k_scales: torch.Tensor | None,
+    v_scales: torch.Tensor | None,
 ) -> None:
     """What both attention wrappers read: the cache, the query heads and, per sequence, a block
     table row and a context length."""
-    check_cache(k_cache, v_cache)
+    check_cache(k_cache, v_cache, k_scales, v_scales)
     check_heads(query, "query", k_cache, per_kv_head=False)
     check_index(block_tables, "block_tables", 2, torch.int32, k_cache.device)
     check_index(context_lens, "context_lens", 1, torch.int32, k_cache.device)
@@ -114,3 +153,4 @@ def check_rotary_store(
         value.shape[0] == query.shape[0] and slot_mapping.shape[0] == query.shape[0],
         "query, key, value and slot_mapping must have the same number of tokens",
     )
+    require(key.dtype == query.dtype == value.dtype, "query, key and value must share a dtype")

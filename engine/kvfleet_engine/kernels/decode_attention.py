@@ -10,6 +10,9 @@ captured in a CUDA graph and replayed with new lengths.
 `rotary_decode_attention` is the same kernel taking the step's q, k and v before rotary: each
 program rotates its query heads in registers, and the split holding the newest position rotates
 the new key and stores it and the value in the cache before reading the context.
+
+An fp8 cache (`kv_fp8`) is read as e4m3 tiles converted to the query's dtype for tl.dot, each
+score column multiplied by its key's scale and each softmax weight by its value's scale.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from kvfleet_engine.kernels.checks import (
     next_power_of_2,
     require,
 )
+from kvfleet_engine.kernels.kv_fp8 import V_SCALE_BOOST, quantize_rows, tile_scales
+from kvfleet_engine.layers.attention_torch import KVCache
 
 
 @triton.jit
@@ -64,6 +69,9 @@ def _decode_split_kernel(
     positions_ptr,
     cos_sin_ptr,
     slot_mapping_ptr,
+    # FP8 only: the cache's scales, [num_blocks, num_kv_heads, block_size] bfloat16 each.
+    k_scales_ptr,
+    v_scales_ptr,
     scale_log2,
     stride_qs,
     stride_qh,
@@ -78,6 +86,8 @@ def _decode_split_kernel(
     stride_vs,
     stride_vh,
     stride_rot,
+    stride_sb,
+    stride_sh,
     num_q_heads,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -87,6 +97,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     ROTARY: tl.constexpr,
+    FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -117,10 +128,19 @@ def _decode_split_kernel(
         k_row = key_ptr + seq * stride_ks + kv_head * stride_kh + dims[None, :]
         k_new = _rotated(k_row, dims[None, :], new_mask, cos_sin_row, HEAD_DIM // 2)
         v_new = tl.load(
-            value_ptr + seq * stride_vs + kv_head * stride_vh + dims[None, :], mask=new_mask
+            value_ptr + seq * stride_vs + kv_head * stride_vh + dims[None, :],
+            mask=new_mask,
+            other=0.0,
         )
         slot = tl.maximum(slot, 0)
-        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_offset
+        block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+        dst = block * stride_cb + offset * stride_cs + kv_offset
+        if FP8:
+            k_new, k_new_scale = quantize_rows(k_new)  # [1, BLOCK_D] codes, [1] scale
+            v_new, v_new_scale = quantize_rows(v_new)
+            scale_dst = block * stride_sb + kv_head * stride_sh + offset + tl.arange(0, 1)
+            tl.store(k_scales_ptr + scale_dst, k_new_scale, mask=store)
+            tl.store(v_scales_ptr + scale_dst, v_new_scale, mask=store)
         tl.store(k_cache_ptr + dst, k_new, mask=new_mask)
         tl.store(v_cache_ptr + dst, v_new, mask=new_mask)
         tl.debug_barrier()  # the stores above are visible to this program's loads below
@@ -138,15 +158,32 @@ def _decode_split_kernel(
         kv_mask = valid[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + rows_off[:, None] + kv_offset, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + rows_off[:, None] + kv_offset, mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if FP8:
+            k_scale = tile_scales(
+                k_scales_ptr, block_ids, kv_head, positions, valid, stride_sb, stride_sh, BLOCK_SIZE
+            )
+            v_scale = tile_scales(
+                v_scales_ptr, block_ids, kv_head, positions, valid, stride_sb, stride_sh, BLOCK_SIZE
+            )
+            scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+            scores = scores * (k_scale * scale_log2)[None, :]
+        else:
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if FP8:
+            weighted = (p * (v_scale * V_SCALE_BOOST)[None, :]).to(q.dtype)
+            pv = tl.dot(weighted, v.to(q.dtype), input_precision=DOT_PRECISION)
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
+    if FP8:
+        acc = acc * (1.0 / V_SCALE_BOOST)
     nonempty = l_i > 0
     out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
     out_mask = row_mask[:, None] & dim_mask[None, :]
@@ -242,14 +279,17 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # [num_seqs] int32, including the new token
     scale: float,
     *,
+    k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: fp8 cache
+    v_scales: torch.Tensor | None = None,
     num_splits: int | None = None,  # override the heuristic (benchmarks)
     block_n: int = 64,  # context tokens per tile
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
-    check_paged_attention(query, k_cache, v_cache, block_tables, context_lens)
+    check_paged_attention(query, k_cache, v_cache, block_tables, context_lens, k_scales, v_scales)
     launch = _Launch(num_splits, block_n, num_warps, num_stages)
-    return _decode(query, k_cache, v_cache, block_tables, context_lens, scale, None, launch)
+    cache = (k_cache, v_cache, k_scales, v_scales)
+    return _decode(query, cache, block_tables, context_lens, scale, None, launch)
 
 
 def rotary_decode_attention(
@@ -265,6 +305,8 @@ def rotary_decode_attention(
     context_lens: torch.Tensor,  # [num_seqs] int32, including the new token
     scale: float,
     *,
+    k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: fp8 cache
+    v_scales: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int = 64,
     num_warps: int = 4,
@@ -273,23 +315,24 @@ def rotary_decode_attention(
     """A decode step's whole attention in one launch: rotary on q and k, the store of the new k
     and v in the cache (`rotary_store_kv`), then `paged_decode_attention` — at batch 1 each of
     those is a few microseconds of launch latency, and the query makes one trip to memory."""
-    check_paged_attention(query, k_cache, v_cache, block_tables, context_lens)
+    check_paged_attention(query, k_cache, v_cache, block_tables, context_lens, k_scales, v_scales)
     check_rotary_store(positions, query, key, value, cos_sin, k_cache, slot_mapping)
     new = _NewToken(key, value, positions, cos_sin, slot_mapping)
     launch = _Launch(num_splits, block_n, num_warps, num_stages)
-    return _decode(query, k_cache, v_cache, block_tables, context_lens, scale, new, launch)
+    cache = (k_cache, v_cache, k_scales, v_scales)
+    return _decode(query, cache, block_tables, context_lens, scale, new, launch)
 
 
 def _decode(
     query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: KVCache,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
     new: _NewToken | None,
     launch: _Launch,
 ) -> torch.Tensor:
+    k_cache, v_cache, k_scales, v_scales = cache
     require(
         context_lens.shape[0] == query.shape[0], "context_lens must have one entry per query row"
     )
@@ -328,6 +371,8 @@ def _decode(
         rotary.positions,
         rotary.cos_sin,
         rotary.slot_mapping,
+        k_scales if k_scales is not None else k_cache,  # a float cache: never read
+        v_scales if v_scales is not None else v_cache,
         scale * LOG2E,
         query.stride(0),
         query.stride(1),
@@ -342,6 +387,8 @@ def _decode(
         rotary.value.stride(0) if new is not None else 0,
         rotary.value.stride(1) if new is not None else 0,
         rotary.cos_sin.stride(0) if new is not None else 0,
+        k_scales.stride(0) if k_scales is not None else 0,
+        k_scales.stride(1) if k_scales is not None else 0,
         num_q_heads,
         GROUP=group,
         GROUP_PAD=max(16, next_power_of_2(group)),
@@ -351,6 +398,7 @@ def _decode(
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
         ROTARY=new is not None,
+        FP8=k_scales is not None,
         DOT_PRECISION=dot_precision(query.dtype),
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,

@@ -1,7 +1,8 @@
 """Fused element-wise kernels for the decoder layer: residual add + RMSNorm in one pass, and
 rotary embedding applied in place to q and k, alone or together with the store of k and v into
-the paged cache. Each replaces a chain of small torch ops or kernels (one launch and one round trip
-to memory each) that dominates a batch-1 step's non-matmul time."""
+the paged cache (quantized for an fp8 cache, as `kv_store` does). Each replaces a chain of small
+torch ops or kernels (one launch and one round trip to memory each) that dominates a batch-1
+step's non-matmul time."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from kvfleet_engine.kernels.checks import (
     next_power_of_2,
     require,
 )
+from kvfleet_engine.kernels.kv_fp8 import fp8_scales, row_amax, to_fp8
 
 
 @triton.jit
@@ -169,6 +171,8 @@ def _rotary_store_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    k_scales_ptr,  # FP8 only: [num_blocks, num_kv_heads, block_size] bfloat16
+    v_scales_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -179,6 +183,8 @@ def _rotary_store_kv_kernel(
     stride_cb,
     stride_cslot,
     stride_ch,
+    stride_sb,
+    stride_sh,
     num_q_heads,
     num_kv_heads,
     BLOCK_SIZE: tl.constexpr,
@@ -186,6 +192,7 @@ def _rotary_store_kv_kernel(
     BLOCK_QH: tl.constexpr,
     BLOCK_KVH: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin(positions_ptr, token, cos_sin_ptr, stride_cs, HALF, BLOCK_HALF)
@@ -198,14 +205,26 @@ def _rotary_store_kv_kernel(
 
     cols = tl.arange(0, BLOCK_HALF)[None, :]
     slot = tl.load(slot_mapping_ptr + token)
+    row_mask = (heads < num_kv_heads) & (slot >= 0)  # [BLOCK_KVH, 1]
     mask = mask & (slot >= 0)
     slot = tl.maximum(slot, 0)
-    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cslot + heads * stride_ch
+    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    dst = block * stride_cb + offset * stride_cslot + heads * stride_ch
+    v_first = value_ptr + token * stride_vt + heads * stride_vh + cols
+    v1 = tl.load(v_first, mask=mask, other=0.0)
+    v2 = tl.load(v_first + HALF, mask=mask, other=0.0)
+    if FP8:  # each head's scale covers both of its halves
+        k_scale, k_inverse = fp8_scales(tl.maximum(row_amax(k1), row_amax(k2)))
+        v_scale, v_inverse = fp8_scales(tl.maximum(row_amax(v1), row_amax(v2)))
+        scale_dst = block * stride_sb + heads * stride_sh + offset  # [BLOCK_KVH, 1]
+        tl.store(k_scales_ptr + scale_dst, k_scale.to(tl.bfloat16)[:, None], mask=row_mask)
+        tl.store(v_scales_ptr + scale_dst, v_scale.to(tl.bfloat16)[:, None], mask=row_mask)
+        k1, k2 = to_fp8(k1, k_inverse[:, None]), to_fp8(k2, k_inverse[:, None])
+        v1, v2 = to_fp8(v1, v_inverse[:, None]), to_fp8(v2, v_inverse[:, None])
     tl.store(k_cache_ptr + dst + cols, k1, mask=mask)
     tl.store(k_cache_ptr + dst + HALF + cols, k2, mask=mask)
-    v_first = value_ptr + token * stride_vt + heads * stride_vh + cols
-    tl.store(v_cache_ptr + dst + cols, tl.load(v_first, mask=mask), mask=mask)
-    tl.store(v_cache_ptr + dst + HALF + cols, tl.load(v_first + HALF, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + dst + cols, v1, mask=mask)
+    tl.store(v_cache_ptr + dst + HALF + cols, v2, mask=mask)
 
 
 def rotary_embedding_(
@@ -247,10 +266,13 @@ def rotary_store_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 skips the store, not the rotation
+    *,
+    k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: fp8 cache
+    v_scales: torch.Tensor | None = None,
 ) -> None:
     """`rotary_embedding_` then `store_kv` of the rotated key and the value, in one launch: the
     decoder layer's two smallest kernels, each a few microseconds of launch latency at batch 1."""
-    check_cache(k_cache, v_cache)
+    check_cache(k_cache, v_cache, k_scales, v_scales)
     check_rotary_store(positions, query, key, value, cos_sin, k_cache, slot_mapping)
     num_tokens, num_q_heads, head_dim = query.shape
     if num_tokens == 0:
@@ -265,6 +287,8 @@ def rotary_store_kv(
         k_cache,
         v_cache,
         slot_mapping,
+        k_scales if k_scales is not None else k_cache,  # a float cache: never read
+        v_scales if v_scales is not None else v_cache,
         query.stride(0),
         query.stride(1),
         key.stride(0),
@@ -275,6 +299,8 @@ def rotary_store_kv(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        k_scales.stride(0) if k_scales is not None else 0,
+        k_scales.stride(1) if k_scales is not None else 0,
         num_q_heads,
         num_kv_heads,
         BLOCK_SIZE=k_cache.shape[1],
@@ -282,4 +308,5 @@ def rotary_store_kv(
         BLOCK_QH=next_power_of_2(num_q_heads),
         BLOCK_KVH=next_power_of_2(num_kv_heads),
         BLOCK_HALF=next_power_of_2(head_dim // 2),
+        FP8=k_scales is not None,
     )

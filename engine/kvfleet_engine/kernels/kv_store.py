@@ -1,4 +1,5 @@
-"""Write each token's K and V rows into its cache slot (`slot_mapping`; -1 skips the token)."""
+"""Write each token's K and V rows into its cache slot (`slot_mapping`; -1 skips the token); into
+an fp8 cache as e4m3 codes and a scale per row (`kv_fp8`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import triton
 import triton.language as tl
 
 from kvfleet_engine.kernels.checks import check_cache, check_heads, check_index, next_power_of_2
+from kvfleet_engine.kernels.kv_fp8 import quantize_rows
 
 
 @triton.jit
@@ -16,6 +18,8 @@ def _store_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    k_scales_ptr,  # FP8 only: [num_blocks, num_kv_heads, block_size] bfloat16
+    v_scales_ptr,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -23,21 +27,32 @@ def _store_kv_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
+    stride_sb,
+    stride_sh,
     num_kv_heads,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
-    mask = (heads < num_kv_heads) & (dims < HEAD_DIM) & (slot >= 0)
+    row_mask = (heads < num_kv_heads) & (slot >= 0)  # [BLOCK_H, 1]
+    mask = row_mask & (dims < HEAD_DIM)
     slot = tl.maximum(slot, 0)
-    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + heads * stride_ch
-    key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
-    value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    dst = block * stride_cb + offset * stride_cs + heads * stride_ch
+    key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask, other=0.0)
+    value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask, other=0.0)
+    if FP8:
+        key, k_scale = quantize_rows(key)
+        value, v_scale = quantize_rows(value)
+        scale_dst = block * stride_sb + heads * stride_sh + offset  # [BLOCK_H, 1]
+        tl.store(k_scales_ptr + scale_dst, k_scale[:, None], mask=row_mask)
+        tl.store(v_scales_ptr + scale_dst, v_scale[:, None], mask=row_mask)
     tl.store(k_cache_ptr + dst + dims, key, mask=mask)
     tl.store(v_cache_ptr + dst + dims, value, mask=mask)
 
@@ -48,8 +63,11 @@ def store_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 skips the token
+    *,
+    k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: fp8 cache
+    v_scales: torch.Tensor | None = None,
 ) -> None:
-    check_cache(k_cache, v_cache)
+    check_cache(k_cache, v_cache, k_scales, v_scales)
     check_heads(key, "key", k_cache, per_kv_head=True)
     check_heads(value, "value", k_cache, per_kv_head=True)
     check_index(slot_mapping, "slot_mapping", 1, torch.int64, k_cache.device)
@@ -58,12 +76,17 @@ def store_kv(
         raise ValueError("key, value and slot_mapping must have the same number of tokens")
     if num_tokens == 0:
         return
+    # Without scales (a float cache) their pointers are the cache's and strides 0: never used.
+    k_scales_arg = k_scales if k_scales is not None else k_cache
+    v_scales_arg = v_scales if v_scales is not None else v_cache
     _store_kv_kernel[(num_tokens,)](
         key,
         value,
         k_cache,
         v_cache,
         slot_mapping,
+        k_scales_arg,
+        v_scales_arg,
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -71,9 +94,12 @@ def store_kv(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        k_scales.stride(0) if k_scales is not None else 0,
+        k_scales.stride(1) if k_scales is not None else 0,
         num_kv_heads,
         BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim,
         BLOCK_H=next_power_of_2(num_kv_heads),
         BLOCK_D=next_power_of_2(head_dim),
+        FP8=k_scales is not None,
     )

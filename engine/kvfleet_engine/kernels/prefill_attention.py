@@ -4,7 +4,8 @@ causally to their sequence's cached prefix and to each other, all read through t
 Each program owns one tile of query rows (BLOCK_Q tokens × the query heads of one kv head, so K/V
 are loaded once per group) and walks the context from position 0 up to its last row's position
 with an online softmax. Programs find their sequence from `cu_query_lens` on the device, so the
-launch needs no host-side maximum query length.
+launch needs no host-side maximum query length. An fp8 cache is read as the decode kernel reads
+it (`decode_attention`, `kv_fp8`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kvfleet_engine.kernels.checks import (
     next_power_of_2,
     require,
 )
+from kvfleet_engine.kernels.kv_fp8 import V_SCALE_BOOST, tile_scales
 
 
 # Values that change from step to step are not specialised on (that would recompile mid-run).
@@ -33,6 +35,8 @@ def _prefill_kernel(
     block_tables_ptr,
     cu_query_lens_ptr,
     context_lens_ptr,
+    k_scales_ptr,  # FP8 only: [num_blocks, num_kv_heads, block_size] bfloat16
+    v_scales_ptr,
     scale_log2,
     num_seqs,
     stride_qt,
@@ -43,6 +47,8 @@ def _prefill_kernel(
     stride_cs,
     stride_ch,
     stride_bt,
+    stride_sb,
+    stride_sh,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -50,6 +56,7 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
@@ -101,16 +108,47 @@ def _prefill_kernel(
             kv_mask = valid[:, None] & dim_mask[None, :]
             k = tl.load(k_cache_ptr + rows_off[:, None] + kv_offset, mask=kv_mask, other=0.0)
             v = tl.load(v_cache_ptr + rows_off[:, None] + kv_offset, mask=kv_mask, other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+            if FP8:
+                k_scale = tile_scales(
+                    k_scales_ptr,
+                    block_ids,
+                    kv_head,
+                    positions,
+                    valid,
+                    stride_sb,
+                    stride_sh,
+                    BLOCK_SIZE,
+                )
+                v_scale = tile_scales(
+                    v_scales_ptr,
+                    block_ids,
+                    kv_head,
+                    positions,
+                    valid,
+                    stride_sb,
+                    stride_sh,
+                    BLOCK_SIZE,
+                )
+                scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+                scores = scores * (k_scale * scale_log2)[None, :]
+            else:
+                scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
             visible = valid[None, :] & (positions[None, :] <= row_positions[:, None])
             scores = tl.where(visible, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            if FP8:
+                weighted = (p * (v_scale * V_SCALE_BOOST)[None, :]).to(q.dtype)
+                pv = tl.dot(weighted, v.to(q.dtype), input_precision=DOT_PRECISION)
+            else:
+                pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            acc = acc * alpha[:, None] + pv
             m_i = m_new
 
+        if FP8:
+            acc = acc * (1.0 / V_SCALE_BOOST)
         out = acc / l_i[:, None]
         tl.store(
             out_ptr + token_ids[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
@@ -128,12 +166,14 @@ def prefill_attention(
     context_lens: torch.Tensor,  # [num_seqs] int32 = cached prefix + this step's query tokens
     scale: float,
     *,
+    k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: fp8 cache
+    v_scales: torch.Tensor | None = None,
     block_m: int = 64,  # query rows (tokens × heads of one group) per program
     block_n: int = 64,  # context tokens per tile
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
-    check_paged_attention(query, k_cache, v_cache, block_tables, context_lens)
+    check_paged_attention(query, k_cache, v_cache, block_tables, context_lens, k_scales, v_scales)
     check_index(cu_query_lens, "cu_query_lens", 1, torch.int32, k_cache.device)
     num_seqs = context_lens.shape[0]
     require(cu_query_lens.shape[0] == num_seqs + 1, "cu_query_lens must have num_seqs + 1 entries")
@@ -156,6 +196,8 @@ def prefill_attention(
         block_tables,
         cu_query_lens,
         context_lens,
+        k_scales if k_scales is not None else k_cache,  # a float cache: never read
+        v_scales if v_scales is not None else v_cache,
         scale * LOG2E,
         num_seqs,
         query.stride(0),
@@ -166,6 +208,8 @@ def prefill_attention(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
+        k_scales.stride(0) if k_scales is not None else 0,
+        k_scales.stride(1) if k_scales is not None else 0,
         GROUP=group,
         GROUP_PAD=group_pad,
         BLOCK_Q=block_q,
@@ -173,6 +217,7 @@ def prefill_attention(
         BLOCK_D=next_power_of_2(head_dim),
         BLOCK_N=block_n,
         BLOCK_SIZE=block_size,
+        FP8=k_scales is not None,
         DOT_PRECISION=dot_precision(query.dtype),
         num_warps=num_warps,
         num_stages=num_stages,

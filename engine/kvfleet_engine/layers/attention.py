@@ -2,7 +2,8 @@
 with one backend (`attention_torch`, the reference; `attention_sdpa`, the CPU one; the Triton
 kernels on a GPU), all with the reference's signatures. A backend that offers `rotary_store_kv`
 does the rotation and the store in one launch, and one that offers `rotary_decode_attention` a
-decode step's rotation, store and attention in one."""
+decode step's rotation, store and attention in one. With an fp8 cache every one of them also takes
+the layer's `k_scales` and `v_scales` (keywords; None for a cache in the model's dtype)."""
 
 from __future__ import annotations
 
@@ -66,14 +67,26 @@ class Attention(nn.Module):
         self.scale = scale
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # fp8 cache only: the scale of each slot's K and V, [num_blocks, kv_heads, block_size].
+        self.k_scales: torch.Tensor | None = None
+        self.v_scales: torch.Tensor | None = None
         self.backend: ModuleType | None = None
         # The backend's fused rotary + store_kv, and rotary + store_kv + decode attention.
         self.rotary_store_kv: Callable[..., None] | None = None
         self.rotary_decode_attention: Callable[..., torch.Tensor] | None = None
 
-    def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: ModuleType) -> None:
-        """Attach this layer's slice of the KV cache, [num_blocks, block_size, kv_heads, dim]."""
+    def bind(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        backend: ModuleType,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
+    ) -> None:
+        """Attach this layer's slice of the KV cache, [num_blocks, block_size, kv_heads, dim]
+        (and, for an fp8 cache, its scales)."""
         self.k_cache, self.v_cache, self.backend = k_cache, v_cache, backend
+        self.k_scales, self.v_scales = k_scales, v_scales
         self.rotary_store_kv = getattr(backend, "rotary_store_kv", None)
         self.rotary_decode_attention = getattr(backend, "rotary_decode_attention", None)
 
@@ -90,19 +103,33 @@ class Attention(nn.Module):
         assert backend is not None, "Attention.bind() was not called (no KV cache)"
         # This step's tokens: rotated, and their K/V stored in the cache.
         new_tokens = (positions, query, key, value, rotary.cos_sin, self.k_cache, self.v_cache)
+        scales: dict[str, torch.Tensor | None] = {}
+        if self.k_scales is not None:  # an fp8 cache: its scales go to every backend call
+            scales = {"k_scales": self.k_scales, "v_scales": self.v_scales}
         if meta.is_decode and self.rotary_decode_attention is not None:
             out = self.rotary_decode_attention(
-                *new_tokens, meta.slot_mapping, meta.block_tables, meta.context_lens, self.scale
+                *new_tokens,
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.context_lens,
+                self.scale,
+                **scales,
             )
             return out.reshape(out.shape[0], -1)
         if self.rotary_store_kv is not None:  # rotates query and key in place
-            self.rotary_store_kv(*new_tokens, meta.slot_mapping)
+            self.rotary_store_kv(*new_tokens, meta.slot_mapping, **scales)
         else:
             query, key = rotary(positions, query, key)
-            backend.store_kv(key, value, self.k_cache, self.v_cache, meta.slot_mapping)
+            backend.store_kv(key, value, self.k_cache, self.v_cache, meta.slot_mapping, **scales)
         if meta.is_decode:
             out = backend.paged_decode_attention(
-                query, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale
+                query,
+                self.k_cache,
+                self.v_cache,
+                meta.block_tables,
+                meta.context_lens,
+                self.scale,
+                **scales,
             )
         else:
             out = backend.prefill_attention(
@@ -113,5 +140,6 @@ class Attention(nn.Module):
                 meta.cu_query_lens,
                 meta.context_lens,
                 self.scale,
+                **scales,
             )
         return out.reshape(out.shape[0], -1)

@@ -4,6 +4,11 @@ Simple on purpose: one sequence at a time, gather its blocks, dense attention wi
 Runs on CPU and GPU in any float dtype (softmax in float32).
 Cache layout: [num_blocks, block_size, num_kv_heads, head_dim] per layer for K and for V; a
 token's slot is block_id * block_size + offset. Every backend takes these signatures.
+
+An fp8 cache (`kv_cache_dtype="fp8"`, the format is argued in `kernels/kv_fp8.py`) holds e4m3
+codes, and beside each of K and V a scales tensor [num_blocks, num_kv_heads, block_size] bfloat16:
+one scale per token and kv head, value = code * scale. `quantize_kv` is the rule every store
+follows bit for bit; the attention functions read `dequantize_kv` of the cache.
 """
 
 from __future__ import annotations
@@ -12,6 +17,33 @@ from collections.abc import Callable
 
 import torch
 
+# k_cache, v_cache and, for an fp8 cache, k_scales and v_scales (else None).
+KVCache = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+SCALE_DTYPE = torch.bfloat16
+AMAX_FLOOR = 1e-12  # an all-zero row gets a tiny scale instead of a division by zero
+
+
+def quantize_kv(
+    x: torch.Tensor,  # [..., head_dim], any float dtype
+) -> tuple[torch.Tensor, torch.Tensor]:  # codes [..., head_dim] e4m3fn, scales [...] bfloat16
+    """Each row's scale is its largest magnitude / 448, rounded up to a bfloat16; the codes are
+    the row times 1 / scale (float32, rounded to nearest even), so no code exceeds 448."""
+    amax = x.float().abs().amax(dim=-1).clamp(min=AMAX_FLOOR)
+    bits = (amax / FP8_MAX).view(torch.int32)
+    scale = ((bits + 0xFFFF) & -0x10000).view(torch.float32)  # exactly a bfloat16
+    codes = (x.float() * (1.0 / scale)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return codes, scale.to(SCALE_DTYPE)
+
+
+def dequantize_kv(
+    codes: torch.Tensor,  # [..., head_dim] e4m3fn
+    scales: torch.Tensor,  # [...]
+) -> torch.Tensor:  # [..., head_dim] float32
+    return codes.float() * scales.float()[..., None]
+
 
 def store_kv(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -19,24 +51,35 @@ def store_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64: block_id * block_size + offset; -1 skips
+    *,
+    k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: fp8 cache
+    v_scales: torch.Tensor | None = None,
 ) -> None:
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+    for rows, cache, scales in ((key[keep], k_cache, k_scales), (value[keep], v_cache, v_scales)):
+        if scales is None:
+            cache[blocks, offsets] = rows.to(cache.dtype)
+        else:
+            cache[blocks, offsets], scales[blocks, :, offsets] = quantize_kv(rows)
 
 
 def gather_kv(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_table: torch.Tensor,  # [max_blocks_per_seq] int32
     context_len: int,
-) -> torch.Tensor:  # [context_len, num_kv_heads, head_dim]
+    scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: fp8 cache
+) -> torch.Tensor:  # [context_len, num_kv_heads, head_dim]; float32 from an fp8 cache
     block_size = cache.shape[1]
     num_blocks = -(-context_len // block_size)
-    blocks = cache[block_table[:num_blocks].long()]
-    return blocks.flatten(0, 1)[:context_len]
+    blocks = block_table[:num_blocks].long()
+    rows = cache[blocks].flatten(0, 1)[:context_len]
+    if scales is None:
+        return rows
+    row_scales = scales[blocks].transpose(1, 2).flatten(0, 1)[:context_len]
+    return dequantize_kv(rows, row_scales)
 
 
 def _attend(
@@ -65,11 +108,14 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     context_lens: torch.Tensor,  # [num_seqs] int32, including the new token
     scale: float,
+    *,
+    k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: fp8 cache
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
     out = torch.empty_like(query)
     for seq, context_len in enumerate(context_lens.tolist()):
-        key = gather_kv(k_cache, block_tables[seq], context_len)
-        value = gather_kv(v_cache, block_tables[seq], context_len)
+        key = gather_kv(k_cache, block_tables[seq], context_len, k_scales)
+        value = gather_kv(v_cache, block_tables[seq], context_len, v_scales)
         out[seq] = _attend(query[seq : seq + 1], key, value, scale)[0]
     return out
 
@@ -82,31 +128,41 @@ def prefill_attention(
     cu_query_lens: torch.Tensor,  # [num_seqs + 1] int32
     context_lens: torch.Tensor,  # [num_seqs] int32 = cached prefix + this step's query tokens
     scale: float,
+    *,
+    k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: fp8 cache
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     return prefill_each_sequence(
-        _attend, query, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale
+        _attend,
+        query,
+        (k_cache, v_cache, k_scales, v_scales),
+        block_tables,
+        cu_query_lens,
+        context_lens,
+        scale,
     )
 
 
 def prefill_each_sequence(
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor],
     query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: KVCache,
     block_tables: torch.Tensor,
     cu_query_lens: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """prefill_attention's loop: each sequence's query tokens attend (with `attend(query [q_len,
-    heads, dim], key, value [context_len, kv_heads, dim], scale)`) to its gathered context."""
+    heads, dim], key, value [context_len, kv_heads, dim], scale)`) to its gathered context
+    (float32 from an fp8 cache)."""
+    k_cache, v_cache, k_scales, v_scales = cache
     out = torch.empty_like(query)
     starts = cu_query_lens.tolist()
     for seq, context_len in enumerate(context_lens.tolist()):
         start, end = starts[seq], starts[seq + 1]
         if end == start:
             continue
-        key = gather_kv(k_cache, block_tables[seq], context_len)
-        value = gather_kv(v_cache, block_tables[seq], context_len)
+        key = gather_kv(k_cache, block_tables[seq], context_len, k_scales)
+        value = gather_kv(v_cache, block_tables[seq], context_len, v_scales)
         out[start:end] = attend(query[start:end], key, value, scale)
     return out

@@ -1,0 +1,336 @@
+"""The quantized products of one decoder layer (qkv, o, gate_up, down) against bf16 F.linear: for
+each batch size (rows of x) and format, the time per layer, bytes read, achieved GB/s and its
+fraction of the measured copy bandwidth, and TFLOP/s; then a sweep of block sizes and split-K
+factors for the decode-sized int4 and int8 GEMVs and of tiles for the fp8 Triton GEMM, and each
+product's fastest candidate (what the shape tables in kernels/int4_matmul.py and fp8_matmul.py
+should pick).
+
+Each product runs for every layer (distinct weights per layer, so nothing stays in L2) in one
+CUDA graph, timed by replaying it.
+
+    python -m kvfleet_engine.bench.quant_gemv --shape llama-3.1-8b --tokens 1,8,64,256,4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kvfleet_engine.bench.gemv import copy_bandwidth, layer_shapes
+from kvfleet_engine.bench.results import Row, gpu_name, write_results
+from kvfleet_engine.bench.shapes import SHAPES
+from kvfleet_engine.kernels import fp8_matmul as fp8
+from kvfleet_engine.kernels import int4_matmul as ints
+from kvfleet_engine.quant.layout import FP8_DTYPE
+
+INT4_GROUP = 128
+Weights = tuple[torch.Tensor, ...]  # one product's weight tensors in its format
+Product = Callable[[torch.Tensor, Weights], torch.Tensor]  # (x [M, K], weights) -> [M, N]
+
+
+def make_weights(fmt: str, n: int, k: int, device: torch.device) -> Weights:
+    """Random weights of one [N, K] product in a kernel layout (values do not change timing)."""
+    if fmt == "bf16":
+        return (torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02,)
+    if fmt == "int8":  # per output channel, as quantize_int8 makes by default
+        qweight = torch.randint(-127, 128, (k, n), device=device, dtype=torch.int8)
+        return qweight, torch.rand(1, n, device=device) * 1e-3
+    if fmt == "int4":
+        qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), device=device, dtype=torch.int32)
+        scales = torch.rand(k // INT4_GROUP, n, device=device, dtype=torch.float16) * 1e-2
+        return qweight, scales, -8 * scales
+    weight = (torch.randn(n, k, device=device) * 0.02).to(FP8_DTYPE)
+    return weight, torch.rand(n, device=device) * 1e-3
+
+
+def int_product(plan_of: Callable[[int, int, int, int], ints.MatmulPlan]) -> Product:
+    """An int4 or int8 product run with the plan `plan_of(m, n, k, group_size)`."""
+
+    def product(x: torch.Tensor, w: Weights) -> torch.Tensor:
+        qweight, scales = w[0], w[1]
+        offsets = w[2] if len(w) == 3 else None
+        k, n = x.shape[1], qweight.shape[1]
+        group = k // scales.shape[0]
+        return ints.launch(x, qweight, scales, offsets, group, plan_of(x.shape[0], n, k, group))
+
+    return product
+
+
+def auto_plan(m: int, n: int, k: int, group: int) -> ints.MatmulPlan:
+    return ints.plan_matmul(m, n, k, group, torch.device("cuda"))
+
+
+def fp8_product(backend: str, blocks: tuple[int, int, int, int, int] | None = None) -> Product:
+    def product(x: torch.Tensor, w: Weights) -> torch.Tensor:
+        x_q, x_scale = fp8.quantize_fp8_rows(x)
+        if backend == "scaled_mm":
+            return fp8.scaled_mm_fp8(x_q, x_scale, w[0], w[1])
+        return fp8.triton_fp8_gemm(x_q, x_scale, w[0], w[1], torch.bfloat16, blocks)
+
+    return product
+
+
+VARIANTS: dict[str, tuple[str, Product]] = {  # name -> (format, product)
+    "bf16": ("bf16", lambda x, w: F.linear(x, w[0])),
+    "int8": ("int8", int_product(auto_plan)),
+    f"int4-g{INT4_GROUP}": ("int4", int_product(auto_plan)),
+    "fp8-scaled_mm": ("fp8", fp8_product("scaled_mm")),
+    "fp8-triton": ("fp8", fp8_product("triton")),
+}
+
+
+def gemv_candidates(m: int) -> dict[str, Callable[[int, int, int, int], ints.MatmulPlan]]:
+    """The auto GEMV plan with other BLOCK_N / BLOCK_K / warps and split-K scaled by a factor."""
+
+    def variant(block_n: int, block_k: int, warps: int, split: float, dot=False, rows=False):
+        def plan_of(m: int, n: int, k: int, group: int) -> ints.MatmulPlan:
+            auto = auto_plan(m, n, k, group)
+            scaled = auto.split_k * block_n / auto.block_n  # about as many programs
+            return dataclasses.replace(
+                auto,
+                block_m=16 if dot else auto.block_m,
+                block_n=block_n,
+                block_k=min(block_k, group & -group),
+                split_k=max(1, round(scaled * split)) if split else 1,
+                num_warps=warps,
+                use_dot=dot,
+                int4_codes="int4-rows" if rows else "int4",
+            )
+
+        return plan_of
+
+    blocks = [(64, 128, 4), (128, 128, 4), (256, 128, 8), (128, 64, 4), (128, 32, 4)]
+    out = {
+        f"bn{bn} bk{bk} w{w} split{'x' + str(s) if s else '=1'}": variant(bn, bk, w, s)
+        for bn, bk, w in blocks
+        for s in (0, 1, 2) + ((0.5,) if (bn, bk) == (128, 128) else ())
+    }
+    out |= {f"rows bn128 bk{bk} w4 splitx1": variant(128, bk, 4, 1, rows=True) for bk in (32, 128)}
+    if m > 1:
+        out |= {f"dot bn{bn} bk64 splitx1": variant(bn, 64, 4, 1, dot=True) for bn in (64, 128)}
+    return out
+
+
+def prompt_candidates() -> dict[str, Callable[[int, int, int, int], ints.MatmulPlan]]:
+    def gemm(block_m: int, block_n: int, warps: int, stages: int):
+        return lambda m, n, k, g: ints.MatmulPlan(
+            "gemm", block_m, block_n, 64, num_warps=warps, num_stages=stages
+        )
+
+    return {
+        "gemm 64x128 w4 s3": gemm(64, 128, 4, 3),
+        "gemm 128x128 w8 s3": gemm(128, 128, 8, 3),
+        "gemm 128x256 w8 s3": gemm(128, 256, 8, 3),
+        "gemm 128x128 w4 s4": gemm(128, 128, 4, 4),
+        "dequantize+cuBLAS": lambda m, n, k, g: ints.MatmulPlan("dequantize", 0, 128, 64),
+    }
+
+
+FP8_TRITON_BLOCKS = {
+    "decode": [(16, 32, 256, 4, 4), (16, 64, 256, 4, 4), (16, 64, 128, 4, 3), (16, 128, 128, 4, 4)],
+    "prompt": [(64, 128, 128, 4, 4), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3)],
+}
+
+
+def graph_seconds(step: Callable[[], None]) -> float:
+    """Median time of one replay of `step` captured in a CUDA graph."""
+    step()  # compiles outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(15):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+class Bench:
+    def __init__(self, shape: str, layers: int, bandwidth: float) -> None:
+        self.device = torch.device("cuda")
+        self.shapes = layer_shapes(shape)  # (name, N, K)
+        self.layers = layers
+        self.bandwidth = bandwidth
+        self.weights: dict[str, list[list[Weights]]] = {}  # format -> [layer][product]
+        self.x: dict[tuple[int, int], torch.Tensor] = {}
+
+    def weights_of(self, fmt: str) -> list[list[Weights]]:
+        if fmt not in self.weights:
+            self.weights[fmt] = [
+                [make_weights(fmt, n, k, self.device) for _, n, k in self.shapes]
+                for _ in range(self.layers)
+            ]
+        return self.weights[fmt]
+
+    def run(self, m: int, fmt: str, product: Product, variant: str) -> dict[str, Any]:
+        """Each of the layer's products timed over all layers; totals per layer."""
+        weights = self.weights_of(fmt)
+        per_product: dict[str, dict[str, float]] = {}
+        for index, (name, n, k) in enumerate(self.shapes):
+            if (m, k) not in self.x:
+                self.x[m, k] = torch.randn(m, k, device=self.device, dtype=torch.bfloat16)
+            x = self.x[m, k]
+
+            def step(index: int = index, x: torch.Tensor = x) -> None:
+                for layer in weights:
+                    product(x, layer[index])
+
+            seconds = graph_seconds(step) / self.layers
+            weight_bytes = sum(t.numel() * t.element_size() for t in weights[0][index])
+            product_bytes = weight_bytes + 2 * m * (k + n)  # weights, bf16 x in and out
+            per_product[name] = {
+                "us": seconds * 1e6,
+                "bytes": product_bytes,
+                "gb_per_s": product_bytes / seconds / 1e9,
+                "of_copy": product_bytes / seconds / self.bandwidth,
+                "tflop_per_s": 2 * m * n * k / seconds / 1e12,
+            }
+        seconds = sum((p["us"] for p in per_product.values()), 0.0) / 1e6
+        moved = sum((p["bytes"] for p in per_product.values()), 0.0)
+        flops = sum(2 * m * n * k for _, n, k in self.shapes)
+        return {
+            "tokens": m,
+            "variant": variant,
+            "layer_us": seconds * 1e6,
+            "bytes": moved,
+            "gb_per_s": moved / seconds / 1e9,
+            "of_copy": moved / seconds / self.bandwidth,
+            "tflop_per_s": flops / seconds / 1e12,
+            "products": per_product,
+        }
+
+
+def describe(run: dict[str, Any]) -> str:
+    parts = " ".join(
+        f"{name} {p['us']:7.1f}us {p['of_copy']:4.0%}" for name, p in run["products"].items()
+    )
+    return (
+        f"{run['tokens']:5} {run['variant']:34} {run['layer_us']:8.1f} us/layer "
+        f"{run['gb_per_s']:6.0f} GB/s {run['of_copy']:5.0%} of copy "
+        f"{run['tflop_per_s']:6.1f} TFLOP/s | {parts}"
+    )
+
+
+def plans_line(m: int, shapes: list[tuple[str, int, int]]) -> str:
+    """The plans the int4 and int8 wrappers pick for each product at m rows."""
+    out = []
+    for fmt, group_of in (("int4", lambda k: INT4_GROUP), ("int8", lambda k: k)):
+        for name, n, k in shapes:
+            p = auto_plan(m, n, k, group_of(k))
+            out.append(
+                f"{fmt} {name}: {p.kernel} bm{p.block_m} bn{p.block_n} bk{p.block_k} "
+                f"split{p.split_k}{' dot' if p.use_dot else ''} w{p.num_warps} s{p.num_stages}"
+            )
+    return "plans  " + "; ".join(out)
+
+
+def safe_run(bench: Bench, m: int, fmt: str, product: Product, variant: str) -> dict | None:
+    try:
+        run = bench.run(m, fmt, product, variant)
+    except Exception as error:  # a candidate that does not compile is a result, not the end
+        print(f"{m:5} {variant:34} failed: {type(error).__name__}: {str(error)[:300]}")
+        return None
+    print(describe(run), flush=True)
+    return run
+
+
+def best_per_product(runs: list[dict[str, Any]]) -> dict[str, str]:
+    best: dict[str, tuple[float, str]] = {}
+    for run in runs:
+        for name, p in run["products"].items():
+            if name not in best or p["us"] < best[name][0]:
+                best[name] = (p["us"], run["variant"])
+    return {name: f"{variant} ({us:.1f} us)" for name, (us, variant) in best.items()}
+
+
+def sweep_groups(m: int) -> list[tuple[str, str, dict[str, Product]]]:
+    """(format, label, candidates) swept at m rows."""
+    groups = []
+    for fmt, label in (("int4", f"int4-g{INT4_GROUP}"), ("int8", "int8")):
+        plans = gemv_candidates(m) if m <= ints.GEMV_MAX_ROWS else prompt_candidates()
+        groups.append((fmt, label, {name: int_product(plan) for name, plan in plans.items()}))
+    blocks = FP8_TRITON_BLOCKS["decode" if m <= fp8.DECODE_MAX_ROWS else "prompt"]
+    groups.append(("fp8", "fp8-triton", {str(b): fp8_product("triton", b) for b in blocks}))
+    return groups
+
+
+def result_rows(runs: list[dict[str, Any]], bandwidth: float) -> list[Row]:
+    rows = [Row("roofline", "copy_bandwidth", bandwidth / 1e9, "GB/s")]
+    for run in runs:
+        metric = f"layer_products_us_t{run['tokens']}_{run['variant']}"
+        rows.append(Row("kvfleet", metric, run["layer_us"], "us"))
+        rows.append(Row("kvfleet", metric.replace("_us_", "_of_copy_"), run["of_copy"], "fraction"))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvfleet_engine.bench.quant_gemv")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--tokens", default="1,8,64,256,4096", help="comma-separated rows of x")
+    parser.add_argument(
+        "--sweep-tokens", default="1,8,256,4096", help="rows to sweep plans at ('' none)"
+    )
+    parser.add_argument("--output-dir", type=Path)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("quant_gemv: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    bandwidth = copy_bandwidth()
+    bench = Bench(args.shape, args.layers, bandwidth)
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; {args.layers} layers; per layer:")
+    runs = []
+    for m in (int(t) for t in args.tokens.split(",")):
+        print(plans_line(m, bench.shapes))
+        for variant, (fmt, product) in VARIANTS.items():
+            run = safe_run(bench, m, fmt, product, variant)
+            runs += [run] if run else []
+    sweep_best: dict[str, dict[str, str]] = {}
+    sweep_runs: list[dict[str, Any]] = []
+
+    def save() -> None:  # after each part, so a run cut short keeps what it measured
+        if not args.output_dir:
+            return
+        workload = {"layers": args.layers, "tokens": args.tokens, "runs": runs}
+        workload |= {"sweep_best": sweep_best, "sweep_runs": sweep_runs}
+        path = write_results(
+            args.output_dir,
+            f"quant-gemv-{args.shape}",
+            gpu_name(bench.device),
+            "python -m kvfleet_engine.bench.quant_gemv " + shlex.join(argv or sys.argv[1:]),
+            args.shape,
+            workload,
+            result_rows(runs, bandwidth),
+        )
+        print(f"wrote {path}")
+
+    save()
+    for m in (int(t) for t in args.sweep_tokens.split(",") if t):
+        for fmt, label, candidates in sweep_groups(m):
+            print(f"--- sweep {label} at {m} rows")
+            found = [safe_run(bench, m, fmt, p, f"{label} {n}") for n, p in candidates.items()]
+            sweep_runs.extend(run for run in found if run)
+            best = best_per_product([run for run in found if run])
+            sweep_best[f"{label} m{m}"] = best
+            print(f"best {label} m{m}: " + "; ".join(f"{k}: {v}" for k, v in best.items()))
+            save()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

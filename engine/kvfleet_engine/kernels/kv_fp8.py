@@ -1,0 +1,89 @@
+"""The fp8 KV cache (`kv_cache_dtype="fp8"`): the format, and the Triton helpers with which the
+store kernels quantize and the attention kernels read it.
+
+Format (`layers.attention_torch.quantize_kv` defines it bit for bit; every kernel matches it):
+- codes: float8_e4m3fn in the cache tensors' own layout, [num_blocks, block_size, kv_heads,
+  head_dim];
+- scales: bfloat16 [num_blocks, kv_heads, block_size] beside each of K and V, one per token and
+  kv head: value = code * scale.
+
+Why:
+- Dynamic scales per (token, kv head), computed as each row is stored: no calibration, nothing
+  extra in checkpoints, and an outlier token or head coarsens only its own row. A static scale per
+  layer (vLLM's k_scale / v_scale, 1.0 unless calibrated) clips every value above 448 times the
+  scale and spends the format's range on rows that do not need it.
+- e4m3, not e5m2: with a scale per row the range is not needed, the mantissa bit is (relative
+  rounding error 2^-4 instead of 2^-3).
+- The scale is the row's largest magnitude / 448 rounded *up* to a bfloat16, and the codes are the
+  row times the reciprocal of that rounded scale: no code exceeds 448 (nothing clips) and the
+  rounding of the scale costs no accuracy. Two bytes per row instead of float32's four: head_dim
+  128 stores 130 bytes per token and head against bf16's 256 (1.97x the tokens; head_dim 64,
+  1.94x), and the attention kernels read 1.5% more bytes than the codes alone.
+- Scales [blocks, kv_heads, block_size], not [blocks, block_size, kv_heads]: a program attending
+  with one kv head reads a block's scales as one contiguous run instead of one 2-byte value per
+  num_kv_heads * 2 bytes (which would pull whole 32-byte sectors for each).
+- Dequantization is folded into attention: scores = (q · codes) * k_scale per column, and the
+  softmax weights are multiplied by v_scale (times 2^9, kept in fp16's normal range) before
+  p · codes. K and V tiles are only converted (e4m3 to the query's dtype, exact) for tl.dot; q
+  stays in its dtype.
+
+Hardware: Triton has an e4m3 type (float8e4nv) only on compute capability >= 8.9 (Ada, Hopper) and
+refuses to compile it below (A100), so the engine refuses kv_cache_dtype=fp8 with the triton
+backend there, at start-up. The torch and sdpa backends use torch's own e4m3 casts and read an
+fp8 cache on any device.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvfleet_engine.layers.attention_torch import AMAX_FLOOR, FP8_MAX
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+# A scale is ~1/448 of its row's largest value, so softmax weights times v's scales would fall
+# among fp16's subnormals for small values; the attention kernels weight by scale * 2^9 instead
+# and take 2^-9 of the sum, exactly.
+V_SCALE_BOOST = tl.constexpr(512.0)
+
+
+@triton.jit
+def row_amax(x):
+    """The largest magnitude [rows] of each row of x [rows, cols], in float32."""
+    return tl.max(tl.abs(x.to(tl.float32)), axis=1)
+
+
+@triton.jit
+def fp8_scales(amax):
+    """Each row's scale, float32 holding a bfloat16 (amax / 448 rounded up), and its reciprocal:
+    `quantize_kv`'s rule, in the same IEEE operations."""
+    amax = tl.maximum(amax, _AMAX_FLOOR)
+    bits = tl.math.div_rn(amax, _FP8_MAX).to(tl.uint32, bitcast=True)
+    scale = ((bits + 0xFFFF) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return scale, tl.math.div_rn(1.0, scale)
+
+
+@triton.jit
+def to_fp8(x, inverse_scale):
+    """Codes of x (float rows) times their scale's reciprocal (broadcast against x)."""
+    scaled = x.to(tl.float32) * inverse_scale
+    return tl.clamp(scaled, -_FP8_MAX, _FP8_MAX).to(tl.float8e4nv)
+
+
+@triton.jit
+def quantize_rows(x):
+    """x [rows, cols] (masked-out elements 0) -> codes [rows, cols] e4m3 and scales [rows]
+    bfloat16."""
+    scale, inverse = fp8_scales(row_amax(x))
+    return to_fp8(x, inverse[:, None]), scale.to(tl.bfloat16)
+
+
+@triton.jit
+def tile_scales(
+    scales_ptr, block_ids, kv_head, positions, valid, stride_sb, stride_sh, BLOCK_SIZE: tl.constexpr
+):
+    """The float32 scales [BLOCK_N] of one kv head's tokens at `positions`, in the blocks
+    `block_ids` (0 where not `valid`)."""
+    offsets = block_ids.to(tl.int64) * stride_sb + kv_head * stride_sh + positions % BLOCK_SIZE
+    return tl.load(scales_ptr + offsets, mask=valid, other=0.0).to(tl.float32)

@@ -1,0 +1,409 @@
+"""The fp8 KV cache: the quantization rule (`attention_torch.quantize_kv`), the store kernels that
+must follow it bit for bit, and every attention implementation reading an fp8 cache against
+dense attention over the dequantized K/V (and, more loosely, over the exact K/V).
+
+Without a GPU the Triton kernels run under the interpreter (set up by test_triton_kernels) on
+small sizes; with one, the `gpu` cases run them in bf16 at Llama-like sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import numpy as np
+import pytest
+import torch
+from paged_cases import PagedCase, dense_attention, make_paged_case, relative_error
+from test_triton_kernels import ON_GPU  # TRITON_INTERPRET and the interpreter's scalar patch
+
+from kvfleet_engine.layers import attention_sdpa
+from kvfleet_engine.layers import attention_torch as ref
+from kvfleet_engine.layers.attention_torch import FP8_DTYPE, dequantize_kv, quantize_kv
+
+
+def _convert_fp8_like_a_gpu() -> None:
+    """The interpreter's own float <-> e4m3 conversion rounds half up and drops the carry into
+    the exponent (31.7 becomes 16); convert the way the GPU (and torch) does: to nearest even."""
+    from triton.runtime import interpreter
+
+    original = interpreter._convert_float
+    if getattr(original, "kvfleet_fp8", False):
+        return
+    dtypes = {
+        "fp32": torch.float32,
+        "fp16": torch.float16,
+        "bf16": torch.bfloat16,
+        "fp8e4nv": FP8_DTYPE,
+    }
+
+    def convert(data, input_dtype, output_dtype, rounding_mode):
+        if "fp8e4nv" not in (input_dtype.name, output_dtype.name):
+            return original(data, input_dtype, output_dtype, rounding_mode)
+        flat = np.ascontiguousarray(data).reshape(-1)
+        source = torch.from_numpy(flat.view(np.uint8).copy()).view(dtypes[input_dtype.name])
+        out = source.to(dtypes[output_dtype.name]).view(torch.uint8).numpy()
+        return out.view(f"uint{output_dtype.primitive_bitwidth}").reshape(np.shape(data))
+
+    convert.kvfleet_fp8 = True  # type: ignore[attr-defined]
+    interpreter._convert_float = convert
+
+
+def _kernel_modules():
+    """kv_fp8's helpers and the kernel modules calling them, made in this run's mode: a kernel
+    module binds the helpers when imported, so a stale kv_fp8 is reloaded before them."""
+    names = ["kv_fp8", "kv_store", "decode_attention", "prefill_attention", "fused"]
+    modules = [importlib.import_module(f"kvfleet_engine.kernels.{name}") for name in names]
+    interpreted = type(modules[0].quantize_rows).__name__ == "InterpretedFunction"
+    if interpreted == ON_GPU:
+        modules = [importlib.reload(module) for module in modules]
+    return modules[1:]
+
+
+if not ON_GPU:
+    _convert_fp8_like_a_gpu()
+kv_store, decode, prefill, fused = _kernel_modules()
+
+SMALL = {"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 32}
+LLAMA = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+# (device, query dtype, tolerance against the dequantized reference, sizes)
+TARGETS = [
+    pytest.param("cpu", torch.float32, 1e-4, SMALL, id="interpret-fp32"),
+    pytest.param("cuda", torch.bfloat16, 1e-2, LLAMA, id="gpu-bf16", marks=pytest.mark.gpu),
+    pytest.param("cuda", torch.float16, 2e-3, LLAMA, id="gpu-fp16", marks=pytest.mark.gpu),
+]
+# Attention over e4m3 K/V against attention over the exact K/V, random normal data: measured
+# 0.027-0.038 up to 4k tokens of context (e4m3 rounds each element by at most 2^-4).
+FP8_ATTENTION_ERROR = 0.05
+BACKENDS = pytest.mark.parametrize("backend", [ref, attention_sdpa], ids=["torch", "sdpa"])
+
+
+def _skip_if_unavailable(device: str) -> None:
+    if (device == "cuda") != ON_GPU:
+        pytest.skip(f"this run uses {'cuda' if ON_GPU else 'the interpreter on cpu'}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Case:
+    case: PagedCase  # the float problem, its K/V lists replaced by the dequantized ones
+    exact: PagedCase  # the float problem as drawn
+    k_cache: torch.Tensor  # e4m3 codes, NaN where unused
+    v_cache: torch.Tensor
+    k_scales: torch.Tensor  # [num_blocks, num_kv_heads, block_size] bfloat16, NaN where unused
+    v_scales: torch.Tensor
+
+    @property
+    def cache(self) -> dict[str, torch.Tensor]:
+        return {"k_scales": self.k_scales, "v_scales": self.v_scales}
+
+
+def _fp8_case(exact: PagedCase) -> Fp8Case:
+    """The case's cache quantized slot by slot (unused NaN slots stay NaN in codes and scales)."""
+    k_cache, k_scales = quantize_kv(exact.k_cache)
+    v_cache, v_scales = quantize_kv(exact.v_cache)
+    case = dataclasses.replace(
+        exact,
+        keys=[dequantize_kv(*quantize_kv(k)) for k in exact.keys],
+        values=[dequantize_kv(*quantize_kv(v)) for v in exact.values],
+    )
+    return Fp8Case(
+        case,
+        exact,
+        k_cache,
+        v_cache,
+        k_scales.transpose(1, 2).contiguous(),
+        v_scales.transpose(1, 2).contiguous(),
+    )
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit patterns (NaN equals NaN)."""
+    as_int = {1: torch.uint8, 2: torch.int16}[a.element_size()]
+    return torch.equal(a.view(as_int), b.view(as_int))
+
+
+# ---- the quantization rule ---------------------------------------------------------------------
+
+
+def test_quantize_kv_keeps_each_row_within_e4m3_rounding_and_never_clips() -> None:
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(64, 4, 128, generator=gen) * torch.logspace(-4, 3, 64)[:, None, None]
+    rows[0, 0] = 0.0  # an all-zero row
+    rows[1, 1, 7] = 1e4  # an outlier coarsens its own row only
+    codes, scales = quantize_kv(rows)
+    assert codes.dtype == torch.float8_e4m3fn and codes.shape == rows.shape
+    assert scales.dtype == torch.bfloat16 and scales.shape == rows.shape[:2]
+    assert codes.float().abs().max() <= 448 and torch.isfinite(codes.float()).all()
+    assert (scales.float() * 448 >= rows.abs().amax(-1)).all(), "a scale below amax / 448 clips"
+    back = dequantize_kv(codes, scales)
+    assert torch.equal(back[0, 0], torch.zeros(128))
+    # Codes of 2^-6 and above are normal e4m3: relative error at most half an ulp, 2^-4 (and
+    # the float32 rounding of row * (1 / scale) before it).
+    normal = codes.float().abs() >= 2**-6
+    error = (back - rows).abs() / rows.abs().clamp(min=1e-30)
+    assert error[normal].max() <= 2**-4 * (1 + 1e-6)
+    others = torch.ones(64, 4, dtype=torch.bool)
+    others[1, 1] = False
+    row_error = (back - rows).norm(dim=-1) / rows.norm(dim=-1).clamp(min=1e-30)
+    assert row_error[others].max() < 0.05, "every other row keeps e4m3's precision"
+
+
+# ---- the store kernels ------------------------------------------------------------------------
+
+
+def _empty_fp8_cache(case: PagedCase) -> dict[str, torch.Tensor]:
+    """Codes and scales filled with NaN, so a skipped or missing store shows."""
+    num_blocks, block_size, num_kv_heads, _ = case.k_cache.shape
+    device = case.k_cache.device
+    codes = torch.full(case.k_cache.shape, float("nan"), device=device).to(FP8_DTYPE)
+    scales = torch.full((num_blocks, num_kv_heads, block_size), float("nan"), device=device)
+    return {
+        "k_cache": codes,
+        "v_cache": codes.clone(),
+        "k_scales": scales.to(torch.bfloat16),
+        "v_scales": scales.to(torch.bfloat16),
+    }
+
+
+@pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
+def test_store_kv_writes_the_reference_codes_and_scales(device, dtype, tol, sizes) -> None:
+    _skip_if_unavailable(device)
+    case = make_paged_case([23, 9], [23, 9], **sizes, dtype=dtype, device=device, seed=1)
+    key, value = torch.cat(case.keys).to(device), torch.cat(case.values).to(device)
+    key[3, 1, 5] = 300.0  # an outlier in one row
+    slots = case.slot_mapping.clone()
+    slots[::5] = -1
+    want, got = _empty_fp8_cache(case), _empty_fp8_cache(case)
+    ref.store_kv(key, value, want["k_cache"], want["v_cache"], slots,
+                 k_scales=want["k_scales"], v_scales=want["v_scales"])  # fmt: skip
+    kv_store.store_kv(key, value, got["k_cache"], got["v_cache"], slots,
+                      k_scales=got["k_scales"], v_scales=got["v_scales"])  # fmt: skip
+    for name in want:
+        assert _same_bits(got[name], want[name]), name
+    written = (~got["k_scales"].isnan()).sum().item()
+    assert written == (slots >= 0).sum().item() * sizes["num_kv_heads"]
+
+
+@pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
+@pytest.mark.parametrize(("group", "head_dim_scale"), [(None, 1), (3, 1.5)])
+def test_rotary_store_kv_quantizes_the_rotated_key(
+    device, dtype, tol, sizes, group, head_dim_scale
+) -> None:
+    _skip_if_unavailable(device)
+    kv_heads = sizes["num_kv_heads"]
+    heads = group * kv_heads if group else sizes["num_q_heads"]
+    dim = int(sizes["head_dim"] * head_dim_scale)
+    case = make_paged_case([23, 9], [1, 1], heads, kv_heads, dim, dtype=dtype, device=device)
+    slots = case.slot_mapping.clone()
+    slots[::4] = -1
+    num_tokens = slots.shape[0]
+    gen = torch.Generator().manual_seed(10)
+    q, k, v = (
+        torch.randn(num_tokens, n, dim, generator=gen).to(device, dtype)
+        for n in (heads, kv_heads, kv_heads)
+    )
+    angles = torch.rand(100, dim // 2, generator=gen, dtype=torch.float64) * 6.3
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).float().to(device)
+    positions = torch.randint(0, 100, (num_tokens,), generator=gen).to(device)
+    got = _empty_fp8_cache(case)
+    fused.rotary_store_kv(positions, q, k, v, cos_sin, got["k_cache"], got["v_cache"], slots,
+                          k_scales=got["k_scales"], v_scales=got["v_scales"])  # fmt: skip
+    want = _empty_fp8_cache(case)  # what store_kv writes for the key as rotated in place
+    ref.store_kv(k, v, want["k_cache"], want["v_cache"], slots,
+                 k_scales=want["k_scales"], v_scales=want["v_scales"])  # fmt: skip
+    for name in want:
+        assert _same_bits(got[name], want[name]), name
+
+
+# ---- attention over an fp8 cache ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
+@pytest.mark.parametrize("num_splits", [None, 1, 5])
+def test_decode_reads_the_fp8_cache(device, dtype, tol, sizes, num_splits) -> None:
+    _skip_if_unavailable(device)
+    lens = [1, 17, 64, 130] if device == "cpu" else [1, 17, 300, 2049, 4096]
+    fp8 = _fp8_case(make_paged_case(lens, [1] * len(lens), **sizes, dtype=dtype, device=device))
+    case = fp8.case
+    out = decode.paged_decode_attention(
+        case.query, fp8.k_cache, fp8.v_cache, case.block_tables, case.context_lens, case.scale,
+        **fp8.cache, num_splits=num_splits,
+    )  # fmt: skip
+    assert out.shape == case.query.shape and out.dtype == dtype
+    assert relative_error(out, dense_attention(case)) < tol
+    assert relative_error(out, dense_attention(fp8.exact)) < FP8_ATTENTION_ERROR
+
+
+@pytest.mark.parametrize(
+    ("device", "sizes"),
+    [
+        pytest.param("cpu", SMALL, id="interpret-fp16"),
+        pytest.param("cuda", LLAMA, id="gpu-fp16", marks=pytest.mark.gpu),
+    ],
+)
+def test_fp16_attention_over_small_values_keeps_fp16_precision(device, sizes) -> None:
+    """Softmax weights times v's scales (~1/448 of values of 0.01) would be fp16 subnormals;
+    the kernels weight by the scales times 2^9 and keep the error of large values."""
+    _skip_if_unavailable(device)
+    errors = []
+    for v_size in (1.0, 0.01):
+        exact = make_paged_case(
+            [2000, 700], [1, 1], **sizes, dtype=torch.float16, device=device, seed=3
+        )
+        exact = dataclasses.replace(
+            exact, v_cache=exact.v_cache * v_size, values=[v * v_size for v in exact.values]
+        )
+        fp8 = _fp8_case(exact)
+        case = fp8.case
+        out = decode.paged_decode_attention(
+            case.query, fp8.k_cache, fp8.v_cache, case.block_tables, case.context_lens,
+            case.scale, **fp8.cache,
+        )  # fmt: skip
+        errors.append(relative_error(out, dense_attention(case)))
+    assert errors[1] < 2 * errors[0] < 2e-3, errors  # measured 3e-4 both; 2.5e-3 unboosted
+
+
+@pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
+@pytest.mark.parametrize(
+    ("context_lens", "query_lens", "block_size", "group"),
+    [
+        ([5, 40, 16], [5, 40, 16], 16, None),  # fresh prompts
+        ([40, 70, 9], [8, 1, 9], 16, None),  # cached prefixes, a decode-like token, a prompt
+        ([33, 20], [0, 20], 16, None),  # a sequence with no query tokens this step
+        ([50, 7], [30, 7], 32, 3),  # an odd group size, block size 32
+    ],
+)
+def test_prefill_reads_the_fp8_cache(
+    device, dtype, tol, sizes, context_lens, query_lens, block_size, group
+) -> None:
+    _skip_if_unavailable(device)
+    if device == "cuda":  # long prompts and prefixes on the GPU
+        context_lens = [n * 25 for n in context_lens]
+        query_lens = [n * 25 if n > 1 else n for n in query_lens]
+    if group:
+        sizes = {**sizes, "num_q_heads": group * sizes["num_kv_heads"]}
+    exact = make_paged_case(
+        context_lens, query_lens, **sizes, block_size=block_size, dtype=dtype, device=device
+    )
+    fp8 = _fp8_case(exact)
+    case = fp8.case
+    out = prefill.prefill_attention(
+        case.query, fp8.k_cache, fp8.v_cache, case.block_tables, case.cu_query_lens,
+        case.context_lens, case.scale, **fp8.cache,
+    )  # fmt: skip
+    assert relative_error(out, dense_attention(case)) < tol
+    assert relative_error(out, dense_attention(exact)) < FP8_ATTENTION_ERROR
+
+
+@pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_rotary_decode_attention_equals_rotary_store_then_decode(
+    device, dtype, tol, sizes, num_splits
+) -> None:
+    """One launch stores the new token's codes and scales and attends, as rotary_store_kv then
+    paged_decode_attention do, a padding row (length 0, slot -1) included."""
+    _skip_if_unavailable(device)
+    heads, kv_heads, dim = sizes["num_q_heads"], sizes["num_kv_heads"], sizes["head_dim"]
+    lens = [1, 17, 64, 130, 1] if device == "cpu" else [1, 17, 300, 2049, 4096, 1]
+    fp8 = _fp8_case(make_paged_case(lens, [1] * len(lens), **sizes, dtype=dtype, device=device))
+    case = fp8.case
+    cu = torch.tensor([0, *lens]).cumsum(0)
+    slots = case.slot_mapping[cu[1:] - 1].clone()  # each sequence's newest position
+    context_lens = case.context_lens.clone()
+    context_lens[-1], slots[-1] = 0, -1  # a padding row of a captured batch
+    gen = torch.Generator().manual_seed(14)
+    q, k, v = (
+        torch.randn(len(lens), n, dim, generator=gen).to(device, dtype)
+        for n in (heads, kv_heads, kv_heads)
+    )
+    angles = torch.rand(max(lens), dim // 2, generator=gen, dtype=torch.float64) * 6.3
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).float().to(device)
+    positions = (torch.tensor(lens) - 1).to(device)
+
+    def fresh_cache():
+        return {
+            name: t.clone() for name, t in vars(fp8).items() if name.endswith(("cache", "scales"))
+        }
+
+    want = fresh_cache()
+    q_rot, k_rot = q.clone(), k.clone()
+    fused.rotary_store_kv(positions, q_rot, k_rot, v, cos_sin, want["k_cache"], want["v_cache"],
+                          slots, k_scales=want["k_scales"], v_scales=want["v_scales"])  # fmt: skip
+    want_out = decode.paged_decode_attention(
+        q_rot, want["k_cache"], want["v_cache"], case.block_tables, context_lens, case.scale,
+        k_scales=want["k_scales"], v_scales=want["v_scales"], num_splits=num_splits,
+    )  # fmt: skip
+    got = fresh_cache()
+    out = decode.rotary_decode_attention(
+        positions, q, k, v, cos_sin, got["k_cache"], got["v_cache"], slots, case.block_tables,
+        context_lens, case.scale, k_scales=got["k_scales"], v_scales=got["v_scales"],
+        num_splits=num_splits,
+    )  # fmt: skip
+    # The value is quantized from the same input: the same bits. The rotated key may differ in
+    # its last bit between the two kernels (on a GPU the compiler contracts the rotation's
+    # multiply-adds differently), and with it a code by one e4m3 step, or its row's scale.
+    assert _same_bits(got["v_cache"], want["v_cache"])
+    assert _same_bits(got["v_scales"], want["v_scales"])
+    rows = slots[:-1]
+    num_kv = kv_heads
+    got_k = dequantize_kv(got["k_cache"].view(-1, num_kv, dim)[rows],
+                          got["k_scales"].transpose(1, 2).reshape(-1, num_kv)[rows])  # fmt: skip
+    want_k = dequantize_kv(want["k_cache"].view(-1, num_kv, dim)[rows],
+                           want["k_scales"].transpose(1, 2).reshape(-1, num_kv)[rows])  # fmt: skip
+    torch.testing.assert_close(got_k, want_k, rtol=2**-3, atol=1e-2)
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+    assert relative_error(out, want_out.double().cpu()) < tol
+
+
+@BACKENDS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_stores_then_attends_over_the_fp8_cache(backend, dtype) -> None:
+    """The reference and CPU backends: store_kv quantizes, decode and prefill read the codes and
+    scales; slots past each sequence hold NaN and never count."""
+    exact = make_paged_case([30, 7, 64], [5, 1, 64], dtype=dtype, seed=21)
+    fp8 = _fp8_case(exact)
+    case = fp8.case
+    cache = _empty_fp8_cache(case)
+    key, value = torch.cat(exact.keys), torch.cat(exact.values)
+    backend.store_kv(key, value, cache["k_cache"], cache["v_cache"], case.slot_mapping,
+                     k_scales=cache["k_scales"], v_scales=cache["v_scales"])  # fmt: skip
+    for name in cache:  # what the store wrote where the case's cache has data
+        written = ~vars(fp8)[name].float().isnan()
+        assert _same_bits(cache[name][written], vars(fp8)[name][written]), name
+    scales = {"k_scales": cache["k_scales"], "v_scales": cache["v_scales"]}
+    tables, lens = case.block_tables, case.context_lens
+    out = backend.prefill_attention(
+        case.query, cache["k_cache"], cache["v_cache"], tables, case.cu_query_lens, lens,
+        case.scale, **scales,
+    )  # fmt: skip
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert out.dtype == dtype and relative_error(out, dense_attention(case)) < tol
+    assert relative_error(out, dense_attention(exact)) < FP8_ATTENTION_ERROR
+    last = case.cu_query_lens[1:].long() - 1  # each sequence's newest token, as a decode step
+    out = backend.paged_decode_attention(
+        case.query[last], cache["k_cache"], cache["v_cache"], tables, lens, case.scale, **scales
+    )
+    assert out.dtype == dtype and relative_error(out, dense_attention(case)[last]) < tol
+
+
+def test_wrappers_reject_an_fp8_cache_without_its_scales() -> None:
+    fp8 = _fp8_case(make_paged_case([8], [1]))
+    case = fp8.case
+    args = (case.query, fp8.k_cache, fp8.v_cache, case.block_tables, case.context_lens, case.scale)
+    with pytest.raises(ValueError, match="an fp8 cache needs k_scales/v_scales"):
+        decode.paged_decode_attention(*args)
+    with pytest.raises(
+        ValueError, match=r"k_scales must be \[num_blocks, num_kv_heads, block_size\]"
+    ):
+        decode.paged_decode_attention(
+            *args, k_scales=fp8.k_scales.transpose(1, 2), v_scales=fp8.v_scales.transpose(1, 2)
+        )
+    with pytest.raises(ValueError, match=r"k_scales/v_scales must be torch\.bfloat16"):
+        decode.paged_decode_attention(
+            *args, k_scales=fp8.k_scales.float(), v_scales=fp8.v_scales.float()
+        )
+    with pytest.raises(ValueError, match="only an fp8 cache has k_scales/v_scales"):
+        kv_store.store_kv(
+            case.keys[0], case.values[0], case.k_cache, case.v_cache, case.slot_mapping,
+            **fp8.cache,
+        )  # fmt: skip
