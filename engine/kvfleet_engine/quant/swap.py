@@ -56,7 +56,9 @@ def quantize_linears(model: nn.Module, quant: QuantConfig, dtype: torch.dtype) -
     return replaced
 
 
-def checkpoint_names(name: str, module: Linear, packed: dict[str, tuple[str, str]]) -> dict:
+def checkpoint_names(
+    name: str, module: Linear, packed: dict[str, tuple[str, str]]
+) -> dict[str | None, str]:
     """Shard (None: unfused) -> the checkpoint module it loads from, e.g. qkv_proj's "k" ->
     model.layers.0.self_attn.k_proj."""
     if not module.shard_offsets():
