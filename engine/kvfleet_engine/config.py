@@ -13,6 +13,9 @@ from typing import Any
 
 from kvfleet_engine.loaders.gguf_metadata import find_gguf_file, gguf_eos_token_ids, gguf_hf_config
 from kvfleet_engine.models.registry import check_architecture
+from kvfleet_engine.quant.config import ALIASES as QUANTIZATION_ALIASES
+from kvfleet_engine.quant.config import METHODS as QUANTIZATION_METHODS
+from kvfleet_engine.quant.config import QuantConfig, resolve_quantization
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +48,17 @@ class ModelConfig:
     eos_token_ids: frozenset[int]
     # The model's config in config.json's keys (parsed, or built from the GGUF metadata).
     hf_config: dict[str, Any] = field(repr=False, compare=False)
+    # Quantized weights: the `quantization` setting checked against the checkpoint's
+    # quantization_config (None: plain weights in `dtype`).
+    quantization: QuantConfig | None = None
 
     @classmethod
     def from_pretrained(
-        cls, path: str, dtype: str = "auto", max_model_len: int | None = None
+        cls,
+        path: str,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        quantization: str | None = None,
     ) -> ModelConfig:
         gguf_file = find_gguf_file(path)
         if gguf_file is not None:
@@ -61,6 +71,7 @@ class ModelConfig:
                 max_model_len=_resolve_max_model_len(max_model_len, hf_config),
                 eos_token_ids=gguf_eos_token_ids(str(gguf_file)),
                 hf_config=hf_config,
+                quantization=resolve_quantization(quantization, None),
             )
         directory = Path(path)
         config_file = directory / "config.json"
@@ -79,7 +90,13 @@ class ModelConfig:
             max_model_len=_resolve_max_model_len(max_model_len, hf_config),
             eos_token_ids=_eos_token_ids(directory, hf_config),
             hf_config=hf_config,
+            quantization=resolve_quantization(quantization, hf_config),
         )
+
+    @property
+    def quantization_name(self) -> str:
+        """The quantization method ("none" for plain weights), as metrics label it."""
+        return "none" if self.quantization is None else self.quantization.method
 
     @property
     def num_layers(self) -> int:
@@ -177,8 +194,12 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_size={tensor_parallel_size} is not supported yet; only 1 is"
             )
-        if quantization not in (None, "none"):
-            raise ValueError(f"quantization={quantization!r} is not supported yet; only none is")
+        _check(
+            quantization in (None, "auto", *QUANTIZATION_METHODS, *QUANTIZATION_ALIASES),
+            "quantization",
+            quantization,
+            "auto (None: the checkpoint's) | " + " | ".join(QUANTIZATION_METHODS),
+        )
         _check(
             isinstance(block_size, int)
             and 1 <= block_size <= 256
@@ -225,7 +246,9 @@ class EngineConfig:
             " | ".join(KV_CACHE_DTYPES),
         )
         return cls(
-            model=ModelConfig.from_pretrained(model, dtype=dtype, max_model_len=max_model_len),
+            model=ModelConfig.from_pretrained(
+                model, dtype=dtype, max_model_len=max_model_len, quantization=quantization
+            ),
             cache=CacheConfig(
                 block_size=block_size,
                 num_blocks=kv_cache_blocks,
@@ -319,8 +342,10 @@ class EngineConfig:
         )
         group.add_argument(
             "--quantization",
-            default="none",
-            help="weight quantization (only none is supported yet)",
+            default=None,
+            choices=("auto", *QUANTIZATION_METHODS, *QUANTIZATION_ALIASES),
+            help="weight quantization (default auto: the checkpoint's quantization_config; "
+            "fp8 and int8 also quantize a float checkpoint at load)",
         )
 
     @classmethod

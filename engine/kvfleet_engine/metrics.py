@@ -61,7 +61,7 @@ class IterationStats:
 class EngineInfo:
     model: str  # served model name
     version: str  # kvfleet version
-    quantization: str  # "none" until quantized weights land
+    quantization: str  # the method running the weights ("none": plain weights)
     tensor_parallel_size: int
 
 

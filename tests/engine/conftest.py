@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 from engine_cases import Reference, reference_greedy, write_checkpoint
+from quant_fixtures import quantized_checkpoints  # noqa: F401 (session fixture)
 
 
 class Checkpoints:

@@ -72,7 +72,7 @@ def test_token_outside_the_vocabulary_and_duplicate_ids(make_llm: Callable[..., 
     ("kwargs", "message"),
     [
         ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 is not supported yet"),
-        ({"quantization": "int8"}, "quantization='int8' is not supported yet"),
+        ({"quantization": "int3"}, "quantization must be auto"),
         ({"block_size": 12}, "block_size must be a power of two"),
         ({"max_num_batched_tokens": 8, "max_num_seqs": 16}, "max_num_batched_tokens must be >="),
         ({"max_model_len": 100000}, "max_model_len must be in"),

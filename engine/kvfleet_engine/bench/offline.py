@@ -5,6 +5,13 @@ workload (`--peer transformers`) and the roofline from ceilings measured at the 
     kvfleet bench latency --shape llama-3.1-8b --peer transformers
     kvfleet bench throughput --shape llama-3.1-8b --num-prompts 512 --input-len 64:512 \\
         --output-len 256 --peer transformers
+    kvfleet bench latency --shape llama-3.1-8b --quantization none,fp8,int8,awq,gptq
+
+`--quantization` takes a comma-separated list, run one after the other in one process on the
+same random weights: fp8 / int8 quantize the bf16 checkpoint at load; awq / gptq load a random
+int4 checkpoint of the shape in that layout (group 128). Each has its own roofline, which
+counts the packed bytes (fp8 / int8: 1 B per weight + a scale per channel; int4: 0.5 B + a
+float16 scale and offset per group).
 """
 
 from __future__ import annotations
@@ -27,6 +34,30 @@ from kvfleet_engine.argtypes import positive_int
 from kvfleet_engine.bench.shapes import SHAPES
 
 log = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("none", "fp8", "int8", "awq", "gptq")
+
+
+def int4_group_size(shape: str) -> int:
+    """128 (the usual int4 group), or the largest of 64 / 32 that divides a small shape's
+    input features."""
+    fields = SHAPES[shape][1]
+    return next(
+        group
+        for group in (128, 64, 32)
+        if fields["hidden_size"] % group == 0 and fields["intermediate_size"] % group == 0
+    )
+
+
+def _quantizations(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in QUANTIZATIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"--quantization takes a comma-separated list of {', '.join(QUANTIZATIONS)}, "
+            f"got {text!r}"
+        )
+    return names
 
 
 def _input_len(text: str) -> tuple[int, int]:
@@ -64,6 +95,13 @@ def _common_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and prompts")
     parser.add_argument(
+        "--quantization",
+        type=_quantizations,
+        default=["none"],
+        help="weights, a comma-separated list run one after the other: "
+        + " | ".join(QUANTIZATIONS),
+    )
+    parser.add_argument(
         "--host-trace",
         type=int,
         default=0,
@@ -77,13 +115,13 @@ def _common_args(parser: argparse.ArgumentParser) -> None:
 
 @dataclass
 class Setup:
-    """What both commands share: device, ceilings, the saved random checkpoint and its costs."""
+    """What both commands share: device, ceilings, the saved random checkpoints and costs."""
 
     device: Any
     dtype: Any
     ceilings: Any
-    costs: Any
-    checkpoint: Path
+    costs: dict[str, Any]  # quantization -> roofline.ModelCosts
+    checkpoints: dict[str, Path]  # quantization -> checkpoint directory (bf16 unless int4)
     hf_model: Any  # the transformers model on the device (the peer), until released
 
     def release_peer(self) -> None:
@@ -135,21 +173,37 @@ def setup(args: argparse.Namespace) -> Iterator[Setup]:
     if args.kv_cache_dtype == "fp8":  # e4m3 codes and a 2-byte scale per head_dim of them
         head_dim = shapes.SHAPES[args.shape][1]["head_dim"]
         kv_bytes_per_token = shapes.kv_bytes_per_token(args.shape, 1) * (head_dim + 2) // head_dim
-    costs = roofline.ModelCosts(
-        weight_bytes=shapes.weight_bytes_per_step(model), kv_bytes_per_token=kv_bytes_per_token
-    )
+    group_size = int4_group_size(args.shape)
+    costs = {
+        name: roofline.ModelCosts(
+            weight_bytes=shapes.weight_bytes_per_step(model, name, group_size),
+            kv_bytes_per_token=kv_bytes_per_token,
+            weights_per_token=shapes.matmul_weights_per_token(model),
+        )
+        for name in args.quantization
+    }
     with tempfile.TemporaryDirectory(prefix="kvfleet-bench-", dir=_scratch_dir()) as tmp:
         start = time.perf_counter()
-        shapes.save_checkpoint(model, Path(tmp))
+        checkpoints = {}
+        if set(args.quantization) - {"awq", "gptq"}:
+            shapes.save_checkpoint(model, Path(tmp) / "bf16")
+        for name in args.quantization:
+            if name in ("awq", "gptq"):
+                checkpoints[name] = shapes.save_random_int4_checkpoint(
+                    model, Path(tmp) / name, name, group_size, seed=args.seed
+                )
+            else:
+                checkpoints[name] = Path(tmp) / "bf16"
         print(f"  saved to {tmp} in {time.perf_counter() - start:.0f} s", flush=True)
-        yield Setup(device, dtype, ceilings, costs, Path(tmp), model)
+        yield Setup(device, dtype, ceilings, costs, checkpoints, model)
 
 
-def _llm(args: argparse.Namespace, s: Setup, max_model_len: int) -> Any:
+def _llm(args: argparse.Namespace, s: Setup, max_model_len: int, quantization: str) -> Any:
     from kvfleet_engine.llm import LLM
 
     return LLM(
-        str(s.checkpoint),
+        str(s.checkpoints[quantization]),
+        quantization=None if quantization == "none" else quantization,
         dtype="bfloat16" if s.device.type == "cuda" else "float32",
         device=s.device.type,
         block_size=args.block_size,
@@ -164,13 +218,29 @@ def _llm(args: argparse.Namespace, s: Setup, max_model_len: int) -> Any:
     )
 
 
+def _label(source: str, quantization: str) -> str:
+    """Row source of one quantization's figures: kvfleet, kvfleet-fp8, roofline-awq, ..."""
+    return source if quantization == "none" else f"{source}-{quantization}"
+
+
+def _free_device_memory(s: Setup) -> None:
+    import torch
+
+    gc.collect()
+    if s.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _ceiling_rows(s: Setup) -> list[Any]:
     from kvfleet_engine.bench.results import Row
 
     return [
         Row("roofline", "copy_bandwidth", s.ceilings.bandwidth / 1e9, "GB/s"),
         Row("roofline", "matmul_rate", s.ceilings.matmul_flops / 1e12, "TFLOP/s"),
-        Row("roofline", "weight_bytes_per_step", s.costs.weight_bytes / 1e9, "GB"),
+        *(
+            Row(_label("roofline", name), "weight_bytes_per_step", costs.weight_bytes / 1e9, "GB")
+            for name, costs in s.costs.items()
+        ),
     ]
 
 
@@ -185,9 +255,10 @@ def _finish(
     from kvfleet_engine.bench.results import format_table, gpu_name, write_results
 
     command = f"kvfleet bench {what} {shlex.join(argv)}"
+    quantized = [name for name in args.quantization if name != "none"]
     path = write_results(
         args.output_dir,
-        f"{what}-{args.shape}",
+        "-".join([what, args.shape, *quantized]),
         gpu_name(s.device),
         command,
         args.shape,
@@ -243,6 +314,7 @@ def throughput(argv: list[str]) -> int:
         "kv_cache_dtype": args.kv_cache_dtype,
         "cuda_graphs": not args.enforce_eager,
         "async_scheduling": args.async_scheduling,
+        "quantization": args.quantization,
     }
     if args.peer == "transformers":
         workload["peer_num_prompts"] = len(peer_prompts)
@@ -261,30 +333,28 @@ def throughput(argv: list[str]) -> int:
 
             rows += _try_peer("transformers generate_batch", workload, run_peer)
         s.release_peer()
-        rows += _kvfleet_throughput(args, s, prompts)
-        ideal = roofline.offline_seconds(
-            s.costs, s.ceilings, lens, args.output_len, args.max_num_seqs
-        )
-        rows.append(
-            Row(
-                "roofline",
-                "output_tokens_per_s",
-                args.num_prompts * args.output_len / ideal,
-                "tokens/s",
+        for name in args.quantization:
+            rows += _kvfleet_throughput(args, s, prompts, name)
+            _free_device_memory(s)
+            ideal = roofline.offline_seconds(
+                s.costs[name], s.ceilings, lens, args.output_len, args.max_num_seqs
             )
-        )
+            rate = args.num_prompts * args.output_len / ideal
+            rows.append(Row(_label("roofline", name), "output_tokens_per_s", rate, "tokens/s"))
         return _finish(args, argv, "throughput", s, workload, rows)
 
 
-def _kvfleet_throughput(args: argparse.Namespace, s: Setup, prompts: list[list[int]]) -> list[Any]:
+def _kvfleet_throughput(
+    args: argparse.Namespace, s: Setup, prompts: list[list[int]], quantization: str
+) -> list[Any]:
     from kvfleet_engine.bench.host_trace import trace_steps
     from kvfleet_engine.bench.results import Row
     from kvfleet_engine.bench.step_timing import StepTimer
     from kvfleet_engine.sampling import SamplingParams
 
-    print("running kvfleet ...", flush=True)
+    print(f"running {_label('kvfleet', quantization)} ...", flush=True)
     max_input = max(len(p) for p in prompts)
-    llm = _llm(args, s, max_input + args.output_len)
+    llm = _llm(args, s, max_input + args.output_len, quantization)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts[: min(len(prompts), 64)], sampling_params=warm)
@@ -299,23 +369,23 @@ def _kvfleet_throughput(args: argparse.Namespace, s: Setup, prompts: list[list[i
         print("\n".join(trace_steps(llm.engine, prompts, params, args.host_trace)))
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_in = sum(len(p) for p in prompts)
-    return [
-        Row("kvfleet", "output_tokens_per_s", num_out / elapsed, "tokens/s"),
-        Row("kvfleet", "total_tokens_per_s", (num_in + num_out) / elapsed, "tokens/s"),
-        Row("kvfleet", "elapsed_s", elapsed, "s"),
-        Row("kvfleet", "engine_steps", timer.steps, "steps"),
-        Row("kvfleet", "preemptions", llm.engine.stats().num_preemptions_total, "requests"),
-        Row(
-            "kvfleet", "kv_cache_tokens", llm.engine.kv_cache.num_blocks * args.block_size, "tokens"
-        ),
-        Row("kvfleet", "launch_s", timer.launch_s, "s"),
-        Row("kvfleet", "wait_for_tokens_s", timer.wait_s, "s"),
-        Row("kvfleet", "host_other_s", elapsed - timer.launch_s - timer.wait_s, "s"),
+    source = _label("kvfleet", quantization)
+    rows = [
+        Row(source, "output_tokens_per_s", num_out / elapsed, "tokens/s"),
+        Row(source, "total_tokens_per_s", (num_in + num_out) / elapsed, "tokens/s"),
+        Row(source, "elapsed_s", elapsed, "s"),
+        Row(source, "engine_steps", timer.steps, "steps"),
+        Row(source, "preemptions", llm.engine.stats().num_preemptions_total, "requests"),
+        Row(source, "kv_cache_tokens", llm.engine.kv_cache.num_blocks * args.block_size, "tokens"),
+        Row(source, "launch_s", timer.launch_s, "s"),
+        Row(source, "wait_for_tokens_s", timer.wait_s, "s"),
+        Row(source, "host_other_s", elapsed - timer.launch_s - timer.wait_s, "s"),
         *(
-            Row("kvfleet", f"device_{name}", value, "steps" if name.endswith("steps") else "s")
+            Row(source, f"device_{name}", value, "steps" if name.endswith("steps") else "s")
             for name, value in device.items()
         ),
     ]
+    return rows
 
 
 # ---- latency ------------------------------------------------------------------------------
@@ -345,6 +415,8 @@ def latency(argv: list[str]) -> int:
         "sampling": "greedy, ignore_eos",
         "cuda_graphs": not args.enforce_eager,
         "async_scheduling": args.async_scheduling,
+        "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
     if missing_gpu("latency", args.shape):
         return 2
@@ -361,16 +433,21 @@ def latency(argv: list[str]) -> int:
 
             rows += _try_peer("transformers generate", workload, run_peer)
         s.release_peer()
-        rows += _kvfleet_latency(args, s, prompts)
-        step = roofline.decode_step_seconds(
-            s.costs, s.ceilings, args.batch_size, args.input_len + args.output_len / 2
-        )
-        rows.append(Row("roofline", "decode_tokens_per_s", 1 / step, "tokens/s"))
-        rows.append(Row("roofline", "inter_token_latency_ms", step * 1e3, "ms"))
+        for name in args.quantization:
+            rows += _kvfleet_latency(args, s, prompts, name)
+            _free_device_memory(s)
+            step = roofline.decode_step_seconds(
+                s.costs[name], s.ceilings, args.batch_size, args.input_len + args.output_len / 2
+            )
+            source = _label("roofline", name)
+            rows.append(Row(source, "decode_tokens_per_s", 1 / step, "tokens/s"))
+            rows.append(Row(source, "inter_token_latency_ms", step * 1e3, "ms"))
         return _finish(args, argv, "latency", s, workload, rows)
 
 
-def _kvfleet_latency(args: argparse.Namespace, s: Setup, prompts: list[list[int]]) -> list[Any]:
+def _kvfleet_latency(
+    args: argparse.Namespace, s: Setup, prompts: list[list[int]], quantization: str
+) -> list[Any]:
     """Per-sequence decode rate from the engine's step loop: the time from the first generated
     token to the last, over the tokens in between."""
     from tqdm.auto import tqdm
@@ -378,8 +455,9 @@ def _kvfleet_latency(args: argparse.Namespace, s: Setup, prompts: list[list[int]
     from kvfleet_engine.bench.results import Row
     from kvfleet_engine.sampling import SamplingParams
 
-    print("running kvfleet ...", flush=True)
-    llm = _llm(args, s, args.input_len + args.output_len)
+    source = _label("kvfleet", quantization)
+    print(f"running {source} ...", flush=True)
+    llm = _llm(args, s, args.input_len + args.output_len, quantization)
     engine = llm.engine
     engine.stream_outputs = True  # an output per token (with its text), as the server streams
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -412,15 +490,15 @@ def _kvfleet_latency(args: argparse.Namespace, s: Setup, prompts: list[list[int]
         print("\n".join(lines))
     rate = (args.output_len - 1) / decode
     rows = [
-        Row("kvfleet", "decode_tokens_per_s", rate, "tokens/s"),
-        Row("kvfleet", "inter_token_latency_ms", 1e3 / rate, "ms"),
-        Row("kvfleet", "time_to_first_token_ms", ttft * 1e3, "ms"),
+        Row(source, "decode_tokens_per_s", rate, "tokens/s"),
+        Row(source, "inter_token_latency_ms", 1e3 / rate, "ms"),
+        Row(source, "time_to_first_token_ms", ttft * 1e3, "ms"),
     ]
     if device.get("decode_steps"):
         steps = device["decode_steps"] + device["prompt_steps"]
         busy_ms = device["decode_steps_busy_s"] / device["decode_steps"] * 1e3
-        rows.append(Row("kvfleet", "device_decode_step_ms", busy_ms, "ms"))
-        rows.append(Row("kvfleet", "device_idle_per_step_ms", device["idle_s"] / steps * 1e3, "ms"))
+        rows.append(Row(source, "device_decode_step_ms", busy_ms, "ms"))
+        rows.append(Row(source, "device_idle_per_step_ms", device["idle_s"] / steps * 1e3, "ms"))
     graphs = engine.model_runner.decode_graphs
     if graphs is not None:
         from kvfleet_engine.bench.roofline import back_to_back_seconds
@@ -428,5 +506,5 @@ def _kvfleet_latency(args: argparse.Namespace, s: Setup, prompts: list[list[int]
         # the step's CUDA graph alone, replayed back to back
         graph = graphs.graphs[next(s for s in graphs.sizes if s >= args.batch_size)]
         replay_ms = back_to_back_seconds(graph.replay) * 1e3
-        rows.append(Row("kvfleet", "decode_graph_replay_ms", replay_ms, "ms"))
+        rows.append(Row(source, "decode_graph_replay_ms", replay_ms, "ms"))
     return rows

@@ -10,18 +10,31 @@ from pathlib import Path
 from typing import Any
 
 SYSTEMS = ("kvfleet", "transformers-generate", "transformers-generate_batch", "roofline")
+# kvfleet and roofline rows of quantized weights carry the method: kvfleet-fp8, roofline-awq.
+QUANTIZATIONS = ("fp8", "int8", "awq", "gptq")
+
+
+def split_system(system: str) -> tuple[str, str]:
+    """ "kvfleet-awq" -> ("kvfleet", "awq"); "kvfleet" -> ("kvfleet", "none")."""
+    base, _, quantization = system.rpartition("-")
+    if base in ("kvfleet", "roofline") and quantization in QUANTIZATIONS:
+        return base, quantization
+    return system, "none"
 
 
 @dataclass(frozen=True)
 class Row:
-    system: str  # one of SYSTEMS
+    system: str  # one of SYSTEMS, kvfleet / roofline with a quantization suffix
     metric: str  # e.g. decode_tokens_per_s, output_tokens_per_s
     value: float
     unit: str  # e.g. tokens/s, s, fraction
 
     def __post_init__(self) -> None:
-        if self.system not in SYSTEMS:
-            raise ValueError(f"system must be one of {SYSTEMS}, got {self.system!r}")
+        if split_system(self.system)[0] not in SYSTEMS:
+            raise ValueError(
+                f"system must be one of {SYSTEMS} (kvfleet and roofline may end in -"
+                f"{'|'.join(QUANTIZATIONS)}), got {self.system!r}"
+            )
 
 
 def gpu_name(device: Any) -> str:
@@ -60,14 +73,21 @@ def write_results(
 
 
 def format_table(rows: list[Row]) -> str:
-    """system | metric | value | unit, plus each rate as a fraction of the roofline's."""
-    roof = {row.metric: row.value for row in rows if row.system == "roofline"}
+    """system | metric | value | unit, plus each rate as a fraction of the roofline's (of the
+    same quantization)."""
+    roof = {
+        (split_system(row.system)[1], row.metric): row.value
+        for row in rows
+        if split_system(row.system)[0] == "roofline"
+    }
     header = f"{'system':<28} {'metric':<30} {'value':>12}  {'unit':<10} {'of roofline':>11}"
     lines = [header, "-" * len(header)]
     for row in rows:
         ratio = ""
-        if row.system != "roofline" and row.unit == "tokens/s" and roof.get(row.metric):
-            ratio = f"{row.value / roof[row.metric]:.1%}"
+        base, quantization = split_system(row.system)
+        limit = roof.get((quantization, row.metric))
+        if base != "roofline" and row.unit == "tokens/s" and limit:
+            ratio = f"{row.value / limit:.1%}"
         lines.append(
             f"{row.system:<28} {row.metric:<30} {row.value:>12,.2f}  {row.unit:<10} {ratio:>11}"
         )

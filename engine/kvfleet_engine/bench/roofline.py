@@ -66,12 +66,16 @@ def measure_ceilings(device: torch.device) -> Ceilings:
 
 @dataclass(frozen=True)
 class ModelCosts:
-    weight_bytes: int  # weights read per decode step
+    weight_bytes: int  # weights read per decode step (packed, for quantized weights)
     kv_bytes_per_token: int  # K and V of one token, all layers
+    # Multiply-adds per token in the weight matrices; None: weight_bytes / 2 (bf16 weights).
+    weights_per_token: int | None = None
 
     @property
-    def flops_per_token(self) -> float:  # matmul FLOPs per token (2 per weight, bf16)
-        return float(self.weight_bytes)
+    def flops_per_token(self) -> float:  # matmul FLOPs per token (2 per weight)
+        if self.weights_per_token is None:
+            return float(self.weight_bytes)
+        return 2.0 * self.weights_per_token
 
 
 def decode_step_seconds(costs: ModelCosts, ceilings: Ceilings, batch: int, context: float) -> float:

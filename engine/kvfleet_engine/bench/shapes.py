@@ -121,14 +121,120 @@ def save_checkpoint(model: Any, directory: Path) -> Path:
     return directory
 
 
-def weight_bytes_per_step(model: Any) -> int:
+def weight_bytes_per_step(model: Any, quantization: str = "none", group_size: int = 128) -> int:
     """Bytes of weights one decode step reads: every matrix but the embedding table (whose rows
-    are gathered), the LM head included (once, if tied to the embedding)."""
-    params = {id(p): p for p in model.parameters()}
-    total = sum(p.numel() * p.element_size() for p in params.values())
+    are gathered), the LM head included (once, if tied to the embedding). Quantized, each
+    decoder-layer matrix [N, K] counts its packed form: fp8 / int8 N·K bytes + a float32 scale
+    per output channel; int4 (awq, gptq) N·K / 2 bytes + float16 scales and offsets per group."""
+    params = {id(p): (name, p) for name, p in model.named_parameters()}
+    total = 0
+    for name, p in params.values():
+        quantized = quantization != "none" and ".layers." in name and p.dim() == 2
+        total += (
+            _quantized_bytes(p.shape, quantization, group_size)
+            if quantized
+            else (p.numel() * p.element_size())
+        )
     embedding = model.get_input_embeddings().weight
     tied = model.get_output_embeddings().weight is embedding
     return total if tied else total - embedding.numel() * embedding.element_size()
+
+
+def _quantized_bytes(shape: Any, quantization: str, group_size: int) -> int:
+    out_features, in_features = shape
+    if quantization in ("fp8", "int8"):
+        return out_features * in_features + 4 * out_features
+    if quantization in ("awq", "gptq"):
+        return out_features * in_features // 2 + 2 * 2 * out_features * in_features // group_size
+    raise ValueError(f"quantization must be none | fp8 | int8 | awq | gptq, got {quantization!r}")
+
+
+def matmul_weights_per_token(model: Any) -> int:
+    """Multiply-adds per token in the weight matrices (what a decode step reads, in weights)."""
+    return weight_bytes_per_step(model) // next(model.parameters()).element_size()
+
+
+def save_random_int4_checkpoint(
+    model: Any, directory: Path, method: str, group_size: int = 128, seed: int = 0
+) -> Path:
+    """The model's embeddings, norms and LM head with every decoder-layer matrix replaced by
+    random int4 tensors in the AutoAWQ GEMM (`awq`, zero points random) or GPTQ (`gptq`, v1,
+    symmetric, no act-order) layout: random codes, and scales drawn so that the dequantized
+    weights have about the spread of the float ones (std 0.02) — a random int4 model."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from kvfleet_engine.tiny_model import build_byte_tokenizer
+
+    directory.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator(model.device).manual_seed(seed)
+    tensors: dict[str, Any] = {}
+    for name, param in model.state_dict().items():
+        module, _, leaf = name.rpartition(".")
+        if ".layers." in name and leaf == "weight" and param.dim() == 2:
+            out_features, in_features = param.shape
+            tensors.update(
+                _random_int4(module, in_features, out_features, method, group_size, generator)
+            )
+        else:
+            tensors[name] = param.detach().cpu().contiguous()
+    save_file(tensors, str(directory / "model.safetensors"))
+    config = model.config.to_dict()
+    config["quantization_config"] = (
+        {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": group_size,
+            "zero_point": True,
+            "version": "gemm",
+        }
+        if method == "awq"
+        else {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": group_size,
+            "desc_act": False,
+            "sym": True,
+            "checkpoint_format": "gptq",
+        }
+    )
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    build_byte_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def _random_int4(
+    module: str, in_features: int, out_features: int, method: str, group_size: int, generator: Any
+) -> dict[str, Any]:
+    import torch
+
+    device, groups = generator.device, in_features // group_size
+
+    def words(*shape: int) -> Any:  # every int32 is 8 valid nibbles
+        return torch.randint(
+            -(2**31), 2**31 - 1, shape, dtype=torch.int32, device=device, generator=generator
+        ).cpu()
+
+    # uniform codes minus a zero point of about 7.5 have std ~4.6: scales of ~0.02 / 4.6
+    scales = 0.0035 + 0.001 * torch.rand(groups, out_features, device=device, generator=generator)
+    if method == "awq":
+        tensors = {
+            "qweight": words(in_features, out_features // 8),
+            "qzeros": words(groups, out_features // 8),
+        }
+    elif method == "gptq":
+        tensors = {
+            "qweight": words(in_features // 8, out_features),
+            # zero 8 stored as 7 (v1) in every nibble
+            "qzeros": torch.full((groups, out_features // 8), 0x77777777, dtype=torch.int32),
+            "g_idx": torch.arange(in_features, dtype=torch.int32) // group_size,
+        }
+    else:
+        raise ValueError(f"random int4 checkpoints are awq or gptq, not {method!r}")
+    tensors["scales"] = scales.half().cpu()
+    return {f"{module}.{name}": tensor for name, tensor in tensors.items()}
 
 
 def kv_bytes_per_token(shape: str, element_size: int = 2) -> int:

@@ -19,6 +19,12 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.attach_weight_loaders()
+
+    def attach_weight_loaders(self) -> None:
+        """Give each parameter its loader (again after to_empty, which makes new parameters)."""
+        for param in self.parameters(recurse=False):
+            param.weight_loader = self.load_shard  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, in_features]
         if x.device.type == "cpu" and x.dim() == 2 and 1 < x.shape[0] <= _CPU_FEW_ROWS:

@@ -13,8 +13,8 @@ from torch import nn
 
 from kvfleet_engine.config import ModelConfig
 from kvfleet_engine.layers.attention import AttentionMetadata
-from kvfleet_engine.layers.linear import Linear
 from kvfleet_engine.models.registry import model_class
+from kvfleet_engine.quant.swap import check_device, quantize_linears
 
 log = logging.getLogger(__name__)
 
@@ -42,22 +42,36 @@ def serving_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
 
 
 def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """Build on meta -> swap quantized linears -> materialise -> load -> convert the loaded
+    checkpoint layouts to the kernels' (finish_loading)."""
+    if config.quantization is not None:
+        check_device(config.quantization, device)
     cls = model_class(config.architecture)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
             model = cls(config.hf_config, config.architecture)
+            if config.quantization is not None:
+                replaced = quantize_linears(model, config.quantization, dtype)
+                log.info(
+                    "%s: %d linear layers quantized", config.quantization.method, len(replaced)
+                )
     finally:
         torch.set_default_dtype(default_dtype)
     model = model.to_empty(device=device)
     if getattr(model, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embed_tokens.weight  # to_empty unties parameters
     for module in model.modules():
-        reset = getattr(module, "reset_buffers", None)
-        if reset is not None:
-            reset()
+        for hook in ("reset_buffers", "attach_weight_loaders"):  # what to_empty dropped
+            method = getattr(module, hook, None)
+            if method is not None:
+                method()
     load_weights(model, checkpoint_tensors(config, device), config.path)
+    for module in model.modules():
+        finish = getattr(module, "finish_loading", None)
+        if finish is not None:
+            finish()
     model.eval()
     return model
 
@@ -81,15 +95,17 @@ def checkpoint_tensors(
 def load_weights(
     model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], source: str
 ) -> None:
-    """Copy each checkpoint tensor into its parameter (fused q/k/v and gate/up shards through the
-    layer's own loader); every parameter must be filled."""
+    """Hand each checkpoint tensor to its parameter's own `weight_loader(param, tensor, shard)`
+    (fused q/k/v and gate/up shards, packed quantized tensors: the layer knows its layout);
+    every parameter must be filled, each shard of a fused one by its own tensor."""
     params = dict(model.named_parameters())
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
     modules = dict(model.named_modules())
-    unloaded = {  # (parameter, shard): each shard of a fused weight is its own checkpoint tensor
+    unloaded = {  # (parameter, shard)
         (name, shard)
-        for name in params
-        for shard in _shards(modules[name.rsplit(".", 1)[0]], name.rsplit(".", 1)[1])
+        for name, param in params.items()
+        if not getattr(param, "optional", False)
+        for shard in _shards(modules[name.rsplit(".", 1)[0]])
     }
     for name, tensor in tensors:
         target, shard = name, None
@@ -102,14 +118,8 @@ def load_weights(
             if name == "lm_head.weight" and "lm_head.weight" not in params:
                 continue
             raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-        module = modules[target.rsplit(".", 1)[0]]
         try:
-            if isinstance(module, Linear):
-                module.load_shard(param, tensor, shard)
-            elif param.shape != tensor.shape:
-                raise ValueError(f"shape {tuple(tensor.shape)} != {tuple(param.shape)}")
-            else:
-                param.copy_(tensor)
+            getattr(param, "weight_loader", _copy_whole)(param, tensor, shard)
         except ValueError as error:
             raise ValueError(f"checkpoint tensor {name!r}: {error}") from error
         unloaded.discard((target, shard))
@@ -120,8 +130,14 @@ def load_weights(
         raise ValueError(f"checkpoint {source} lacks weights for: {missing[:5]}")
 
 
-def _shards(module: nn.Module, param_name: str) -> list[str | None]:
+def _copy_whole(param: torch.Tensor, loaded: torch.Tensor, shard: str | None) -> None:
+    """The loader of a parameter that has none of its own (norms, embeddings)."""
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape {tuple(loaded.shape)} != {tuple(param.shape)}")
+    param.copy_(loaded)
+
+
+def _shards(module: nn.Module) -> list[str | None]:
     """The checkpoint tensors that fill one parameter: one per shard of a fused linear."""
-    if isinstance(module, Linear) and module.shard_offsets():
-        return list(module.shard_offsets())
-    return [None]
+    shard_offsets = getattr(module, "shard_offsets", None)
+    return list(shard_offsets()) if shard_offsets is not None and shard_offsets() else [None]

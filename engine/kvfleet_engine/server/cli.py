@@ -131,7 +131,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         EngineInfo(
             model=served_name,
             version=_version(),
-            quantization=args.quantization,
+            quantization=config.model.quantization_name,
             tensor_parallel_size=args.tensor_parallel_size,
         )
     )

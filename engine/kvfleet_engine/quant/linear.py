@@ -1,0 +1,321 @@
+"""The quantized linear layer that takes the place of a Linear / MergedLinear before weights load.
+
+It holds the checkpoint's tensors in the checkpoint's own layout, one parameter each, every one
+carrying its `weight_loader` (a fused q/k/v or gate/up shard fills its slice of each tensor);
+`finish_loading()` then converts them to the kernel layout of layout.py and drops them. The
+forward runs the quant_matmul kernels on CUDA and layout.py's references on the CPU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from functools import partial
+
+import torch
+from torch import nn
+
+from kvfleet_engine.quant import formats
+from kvfleet_engine.quant.config import WeightScheme
+from kvfleet_engine.quant.layout import (
+    FP8_DTYPE,
+    Fp8Weight,
+    Int4Weight,
+    Int8Weight,
+    fp8_linear_reference,
+    int4_linear_reference,
+    int8_linear_reference,
+    pack_int4,
+    pack_int8,
+    quantize_fp8,
+    quantize_int8,
+)
+
+PackedWeight = Int4Weight | Int8Weight | Fp8Weight
+
+
+@dataclass(frozen=True)
+class CheckpointTensor:
+    """One tensor a quantized linear reads from the checkpoint (`<module>.<name>`)."""
+
+    name: str
+    shape: tuple[int, ...]  # the whole tensor, every shard of a fused layer included
+    dtype: torch.dtype
+    # How a fused layer's shard lands: "slice" (its rows / columns along shard_dim), "equal"
+    # (every shard holds the whole tensor, and they must agree: act-order g_idx), "shape" (a
+    # weight_shape record, checked, not kept), "ignored" (read and dropped).
+    kind: str = "slice"
+    shard_dim: int = 0
+    pack: int = 1  # values per element along shard_dim (shard offsets divide by it)
+    optional: bool = False  # may be absent from the checkpoint
+    broadcast: bool = False  # a one-element tensor fills the shard's slice (per-tensor scales)
+
+
+def checkpoint_tensors(
+    scheme: WeightScheme, in_features: int, out_features: int, bias: bool, dtype: torch.dtype
+) -> list[CheckpointTensor]:
+    """The tensors of one linear in the scheme's checkpoint layout (dtype: the serving dtype)."""
+    k, n = in_features, out_features
+    groups = k // (scheme.group_size or k)
+    T = CheckpointTensor
+    found: list[CheckpointTensor]
+    if scheme.layout == "float":
+        found = [T("weight", (n, k), dtype)]
+    elif scheme.layout == "ct-float":
+        found = [
+            T("weight", (n, k), FP8_DTYPE),
+            T("weight_scale", (n, 1), torch.float32, broadcast=True),
+            # A static activation scale from calibration: we quantize activations per token at
+            # run time instead (dynamic), which is at least as accurate.
+            T("input_scale", (1,), torch.float32, kind="ignored", optional=True),
+        ]
+    elif scheme.layout == "ct-int":
+        found = [
+            T("weight", (n, k), torch.int8),
+            T("weight_scale", (n, groups), torch.float32, broadcast=True),
+        ]
+    elif scheme.layout == "ct-pack":
+        found = [
+            T("weight_packed", (n, k // (32 // _bits(scheme))), torch.int32),
+            T("weight_scale", (n, groups), torch.float32),
+            T("weight_g_idx", (k,), torch.int32, kind="equal", optional=True),
+            T("weight_shape", (2,), torch.int64, kind="shape"),
+        ]
+        if not scheme.symmetric:
+            found.append(T("weight_zero_point", (n // 8, groups), torch.int32, pack=8))
+    elif scheme.layout == "awq":
+        found = [
+            T("qweight", (k, n // 8), torch.int32, shard_dim=1, pack=8),
+            T("qzeros", (groups, n // 8), torch.int32, shard_dim=1, pack=8),
+            T("scales", (groups, n), torch.float32, shard_dim=1),
+        ]
+    elif scheme.layout == "gptq":
+        per_word = 32 // _bits(scheme)
+        found = [
+            T("qweight", (k // per_word, n), torch.int32, shard_dim=1),
+            T("qzeros", (groups, n // per_word), torch.int32, shard_dim=1, pack=per_word),
+            T("scales", (groups, n), torch.float32, shard_dim=1),
+            T("g_idx", (k,), torch.int32, kind="equal", optional=True),
+        ]
+    else:
+        raise ValueError(f"unknown checkpoint layout {scheme.layout!r}")
+    if bias:
+        found.append(T("bias", (n,), dtype))
+    return found
+
+
+class QuantLinear(nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        shards: dict[str, int],  # checkpoint shard -> rows ({}: one unfused checkpoint linear)
+        out_features: int,
+        bias: bool,
+        scheme: WeightScheme,
+        dtype: torch.dtype,  # the serving dtype (activations, bias, float weights)
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
+        self._offsets: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for name, rows in shards.items():
+            self._offsets[name] = (offset, rows)
+            offset += rows
+        self._tensors = {
+            t.name: t for t in checkpoint_tensors(scheme, in_features, out_features, bias, dtype)
+        }
+        for t in self._tensors.values():
+            if t.kind == "slice" and any(rows % t.pack for _, rows in self._offsets.values()):
+                raise ValueError(
+                    f"{t.name}: fused shards of {dict(shards)} rows cannot split a tensor packed "
+                    f"{t.pack} per int32 along the output features"
+                )
+            data = torch.empty(t.shape, dtype=t.dtype)
+            self.register_parameter(t.name, nn.Parameter(data, requires_grad=False))
+        self._equal_first: dict[str, str | None] = {}  # "equal" tensor -> the shard that set it
+        self.packed_kind: str | None = None  # "int4" | "int8" | "fp8" once finish_loading ran
+        self.attach_weight_loaders()
+
+    def shard_offsets(self) -> dict[str, tuple[int, int]]:
+        """Checkpoint shard name -> (row offset, rows) inside the fused output features."""
+        return self._offsets
+
+    def attach_weight_loaders(self) -> None:
+        """Give each parameter its loader (again after to_empty, which makes new parameters)."""
+        for name, param in self.named_parameters(recurse=False):
+            spec = self._tensors[name]
+            param.weight_loader = partial(self._load, spec)  # type: ignore[attr-defined]
+            param.optional = spec.optional  # type: ignore[attr-defined]
+
+    # ---- loading -------------------------------------------------------------------------
+
+    def _load(
+        self, spec: CheckpointTensor, param: torch.Tensor, loaded: torch.Tensor, shard: str | None
+    ) -> None:
+        if spec.kind == "ignored":
+            return
+        if spec.kind == "shape":
+            rows = self.out_features if shard is None else self._offsets[shard][1]
+            if loaded.tolist() != [rows, self.in_features]:
+                raise ValueError(f"weight_shape {loaded.tolist()} != [{rows}, {self.in_features}]")
+            return
+        if spec.kind == "equal":
+            self._load_equal(spec, param, loaded, shard)
+            return
+        target = param.data
+        if shard is not None:
+            offset, rows = self._offsets[shard]
+            target = target.narrow(spec.shard_dim, offset // spec.pack, rows // spec.pack)
+        if spec.broadcast and loaded.numel() == 1:
+            target.fill_(loaded.reshape(()).item())
+            return
+        if tuple(loaded.shape) != tuple(target.shape):
+            where = "" if shard is None else f"shard {shard!r} "
+            raise ValueError(
+                f"{where}has shape {tuple(loaded.shape)}, expected {tuple(target.shape)}"
+            )
+        target.copy_(loaded)
+
+    def _load_equal(
+        self, spec: CheckpointTensor, param: torch.Tensor, loaded: torch.Tensor, shard: str | None
+    ) -> None:
+        if tuple(loaded.shape) != tuple(param.shape):
+            raise ValueError(f"has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
+        if spec.name not in self._equal_first:
+            self._equal_first[spec.name] = shard
+            param.data.copy_(loaded)
+        elif not torch.equal(param.data, loaded.to(param.device, param.dtype)):
+            raise ValueError(
+                f"{spec.name} of shard {shard!r} differs from shard "
+                f"{self._equal_first[spec.name]!r}'s: the fused shards {list(self._offsets)} "
+                "must share one act-order"
+            )
+
+    def finish_loading(self) -> None:
+        """Checkpoint layout -> kernel layout; the checkpoint tensors are dropped."""
+        tensors = {name: param.data for name, param in self.named_parameters(recurse=False)}
+        packed = to_kernel_layout(self.scheme, tensors, self.in_features, self._equal_first)
+        bias = tensors.get("bias")
+        for name in self._tensors:
+            delattr(self, name)
+        self.register_buffer("bias", bias)
+        self.packed_kind = _packed_kind(packed)
+        for field in fields(packed):
+            value = getattr(packed, field.name)
+            if isinstance(value, torch.Tensor) or value is None:
+                self.register_buffer(f"{self.packed_kind}_{field.name}", value)
+        self.group_size = getattr(packed, "group_size", 0)
+
+    @property
+    def packed(self) -> PackedWeight:
+        kind, tensor = self.packed_kind, self._kernel_tensor
+        if kind == "int4":
+            return Int4Weight(
+                tensor("int4_qweight"),
+                tensor("int4_scales"),
+                tensor("int4_offsets"),
+                self._buffers["int4_perm"],
+                self.group_size,
+            )
+        if kind == "int8":
+            return Int8Weight(tensor("int8_qweight"), tensor("int8_scales"), self.group_size)
+        if kind == "fp8":
+            return Fp8Weight(tensor("fp8_weight"), tensor("fp8_scale"))
+        raise RuntimeError("QuantLinear used before finish_loading()")
+
+    def _kernel_tensor(self, name: str) -> torch.Tensor:
+        tensor = self._buffers[name]
+        assert tensor is not None
+        return tensor
+
+    # ---- the product ---------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, in_features]
+        weight, bias = self.packed, self._buffers["bias"]
+        if not x.is_cuda:
+            if isinstance(weight, Int4Weight):
+                return int4_linear_reference(x, weight, bias)
+            if isinstance(weight, Int8Weight):
+                return int8_linear_reference(x, weight, bias)
+            return fp8_linear_reference(x, weight, bias)
+        from kvfleet_engine.kernels import quant_matmul  # type: ignore[attr-defined,unused-ignore]
+
+        if isinstance(weight, Int4Weight):
+            if weight.perm is not None:
+                x = x[:, weight.perm]
+            out = quant_matmul.int4_matmul(
+                x, weight.qweight, weight.scales, weight.offsets, weight.group_size
+            )
+        elif isinstance(weight, Int8Weight):
+            out = quant_matmul.int8_matmul(x, weight.qweight, weight.scales, weight.group_size)
+        else:
+            out = quant_matmul.fp8_matmul(x, weight.weight, weight.scale, x.dtype)
+        return out if bias is None else out + bias  # out: [rows, out_features]
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"{self.scheme.kind} from {self.scheme.layout}, group_size={self.scheme.group_size}"
+        )
+
+
+def to_kernel_layout(
+    scheme: WeightScheme,
+    tensors: dict[str, torch.Tensor],  # name -> the loaded checkpoint-layout tensor
+    in_features: int,
+    equal_loaded: dict[str, str | None],  # "equal" tensors the checkpoint had
+) -> PackedWeight:
+    # Float scales on the CPU (the reference's float32 product stays exact); float16 for the
+    # kernels, as layout.py packs by default.
+    device = next(iter(tensors.values())).device
+    scale_dtype = torch.float32 if device.type == "cpu" else torch.float16
+    group_size = scheme.group_size or in_features
+    layout = scheme.layout
+    if layout == "float":
+        weight = tensors["weight"]
+        return quantize_fp8(weight) if scheme.kind == "fp8" else quantize_int8(weight)
+    if layout == "ct-float":
+        return Fp8Weight(weight=tensors["weight"], scale=tensors["weight_scale"][:, 0].float())
+    if layout == "ct-int":
+        return pack_int8(tensors["weight"], tensors["weight_scale"], group_size)
+    if layout == "gptq" and scheme.kind == "int8":
+        return _gptq_int8(scheme, tensors, group_size)
+    if layout == "ct-pack" and scheme.kind == "int8":  # signed codes stored as code + 128
+        codes = formats.unpack_along_last(tensors["weight_packed"], 8) - 128
+        return pack_int8(codes.to(torch.int8), tensors["weight_scale"], group_size)
+    if layout == "ct-pack":
+        codes, scales, offsets = formats.compressed_tensors_canonical(
+            tensors["weight_packed"], tensors["weight_scale"], tensors.get("weight_zero_point")
+        )
+        g_idx = tensors["weight_g_idx"] if "weight_g_idx" in equal_loaded else None
+    elif layout == "awq":
+        codes, scales, offsets = formats.awq_canonical(
+            tensors["qweight"], tensors["qzeros"], tensors["scales"]
+        )
+        g_idx = None
+    elif layout == "gptq":
+        codes, scales, offsets = formats.gptq_canonical(
+            tensors["qweight"], tensors["qzeros"], tensors["scales"], 4, scheme.zeros_minus_one
+        )
+        g_idx = tensors["g_idx"] if "g_idx" in equal_loaded else None
+    else:
+        raise ValueError(f"unknown checkpoint layout {layout!r}")
+    return pack_int4(codes, scales, offsets, group_size, g_idx, scale_dtype=scale_dtype)
+
+
+def _gptq_int8(
+    scheme: WeightScheme, tensors: dict[str, torch.Tensor], group_size: int
+) -> Int8Weight:
+    codes = formats.unpack_along_first(tensors["qweight"], 8).t()  # [N, K] unsigned
+    zeros = formats.unpack_along_last(tensors["qzeros"], 8) + int(scheme.zeros_minus_one)
+    if bool((zeros != 128).any()):
+        raise ValueError("GPTQ 8-bit zero points must all be 128 (symmetric)")
+    return pack_int8((codes - 128).to(torch.int8), tensors["scales"].t(), group_size)
+
+
+def _bits(scheme: WeightScheme) -> int:
+    return 4 if scheme.kind == "int4" else 8
+
+
+def _packed_kind(packed: PackedWeight) -> str:
+    if isinstance(packed, Int4Weight):
+        return "int4"
+    return "int8" if isinstance(packed, Int8Weight) else "fp8"

@@ -1,0 +1,108 @@
+"""On the GPU (bf16, the quant_matmul kernels): each quantized layer's product matches layout.py's
+reference on the same packed weights, and each checkpoint layout's greedy tokens match
+transformers running its dequantized weights, ties judged at bf16 tolerance. Marked `gpu`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from engine_cases import assert_greedy_equal, random_prompts, reference_greedy, write_checkpoint
+from quant_pack import add_fp8_activation_hooks, write_quantized_checkpoint
+
+from kvfleet_engine import LLM, SamplingParams
+from kvfleet_engine.quant.config import WeightScheme
+from kvfleet_engine.quant.layout import (
+    fp8_linear_reference,
+    int4_linear_reference,
+    int8_linear_reference,
+)
+from kvfleet_engine.quant.linear import QuantLinear
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+BF16_TIE = 0.1  # as tests/engine/test_gpu.py: a logit gap below this is a tie in bf16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "awq": ("llama3", dict(method="awq", group_size=32, symmetric=False)),
+    "gptq-act-order": ("qwen2", dict(method="gptq", group_size=32, act_order=True)),
+    "ct-int4-asym": ("qwen3", dict(method="ct-int4", group_size=64, symmetric=False)),
+    "ct-int8": ("llama3", dict(method="ct-int8", group_size=0)),
+    "ct-fp8": ("mistral", dict(method="ct-fp8")),
+}
+
+
+def _filled_layer(scheme: WeightScheme, in_features: int, out_features: int) -> QuantLinear:
+    """A QuantLinear for a float weight, loaded and packed on the GPU."""
+    layer = QuantLinear(in_features, {}, out_features, True, scheme, torch.bfloat16).cuda()
+    torch.manual_seed(0)
+    layer.weight.data.normal_(0, 0.05)
+    layer.bias.data.normal_(0, 0.1)
+    layer.finish_loading()
+    return layer
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_layer_matches_its_reference(kind: str, rows: int) -> None:
+    layer = _filled_layer(WeightScheme(kind, "float"), 512, 384)
+    x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+    reference = fp8_linear_reference if kind == "fp8" else int8_linear_reference
+    expected = reference(x, layer.packed, layer.bias)
+    torch.testing.assert_close(layer(x), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_int4_act_order_layer_matches_its_reference(tmp_path: Path, rows: int) -> None:
+    """Through a whole GPTQ act-order checkpoint: the perm gather happens before the kernel."""
+    model = write_checkpoint("llama3", tmp_path / "float", seed=1)
+    write_quantized_checkpoint(model, tmp_path / "q", method="gptq", group_size=32, act_order=True)
+    llm = LLM(str(tmp_path / "q"), device="cuda", dtype="bfloat16", max_model_len=64)
+    layer = llm.engine.model_runner.model.model.layers[0].mlp.down_proj
+    assert layer.packed.perm is not None
+    x = torch.randn(rows, layer.in_features, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(
+        layer(x), int4_linear_reference(x, layer.packed), rtol=2e-2, atol=2e-2
+    )
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_quantized_greedy_matches_dequantized_transformers(tmp_path: Path, name: str) -> None:
+    arch, keywords = CHECKPOINTS[name]
+    model = write_checkpoint(arch, tmp_path / "float", seed=2, max_position_embeddings=2048)
+    model = write_quantized_checkpoint(model, tmp_path / name, **keywords)
+    if keywords["method"] == "ct-fp8":
+        add_fp8_activation_hooks(model)
+    model = model.to(device="cuda", dtype=torch.bfloat16)
+    prompts = random_prompts([1, 17, 120, 300], seed=4)
+    llm = LLM(str(tmp_path / name), dtype="bfloat16", device="cuda", max_model_len=1024)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        ref = reference_greedy(model, prompt, GREEDY.max_tokens)
+        assert_greedy_equal(output.outputs[0].token_ids, ref, f"{name} {len(prompt)}", BF16_TIE)
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_quantized_at_load_on_the_gpu_runs_under_cuda_graphs(tmp_path: Path, method: str) -> None:
+    """Graphs on and off agree (the kernels capture)."""
+    write_checkpoint("llama3", tmp_path / "float", seed=3)
+    prompts = random_prompts([5, 40], seed=5)
+    tokens = []
+    for eager in (False, True):
+        llm = LLM(
+            str(tmp_path / "float"),
+            dtype="bfloat16",
+            device="cuda",
+            max_model_len=256,
+            quantization=method,
+            enforce_eager=eager,
+        )
+        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+        tokens.append([list(o.outputs[0].token_ids) for o in outputs])
+    assert tokens[0] == tokens[1]
