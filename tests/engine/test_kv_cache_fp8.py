@@ -4,6 +4,7 @@ at a near-tie."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -20,7 +21,6 @@ from engine_cases import random_prompts
 from conftest import Checkpoints
 from kvfleet_engine import SamplingParams, model_runner
 from kvfleet_engine.config import EngineConfig
-from kvfleet_engine.server.cli import build_parser
 
 
 def _gaps_at_first_divergence(reference: list[Any], other: list[Any]) -> list[float]:
@@ -125,16 +125,24 @@ def test_kv_cache_dtype_is_checked_naming_the_field(checkpoints: Checkpoints) ->
         EngineConfig.create(str(checkpoints.path("qwen3")), kv_cache_dtype="int8")
 
 
+def _engine_parser() -> argparse.ArgumentParser:
+    """The engine's flags as `kvfleet serve` adds them, on a bare parser: the server's own module
+    imports uvicorn and fastapi, which the GPU machine does not have."""
+    parser = argparse.ArgumentParser(prog="serve")
+    EngineConfig.add_cli_args(parser)
+    return parser
+
+
 def test_serve_flag_sets_the_cache_dtype(
     checkpoints: Checkpoints, capsys: pytest.CaptureFixture[str]
 ) -> None:
     model = str(checkpoints.path("qwen3"))
-    args = build_parser().parse_args(["--model", model, "--kv-cache-dtype", "fp8"])
+    args = _engine_parser().parse_args(["--model", model, "--kv-cache-dtype", "fp8"])
     assert EngineConfig.from_cli_args(args).cache.kv_cache_dtype == "fp8"
-    default = build_parser().parse_args(["--model", model])
+    default = _engine_parser().parse_args(["--model", model])
     assert EngineConfig.from_cli_args(default).cache.kv_cache_dtype == "auto"
     with pytest.raises(SystemExit) as exit_info:
-        build_parser().parse_args(["--model", model, "--kv-cache-dtype", "fp16"])
+        _engine_parser().parse_args(["--model", model, "--kv-cache-dtype", "fp16"])
     assert exit_info.value.code == 2
     assert "--kv-cache-dtype: invalid choice: 'fp16'" in capsys.readouterr().err
 

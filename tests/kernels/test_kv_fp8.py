@@ -234,6 +234,28 @@ def test_decode_reads_the_fp8_cache(device, dtype, tol, sizes, num_splits) -> No
     assert relative_error(out, dense_attention(fp8.exact)) < FP8_ATTENTION_ERROR
 
 
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize(("transpose_scores", "early_v"), [(False, True), (True, False)])
+def test_decode_launch_variants_read_the_fp8_cache_alike(
+    dtype, tol, transpose_scores, early_v
+) -> None:
+    """16-bit queries take float16 dots (queries rescaled by a power of two per row: the
+    bf16 ones here exceed float16's range); the
+    benchmark's launch variants (scores as K @ q^T; V converted before shared memory, its
+    columns swapped in pairs and swapped back at the store) give the same attention."""
+    lens = [1, 17, 64, 130]
+    fp8 = _fp8_case(make_paged_case(lens, [1] * len(lens), **SMALL, dtype=dtype, device="cpu"))
+    case = fp8.case
+    big = 1e5 if dtype == torch.bfloat16 else 1.0
+    out = decode.paged_decode_attention(
+        case.query * big, fp8.k_cache, fp8.v_cache, case.block_tables, case.context_lens,
+        case.scale / big, **fp8.cache, num_splits=2, transpose_scores=transpose_scores,
+        early_v=early_v,
+    )  # fmt: skip
+    assert out.dtype == dtype
+    assert relative_error(out, dense_attention(case)) < tol
+
+
 @pytest.mark.parametrize(
     ("device", "sizes"),
     [

@@ -11,8 +11,8 @@ captured in a CUDA graph and replayed with new lengths.
 program rotates its query heads in registers, and the split holding the newest position rotates
 the new key and stores it and the value in the cache before reading the context.
 
-An fp8 cache (`kv_fp8`) is read as e4m3 tiles converted to the query's dtype for tl.dot, each
-score column multiplied by its key's scale and each softmax weight by its value's scale.
+An fp8 cache (`kv_fp8`) is read as e4m3 tiles converted to float16 for tl.dot (16-bit queries),
+each score column multiplied by its key's scale and each softmax weight by its value's scale.
 """
 
 from __future__ import annotations
@@ -32,7 +32,13 @@ from kvfleet_engine.kernels.checks import (
     next_power_of_2,
     require,
 )
-from kvfleet_engine.kernels.kv_fp8 import V_SCALE_BOOST, quantize_rows, tile_scales
+from kvfleet_engine.kernels.kv_fp8 import (
+    V_SCALE_BOOST,
+    f16_rows,
+    quantize_rows,
+    swapped_pairs,
+    tile_scales,
+)
 from kvfleet_engine.layers.attention_torch import KVCache
 
 
@@ -98,6 +104,9 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     ROTARY: tl.constexpr,
     FP8: tl.constexpr,
+    F16_DOTS: tl.constexpr,
+    TRANSPOSE_SCORES: tl.constexpr,
+    EARLY_V: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -146,6 +155,15 @@ def _decode_split_kernel(
         tl.debug_barrier()  # the stores above are visible to this program's loads below
     else:
         q = tl.load(q_rows, mask=q_mask, other=0.0)
+    if FP8:
+        if F16_DOTS:  # 16-bit queries: e4m3 converts to float16 in one instruction per pair
+            q_dot, q_factor = f16_rows(q)
+            row_scale = q_factor * scale_log2
+        else:
+            q_dot = q
+            row_scale = tl.full([GROUP_PAD], 1.0, tl.float32) * scale_log2
+        if TRANSPOSE_SCORES:
+            q_dot_t = tl.trans(q_dot)  # [BLOCK_D, GROUP_PAD]
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
@@ -165,8 +183,12 @@ def _decode_split_kernel(
             v_scale = tile_scales(
                 v_scales_ptr, block_ids, kv_head, positions, valid, stride_sb, stride_sh, BLOCK_SIZE
             )
-            scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-            scores = scores * (k_scale * scale_log2)[None, :]
+            k = k.to(q_dot.dtype)
+            if TRANSPOSE_SCORES:  # K as the first operand: [BLOCK_N, GROUP_PAD]
+                scores = tl.trans(tl.dot(k, q_dot_t, input_precision=DOT_PRECISION))
+            else:
+                scores = tl.dot(q_dot, tl.trans(k), input_precision=DOT_PRECISION)
+            scores = scores * row_scale[:, None] * k_scale[None, :]
         else:
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -175,8 +197,11 @@ def _decode_split_kernel(
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if FP8:
-            weighted = (p * (v_scale * V_SCALE_BOOST)[None, :]).to(q.dtype)
-            pv = tl.dot(weighted, v.to(q.dtype), input_precision=DOT_PRECISION)
+            weighted = (p * (v_scale * V_SCALE_BOOST)[None, :]).to(q_dot.dtype)
+            v = v.to(q_dot.dtype)
+            if EARLY_V:  # columns swapped in pairs (undone at the store): see swapped_pairs
+                v = swapped_pairs(v)
+            pv = tl.dot(weighted, v, input_precision=DOT_PRECISION)
         else:
             pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + pv
@@ -184,6 +209,8 @@ def _decode_split_kernel(
 
     if FP8:
         acc = acc * (1.0 / V_SCALE_BOOST)
+        if EARLY_V:
+            dims = dims ^ 1
     nonempty = l_i > 0
     out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
     out_mask = row_mask[:, None] & dim_mask[None, :]
@@ -269,6 +296,10 @@ class _Launch:
     block_n: int  # context tokens per tile
     num_warps: int
     num_stages: int
+    # fp8 cache only (kv_fp8): scores as K @ q^T (K the first tl.dot operand) instead of q @ K^T;
+    # V converted to float16 before its trip through shared memory (`swapped_pairs`).
+    transpose_scores: bool
+    early_v: bool
 
 
 def paged_decode_attention(
@@ -285,9 +316,11 @@ def paged_decode_attention(
     block_n: int = 64,  # context tokens per tile
     num_warps: int = 4,
     num_stages: int = 2,
+    transpose_scores: bool = False,  # fp8 cache: see _Launch
+    early_v: bool = True,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
     check_paged_attention(query, k_cache, v_cache, block_tables, context_lens, k_scales, v_scales)
-    launch = _Launch(num_splits, block_n, num_warps, num_stages)
+    launch = _Launch(num_splits, block_n, num_warps, num_stages, transpose_scores, early_v)
     cache = (k_cache, v_cache, k_scales, v_scales)
     return _decode(query, cache, block_tables, context_lens, scale, None, launch)
 
@@ -311,6 +344,8 @@ def rotary_decode_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    transpose_scores: bool = False,
+    early_v: bool = True,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
     """A decode step's whole attention in one launch: rotary on q and k, the store of the new k
     and v in the cache (`rotary_store_kv`), then `paged_decode_attention` — at batch 1 each of
@@ -318,7 +353,7 @@ def rotary_decode_attention(
     check_paged_attention(query, k_cache, v_cache, block_tables, context_lens, k_scales, v_scales)
     check_rotary_store(positions, query, key, value, cos_sin, k_cache, slot_mapping)
     new = _NewToken(key, value, positions, cos_sin, slot_mapping)
-    launch = _Launch(num_splits, block_n, num_warps, num_stages)
+    launch = _Launch(num_splits, block_n, num_warps, num_stages, transpose_scores, early_v)
     cache = (k_cache, v_cache, k_scales, v_scales)
     return _decode(query, cache, block_tables, context_lens, scale, new, launch)
 
@@ -399,6 +434,9 @@ def _decode(
         NUM_SPLITS=num_splits,
         ROTARY=new is not None,
         FP8=k_scales is not None,
+        F16_DOTS=query.dtype in (torch.float16, torch.bfloat16),
+        TRANSPOSE_SCORES=launch.transpose_scores,
+        EARLY_V=launch.early_v,
         DOT_PRECISION=dot_precision(query.dtype),
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,

@@ -24,8 +24,14 @@ Why:
   num_kv_heads * 2 bytes (which would pull whole 32-byte sectors for each).
 - Dequantization is folded into attention: scores = (q · codes) * k_scale per column, and the
   softmax weights are multiplied by v_scale (times 2^9, kept in fp16's normal range) before
-  p · codes. K and V tiles are only converted (e4m3 to the query's dtype, exact) for tl.dot; q
-  stays in its dtype.
+  p · codes. With 16-bit queries both dots run in float16, whatever the query dtype: e4m3 converts
+  to float16 in one instruction per pair (to bfloat16 it takes three, which bound the first
+  kernels at 42% of copy bandwidth); bfloat16 queries are rescaled by a power of two per row into
+  float16's range first (exact), undone on the scores. The weighted values must stay below
+  65504: values up to ~57000 in magnitude. fp32 queries keep fp32 dots.
+- V tiles are converted before their trip through shared memory (`swapped_pairs`): tensor cores
+  take V with the context as the reduction axis, which in float16 the operand loads transpose
+  (ldmatrix.trans) and in e4m3 they cannot (the compiler then reads the codes byte by byte).
 
 Hardware: Triton has an e4m3 type (float8e4nv) only on compute capability >= 8.9 (Ada, Hopper) and
 refuses to compile it below (A100), so the engine refuses kv_cache_dtype=fp8 with the triton
@@ -77,6 +83,30 @@ def quantize_rows(x):
     bfloat16."""
     scale, inverse = fp8_scales(row_amax(x))
     return to_fp8(x, inverse[:, None]), scale.to(tl.bfloat16)
+
+
+@triton.jit
+def f16_rows(q):
+    """q [rows, cols] (bfloat16 or float16) as float16 rows scaled by a power of two each, so
+    that the largest magnitude lands in [2^14, 2^15] (exact: float16 holds bfloat16's 8-bit
+    mantissa over that range); and the float32 [rows] factor that undoes the scaling of a dot
+    product. A row of zeros keeps factor 1."""
+    amax = row_amax(q)
+    exponent = tl.where(amax > 0, tl.math.ceil(tl.math.log2(tl.where(amax > 0, amax, 1.0))), 0.0)
+    shift = tl.math.exp2(15.0 - exponent)
+    return (q.to(tl.float32) * shift[:, None]).to(tl.float16), 1.0 / shift
+
+
+@triton.jit
+def swapped_pairs(x):
+    """x [rows, cols] with columns 2i and 2i+1 swapped. A V tile passes through this after its
+    conversion so that the conversion cannot be moved after the load from shared memory (the
+    swap is not elementwise): the tile then makes the trip as float16, which the tensor-core
+    operand loads transpose (ldmatrix.trans), instead of as e4m3 read byte by byte."""
+    rows: tl.constexpr = x.shape[0]
+    cols: tl.constexpr = x.shape[1]
+    even, odd = tl.split(tl.reshape(x, [rows, cols // 2, 2]))
+    return tl.reshape(tl.join(odd, even), [rows, cols])
 
 
 @triton.jit

@@ -22,7 +22,7 @@ from kvfleet_engine.kernels.checks import (
     next_power_of_2,
     require,
 )
-from kvfleet_engine.kernels.kv_fp8 import V_SCALE_BOOST, tile_scales
+from kvfleet_engine.kernels.kv_fp8 import V_SCALE_BOOST, f16_rows, swapped_pairs, tile_scales
 
 
 # Values that change from step to step are not specialised on (that would recompile mid-run).
@@ -57,6 +57,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     FP8: tl.constexpr,
+    F16_DOTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
@@ -96,6 +97,13 @@ def _prefill_kernel(
         block_table = block_tables_ptr + seq * stride_bt
         kv_offset = kv_head * stride_ch + dims[None, :]
 
+        if FP8:
+            if F16_DOTS:  # 16-bit queries: float16 dots (`decode_attention`)
+                q, q_factor = f16_rows(q)
+                row_scale = q_factor * scale_log2
+            else:
+                row_scale = tl.full([BLOCK_Q * GROUP_PAD], 1.0, tl.float32) * scale_log2
+
         m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], dtype=tl.float32)
@@ -130,7 +138,7 @@ def _prefill_kernel(
                     BLOCK_SIZE,
                 )
                 scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-                scores = scores * (k_scale * scale_log2)[None, :]
+                scores = scores * row_scale[:, None] * k_scale[None, :]
             else:
                 scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
             visible = valid[None, :] & (positions[None, :] <= row_positions[:, None])
@@ -141,7 +149,9 @@ def _prefill_kernel(
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if FP8:
                 weighted = (p * (v_scale * V_SCALE_BOOST)[None, :]).to(q.dtype)
-                pv = tl.dot(weighted, v.to(q.dtype), input_precision=DOT_PRECISION)
+                # V converted before its trip through shared memory (`kv_fp8.swapped_pairs`).
+                v = swapped_pairs(v.to(q.dtype))
+                pv = tl.dot(weighted, v, input_precision=DOT_PRECISION)
             else:
                 pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             acc = acc * alpha[:, None] + pv
@@ -149,6 +159,7 @@ def _prefill_kernel(
 
         if FP8:
             acc = acc * (1.0 / V_SCALE_BOOST)
+            dims = dims ^ 1  # V's columns were swapped in pairs
         out = acc / l_i[:, None]
         tl.store(
             out_ptr + token_ids[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
@@ -218,6 +229,7 @@ def prefill_attention(
         BLOCK_N=block_n,
         BLOCK_SIZE=block_size,
         FP8=k_scales is not None,
+        F16_DOTS=query.dtype in (torch.float16, torch.bfloat16),
         DOT_PRECISION=dot_precision(query.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
