@@ -154,6 +154,19 @@ def test_int4_planes_match_reference(plan, m) -> None:
 
 
 @on_cpu
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_int4_biased_codes_match_reference(split_k) -> None:
+    """16-bit x: codes enter the dot as code + 1024 (fp16; bf16: + 128, on the GPU only: the
+    interpreter's bf16 dots multiply raw bits) made from their bits; the bias comes off with the
+    group's Σx, so the product is the reference's (to the rounding of x's dtype)."""
+    weight = make_int4(40, 384, 128)
+    x = make_x(5, 384, dtype=torch.float16)
+    plan = MatmulPlan("dot", 16, 32, 128, split_k, biased_codes=True)
+    expected = layout.int4_linear_reference(x, weight)
+    assert relative_error(run_int4(x, weight, plan), expected) < 5e-3
+
+
+@on_cpu
 @pytest.mark.parametrize("m", [1, 2, 4])
 def test_int4_row_gemv_with_one_group_of_k(m) -> None:
     """Scales per output channel (one group of all K rows: scaled once, at the end), over
@@ -326,6 +339,7 @@ SWEPT_PLANS = [  # (plan, rows): what bench.quant_gemv measures besides the tabl
     pytest.param(MatmulPlan("gemv", 1, 128, 64, 8, num_stages=3), 1, id="gemv-pipelined"),
     pytest.param(MatmulPlan("gemv", 4, 128, 64, 8, num_stages=3), 4, id="gemv-4-rows"),
     pytest.param(MatmulPlan("dot", 16, 128, 128, 4, int4_planes=False), 16, id="dot-reshape"),
+    pytest.param(MatmulPlan("dot", 16, 128, 128, 4, biased_codes=True), 16, id="dot-biased"),
     pytest.param(
         MatmulPlan("dot", 128, 128, 64, int4_planes=False, scale_after_dot=False, num_warps=8),
         300,

@@ -117,9 +117,10 @@ def gemv_candidates(fmt: str, m: int) -> dict[str, PlanOf]:
     """Decode rows. One row: the 2-D GEMV's best blocks so far (BLOCK_N, BLOCK_K, warps, programs
     per SM), weight loads pipelined (s3: cp.async 2 steps ahead) or not (s1). 4 rows: int4's
     2-D GEMV with a tile per row of x, int8's 3-D GEMV, and the split-K tensor-core kernel;
-    16 rows: that kernel's tiles (int4 nibble planes at K steps of 128, or reshaped codes)."""
+    16 rows: that kernel's tiles (int4 nibble planes at K steps of 128, their codes converted
+    or biased, made from their bits; or reshaped codes)."""
     if m == 1:
-        blocks = [(256, 128, 4, 8), (128, 64, 4, 8), (64, 128, 2, 8), (128, 128, 4, 8)]
+        blocks = [(256, 128, 4, 8), (128, 64, 4, 8), (64, 128, 2, 8)]
         if fmt == "int8":  # a [BLOCK_K, BLOCK_N] register tile per row: int8 steps are shorter
             blocks = [(256, 16, 4, 8), (128, 64, 4, 4), (128, 32, 4, 8)]
         return {
@@ -131,22 +132,23 @@ def gemv_candidates(fmt: str, m: int) -> dict[str, PlanOf]:
         }  # fmt: skip
     out: dict[str, PlanOf] = {}
     if m <= ints.ROW_GEMV_MAX_ROWS:
-        gemv = [(128, 64, 4, 8, 1), (128, 64, 4, 8, 3), (128, 32, 4, 8, 3)]
+        gemv = [(128, 64, 4, 8, 1), (128, 64, 4, 8, 3), (64, 64, 2, 8, 3)]
         if fmt == "int8":  # the 3-D GEMV
             gemv = [(128, 16, 4, 4, 3)]
         for bn, bk, w, s, st in gemv:
             out[f"gemv bn{bn} bk{bk} w{w} {s}/sm s{st}"] = plan(
                 "gemv", 0, bn, bk, s, num_warps=w, num_stages=st
             )
-    dots = [(128, 128, 4, True), (256, 128, 4, True)]  # (BLOCK_N, BLOCK_K, per SM, planes)
+    # (BLOCK_N, BLOCK_K, per SM, planes, codes + bias made from their bits)
+    dots = [(128, 128, 4, True, False), (256, 128, 4, True, False), (128, 128, 4, True, True)]
     if m > ints.ROW_GEMV_MAX_ROWS:
-        dots += [(128, 128, 4, False), (256, 128, 2, True)]
+        dots += [(128, 128, 4, False, False), (256, 128, 4, True, True)]
     if fmt == "int8":  # int8 codes load as they are (no planes)
-        dots = [(128, 64, 4, False), (128, 128, 4, False)]
-        dots += [(64, 128, 4, False)] if m > ints.ROW_GEMV_MAX_ROWS else []
-    for bn, bk, s, planes in dots:
-        name = f"dot bn{bn} bk{bk}{' planes' if planes and fmt == 'int4' else ''} {s}/sm"
-        out[name] = plan("dot", 16, bn, bk, s, int4_planes=planes)
+        dots = [(128, 64, 4, False, False), (128, 128, 4, False, False)]
+    for bn, bk, s, planes, biased in dots:
+        name = f"dot bn{bn} bk{bk}{' planes' if planes and fmt == 'int4' else ''}"
+        name += f"{' biased' if biased else ''} {s}/sm"
+        out[name] = plan("dot", 16, bn, bk, s, int4_planes=planes, biased_codes=biased)
     return out
 
 
@@ -168,11 +170,9 @@ def prompt_candidates(m: int) -> dict[str, PlanOf]:
 
 
 def fp8_candidates(m: int) -> dict[str, Product]:
-    """The weight-only GEMV's dot form (BLOCK_N, BLOCK_K, warps, programs per SM), its FMA form
-    at one row, and at 16 rows the best W8A8 Triton tile."""
+    """The weight-only GEMV's dot form (BLOCK_N, BLOCK_K, warps, programs per SM; its FMA form
+    measured 112 us per 8B layer at one row), and at 16 rows the best W8A8 Triton tile."""
     out: dict[str, Product] = {}
-    if m == 1:
-        out["gemv bn64 bk128 w4 4/sm"] = fp8_gemv_product(m, 64, 128, 4, 4, False)
     dots = [(64, 128, 4, 4), (32, 128, 4, 4)]
     dots += [(64, 256, 4, 4)] if m != 4 else []
     for bn, bk, w, s in dots:

@@ -3,15 +3,18 @@ W = code * scale + offset per group of `group_size` rows (the layouts of `quant.
 
 int4 is the general case (packed unsigned codes with scales and offsets); int8 runs the same
 kernels with 8-bit signed codes and no offsets (`int8_matmul`). Kernels by shape class:
-- GEMV (decode, one row of x): FMAs on the CUDA cores, bound by instruction issue rather than
-  bytes, so each weight costs one LOP3 (its code masked in place into the mantissa of 2^23),
-  one FADD (minus 2^23) and one FFMA. Each program owns BLOCK_N columns and one of SPLIT_K
-  slices of K; the group's x·code products accumulate unscaled in a [rows, columns] register
-  tile, scales multiply that tile once per group, offsets multiply the group's Σx, and a single
-  reduction over rows ends the program. A 3-D form takes a few rows of x.
+- GEMV (decode, one row of x): FMAs on the CUDA cores, bound by instruction issue and load
+  latency rather than bytes, so each weight costs one LOP3 (its code masked in place into the
+  mantissa of 2^23), one FADD (minus 2^23) and one FFMA per row of x, and weight loads may be
+  software-pipelined (cp.async a few steps ahead). Each program owns BLOCK_N columns and one of
+  SPLIT_K slices of K; the group's x·code products accumulate unscaled in a [rows, columns]
+  register tile per row of x (int4: up to 4 rows share the unpacked codes), scales multiply
+  that tile once per group, offsets multiply the group's Σx, and a single reduction over rows
+  ends the program. A 3-D form takes other row counts.
 - dot (decode batches and prompts): tiles of codes into tl.dot on the tensor cores, int4 codes
   as 8 planes of one nibble each (x gathered to match, no reshape) or reshaped; scales on the
-  group's fp32 product or on the weights before the dot.
+  group's fp32 product or on the weights before the dot; with 16-bit x, plane codes may enter
+  as code + bias built from their bits alone (no float ops), the bias taken out with Σx.
 - dequantize + cuBLAS (long prompts): the weight is expanded once into x's dtype; at thousands of
   rows the product is compute-bound and the expansion is a few percent of it.
 Split-K partials are summed by the last program of each output tile (a counter, deterministic
@@ -42,6 +45,8 @@ KERNELS = ("gemv", "dot", "dequantize")
 SPLIT_REDUCE = ("last", "kernel")  # who sums split-K partials: the last program, or a kernel
 MAGIC: tl.constexpr = tl.constexpr(0x4B000000)  # 2^23: OR-ing c < 2^23 in gives 2^23 + c
 COUNTERS = 1 << 16  # split-K counters per device (one per output tile)
+# x dtype -> (bias, its bits): code | bits is code + bias exactly (the ulp at the bias is 1)
+CODE_BIAS = {torch.bfloat16: (128.0, 0x4300), torch.float16: (1024.0, 0x6400)}
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,7 @@ class MatmulPlan:
     split_reduce: str = "last"  # one of SPLIT_REDUCE
     int4_planes: bool = True  # dot: int4 as 8 nibble planes (else unpacked by a reshape)
     scale_after_dot: bool = True  # dot: scales on the group's product (else on the weights)
+    biased_codes: bool = False  # dot, int4 planes, scales after the dot, 16-bit x: codes + bias
     num_warps: int = 4
     num_stages: int = 3
 
@@ -463,14 +469,19 @@ def _gemv_kernel(
 # ---- dot (tensor cores) ------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["steps_per_split", "split_k"])
+@triton.jit(do_not_specialize=["steps_per_split", "split_k", "code_bits"])
 def _dot_kernel(
     x_ptr, qweight_ptr, scales_ptr, offsets_ptr, out_ptr, partial_ptr, counter_ptr,
-    M, N, K, stride_xm, group_size, steps_per_split, split_k,
+    M, N, K, stride_xm, group_size, steps_per_split, split_k, code_bits,
     CODES: tl.constexpr, HAS_OFFSETS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PLANES: tl.constexpr,
-    SCALE_AFTER_DOT: tl.constexpr, LAST_REDUCES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SCALE_AFTER_DOT: tl.constexpr, CODE_BIAS: tl.constexpr, LAST_REDUCES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
+    """CODE_BIAS (int4 planes, scales after the dot, 16-bit x; else 0): each code enters the dot
+    as code + CODE_BIAS in x's dtype, made from its bits alone (code | code_bits, the bits of
+    CODE_BIAS: 0x4300 = 128 in bfloat16, 0x6400 = 1024 in float16; exact, one LOP3 after the
+    shift and no float ops), and the group's CODE_BIAS · Σx comes off with the offsets."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m, num_pid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -507,11 +518,15 @@ def _dot_kernel(
             )
             for j in tl.static_range(8):
                 x_j = tl.load(x_rows + k0 + 8 * offs_r[None, :] + j, mask=m_mask[:, None])
-                codes = _shifted_plane(packed, j)
-                if SCALE_AFTER_DOT:
+                if CODE_BIAS != 0:
+                    bits = ((packed >> (4 * j)) & 0xF) | code_bits
+                    codes16 = bits.to(tl.int16).to(dtype, bitcast=True)  # code + CODE_BIAS
+                    part = tl.dot(x_j, codes16, part, input_precision=DOT_PRECISION)
+                elif SCALE_AFTER_DOT:
+                    codes = _shifted_plane(packed, j)
                     part = tl.dot(x_j, codes.to(dtype), part, input_precision=DOT_PRECISION)
                 else:
-                    weight = codes * scale[None, :]
+                    weight = _shifted_plane(packed, j) * scale[None, :]
                     if HAS_OFFSETS:
                         weight += offset[None, :]
                     acc = tl.dot(x_j, weight.to(dtype), acc, input_precision=DOT_PRECISION)
@@ -532,6 +547,8 @@ def _dot_kernel(
                 acc += part * scale[None, :]
                 if HAS_OFFSETS:
                     acc += x_sum[:, None] * offset[None, :]
+                if CODE_BIAS != 0:
+                    acc -= x_sum[:, None] * (CODE_BIAS * scale)[None, :]
                 part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 x_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     tile = pid_m * num_pid_n + pid_n
@@ -662,9 +679,12 @@ def launch(
             num_warps=plan.num_warps, num_stages=plan.num_stages, **common,
         )  # fmt: skip
     else:
+        planes = plan.int4_planes and codes == "int4"
+        biased = plan.biased_codes and planes and plan.scale_after_dot and x.dtype in CODE_BIAS
+        bias, bias_bits = CODE_BIAS[x.dtype] if biased else (0.0, 0)
         _dot_kernel[(m_blocks * n_blocks, split_k)](
-            *args, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, GROUP_M=8,
-            PLANES=plan.int4_planes and codes == "int4", SCALE_AFTER_DOT=plan.scale_after_dot,
+            *args, bias_bits, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, GROUP_M=8,
+            PLANES=planes, SCALE_AFTER_DOT=plan.scale_after_dot, CODE_BIAS=bias,
             LAST_REDUCES=last_reduces, DOT_PRECISION=dot_precision(x.dtype),
             num_warps=plan.num_warps, num_stages=plan.num_stages, **common,
         )  # fmt: skip
