@@ -253,11 +253,6 @@ def assert_row_quantization(x: torch.Tensor, x_q: torch.Tensor, scale: torch.Ten
     assert torch.equal(x_q.view(torch.uint8), expected_q.view(torch.uint8))
 
 
-def fp8_weight_only_reference(x: torch.Tensor, weight: layout.Fp8Weight) -> torch.Tensor:
-    """x (not quantized) @ the dequantized weightᵀ, in float32."""
-    return x.float() @ (weight.weight.float() * weight.scale[:, None]).t()
-
-
 @on_cpu
 @pytest.mark.parametrize("m", [fp8.GEMV_MAX_ROWS + 1, 40])  # W8A8: rows above the GEMV's
 def test_triton_fp8_gemm_matches_reference(m) -> None:
@@ -286,7 +281,7 @@ def test_fp8_weight_only_gemv_matches_reference(blocks, m) -> None:
     x = make_x(m, 200, dtype=torch.float16)
     out = fp8.fp8_gemv(x, weight.weight, weight.scale, torch.float16, blocks)
     assert out.shape == (m, 80) and out.dtype == torch.float16
-    assert relative_error(out, fp8_weight_only_reference(x, weight)) < 1e-3
+    assert relative_error(out, layout.fp8_weight_only_reference(x.float(), weight)) < 1e-3
     if blocks is None:  # what fp8_matmul runs at decode sizes (its checks, then this)
         assert torch.equal(fp8.fp8_matmul(x, weight.weight, weight.scale, torch.float16), out)
 
@@ -406,7 +401,7 @@ def test_gpu_fp8_matmul_llama_products(n, k, m, out_dtype) -> None:
     out = fp8.fp8_matmul(x, weight.weight, weight.scale, out_dtype)
     assert out.shape == (m, n) and out.dtype == out_dtype
     if m <= fp8.GEMV_MAX_ROWS:
-        assert relative_error(out, fp8_weight_only_reference(x, weight)) < 5e-3
+        assert relative_error(out, layout.fp8_weight_only_reference(x.float(), weight)) < 5e-3
     else:
         assert relative_error(out, layout.fp8_linear_reference(x, weight)) < 1e-2
 
