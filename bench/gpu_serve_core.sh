@@ -5,6 +5,10 @@
 # processes, the method of the vLLM comparison) and with `kvfleet bench serve --client-processes
 # 8`, drains it with SIGTERM, then measures the offline figures for the same requests
 # (bench/offline_serve_requests.py). JSON lines and logs go to $OUT; a table at the end.
+# Around the c1, c256 and c1024 serve_client.py loads it reads GET /debug/profile
+# (python -m kvfleet_engine.bench.profile_split): per process, how busy its loop thread was
+# (near 1.0: that process limits the server) and on what (named phases, GC pauses), and c1's
+# first-token hops; printed after the table, JSON in $OUT/profile-*.json.
 #   WHEELS=.whl/server bash bench/gpu_serve_core.sh   # WHEELS: fastapi, starlette, uvicorn,
 #                                                     # pydantic(-core), msgspec wheels
 # Loads (512-token prompts): c1 8 x 512->128, c64 256 x 512->256, c256 512 x 512->256,
@@ -21,6 +25,11 @@ if [ -n "${WHEELS:-}" ]; then
   export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 python3 -c "import msgspec, fastapi, uvicorn" || { echo "missing wheels (WHEELS=...)"; exit 1; }
+# uvicorn's "auto" picks httptools and uvloop when they import (h11 and asyncio's loop if not).
+python3 -c "
+import importlib.util as u
+print('uvicorn http:', 'httptools' if u.find_spec('httptools') else 'h11 (no httptools wheel)',
+      '| loop:', 'uvloop' if u.find_spec('uvloop') else 'asyncio (no uvloop wheel)')"
 SCRATCH=$(python3 -c "import shutil; print('/dev/shm' if shutil.disk_usage('/dev/shm').free > 20e9 else '/tmp')")
 CKPT=$SCRATCH/kvfleet-8b-random
 echo "=== checkpoint ($(date +%T))"
@@ -42,6 +51,13 @@ URL=http://127.0.0.1:$PORT
 client() {  # CONCURRENCY NUM IN OUT [SHARED]
   timeout 150 python3 bench/serve_client.py "$URL" m kvfleet "$@" | tee -a "$OUT/serve_client.jsonl"
 }
+profiled() {  # NAME, then client's arguments: the load with the server's profile around it
+  local name=$1; shift
+  python3 -m kvfleet_engine.bench.profile_split --url "$URL" --label "$name" \
+    --output "$OUT/profile-$name.json" -- \
+    timeout 150 python3 bench/serve_client.py "$URL" m kvfleet "$@" >"$OUT/profile-$name.txt"
+  grep '^{' "$OUT/profile-$name.txt" | tee -a "$OUT/serve_client.jsonl"
+}
 bench() {  # NAME, then bench serve flags
   local name=$1; shift
   timeout 150 python3 -m kvfleet_cli.main bench serve --url "$URL" --model m --no-progress \
@@ -50,10 +66,10 @@ bench() {  # NAME, then bench serve flags
 }
 echo "=== serve_client.py loads ($(date +%T))"
 client 1 4 512 32 >/dev/null  # warm-up
-client 1 8 512 128
+profiled c1 1 8 512 128
 client 64 256 512 256
-client 256 512 512 256
-client 1024 2048 512 256
+profiled c256 256 512 512 256
+profiled c1024 1024 2048 512 256
 client 64 256 2048 128 1536
 echo "=== kvfleet bench serve loads ($(date +%T))"
 bench c1 --concurrency 1 --num-prompts 8 --random-input-len 512 --random-output-len 128
@@ -89,4 +105,6 @@ for path in sorted(out.glob("bench-*.json")):
           f"{res['output_token_throughput']:.0f} tok/s  TTFT p50 {res['ttft_ms']['p50']:.1f}  "
           f"TPOT p50 {res['tpot_ms']['p50']:.2f} ms")
 PY
+echo "=== where the time went: GET /debug/profile around the load"
+for name in c1 c256 c1024; do grep -v '^{' "$OUT/profile-$name.txt"; done
 echo "=== done ($(date +%T))"

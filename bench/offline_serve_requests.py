@@ -1,14 +1,20 @@
 """The offline figures for the requests bench/gpu_serve_core.sh serves: the same token ids
 (bench/serve_client.py's prompts: random.Random(7), ids in [1000, 120000)) through LLM.generate,
-with the server's defaults (256 sequences, 8192 tokens per step).
+with the server's defaults (256 sequences, 8192 tokens per step), and the process set up as the
+engine core sets up its own (start-up objects frozen out of GC), so the figures compare like for
+like with the served ones. Each figure's step phases (the engine core's profile: schedule,
+launch, collect, update; GC pauses) come with it, under the same names as the served core's
+in `GET /debug/profile`.
 Usage: python bench/offline_serve_requests.py CKPT OUT.json; prints one JSON line per figure."""
 
+import gc
 import json
 import random
 import sys
 import time
 
 from kvfleet_engine import LLM, SamplingParams
+from kvfleet_engine.core.profile import interval
 
 
 def prompts(num: int, input_len: int, shared: int = 0) -> list[list[int]]:
@@ -37,6 +43,23 @@ def main() -> None:
         "system": "kvfleet-offline",
         "startup_s": round(time.perf_counter() - t0, 1),
     }
+    gc.collect()
+    gc.freeze()  # as the engine core does once its model is loaded
+    profile = llm.engine.profile
+    profile.track_gc()
+
+    def phases(before, name: str) -> None:  # type: ignore[no-untyped-def]
+        """The step phases since `before`: ms per step for each, and GC pauses."""
+        split = interval(before, profile.snapshot())
+        res[f"{name}_phases_ms"] = {
+            k: round(v["s"] / max(v["count"], 1) * 1e3, 3)
+            for k, v in split["phases"].items()
+            if v["count"]
+        }
+        res[f"{name}_phase_counts"] = {
+            k: v["count"] for k, v in split["phases"].items() if v["count"]
+        }
+        res[f"{name}_gc"] = {"collections": split["gc_collections"], "pause_s": split["gc_pause_s"]}
 
     def gen(token_lists: list[list[int]], max_tokens: int) -> tuple[float, int]:
         llm.engine.kv_cache.reset_prefix_cache()  # every run computes its prompts
@@ -50,7 +73,9 @@ def main() -> None:
 
     one = prompts(8, 512)
     gen(one[:1], 16)  # warm-up
+    mark = profile.snapshot()
     first, _ = min(gen([p], 1) for p in one[1:4])
+    phases(mark, "bs1_ttft")  # three prefills of 512 tokens: launch vs collect per step
     whole, _ = min(gen([p], 128) for p in one[4:7])
     res["bs1_ttft_ms"] = round(first * 1e3, 1)  # one 512-token prompt step plus one sample
     res["bs1_tpot_ms"] = round((whole - first) / 127 * 1e3, 2)
@@ -61,8 +86,10 @@ def main() -> None:
     res["bs64_tpot_ms"] = round((whole64 - first64) / 255 * 1e3, 2)
     report()
     c256 = prompts(512, 512)  # the c256 load's 512 requests
+    mark = profile.snapshot()
     seconds, tokens = gen(c256, 256)
     res["c256_requests_out_tok_s"] = round(tokens / seconds)
+    phases(mark, "c256")
     report()
     shared = prompts(256, 2048, 1536)
     seconds, tokens = gen(shared, 128)

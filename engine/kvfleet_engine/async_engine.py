@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvfleet_engine.client.output_processor import OutputProcessor
+from kvfleet_engine.core.profile import PhaseProfile
 from kvfleet_engine.core.records import AbortRequests, AddRequest, CoreFailed, FromCore, StepOutputs
 from kvfleet_engine.core.validation import validate_request
 from kvfleet_engine.metrics import EngineMetrics, FinishedRequestStats, IterationStats
@@ -25,10 +26,17 @@ from kvfleet_engine.metrics import EngineMetrics, FinishedRequestStats, Iteratio
 if TYPE_CHECKING:
     from kvfleet_engine.client.core_client import CoreClient
     from kvfleet_engine.core.capacity import CapacityReport
+    from kvfleet_engine.core.profile import ProcessProfile
     from kvfleet_engine.outputs import RequestOutput, SchedulerStats
     from kvfleet_engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+# The API process's phases (`core.profile`): parse (ASGI call -> route handler), request
+# (handler -> AddRequest sent: tokenize, checks, admission), records (read and decode the
+# core's records), outputs (new tokens -> outputs: detokenize, stop strings), dispatch
+# (metrics, stream queues), chunks (format SSE chunks), write (hand chunks to the transport).
+API_PHASES = ("parse", "request", "records", "outputs", "dispatch", "chunks", "write")
 
 
 class EngineDeadError(RuntimeError):
@@ -52,9 +60,13 @@ class _Timing:
 class RequestStream:
     """Outputs of one engine request, as an async iterator; `close()` aborts it if unfinished."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+    def __init__(
+        self, engine: AsyncEngine, request_id: str, stamps: dict[str, float] | None = None
+    ) -> None:
         self.request_id = request_id
         self.finished = False
+        # The way to the first token (`core.profile.FIRST_TOKEN_HOPS`), stamped as it goes.
+        self.stamps = stamps
         self._engine = engine
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
@@ -107,6 +119,7 @@ class AsyncEngine:
         # Called once with the error when the core dies (the server exits non-zero).
         self.on_core_died: Callable[[BaseException], None] | None = None
         self.processor = OutputProcessor(tokenizer)
+        self.profile = PhaseProfile("api", API_PHASES)
         self._streams: dict[str, RequestStream] = {}
         self._timings: dict[str, _Timing] = {}
         self._counters = _Counters()
@@ -122,7 +135,9 @@ class AsyncEngine:
         if self._started:
             return
         self._started = True
-        self.client.attach(asyncio.get_running_loop(), self._on_record, self._on_core_exit)
+        self.client.attach(
+            asyncio.get_running_loop(), self._on_record, self._on_core_exit, self.profile
+        )
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the core; pending requests are failed."""
@@ -143,9 +158,12 @@ class AsyncEngine:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        stamps: dict[str, float] | None = None,
     ) -> RequestStream:
         """Send a request to the core; its outputs arrive on the returned stream.
 
+        stamps: the caller's first-token stamps so far ("received", "handled"); the stream
+        carries them on, adding the engine's and the core's.
         Raises ValueError naming the problem when the engine cannot run the request.
         """
         if self.error is not None:
@@ -155,13 +173,15 @@ class AsyncEngine:
         prompt = list(prompt_token_ids)
         validate_request(self.model_config, prompt, params)
         arrival = time.time() if arrival_time is None else arrival_time
-        stream = RequestStream(self, request_id)
+        stream = RequestStream(self, request_id, stamps)
         self._streams[request_id] = stream
         self._timings[request_id] = _Timing(len(prompt), arrival)
         self._counters.queued[request_id] = len(prompt)
         self._counters.queued_tokens += len(prompt)
         self.processor.add_request(request_id, prompt, params, arrival)
         fields = {name: getattr(params, name) for name in params.__dataclass_fields__}
+        if stamps is not None:
+            stamps["sent"] = time.time()  # before the send: the pipe is the next hop's
         self.client.send(AddRequest(request_id, prompt, fields, priority, arrival))
         return stream
 
@@ -205,6 +225,11 @@ class AsyncEngine:
     async def stats(self) -> SchedulerStats:
         stats: SchedulerStats = await self._call("stats")
         return stats
+
+    async def core_profile(self) -> ProcessProfile:
+        """The engine core's phase profile so far."""
+        profile: ProcessProfile = await self._call("profile")
+        return profile
 
     async def _call(self, name: str, **args: Any) -> Any:
         if self.error is not None:
@@ -253,6 +278,8 @@ class AsyncEngine:
             self.on_core_died(error)
 
     def _dispatch(self, step: StepOutputs) -> None:
+        clock = time.perf_counter
+        began = clock()
         stats = step.stats
         self._num_running = stats.num_running
         for request_id, reason in step.rejected.items():
@@ -262,7 +289,11 @@ class AsyncEngine:
             self.processor.remove(request_id)
             self._forget(request_id)
         iteration = IterationStats()
+        processing = clock()
         outputs, stopped = self.processor.process(step)
+        processed = clock()
+        if step.started:
+            self._stamp_first_tokens(step)
         if stopped:  # ended by a stop string here: the core still runs them
             self.client.send(AbortRequests(stopped))
         for out in outputs:
@@ -277,6 +308,22 @@ class AsyncEngine:
             self.metrics.observe_scheduler(stats)
             if iteration.ttfts_s or iteration.inter_token_latencies_s or iteration.finished:
                 self.metrics.observe_iteration(iteration)
+        profile = self.profile
+        profile.add("outputs", processed - processing, len(outputs))
+        profile.add("dispatch", (processing - began) + (clock() - processed))
+
+    def _stamp_first_tokens(self, step: StepOutputs) -> None:
+        dispatched = time.time()
+        for request_id, started in step.started.items():
+            stream = self._streams.get(request_id)
+            if stream is None or stream.stamps is None:
+                continue
+            stream.stamps.update(
+                added=started.added_time,
+                scheduled=started.first_scheduled_time,
+                token=step.timestamp,
+                dispatched=dispatched,
+            )
 
     def _account(self, out: RequestOutput, iteration: IterationStats) -> None:
         timing = self._timings.get(out.request_id)

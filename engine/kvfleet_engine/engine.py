@@ -101,6 +101,7 @@ class LLMEngine(EngineCore):
         finished = request.is_finished
         if finished:
             del self.detokenizers[request.request_id]
+            self._added_time.pop(request.request_id, None)  # step_outputs() is not used here
         wants_logprobs = request.params.logprobs is not None
         completion = CompletionOutput(
             index=0,

@@ -133,6 +133,22 @@ def test_abort_while_the_next_step_is_in_flight(make_llm: Callable[..., Any]) ->
     assert engine.stats().num_blocks_free == 64
 
 
+def test_a_request_after_an_abort_emptied_the_engine_gets_its_token_in_one_step(
+    make_llm: Callable[..., Any],
+) -> None:
+    engine: LLMEngine = make_llm("llama3", kv_cache_blocks=64).engine
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    first, second = random_prompts([5, 9], seed=25)
+    engine.add_request("gone", first, params)
+    engine.step()
+    assert engine.in_flight is not None
+    engine.abort_request("gone")  # the only request: its step in flight is dropped with it
+    assert engine.in_flight is None
+    assert engine.stats().num_blocks_free == 64
+    engine.add_request("next", second, params)
+    assert [o.request_id for o in engine.step()] == ["next"]
+
+
 # ---- the scheduler alone ------------------------------------------------------------------
 
 

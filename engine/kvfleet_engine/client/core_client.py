@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -23,6 +24,7 @@ import msgspec
 
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.core.process import run_engine_core
+from kvfleet_engine.core.profile import PhaseProfile
 from kvfleet_engine.core.records import (
     CALLS,
     PROTOCOL_VERSION,
@@ -110,19 +112,23 @@ class CoreClient:
         loop: asyncio.AbstractEventLoop,
         on_record: Callable[[FromCore], None],
         on_exit: Callable[[int | None], None],
+        profile: PhaseProfile,
     ) -> None:
         """Deliver every record from the core to `on_record` on `loop`; `on_exit(exit code)`
-        once the core has gone. Call on the loop."""
+        once the core has gone; the reads and decodes count as `profile`'s "records". Call on
+        the loop."""
         if self._loop is not None:
             return
         assert self._conn is not None, "start() first"
         self._loop = loop
-        conn, decode = self._conn, from_core_decoder().decode
+        conn, decode, clock = self._conn, from_core_decoder().decode, time.perf_counter
 
         def on_readable() -> None:
             try:
                 while True:  # every record that is in the pipe now
+                    began = clock()
                     record = decode(conn.recv_bytes())
+                    profile.add("records", clock() - began)
                     if isinstance(record, CallResult):
                         self._resolve(record)
                     else:

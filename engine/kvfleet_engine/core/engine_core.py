@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterable
 
 from kvfleet_engine.config import EngineConfig, ModelConfig
+from kvfleet_engine.core.profile import PhaseProfile
 from kvfleet_engine.core.records import Finished, Started, StepOutputs
 from kvfleet_engine.core.validation import validate_request
 from kvfleet_engine.kv_cache import KVCacheManager
@@ -23,6 +24,11 @@ from kvfleet_engine.sampling import SamplingParams
 from kvfleet_engine.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
+
+# The step's phases the core's profile times (`core.process` adds its loop's: idle, commands,
+# send): schedule, launch (build inputs, queue the forward pass), collect (wait for the device,
+# samples to Python), update (append tokens, finish requests), output (the step's record).
+STEP_PHASES = ("schedule", "launch", "collect", "update", "output")
 
 
 class EngineCore:
@@ -38,6 +44,9 @@ class EngineCore:
         self.in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         # request id -> output tokens already reported by step_outputs().
         self._num_reported: dict[str, int] = {}
+        # request id -> when add_request ran (time.time()), until its first token is reported.
+        self._added_time: dict[str, float] = {}
+        self.profile = PhaseProfile("core", (*STEP_PHASES, "idle", "commands", "send"))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:
@@ -66,6 +75,7 @@ class EngineCore:
             arrival_time=time.time() if arrival_time is None else arrival_time,
         )
         self.scheduler.add(request)
+        self._added_time[request_id] = time.time()
         return request
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
@@ -74,6 +84,11 @@ class EngineCore:
         self.scheduler.finish(ids, RequestStatus.FINISHED_ABORTED)
         for request_id in ids:
             self._num_reported.pop(request_id, None)
+            self._added_time.pop(request_id, None)
+        if self.in_flight is not None and not self.scheduler.has_unfinished_requests():
+            # Every request of the step in flight has gone: drop its tokens now, or the next
+            # request's first step would collect them and report nothing (an extra round).
+            self._collect_in_flight()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -101,6 +116,7 @@ class EngineCore:
     def step_outputs(self) -> StepOutputs:
         """One step, as the record the API process receives: each request's new tokens."""
         progressed = self.advance()
+        began = time.perf_counter()
         request_ids: list[str] = []
         new_token_ids: list[list[int]] = []
         new_logprobs: dict[str, list[dict[int, float]]] = {}
@@ -120,7 +136,9 @@ class EngineCore:
             if num_before == 0:
                 metrics = request.metrics
                 started[request_id] = Started(
-                    max(request.num_cached_tokens, 0), metrics.first_scheduled_time or now
+                    max(request.num_cached_tokens, 0),
+                    metrics.first_scheduled_time or now,
+                    self._added_time.pop(request_id, now),
                 )
             if request.is_finished:
                 reported.pop(request_id, None)
@@ -132,7 +150,7 @@ class EngineCore:
             else:
                 reported[request_id] = request.num_output_tokens
         timestamp = progressed[0].metrics.last_token_time if progressed else None
-        return StepOutputs(
+        outputs = StepOutputs(
             request_ids=request_ids,
             new_token_ids=new_token_ids,
             timestamp=timestamp or now,
@@ -141,18 +159,35 @@ class EngineCore:
             started=started,
             finished=finished,
         )
+        self.profile.add("output", time.perf_counter() - began)
+        return outputs
 
     def _launch_next(self) -> tuple[SchedulerOutput, LaunchedStep] | None:
+        clock = time.perf_counter
+        began = clock()
         scheduled = self.scheduler.schedule()
+        scheduled_at = clock()
         launched = self.model_runner.launch(scheduled)
-        return (scheduled, launched) if scheduled.requests else None
+        profile = self.profile
+        profile.add("schedule", scheduled_at - began)
+        if not scheduled.requests:
+            return None
+        profile.add("launch", clock() - scheduled_at)
+        return scheduled, launched
 
     def _collect_in_flight(self) -> list[Request]:
         if self.in_flight is None:
             return []
         scheduled, launched = self.in_flight
         self.in_flight = None
-        return self.scheduler.update(scheduled, self.model_runner.collect(launched))
+        clock = time.perf_counter
+        began = clock()
+        result = self.model_runner.collect(launched)
+        collected_at = clock()
+        progressed = self.scheduler.update(scheduled, result)
+        self.profile.add("collect", collected_at - began)
+        self.profile.add("update", clock() - collected_at)
+        return progressed
 
     def _needs_host_tokens(self) -> bool:
         """A running request's next step needs its latest token on the host (penalties count

@@ -82,6 +82,7 @@ def run_engine_core(config: EngineConfig, conn: Connection, log_level: str = "IN
     conn.send_bytes(encode(ready))
     gc.collect()
     gc.freeze()  # the model's objects live to the end: keep them out of every collection
+    core.profile.track_gc()
     loop = CoreLoop(core, conn)
     try:
         loop.run()
@@ -109,22 +110,30 @@ class CoreLoop:
             "measure_capacity": self._measure_capacity,
             "set_token_budget": self._set_token_budget,
             "stats": core.stats,
+            "profile": core.profile.snapshot,
         }
         assert set(self._calls) == set(CALLS)
 
     def run(self) -> None:
         reader = threading.Thread(target=self._read, name="kvfleet-core-input", daemon=True)
         reader.start()
-        core = self.core
+        core, profile, clock = self.core, self.core.profile, time.perf_counter
         while True:
-            commands = [] if core.has_unfinished_requests() else [self.commands.get()]
-            commands += self._queued()
+            began = clock()
+            if core.has_unfinished_requests():
+                commands = self._queued()
+            else:  # idle: block until a command comes (no polling, no timeout)
+                commands = [self.commands.get(), *self._queued()]
+                profile.add("idle", clock() - began)
+                began = clock()
             aborted = False
             for command in commands:
                 if command is None or isinstance(command, Shutdown):
                     log.info("engine core shutting down")
                     return
                 aborted |= self._apply(command)
+            if commands:
+                profile.add("commands", clock() - began, len(commands))
             if core.has_unfinished_requests():
                 self._send(core.step_outputs())
             elif aborted:  # an abort emptied the engine: no step reports the freed blocks
@@ -188,7 +197,9 @@ class CoreLoop:
         self.core.scheduler.set_token_budget(num_tokens)
 
     def _send(self, record: msgspec.Struct) -> None:
+        began = time.perf_counter()
         self.conn.send_bytes(self.encode(record))
+        self.core.profile.add("send", time.perf_counter() - began)
 
     def _read(self) -> None:
         """Input thread: receive and decode commands (the recv releases the GIL, so this

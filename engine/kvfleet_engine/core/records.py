@@ -27,9 +27,10 @@ from typing import Any
 import msgspec
 
 from kvfleet_engine.core.capacity import CapacityReport
+from kvfleet_engine.core.profile import ProcessProfile
 from kvfleet_engine.outputs import SchedulerStats
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class _Record(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
@@ -104,6 +105,8 @@ class Started(msgspec.Struct, array_like=True, gc=False):
     num_cached_tokens: int
     # When the scheduler first gave it tokens to compute (time.time()).
     first_scheduled_time: float
+    # When the core queued it (applied its AddRequest; time.time()).
+    added_time: float
 
 
 class Finished(msgspec.Struct, array_like=True, gc=False):
@@ -151,6 +154,7 @@ FromCore = CoreReady | CoreFailed | StepOutputs | CallResult
 # Named calls the core answers -> the type of their result (None: they return nothing).
 CALLS: dict[str, type | None] = {
     "measure_capacity": CapacityReport,
+    "profile": ProcessProfile,
     "set_token_budget": None,
     "stats": SchedulerStats,
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
@@ -12,6 +13,7 @@ from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvfleet_engine.server.errors import APIError, error_body, param_from_location
 from kvfleet_engine.server.protocol import (
@@ -23,7 +25,7 @@ from kvfleet_engine.server.protocol import (
     ModelCard,
     ModelList,
 )
-from kvfleet_engine.server.serving import OpenAIServing
+from kvfleet_engine.server.serving import RECEIVED_KEY, OpenAIServing
 from kvfleet_engine.server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,7 @@ def build_app(state: ServerState) -> FastAPI:
             engine.shutdown()
 
     app = FastAPI(title="kvfleet engine", version=state.metrics.info.version, lifespan=lifespan)
+    app.add_middleware(StampReceived)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -109,6 +112,17 @@ def build_app(state: ServerState) -> FastAPI:
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
+    @app.get(
+        "/debug/profile",
+        summary="Where each serving process's time went so far (phases, CPU, GC, first tokens)",
+    )
+    async def profile() -> JSONResponse:
+        try:
+            core = await engine.core_profile()
+        except Exception as exc:  # the core died: the API process's side still helps
+            return JSONResponse({"api": _plain(engine.profile.snapshot()), "core_error": str(exc)})
+        return JSONResponse({"api": _plain(engine.profile.snapshot()), "core": _plain(core)})
+
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
         card = ModelCard(
@@ -139,6 +153,25 @@ def build_app(state: ServerState) -> FastAPI:
         return await serving.chat(body, request, x_priority)
 
     return app
+
+
+class StampReceived:
+    """Stamps each HTTP request's scope with when its ASGI call began (the first-token trace's
+    "received"); nothing else, so it costs a clock read per request."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[RECEIVED_KEY] = time.time()
+        await self.app(scope, receive, send)
+
+
+def _plain(record: object) -> Any:
+    import msgspec
+
+    return msgspec.to_builtins(record)
 
 
 async def _warm_up(state: ServerState) -> None:

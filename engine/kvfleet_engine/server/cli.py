@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -149,8 +150,12 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         ),
         drain_timeout_s=args.drain_timeout,
     )
-    state = ServerState(settings, AsyncEngine(client, tokenizer, metrics), metrics)
+    engine = AsyncEngine(client, tokenizer, metrics)
+    state = ServerState(settings, engine, metrics)
     app = build_app(state)
+    gc.collect()
+    gc.freeze()  # start-up objects (tokenizer, app, imports) stay out of every collection
+    engine.profile.track_gc()
     server = DrainingServer(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level), state
     )
