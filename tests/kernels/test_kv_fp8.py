@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import itertools
 
 import numpy as np
 import pytest
@@ -426,6 +427,98 @@ def test_rotary_decode_attention_equals_rotary_store_then_decode(
     torch.testing.assert_close(got_k, want_k, rtol=2**-3, atol=1e-2)
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))
     assert relative_error(out, want_out.double().cpu()) < tol
+
+
+def _graph_shaped(case: PagedCase, rows: int, width: int) -> tuple[torch.Tensor, ...]:
+    """The case's query, block tables and context lengths as a captured decode graph sees them:
+    padded to `rows` (context 0, zero query) and to `width` table entries, the columns past the
+    batch's own width holding stale block ids (the graph's buffer keeps earlier steps' rows)."""
+    num_seqs, own_width = case.block_tables.shape
+    query = torch.zeros(
+        (rows, *case.query.shape[1:]), dtype=case.query.dtype, device=case.query.device
+    )
+    query[:num_seqs] = case.query
+    tables = torch.full((rows, width), 1, dtype=torch.int32, device=case.block_tables.device)
+    tables[:num_seqs, :own_width] = case.block_tables
+    context_lens = torch.zeros(rows, dtype=torch.int32, device=case.context_lens.device)
+    context_lens[:num_seqs] = case.context_lens
+    return query, tables, context_lens
+
+
+# The GPU case is the engine test's (test_fp8_cache_on_the_gpu_in_decode_graphs): its tiny qwen3's
+# heads, its prompt lengths, the captured width of max_model_len 1024 and the splits each path
+# takes on an H200 (132 SMs: 16 padded rows -> 16 splits; 8 rows, 46 blocks -> 12).
+ENGINE_SHAPES = [
+    pytest.param("cpu", [1, 5, 70], 16, (6, 12, 8), (2, 1), id="interpret"),
+    pytest.param(
+        "cuda", [1, 17, 45, 120, 300, 700, 5, 64], 64, (16, 64, 16), (12, 1), id="gpu-engine",
+        marks=pytest.mark.gpu,
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("device", "lens", "block_n", "graph", "eager_splits"), ENGINE_SHAPES)
+@pytest.mark.parametrize("prefetch_scales", [True, False], ids=["prefetch", "where-used"])
+def test_decode_reads_the_fp8_cache_alike_in_graph_and_eager_shapes(
+    device, lens, block_n, graph, eager_splits, prefetch_scales
+) -> None:
+    """Padded rows, a wider table with stale entries past each sequence's blocks and more splits
+    than a sequence has tiles (the captured graph's inputs) attend as the batch's own inputs do,
+    and both as dense attention over the dequantized cache, sequence by sequence (a long context
+    with a partial last tile, and contexts of 1 and 5 tokens)."""
+    _skip_if_unavailable(device)
+    dtype = torch.bfloat16
+    fp8 = _fp8_case(make_paged_case(lens, [1] * len(lens), **SMALL, dtype=dtype, device=device))
+    case = fp8.case
+    want = dense_attention(case)
+    rows, width, graph_splits = graph
+    common = {**fp8.cache, "block_n": block_n, "prefetch_scales": prefetch_scales}
+    outs = {}
+    query, tables, context_lens = _graph_shaped(case, rows, width)
+    out = decode.paged_decode_attention(
+        query, fp8.k_cache, fp8.v_cache, tables, context_lens, case.scale,
+        num_splits=graph_splits, **common,
+    )  # fmt: skip
+    assert torch.equal(out[len(lens) :], torch.zeros_like(out[len(lens) :])), "padding rows"
+    outs[f"graph, {graph_splits} splits"] = out[: len(lens)]
+    for splits in eager_splits:
+        outs[f"eager, {splits} splits"] = decode.paged_decode_attention(
+            case.query, fp8.k_cache, fp8.v_cache, case.block_tables, case.context_lens,
+            case.scale, num_splits=splits, **common,
+        )  # fmt: skip
+    errors = {
+        name: [round(relative_error(out[i], want[i]), 4) for i in range(len(lens))]
+        for name, out in outs.items()
+    }
+    assert all(e < 1e-2 for errs in errors.values() for e in errs), (lens, errors)
+
+
+@pytest.mark.parametrize(
+    ("device", "lens"),
+    [
+        pytest.param("cpu", [1, 5, 70], id="interpret"),
+        pytest.param(
+            "cuda", [1, 17, 45, 120, 300, 700, 5, 64], id="gpu-engine", marks=pytest.mark.gpu
+        ),
+    ],
+)
+@pytest.mark.parametrize("prefetch_scales", [True, False], ids=["prefetch", "where-used"])
+def test_prefill_of_fresh_prompts_reads_the_fp8_cache_at_the_engine_shapes(
+    device, lens, prefetch_scales
+) -> None:
+    """The engine test's first step: its prompts in one prefill over the fp8 cache they were
+    stored in, at the tiny qwen3's heads (head_dim 32), each prompt against dense attention."""
+    _skip_if_unavailable(device)
+    fp8 = _fp8_case(make_paged_case(lens, lens, **SMALL, dtype=torch.bfloat16, device=device))
+    case = fp8.case
+    out = prefill.prefill_attention(
+        case.query, fp8.k_cache, fp8.v_cache, case.block_tables, case.cu_query_lens,
+        case.context_lens, case.scale, **fp8.cache, prefetch_scales=prefetch_scales,
+    )  # fmt: skip
+    want = dense_attention(case)
+    cu = case.cu_query_lens.tolist()
+    errors = [round(relative_error(out[a:b], want[a:b]), 4) for a, b in itertools.pairwise(cu)]
+    assert all(e < 1e-2 for e in errors), (lens, errors)
 
 
 @BACKENDS
