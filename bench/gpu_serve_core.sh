@@ -71,6 +71,7 @@ client 64 256 512 256
 profiled c256 256 512 512 256
 profiled c1024 1024 2048 512 256
 client 64 256 2048 128 1536
+if [ "${BENCH_SERVE:-1}" = 1 ]; then  # BENCH_SERVE=0 skips the same loads from kvfleet bench serve
 echo "=== kvfleet bench serve loads ($(date +%T))"
 bench c1 --concurrency 1 --num-prompts 8 --random-input-len 512 --random-output-len 128
 bench c64 --concurrency 64 --num-prompts 256 --random-input-len 512 --random-output-len 256
@@ -78,6 +79,7 @@ bench c256 --concurrency 256 --num-prompts 512 --random-input-len 512 --random-o
 bench c1024 --concurrency 1024 --num-prompts 2048 --random-input-len 512 --random-output-len 256
 bench shared --concurrency 64 --num-prompts 256 --random-input-len 2048 \
   --random-prefix-len 1536 --random-output-len 128
+fi
 get "$URL/metrics" | grep -E "^kvfleet_(engine|generation|prompt|request_success|preemptions)" \
   >"$OUT/metrics.txt"
 echo "=== drain ($(date +%T))"
