@@ -15,7 +15,7 @@ Memory per GPU, all in bytes (documented in the README):
              (engine_features.GGUF_WEIGHTS_STAY_QUANTIZED; today it dequantizes them to bf16)
   kv cache = 2 (K and V) × ceil(layers / pipeline) × ceil(kv heads / tensor)
              × (head dim × bytes per KV element (auto 2, fp8 1) + scale bytes (fp8: one
-             float32 per token and KV head, else 0)) × maxModelLen × sla.concurrentSequences
+             bfloat16 per token and KV head, else 0)) × maxModelLen × sla.concurrentSequences
   overhead = RUNTIME_RESERVE_GIB (CUDA context, activations, sampler buffers)
   fits when weights + kv cache + overhead <= device memory × engine.gpuMemoryUtilization
 """
@@ -43,8 +43,9 @@ RUNTIME_RESERVE_GIB = 1.5
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 UNQUANTIZED_BYTES = 2  # bf16: every weight of `none`, and what a quantized model keeps unquantized
 KV_ELEMENT_BYTES = {"auto": 2, "fp8": 1}
-# The e4m3 KV cache keeps one float32 scale per (token, KV head) beside the blocks, for K and V.
-KV_SCALE_BYTES = {"auto": 0, "fp8": 4}
+# The e4m3 KV cache keeps one bfloat16 scale per (token, KV head) beside the blocks, for K and V
+# (engine kernels/kv_fp8.py).
+KV_SCALE_BYTES = {"auto": 0, "fp8": 2}
 INT4_GROUP_SIZE = 128  # input columns per int4 scale and offset (AWQ's and GPTQ's usual group)
 # Startup probe budget: loading reads weights from local disk or a volume.
 STARTUP_BASE_SECONDS = 120

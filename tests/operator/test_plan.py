@@ -125,9 +125,9 @@ def test_fp8_kv_cache_halves_the_cache_plus_its_scales(make_spec) -> None:
     auto = plan(make_spec(**long)).memory
     fp8 = plan(make_spec(**long, quantization={"kvCache": "fp8"})).memory
     # 2 × 32 layers × 8 KV heads × 128 × 2 B × 131072 × 8 = 128 GiB; e4m3: 1 B per element and
-    # a float32 scale per (token, KV head) for K and V: × (128 + 4) / 256 = 66 GiB.
-    assert (auto.kv_cache_gib, fp8.kv_cache_gib) == (128.0, 66.0)
-    assert fp8.required_gib == pytest.approx(fp8.weights_gib + 66.0 + 1.5, abs=0.01)
+    # a bfloat16 scale per (token, KV head) for K and V: × (128 + 2) / 256 = 65 GiB.
+    assert (auto.kv_cache_gib, fp8.kv_cache_gib) == (128.0, 65.0)
+    assert fp8.required_gib == pytest.approx(fp8.weights_gib + 65.0 + 1.5, abs=0.01)
 
 
 def test_fp8_needs_compute_capability_8_9(make_spec) -> None:
