@@ -13,7 +13,7 @@ Memory per GPU, all in bytes (documented in the README):
              For numbers from a GGUF header, each tensor at the engine's bytes instead
              (engine_features.GGUF_KEPT_QUANTIZED): block linears of Q8_0 1.0625 per weight,
              Q4_0 / Q4_1 / Q4_K 0.625; a fused q/k/v or gate/up of mixed kinds, and every other
-             tensor, 2 (about 0.9 per parameter for an 8B Q4_K_M file, which holds about 0.6)
+             tensor, 2 (about 1.03 per parameter for an 8B Q4_K_M file, which holds about 0.6)
   kv cache = 2 (K and V) × ceil(layers / pipeline) × ceil(kv heads / tensor)
              × (head dim × bytes per KV element (auto 2, fp8 1) + scale bytes (fp8: one
              float32 per token and KV head, else 0)) × maxModelLen × sla.concurrentSequences
