@@ -247,3 +247,40 @@ def test_smollm2_q4_1_through_the_quantized_path_answers_like_the_dequantized_pa
     quantized, dequantized = answers
     assert quantized[0].text == "The capital of France is Paris."
     assert [list(a.token_ids) for a in quantized] == [list(a.token_ids) for a in dequantized]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", KEPT, ids=lambda t: t.name)
+def test_gpu_keeps_blocks_quantized_and_the_kernels_match_their_reference(
+    wide_models: dict[str, Any], tmp_path: Path, qtype: T
+) -> None:
+    """CUDA, quantization auto: the blocks stay quantized (fp16 scales), each layer's kernel
+    matches layout.py's reference product on its packed weight at 1, 7 and 64 rows, and greedy
+    tokens are the same with CUDA graphs and without."""
+    from kvfleet_engine.quant.layout import int4_linear_reference, int8_linear_reference
+
+    path = write_gguf(wide_models["llama3"], tmp_path / "m.gguf", lambda name, w: qtype)
+    tokens = []
+    for eager in (False, True):
+        llm = LLM(
+            str(path), device="cuda", dtype="bfloat16", max_model_len=256, enforce_eager=eager
+        )
+        layers = {
+            name: module
+            for name, module in llm.engine.model_runner.model.named_modules()
+            if isinstance(module, QuantLinear)
+        }
+        assert len(layers) == 8
+        for name, layer in layers.items():
+            weight = layer.packed
+            reference = (
+                int8_linear_reference if layer.packed_kind == "int8" else int4_linear_reference
+            )
+            for rows in (1, 7, 64):
+                x = torch.randn(rows, layer.in_features, device="cuda", dtype=torch.bfloat16)
+                torch.testing.assert_close(
+                    layer(x), reference(x, weight, layer.bias), rtol=2e-2, atol=2e-2, msg=name
+                )
+        outputs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, use_tqdm=False)
+        tokens.append([list(out.outputs[0].token_ids) for out in outputs])
+    assert tokens[0] == tokens[1]
