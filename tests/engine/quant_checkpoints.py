@@ -16,102 +16,30 @@ and the embeddings stay unquantized.
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import json
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kvfleet_engine.bench.quantize import SCHEMES, Scheme, calibration_texts, quantize, recipe
 
-@dataclass(frozen=True)
-class Scheme:
-    """One llmcompressor recipe: the algorithm and the weight (and activation) quantization."""
+__all__ = [
+    "SCHEMES",
+    "Scheme",
+    "autoawq_dequantized_weights",
+    "autoawq_reference_model",
+    "calibration_texts",
+    "dequantized_weights",
+    "quantization_config",
+    "recipe",
+    "reference_model",
+    "write_autoawq",
+    "write_quantized",
+]
 
-    # "gptq" | "awq" | "rtn" (round to nearest: QuantizationModifier, no calibration search).
-    algorithm: str
-    # Weight bits: 4 or 8 integers, or 8 for fp8.
-    num_bits: int
-    # "int" | "float".
-    type: str
-    # "group" | "channel".
-    strategy: str
-    symmetric: bool
-    # GPTQ activation ordering: None, or "weight" (columns quantized in order of activation
-    # size; the layout is unchanged: compressed-tensors 0.19 removed "group", which wrote
-    # weight_g_idx).
-    actorder: str | None = None
-    # Dynamic per-token fp8 activations (FP8_DYNAMIC).
-    dynamic_fp8_activations: bool = False
-
-
-SCHEMES: dict[str, Scheme] = {
-    "gptq-w4a16": Scheme("gptq", 4, "int", "group", symmetric=True),
-    "gptq-w4a16-asym": Scheme("gptq", 4, "int", "group", symmetric=False),
-    "gptq-w4a16-actorder": Scheme("gptq", 4, "int", "group", symmetric=True, actorder="weight"),
-    "awq-w4a16": Scheme("awq", 4, "int", "group", symmetric=False),
-    "fp8-dynamic": Scheme("rtn", 8, "float", "channel", True, dynamic_fp8_activations=True),
-    "w8a16": Scheme("gptq", 8, "int", "group", symmetric=True),
-    "w8a16-channel": Scheme("rtn", 8, "int", "channel", symmetric=True),
-}
-
-# Fixed English calibration text for tiny models: stdlib docstrings (not pydoc_data.topics, the
-# perplexity text). Python's own docs, so the same on every install of one Python version.
-_CALIBRATION_MODULES = ("json", "textwrap", "argparse", "collections", "functools", "pathlib")
-
-
-def calibration_texts(
-    num_samples: int, modules: tuple[str, ...] = _CALIBRATION_MODULES
-) -> list[str]:
-    """num_samples paragraphs of stdlib docstrings, cycling over the modules' paragraphs."""
-    import importlib
-
-    paragraphs = []
-    for name in modules:
-        doc = inspect.getdoc(importlib.import_module(name)) or ""
-        paragraphs += [p.strip() for p in doc.split("\n\n") if len(p.strip()) >= 40]
-    if not paragraphs:
-        raise ValueError(f"modules {modules} have no docstring paragraphs")
-    return [paragraphs[i % len(paragraphs)] for i in range(num_samples)]
-
-
-def recipe(scheme_name: str, group_size: int = 32, awq_grid: int = 20) -> Any:
-    """The llmcompressor modifier for a named scheme (lm_head left unquantized); awq_grid: the
-    number of scale exponents AWQ's search tries (llmcompressor's default 20)."""
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-    from llmcompressor.modifiers.awq import AWQModifier
-    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
-
-    if scheme_name not in SCHEMES:
-        raise ValueError(f"scheme must be one of {sorted(SCHEMES)}, got {scheme_name!r}")
-    scheme = SCHEMES[scheme_name]
-    weights = QuantizationArgs(
-        num_bits=scheme.num_bits,
-        type=scheme.type,
-        strategy=scheme.strategy,
-        group_size=group_size if scheme.strategy == "group" else None,
-        symmetric=scheme.symmetric,
-        dynamic=False,
-        actorder=scheme.actorder,
-    )
-    activations = None
-    if scheme.dynamic_fp8_activations:
-        activations = QuantizationArgs(
-            num_bits=8, type="float", strategy="token", symmetric=True, dynamic=True
-        )
-    groups = {
-        "group_0": QuantizationScheme(
-            targets=["Linear"], weights=weights, input_activations=activations
-        )
-    }
-    if scheme.algorithm == "gptq":
-        return GPTQModifier(config_groups=groups, ignore=["lm_head"], actorder=scheme.actorder)
-    if scheme.algorithm == "awq":
-        return AWQModifier(config_groups=groups, ignore=["lm_head"], n_grid=awq_grid)
-    return QuantizationModifier(config_groups=groups, ignore=["lm_head"])
+# Short calibration for tiny models: a few seconds per scheme.
+TINY_SAMPLES, TINY_SEQ_LEN, TINY_AWQ_GRID = 8, 64, 4
 
 
 def write_quantized(
@@ -121,54 +49,25 @@ def write_quantized(
     *,
     group_size: int = 32,
     texts: list[str] | None = None,
-    max_seq_length: int = 64,
-    awq_grid: int = 4,
+    max_seq_length: int = TINY_SEQ_LEN,
+    awq_grid: int = TINY_AWQ_GRID,
     dtype: torch.dtype = torch.float32,
 ) -> Path:
     """Quantize the checkpoint in `source` with llmcompressor's oneshot on the CPU and save it
-    (compressed-tensors, with the tokenizer) to `destination`. texts: calibration samples
-    (default: 8 of calibration_texts), each cut to max_seq_length tokens. The defaults suit
-    tiny models (a few seconds per scheme); real models want more text and awq_grid=20."""
-    from datasets import Dataset
-    from llmcompressor import oneshot
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    modifier = recipe(scheme_name, group_size, awq_grid)
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    samples = calibration_texts(8) if texts is None else texts
-    dataset = Dataset.from_dict({"text": samples}).map(
-        lambda row: tokenizer(row["text"], truncation=True, max_length=max_seq_length),
-        remove_columns=["text"],
+    (compressed-tensors, with the tokenizer) to `destination`; the scheme is a key of SCHEMES.
+    texts: calibration samples (default: 8 stdlib docstrings), each cut to max_seq_length
+    tokens. The defaults suit tiny models; real models want more text and awq_grid=20."""
+    samples = calibration_texts(TINY_SAMPLES) if texts is None else texts
+    return quantize(
+        source,
+        destination,
+        scheme_name,
+        group_size=group_size,
+        texts=samples,
+        max_seq_length=max_seq_length,
+        awq_grid=awq_grid,
+        dtype=dtype,
     )
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
-    with _no_pinned_memory():
-        oneshot(
-            model=model,
-            processor=tokenizer,
-            dataset=dataset,
-            recipe=modifier,
-            max_seq_length=max_seq_length,
-            num_calibration_samples=len(samples),
-            output_dir=str(destination),
-        )
-    return destination
-
-
-@contextlib.contextmanager
-def _no_pinned_memory() -> Iterator[None]:
-    """AWQ pins its cached activations unconditionally (a speed-up for host-to-GPU copies);
-    a CUDA build of torch without a driver cannot pin, so skip it when there is no GPU."""
-    from llmcompressor.pipelines.cache import IntermediatesCache
-
-    if torch.cuda.is_available():
-        yield
-        return
-    original = IntermediatesCache.pin_memory
-    IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        IntermediatesCache.pin_memory = original  # type: ignore[method-assign]
 
 
 def quantization_config(directory: Path) -> dict[str, Any]:
@@ -230,7 +129,8 @@ def write_autoawq(
 
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoAWQForCausalLM.from_pretrained(str(source), device_map="cpu")
-    samples = calibration_texts(16) if texts is None else texts
+    # AutoAWQ drops samples longer than max_calib_seq_len tokens (bytes, for tiny models).
+    samples = [t[:400] for t in calibration_texts(16)] if texts is None else texts
     model.quantize(
         tokenizer,
         quant_config={

@@ -148,6 +148,27 @@ def test_quantize_kv_keeps_each_row_within_e4m3_rounding_and_never_clips() -> No
     assert row_error[others].max() < 0.05, "every other row keeps e4m3's precision"
 
 
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)], ids=["cpu", "gpu"]
+)
+def test_quantize_kv_scale_is_the_correctly_rounded_quotient_on_every_device(device) -> None:
+    """Rows whose largest magnitude is 448 times a bfloat16 get exactly that scale (and a code of
+    448): the IEEE quotient, on the CPU and on a GPU alike. (CUDA torch's `tensor / 448.0`
+    multiplies by a rounded reciprocal and would round those scales up one bfloat16 step.)"""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    gen = torch.Generator().manual_seed(3)
+    # bfloat16 scales 2^-20 .. 2^10 with 1..8 significant bits: 448 * b is exact in bfloat16
+    # only for the small ones, exact in float32 for all.
+    mantissas = torch.randint(128, 256, (512,), generator=gen).float() / 128
+    wanted = (mantissas * torch.randint(-20, 10, (512,), generator=gen).float().exp2()).bfloat16()
+    rows = torch.rand(512, 64, generator=gen) * wanted.float()[:, None] * 448
+    rows[:, 5] = -wanted.float() * 448
+    codes, scales = quantize_kv(rows.to(device))
+    assert torch.equal(scales.cpu(), wanted)
+    assert (codes.float()[:, 5] == -448).all()
+
+
 # ---- the store kernels ------------------------------------------------------------------------
 
 
@@ -235,14 +256,18 @@ def test_decode_reads_the_fp8_cache(device, dtype, tol, sizes, num_splits) -> No
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
-@pytest.mark.parametrize(("transpose_scores", "early_v"), [(False, True), (True, False)])
+@pytest.mark.parametrize(
+    ("transpose_scores", "early_v", "prefetch_scales"),
+    [(False, True, True), (True, False, True), (False, True, False)],
+)
 def test_decode_launch_variants_read_the_fp8_cache_alike(
-    dtype, tol, transpose_scores, early_v
+    dtype, tol, transpose_scores, early_v, prefetch_scales
 ) -> None:
     """16-bit queries take float16 dots (queries rescaled by a power of two per row: the
     bf16 ones here exceed float16's range); the
     benchmark's launch variants (scores as K @ q^T; V converted before shared memory, its
-    columns swapped in pairs and swapped back at the store) give the same attention."""
+    columns swapped in pairs and swapped back at the store; scales loaded a tile ahead or
+    where used) give the same attention."""
     lens = [1, 17, 64, 130]
     fp8 = _fp8_case(make_paged_case(lens, [1] * len(lens), **SMALL, dtype=dtype, device="cpu"))
     case = fp8.case
@@ -250,7 +275,33 @@ def test_decode_launch_variants_read_the_fp8_cache_alike(
     out = decode.paged_decode_attention(
         case.query * big, fp8.k_cache, fp8.v_cache, case.block_tables, case.context_lens,
         case.scale / big, **fp8.cache, num_splits=2, transpose_scores=transpose_scores,
-        early_v=early_v,
+        early_v=early_v, prefetch_scales=prefetch_scales,
+    )  # fmt: skip
+    assert out.dtype == dtype
+    assert relative_error(out, dense_attention(case)) < tol
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"early_v": True},
+        {"prefetch_scales": False},
+        {"block_n": 32, "early_v": True, "prefetch_scales": False},
+    ],
+    ids=str,
+)
+def test_prefill_launch_variants_read_the_fp8_cache_alike(dtype, tol, variant) -> None:
+    """The prefill benchmark's launch variants (V converted before shared memory; scales loaded
+    where used) give the same attention, over a cached prefix and tiles the context does not
+    fill. (f16_dots=False, bf16 dots over e4m3, is left to the GPU: the interpreter's e4m3 ->
+    bfloat16 conversion returns garbage.)"""
+    exact = make_paged_case([40, 70, 9], [8, 3, 9], **SMALL, dtype=dtype, device="cpu")
+    fp8 = _fp8_case(exact)
+    case = fp8.case
+    out = prefill.prefill_attention(
+        case.query, fp8.k_cache, fp8.v_cache, case.block_tables, case.cu_query_lens,
+        case.context_lens, case.scale, **fp8.cache, **{"block_n": 16, **variant},
     )  # fmt: skip
     assert out.dtype == dtype
     assert relative_error(out, dense_attention(case)) < tol

@@ -140,6 +140,8 @@ PLANES = [
     pytest.param(MatmulPlan("gemv", 2, 32, 128, split_k=2), 2, id="gemv-group-step"),
     pytest.param(MatmulPlan("gemv", 1, 32, 128, split_k=2), 1, id="row-gemv-group-step"),
     pytest.param(MatmulPlan("gemv", 1, 64, 64, 3, "kernel"), 1, id="row-gemv-half-groups"),
+    pytest.param(MatmulPlan("gemv", 2, 32, 128, 2, num_stages=3), 2, id="row-gemv-2-rows"),
+    pytest.param(MatmulPlan("gemv", 4, 64, 64, 3, num_stages=3), 3, id="row-gemv-3-of-4-rows"),
 ]
 
 
@@ -148,6 +150,30 @@ PLANES = [
 def test_int4_planes_match_reference(plan, m) -> None:
     weight = make_int4(40, 384, 128)  # K = 3 groups of 128
     x = make_x(m, 384)
+    assert relative_error(run_int4(x, weight, plan), layout.int4_linear_reference(x, weight)) < 1e-5
+
+
+@on_cpu
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_int4_biased_codes_match_reference(split_k) -> None:
+    """16-bit x: codes enter the dot as code + 1024 (fp16; bf16: + 128, on the GPU only: the
+    interpreter's bf16 dots multiply raw bits) made from their bits; the bias comes off with the
+    group's Σx, so the product is the reference's (to the rounding of x's dtype)."""
+    weight = make_int4(40, 384, 128)
+    x = make_x(5, 384, dtype=torch.float16)
+    plan = MatmulPlan("dot", 16, 32, 128, split_k, biased_codes=True)
+    expected = layout.int4_linear_reference(x, weight)
+    assert relative_error(run_int4(x, weight, plan), expected) < 5e-3
+
+
+@on_cpu
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_int4_row_gemv_with_one_group_of_k(m) -> None:
+    """Scales per output channel (one group of all K rows: scaled once, at the end), over
+    pipelined K steps."""
+    weight = make_int4(40, 256, 256)
+    x = make_x(m, 256)
+    plan = MatmulPlan("gemv", m, 32, 32, split_k=1, num_stages=3)
     assert relative_error(run_int4(x, weight, plan), layout.int4_linear_reference(x, weight)) < 1e-5
 
 
@@ -227,11 +253,6 @@ def assert_row_quantization(x: torch.Tensor, x_q: torch.Tensor, scale: torch.Ten
     assert torch.equal(x_q.view(torch.uint8), expected_q.view(torch.uint8))
 
 
-def fp8_weight_only_reference(x: torch.Tensor, weight: layout.Fp8Weight) -> torch.Tensor:
-    """x (not quantized) @ the dequantized weightᵀ, in float32."""
-    return x.float() @ (weight.weight.float() * weight.scale[:, None]).t()
-
-
 @on_cpu
 @pytest.mark.parametrize("m", [fp8.GEMV_MAX_ROWS + 1, 40])  # W8A8: rows above the GEMV's
 def test_triton_fp8_gemm_matches_reference(m) -> None:
@@ -260,7 +281,7 @@ def test_fp8_weight_only_gemv_matches_reference(blocks, m) -> None:
     x = make_x(m, 200, dtype=torch.float16)
     out = fp8.fp8_gemv(x, weight.weight, weight.scale, torch.float16, blocks)
     assert out.shape == (m, 80) and out.dtype == torch.float16
-    assert relative_error(out, fp8_weight_only_reference(x, weight)) < 1e-3
+    assert relative_error(out, layout.fp8_weight_only_reference(x.float(), weight)) < 1e-3
     if blocks is None:  # what fp8_matmul runs at decode sizes (its checks, then this)
         assert torch.equal(fp8.fp8_matmul(x, weight.weight, weight.scale, torch.float16), out)
 
@@ -303,12 +324,24 @@ def test_int8_and_fp8_reject_bad_operands_naming_them() -> None:
 # ---- on the GPU, the Llama-3.1-8B products ------------------------------------------------------
 
 
-# (group_size, rows): each kernel of the shape table (GEMV at 1 and 4 rows, split-K dot at 8 and
-# 16, dot tiles of 64 and 128 rows, dequantize + cuBLAS at 1024) at group 128, and GEMV / dot at
-# group 32
-INT4_CASES = [(128, 1), (128, 4), (128, 8), (128, 16), (128, 64), (128, 300), (128, 1024)]
+# (group_size, rows): each kernel of the shape table (GEMV at 1 row, split-K dot at 4, 8 and 16,
+# dequantize + cuBLAS from 17) at group 128, the 2-D GEMV at 4 rows and dot tiles of 64 and 128
+# rows as the sweeps run them, and GEMV / dot at group 32
+INT4_CASES = [(128, 1), (128, 4), (128, 8), (128, 16), (128, 17), (128, 300)]
 INT4_CASES += [(32, 1), (32, 8), (32, 300)]
-INT8_CASES = [(None, 1), (None, 4), (None, 8), (None, 300), (None, 1024), (32, 1), (32, 300)]
+INT8_CASES = [(None, 1), (None, 4), (None, 16), (None, 300), (32, 1), (32, 8)]
+SWEPT_PLANS = [  # (plan, rows): what bench.quant_gemv measures besides the table's picks
+    pytest.param(MatmulPlan("gemv", 1, 128, 64, 8, num_stages=3), 1, id="gemv-pipelined"),
+    pytest.param(MatmulPlan("gemv", 4, 128, 64, 8, num_stages=3), 4, id="gemv-4-rows"),
+    pytest.param(MatmulPlan("dot", 16, 128, 128, 4, int4_planes=False), 16, id="dot-reshape"),
+    pytest.param(MatmulPlan("dot", 16, 128, 128, 4, biased_codes=True), 16, id="dot-biased"),
+    pytest.param(
+        MatmulPlan("dot", 128, 128, 64, int4_planes=False, scale_after_dot=False, num_warps=8),
+        300,
+        id="dot-128x128x64",
+    ),
+    pytest.param(MatmulPlan("dot", 64, 128, 128, num_warps=4), 64, id="dot-64x128x128-planes"),
+]
 
 
 @pytest.mark.gpu
@@ -324,6 +357,25 @@ def test_gpu_int4_llama_products(n, k, group_size, m) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("codes", ["int4", "int8"])
+@pytest.mark.parametrize(("plan", "m"), SWEPT_PLANS)
+@pytest.mark.parametrize(("n", "k"), LLAMA_8B)
+def test_gpu_swept_plans_llama_products(n, k, plan, m, codes) -> None:
+    if not ON_GPU:
+        pytest.skip("needs a CUDA GPU")
+    x = make_x(m, k, dtype=torch.bfloat16)
+    if codes == "int4":
+        weight = make_int4(n, k, 128)
+        expected = layout.int4_linear_reference(x, weight)
+        out = run_int4(x, weight, plan)
+    else:
+        weight8 = make_int8(n, k, None)
+        expected = layout.int8_linear_reference(x, weight8)
+        out = run_int8(x, weight8, plan)
+    assert relative_error(out, expected) < 1e-2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(("group_size", "m"), INT8_CASES)
 @pytest.mark.parametrize(("n", "k"), LLAMA_8B)
 def test_gpu_int8_llama_products(n, k, group_size, m) -> None:
@@ -335,22 +387,32 @@ def test_gpu_int8_llama_products(n, k, group_size, m) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 4, fp8.GEMV_MAX_ROWS, fp8.GEMV_MAX_ROWS + 1, 300])
 @pytest.mark.parametrize(("n", "k"), LLAMA_8B)
-def test_gpu_fp8_weight_only_llama_products(n, k, m) -> None:
+def test_gpu_fp8_matmul_llama_products(n, k, m, out_dtype) -> None:
+    """fp8_matmul against the reference of the path it takes: up to GEMV_MAX_ROWS rows the
+    weight-only product of x itself (x not rounded: tighter than W8A8 can be, whose rounding of
+    x to e4m3 costs about 3%), above them W8A8."""
     if not ON_GPU:
         pytest.skip("needs a CUDA GPU")
     weight = make_fp8(n, k)
     x = make_x(m, k, dtype=torch.bfloat16)
-    out = fp8.fp8_matmul(x, weight.weight, weight.scale, torch.bfloat16)
-    assert relative_error(out, fp8_weight_only_reference(x, weight)) < 1e-2
+    out = fp8.fp8_matmul(x, weight.weight, weight.scale, out_dtype)
+    assert out.shape == (m, n) and out.dtype == out_dtype
+    if m <= fp8.GEMV_MAX_ROWS:
+        assert relative_error(out, layout.fp8_weight_only_reference(x.float(), weight)) < 5e-3
+    else:
+        assert relative_error(out, layout.fp8_linear_reference(x, weight)) < 1e-2
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", fp8.BACKENDS)
 @pytest.mark.parametrize("m", [1, 8, 300])
 @pytest.mark.parametrize(("n", "k"), LLAMA_8B)
-def test_gpu_fp8_llama_products(n, k, m, backend) -> None:
+def test_gpu_fp8_w8a8_llama_products(n, k, m, backend) -> None:
+    """Each W8A8 backend at decode and prompt rows: x quantized per token bit for bit, the
+    product as `fp8_linear_reference`."""
     if not ON_GPU:
         pytest.skip("needs a CUDA GPU")
     weight = make_fp8(n, k)
@@ -361,10 +423,8 @@ def test_gpu_fp8_llama_products(n, k, m, backend) -> None:
         out = fp8.scaled_mm_fp8(x_q, x_scale, weight.weight, weight.scale)
     else:
         out = fp8.triton_fp8_gemm(x_q, x_scale, weight.weight, weight.scale, torch.bfloat16)
-    assert out.dtype == torch.bfloat16
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
     assert relative_error(out, layout.fp8_linear_reference(x, weight)) < 1e-2
-    fp16_out = fp8.fp8_matmul(x, weight.weight, weight.scale, torch.float16)
-    assert relative_error(fp16_out, out) < 1e-2
 
 
 @pytest.mark.gpu

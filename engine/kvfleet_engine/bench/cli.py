@@ -11,6 +11,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "throughput": ("kvfleet_engine.bench.offline:throughput", "offline batch generation speed"),
     "latency": ("kvfleet_engine.bench.offline:latency", "batch-1 decode speed"),
     "chat": ("kvfleet_engine.bench.chat:main", "a real model's chats, kvfleet vs transformers"),
+    "accuracy": (
+        "kvfleet_engine.bench.accuracy:main",
+        "perplexity and greedy agreement of configs (quantizations, KV dtypes) vs a baseline",
+    ),
 }
 
 

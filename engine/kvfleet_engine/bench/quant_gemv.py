@@ -1,9 +1,10 @@
 """The quantized products of one decoder layer (qkv, o, gate_up, down) against bf16 F.linear: for
 each batch size (rows of x) and format, the time per layer, bytes read, achieved GB/s and its
-fraction of the measured copy bandwidth, and TFLOP/s; then sweeps (decode rows: CUDA-core GEMV
-blocks and split-K, the split-K tensor-core kernel, the fp8 weight-only GEMV and W8A8 tiles;
-prompt rows: int4 / int8 dot tiles against dequantize + cuBLAS) with each product's fastest
-candidate (what the shape tables in kernels/int4_matmul.py and fp8_matmul.py should pick).
+fraction of the measured copy bandwidth, and TFLOP/s; then sweeps of the candidates still open
+(decode rows: CUDA-core GEMV blocks, split-K and pipelined weight loads, the split-K
+tensor-core kernel, the fp8 weight-only GEMV; prompt rows: the best dot tiles against
+dequantize + cuBLAS) with each product's fastest candidate (what the shape tables in
+kernels/int4_matmul.py and fp8_matmul.py should pick).
 
 Each product runs for every layer (distinct weights per layer, so nothing stays in L2) in one
 CUDA graph, timed by replaying it.
@@ -51,21 +52,26 @@ def make_weights(fmt: str, n: int, k: int, device: torch.device) -> Weights:
     return weight, torch.rand(n, device=device) * 1e-3
 
 
-def int_product(plan_of: Callable[[int, int, int, int], ints.MatmulPlan]) -> Product:
-    """An int4 or int8 product run with the plan `plan_of(m, n, k, group_size)`."""
+PlanOf = Callable[[int, int, int, int, str], ints.MatmulPlan]  # (m, n, k, group, codes) -> plan
+
+
+def int_product(plan_of: PlanOf) -> Product:
+    """An int4 or int8 product run with the plan `plan_of(m, n, k, group_size, codes)`."""
 
     def product(x: torch.Tensor, w: Weights) -> torch.Tensor:
         qweight, scales = w[0], w[1]
         offsets = w[2] if len(w) == 3 else None
         k, n = x.shape[1], qweight.shape[1]
         group = k // scales.shape[0]
-        return ints.launch(x, qweight, scales, offsets, group, plan_of(x.shape[0], n, k, group))
+        codes = "int8" if qweight.dtype == torch.int8 else "int4"
+        plan_ = plan_of(x.shape[0], n, k, group, codes)
+        return ints.launch(x, qweight, scales, offsets, group, plan_)
 
     return product
 
 
-def auto_plan(m: int, n: int, k: int, group: int) -> ints.MatmulPlan:
-    return ints.plan_matmul(m, n, k, group, torch.device("cuda"))
+def auto_plan(m: int, n: int, k: int, group: int, codes: str) -> ints.MatmulPlan:
+    return ints.plan_matmul(m, n, k, group, torch.device("cuda"), codes)
 
 
 def fp8_product(backend: str, blocks: tuple | None = None) -> Product:
@@ -92,13 +98,12 @@ VARIANTS: dict[str, tuple[str, Product]] = {  # name -> (format, product)
     "fp8-w8a8-scaled_mm": ("fp8", fp8_product("scaled_mm")),
     "fp8-w8a8-triton": ("fp8", fp8_product("triton")),
 }
-PlanOf = Callable[[int, int, int, int], ints.MatmulPlan]
 
 
 def plan(kernel: str, block_m: int, block_n: int, block_k: int, per_sm: int = 0, **kw) -> PlanOf:
     """A fixed plan whose split-K gives about `per_sm` programs per SM (0: no split)."""
 
-    def plan_of(m: int, n: int, k: int, group: int) -> ints.MatmulPlan:
+    def plan_of(m: int, n: int, k: int, group: int, codes: str) -> ints.MatmulPlan:
         bk = min(block_k, group & -group)
         bm = block_m or ints.next_power_of_2(m)
         tiles = triton.cdiv(n, block_n) * (1 if kernel == "gemv" else triton.cdiv(m, bm))
@@ -109,78 +114,72 @@ def plan(kernel: str, block_m: int, block_n: int, block_k: int, per_sm: int = 0,
 
 
 def gemv_candidates(fmt: str, m: int) -> dict[str, PlanOf]:
-    """One row: CUDA-core GEMV blocks (BLOCK_N, BLOCK_K, warps) x programs per SM. More rows: the
-    split-K tensor-core kernel (int4 as nibble planes, K steps of 128, or reshaped codes), and up
-    to 4 rows the 3-D GEMV."""
+    """Decode rows. One row: the 2-D GEMV's best blocks so far (BLOCK_N, BLOCK_K, warps, programs
+    per SM), weight loads pipelined (s3: cp.async 2 steps ahead) or not (s1). 4 rows: int4's
+    2-D GEMV with a tile per row of x, int8's 3-D GEMV, and the split-K tensor-core kernel;
+    16 rows: that kernel's tiles (int4 nibble planes at K steps of 128, their codes converted
+    or biased, made from their bits; or reshaped codes)."""
     if m == 1:
-        blocks = [(128, 128, 4), (256, 128, 4), (256, 128, 8), (512, 128, 8), (128, 64, 4)]
-        blocks += [(64, 128, 2)]
+        blocks = [(256, 128, 4, 8), (128, 64, 4, 8), (64, 128, 2, 8)]
         if fmt == "int8":  # a [BLOCK_K, BLOCK_N] register tile per row: int8 steps are shorter
-            blocks = [(128, 32, 4), (128, 16, 4), (256, 32, 8), (256, 16, 4), (128, 64, 4)]
-            blocks += [(512, 16, 8)]
-        out = {
-            f"gemv bn{bn} bk{bk} w{w} {s}/sm": plan("gemv", 0, bn, bk, s, num_warps=w)
-            for bn, bk, w in blocks
-            for s in (2, 4, 8)
-        }
-        bn, bk, w = blocks[0]
-        out["gemv kernel-sums"] = plan("gemv", 0, bn, bk, 4, split_reduce="kernel", num_warps=w)
-        return out
-    out = {}
-    if m <= 4:
-        gemv_blocks = [(128, 128, 4), (128, 64, 4)]
-        if fmt == "int8":
-            gemv_blocks = [(128, 16, 4), (128, 32, 4)]
-        for bn, bk, w in gemv_blocks:
-            out[f"gemv bn{bn} bk{bk} w{w} 4/sm"] = plan("gemv", 0, bn, bk, 4, num_warps=w)
-    for bn, bk, s, planes in [
-        (128, 128, 4, True), (64, 128, 4, True), (128, 128, 8, True), (128, 128, 2, True),
-        (128, 64, 4, False), (256, 128, 4, True),
-    ]:  # fmt: skip
-        name = f"dot bn{bn} bk{bk}{'' if planes else ' reshape'} {s}/sm"
-        out[name] = plan("dot", 16, bn, bk, s, int4_planes=planes)
+            blocks = [(256, 16, 4, 8), (128, 64, 4, 4), (128, 32, 4, 8)]
+        return {
+            f"gemv bn{bn} bk{bk} w{w} {s}/sm s{st}": plan(
+                "gemv", 0, bn, bk, s, num_warps=w, num_stages=st
+            )
+            for bn, bk, w, s in blocks
+            for st in (1, 3)
+        }  # fmt: skip
+    out: dict[str, PlanOf] = {}
+    if m <= ints.ROW_GEMV_MAX_ROWS:
+        gemv = [(128, 64, 4, 8, 1), (128, 64, 4, 8, 3), (64, 64, 2, 8, 3)]
+        if fmt == "int8":  # the 3-D GEMV
+            gemv = [(128, 16, 4, 4, 3)]
+        for bn, bk, w, s, st in gemv:
+            out[f"gemv bn{bn} bk{bk} w{w} {s}/sm s{st}"] = plan(
+                "gemv", 0, bn, bk, s, num_warps=w, num_stages=st
+            )
+    # (BLOCK_N, BLOCK_K, per SM, planes, codes + bias made from their bits)
+    dots = [(128, 128, 4, True, False), (256, 128, 4, True, False), (128, 128, 4, True, True)]
+    if m > ints.ROW_GEMV_MAX_ROWS:
+        dots += [(128, 128, 4, False, False), (256, 128, 4, True, True)]
+    if fmt == "int8":  # int8 codes load as they are (no planes)
+        dots = [(128, 64, 4, False, False), (128, 128, 4, False, False)]
+    for bn, bk, s, planes, biased in dots:
+        name = f"dot bn{bn} bk{bk}{' planes' if planes and fmt == 'int4' else ''}"
+        name += f"{' biased' if biased else ''} {s}/sm"
+        out[name] = plan("dot", 16, bn, bk, s, int4_planes=planes, biased_codes=biased)
     return out
 
 
 def prompt_candidates(m: int) -> dict[str, PlanOf]:
-    """dot tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), scales on the weights or after the
-    dot, int4 as planes (BLOCK_K 128) or reshaped (64); and dequantize + cuBLAS."""
-    out: dict[str, PlanOf] = {}
-    tiles = [(64, 128, 128, 4, 3), (128, 128, 128, 8, 3), (128, 256, 128, 8, 3)]
-    tiles += [(128, 128, 64, 8, 4), (64, 256, 128, 4, 3)]
-    for bm, bn, bk, w, st in tiles if m > 64 else tiles[:1] + tiles[3:4]:
-        for after in (False, True):
-            name = f"dot {bm}x{bn}x{bk} w{w} s{st} {'scale-after' if after else 'scaled-w'}"
-            out[name] = plan(
-                "dot", bm, bn, bk, int4_planes=bk >= 128, scale_after_dot=after, num_warps=w,
-                num_stages=st,
-            )  # fmt: skip
-    out["dequantize+cuBLAS"] = lambda m, n, k, g: ints.MatmulPlan("dequantize", 0, 128, 64)
+    """The best dot tile so far (scales on the weights for int4, after the dot for int8) against
+    dequantize + cuBLAS, which won every prompt size measured."""
+    out: dict[str, PlanOf] = {
+        "dot 128x128x64 w8 s4 scaled-w": plan(
+            "dot", 128, 128, 64, int4_planes=False, scale_after_dot=False, num_warps=8,
+            num_stages=4,
+        ),
+        "dot 64x128x128 w4 s3 scale-after": plan(
+            "dot", 64, 128, 128, int4_planes=True, scale_after_dot=True, num_warps=4,
+            num_stages=3,
+        ),
+    }  # fmt: skip
+    out["dequantize+cuBLAS"] = lambda m, n, k, g, codes: ints.MatmulPlan("dequantize", 0, 128, 64)
     return out
 
 
 def fp8_candidates(m: int) -> dict[str, Product]:
-    """Weight-only GEMV blocks (BLOCK_N, BLOCK_K, warps) x programs per SM (its dot form from 2
-    rows); from 2 rows also W8A8 Triton tiles."""
+    """The weight-only GEMV's dot form (BLOCK_N, BLOCK_K, warps, programs per SM; its FMA form
+    measured 112 us per 8B layer at one row), and at 16 rows the best W8A8 Triton tile."""
     out: dict[str, Product] = {}
-    if m == 1:
-        blocks = [(64, 128, 4), (128, 64, 4), (64, 64, 4), (32, 128, 4), (128, 32, 4)]
-        blocks += [(256, 32, 8)]
-        per_sm: tuple[int, ...] = (2, 4, 8)
-    else:
-        blocks, per_sm = ([(16, 128, 4)] if m <= 4 else []), (4,)
-    for bn, bk, w in blocks:
-        for s in per_sm:
-            out[f"gemv bn{bn} bk{bk} w{w} {s}/sm"] = fp8_gemv_product(m, bn, bk, w, s, False)
-    if m > 1:
-        dots = [(32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 4), (128, 128, 4, 4)]
-        dots += [(64, 128, 4, 2), (64, 128, 4, 8), (128, 128, 8, 4)] if m > 4 else []
-        for bn, bk, w, s in dots:
-            out[f"gemv-dot bn{bn} bk{bk} w{w} {s}/sm"] = fp8_gemv_product(m, bn, bk, w, s, True)
-        w8a8 = [(16, 64, 256, 4, 4)]
-        w8a8 += [(16, 32, 256, 4, 4), (16, 128, 128, 4, 4)] if m > 4 else []
-        for blocks_ in w8a8:
-            out[f"w8a8-triton {blocks_}"] = fp8_product("triton", blocks_)
+    dots = [(64, 128, 4, 4), (32, 128, 4, 4)]
+    dots += [(64, 256, 4, 4)] if m != 4 else []
+    for bn, bk, w, s in dots:
+        out[f"gemv-dot bn{bn} bk{bk} w{w} {s}/sm"] = fp8_gemv_product(m, bn, bk, w, s, True)
+    if m == fp8.DECODE_MAX_ROWS:
+        blocks = (16, 32, 256, 4, 4)
+        out[f"w8a8-triton {blocks}"] = fp8_product("triton", blocks)
     return out
 
 
@@ -285,7 +284,7 @@ def plans_line(m: int, shapes: list[tuple[str, int, int]]) -> str:
     out = []
     for fmt, group_of in (("int4", lambda k: INT4_GROUP), ("int8", lambda k: k)):
         for name, n, k in shapes:
-            p = auto_plan(m, n, k, group_of(k))
+            p = auto_plan(m, n, k, group_of(k), fmt)
             out.append(
                 f"{fmt} {name}: {p.kernel} bm{p.block_m} bn{p.block_n} bk{p.block_k} "
                 f"split{p.split_k}{'' if p.int4_planes else ' reshape'}"
@@ -341,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         "--tokens", default="1,4,8,16,64,256,4096", help="comma-separated rows of x"
     )
     parser.add_argument(
-        "--sweep-tokens", default="1,16,256,4", help="rows to sweep plans at ('' none)"
+        "--sweep-tokens", default="1,4,16,256", help="rows to sweep plans at ('' none)"
     )
     parser.add_argument("--output-dir", type=Path)
     args = parser.parse_args(argv)

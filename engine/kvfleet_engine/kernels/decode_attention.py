@@ -35,8 +35,10 @@ from kvfleet_engine.kernels.checks import (
 from kvfleet_engine.kernels.kv_fp8 import (
     V_SCALE_BOOST,
     f16_rows,
+    prefetched_scales,
     quantize_rows,
     swapped_pairs,
+    tile_block_ids,
     tile_scales,
 )
 from kvfleet_engine.layers.attention_torch import KVCache
@@ -107,6 +109,7 @@ def _decode_split_kernel(
     F16_DOTS: tl.constexpr,
     TRANSPOSE_SCORES: tl.constexpr,
     EARLY_V: tl.constexpr,
+    PREFETCH_SCALES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -164,6 +167,18 @@ def _decode_split_kernel(
             row_scale = tl.full([GROUP_PAD], 1.0, tl.float32) * scale_log2
         if TRANSPOSE_SCORES:
             q_dot_t = tl.trans(q_dot)  # [BLOCK_D, GROUP_PAD]
+        if PREFETCH_SCALES:  # the first tile's scales, the second's block ids (`kv_fp8`)
+            first = start + tl.arange(0, BLOCK_N)
+            ids_first = tile_block_ids(block_table, start, end, BLOCK_N, BLOCK_SIZE)
+            k_scale_next = tile_scales(
+                k_scales_ptr, ids_first, kv_head, first, first < end, stride_sb, stride_sh,
+                BLOCK_SIZE,
+            )  # fmt: skip
+            v_scale_next = tile_scales(
+                v_scales_ptr, ids_first, kv_head, first, first < end, stride_sb, stride_sh,
+                BLOCK_SIZE,
+            )  # fmt: skip
+            ids_next = tile_block_ids(block_table, start + BLOCK_N, end, BLOCK_N, BLOCK_SIZE)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
@@ -177,12 +192,21 @@ def _decode_split_kernel(
         k = tl.load(k_cache_ptr + rows_off[:, None] + kv_offset, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + rows_off[:, None] + kv_offset, mask=kv_mask, other=0.0)
         if FP8:
-            k_scale = tile_scales(
-                k_scales_ptr, block_ids, kv_head, positions, valid, stride_sb, stride_sh, BLOCK_SIZE
-            )
-            v_scale = tile_scales(
-                v_scales_ptr, block_ids, kv_head, positions, valid, stride_sb, stride_sh, BLOCK_SIZE
-            )
+            if PREFETCH_SCALES:
+                k_scale, v_scale = k_scale_next, v_scale_next
+                k_scale_next, v_scale_next, ids_next = prefetched_scales(
+                    k_scales_ptr, v_scales_ptr, block_table, ids_next, tile_start, end, kv_head,
+                    stride_sb, stride_sh, BLOCK_N, BLOCK_SIZE,
+                )  # fmt: skip
+            else:
+                k_scale = tile_scales(
+                    k_scales_ptr, block_ids, kv_head, positions, valid, stride_sb, stride_sh,
+                    BLOCK_SIZE,
+                )  # fmt: skip
+                v_scale = tile_scales(
+                    v_scales_ptr, block_ids, kv_head, positions, valid, stride_sb, stride_sh,
+                    BLOCK_SIZE,
+                )  # fmt: skip
             k = k.to(q_dot.dtype)
             if TRANSPOSE_SCORES:  # K as the first operand: [BLOCK_N, GROUP_PAD]
                 scores = tl.trans(tl.dot(k, q_dot_t, input_precision=DOT_PRECISION))
@@ -297,9 +321,11 @@ class _Launch:
     num_warps: int
     num_stages: int
     # fp8 cache only (kv_fp8): scores as K @ q^T (K the first tl.dot operand) instead of q @ K^T;
-    # V converted to float16 before its trip through shared memory (`swapped_pairs`).
+    # V converted to float16 before its trip through shared memory (`swapped_pairs`); the next
+    # tile's scales loaded during this one (`prefetched_scales`).
     transpose_scores: bool
     early_v: bool
+    prefetch_scales: bool
 
 
 def paged_decode_attention(
@@ -318,9 +344,12 @@ def paged_decode_attention(
     num_stages: int = 2,
     transpose_scores: bool = False,  # fp8 cache: see _Launch
     early_v: bool = True,
+    prefetch_scales: bool = True,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
     check_paged_attention(query, k_cache, v_cache, block_tables, context_lens, k_scales, v_scales)
-    launch = _Launch(num_splits, block_n, num_warps, num_stages, transpose_scores, early_v)
+    launch = _Launch(
+        num_splits, block_n, num_warps, num_stages, transpose_scores, early_v, prefetch_scales
+    )
     cache = (k_cache, v_cache, k_scales, v_scales)
     return _decode(query, cache, block_tables, context_lens, scale, None, launch)
 
@@ -346,6 +375,7 @@ def rotary_decode_attention(
     num_stages: int = 2,
     transpose_scores: bool = False,
     early_v: bool = True,
+    prefetch_scales: bool = True,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
     """A decode step's whole attention in one launch: rotary on q and k, the store of the new k
     and v in the cache (`rotary_store_kv`), then `paged_decode_attention` — at batch 1 each of
@@ -353,7 +383,9 @@ def rotary_decode_attention(
     check_paged_attention(query, k_cache, v_cache, block_tables, context_lens, k_scales, v_scales)
     check_rotary_store(positions, query, key, value, cos_sin, k_cache, slot_mapping)
     new = _NewToken(key, value, positions, cos_sin, slot_mapping)
-    launch = _Launch(num_splits, block_n, num_warps, num_stages, transpose_scores, early_v)
+    launch = _Launch(
+        num_splits, block_n, num_warps, num_stages, transpose_scores, early_v, prefetch_scales
+    )
     cache = (k_cache, v_cache, k_scales, v_scales)
     return _decode(query, cache, block_tables, context_lens, scale, new, launch)
 
@@ -437,6 +469,7 @@ def _decode(
         F16_DOTS=query.dtype in (torch.float16, torch.bfloat16),
         TRANSPOSE_SCORES=launch.transpose_scores,
         EARLY_V=launch.early_v,
+        PREFETCH_SCALES=launch.prefetch_scales,
         DOT_PRECISION=dot_precision(query.dtype),
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,

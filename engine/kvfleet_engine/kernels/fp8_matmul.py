@@ -1,7 +1,8 @@
 """fp8 products with e4m3 weights [N, K] and a float32 scale per output channel.
 
 Decode (up to GEMV_MAX_ROWS rows): weight-only, a GEMV that multiplies x as it is by the weights
-converted to float32 (one row: FMAs) or to x's dtype (more rows: tl.dot); no activation
+converted to x's dtype on the tensor cores (tl.dot, rows padded to 16; on the H200 it beat the
+FMA form on float32 weights even for one row) or, as a plan may choose, by FMAs; no activation
 quantization, so no second kernel and no rounding of x: at least as accurate as W8A8;
 out = x @ (w · w_scale)ᵀ.
 More rows, W8A8: x [M, K] is quantized per token to e4m3 by a small Triton kernel (row absmax,
@@ -27,10 +28,12 @@ from kvfleet_engine.kernels.int4_matmul import (
 from kvfleet_engine.quant.layout import FP8_DTYPE, FP8_MAX
 
 BACKENDS = ("scaled_mm", "triton")
-GEMV_MAX_ROWS = 16  # up to this many rows: the weight-only GEMV (FMAs for one row, else tl.dot)
+GEMV_MAX_ROWS = 16  # up to this many rows: the weight-only GEMV (H200: 67% of copy at 16 rows)
 DECODE_MAX_ROWS = 16
-# shape class -> W8A8 backend (to be set from bench.quant_gemv's measurements on the H200)
-FP8_BACKENDS = {"decode": "scaled_mm", "prompt": "scaled_mm"}
+BATCH_MAX_ROWS = 128
+# shape class (rows up to DECODE_MAX_ROWS, BATCH_MAX_ROWS, more) -> W8A8 backend, the faster in
+# bench.quant_gemv on the H200: the Triton GEMM up to 64 rows, cuBLASLt from 256
+FP8_BACKENDS = {"decode": "triton", "batch": "triton", "prompt": "scaled_mm"}
 
 
 @triton.jit
@@ -159,9 +162,8 @@ Fp8GemvBlocks = tuple[int, int, int, int, int, bool, str]
 
 
 def fp8_gemv_blocks(m: int) -> Fp8GemvBlocks:
-    """The weight-only GEMV's blocks for M rows."""
-    if m == 1:
-        return 1, 64, 128, 4, 0, False, "last"
+    """The weight-only GEMV's blocks for M rows (the dot form for all: at one row the FMA form
+    measured 112 us per 8B layer, the dot form 78 us at 4 rows)."""
     return 16, 64, 128, 4, 0, True, "last"
 
 
@@ -198,7 +200,7 @@ def fp8_gemv(
 def fp8_gemm_blocks(m: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the Triton fp8 GEMM for M rows."""
     if m <= DECODE_MAX_ROWS:
-        return 16, 64, 256, 4, 4
+        return 16, 32, 256, 4, 4  # H200, 16 rows: 103 us per 8B layer (BLOCK_N 64: 110)
     if m <= 128:
         return 64, 128, 128, 4, 4
     return 128, 128, 128, 8, 4
@@ -241,7 +243,8 @@ def scaled_mm_fp8(
 
 def fp8_backend(m: int, n: int, k: int, out_dtype: torch.dtype) -> str:
     """Which backend runs an [M, K] x [K, N] product (one of BACKENDS)."""
-    backend = FP8_BACKENDS["decode" if m <= DECODE_MAX_ROWS else "prompt"]
+    shape_class = "decode" if m <= DECODE_MAX_ROWS else "batch" if m <= BATCH_MAX_ROWS else "prompt"
+    backend = FP8_BACKENDS[shape_class]
     if out_dtype != torch.bfloat16 or k % 16 or n % 16:  # what rowwise _scaled_mm accepts
         return "triton"
     return backend

@@ -3,15 +3,18 @@ W = code * scale + offset per group of `group_size` rows (the layouts of `quant.
 
 int4 is the general case (packed unsigned codes with scales and offsets); int8 runs the same
 kernels with 8-bit signed codes and no offsets (`int8_matmul`). Kernels by shape class:
-- GEMV (decode, one row of x): FMAs on the CUDA cores, bound by instruction issue rather than
-  bytes, so each weight costs one LOP3 (its code masked in place into the mantissa of 2^23),
-  one FADD (minus 2^23) and one FFMA. Each program owns BLOCK_N columns and one of SPLIT_K
-  slices of K; the group's x·code products accumulate unscaled in a [rows, columns] register
-  tile, scales multiply that tile once per group, offsets multiply the group's Σx, and a single
-  reduction over rows ends the program. A 3-D form takes a few rows of x.
+- GEMV (decode, one row of x): FMAs on the CUDA cores, bound by instruction issue and load
+  latency rather than bytes, so each weight costs one LOP3 (its code masked in place into the
+  mantissa of 2^23), one FADD (minus 2^23) and one FFMA per row of x, and weight loads may be
+  software-pipelined (cp.async a few steps ahead). Each program owns BLOCK_N columns and one of
+  SPLIT_K slices of K; the group's x·code products accumulate unscaled in a [rows, columns]
+  register tile per row of x (int4: up to 4 rows share the unpacked codes), scales multiply
+  that tile once per group, offsets multiply the group's Σx, and a single reduction over rows
+  ends the program. A 3-D form takes other row counts.
 - dot (decode batches and prompts): tiles of codes into tl.dot on the tensor cores, int4 codes
   as 8 planes of one nibble each (x gathered to match, no reshape) or reshaped; scales on the
-  group's fp32 product or on the weights before the dot.
+  group's fp32 product or on the weights before the dot; with 16-bit x, plane codes may enter
+  as code + bias built from their bits alone (no float ops), the bias taken out with Σx.
 - dequantize + cuBLAS (long prompts): the weight is expanded once into x's dtype; at thousands of
   rows the product is compute-bound and the expansion is a few percent of it.
 Split-K partials are summed by the last program of each output tile (a counter, deterministic
@@ -30,13 +33,20 @@ import triton.language as tl
 
 from kvfleet_engine.kernels.checks import FLOAT_DTYPES, dot_precision, next_power_of_2, require
 
-GEMV_MAX_ROWS = 1  # above this many rows of x the tensor cores beat one FMA per weight and row
+# The shape tables below follow bench.quant_gemv's sweeps on the H200 (Llama-3.1-8B products).
+GEMV_MAX_ROWS = 1  # up to this many rows the GEMV (2 rows and more: the split-K dot was faster)
+ROW_GEMV_MAX_ROWS = 4  # the 2-D GEMV takes up to this many rows of x (int4; int8 one)
 DOT_MAX_SPLIT_ROWS = 16  # up to this many rows the dot kernel splits K (decode batches)
-DEQUANTIZE_MIN_ROWS = 1024  # from this many rows, dequantize once and use cuBLAS
+DEQUANTIZE_MIN_ROWS = 17  # from this many rows, dequantize once and use cuBLAS (the dot tiles
+# read the weight once but measured 2x to 5x slower at 64 and 256 rows)
+WIDE_N = 16384  # outputs from which a product counts as wide (gate_up) in the tables
+LONG_K = 8192  # inputs from which a product counts as long (down)
 KERNELS = ("gemv", "dot", "dequantize")
 SPLIT_REDUCE = ("last", "kernel")  # who sums split-K partials: the last program, or a kernel
 MAGIC: tl.constexpr = tl.constexpr(0x4B000000)  # 2^23: OR-ing c < 2^23 in gives 2^23 + c
 COUNTERS = 1 << 16  # split-K counters per device (one per output tile)
+# x dtype -> (bias, its bits): code | bits is code + bias exactly (the ulp at the bias is 1)
+CODE_BIAS = {torch.bfloat16: (128.0, 0x4300), torch.float16: (1024.0, 0x6400)}
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,7 @@ class MatmulPlan:
     split_reduce: str = "last"  # one of SPLIT_REDUCE
     int4_planes: bool = True  # dot: int4 as 8 nibble planes (else unpacked by a reshape)
     scale_after_dot: bool = True  # dot: scales on the group's product (else on the weights)
+    biased_codes: bool = False  # dot, int4 planes, scales after the dot, 16-bit x: codes + bias
     num_warps: int = 4
     num_stages: int = 3
 
@@ -72,26 +83,38 @@ def split_for(n_blocks: int, k_steps: int, device: torch.device, per_sm: int = 4
     return max(1, min(wanted, k_steps // 2))
 
 
-def plan_matmul(m: int, n: int, k: int, group_size: int, device: torch.device) -> MatmulPlan:
-    """Block sizes by shape class (a fixed table, so nothing is tuned inside graph capture)."""
+def row_gemv_blocks(codes: str, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K before the group's cap, warps, programs per SM) of the one-row GEMV,
+    the fastest measured per product class."""
+    if codes == "int8":
+        return (256, 16, 4, 8) if n >= WIDE_N else (128, 64, 4, 4)
+    if n >= WIDE_N:
+        return 128, 64, 4, 8
+    if k >= LONG_K:
+        return 64, 128, 2, 8
+    return 256, 128, 4, 8
+
+
+def plan_matmul(
+    m: int, n: int, k: int, group_size: int, device: torch.device, codes: str = "int4"
+) -> MatmulPlan:
+    """Block sizes by shape class and codes ("int4" or "int8"): a fixed table, so nothing is
+    tuned inside graph capture."""
     pow2_of_group = group_size & -group_size  # the largest power of two dividing group_size
     if m <= GEMV_MAX_ROWS:
-        block_k, block_n = min(128, pow2_of_group), 128
-        split = split_for(triton.cdiv(n, block_n), k // block_k, device)
-        return MatmulPlan("gemv", next_power_of_2(m), block_n, block_k, split)
+        block_n, block_k, warps, per_sm = row_gemv_blocks(codes, n, k)
+        block_k = min(block_k, pow2_of_group)
+        split = split_for(triton.cdiv(n, block_n), k // block_k, device, per_sm)
+        return MatmulPlan(
+            "gemv", next_power_of_2(m), block_n, block_k, split, num_warps=warps, num_stages=1
+        )
     if m >= DEQUANTIZE_MIN_ROWS or pow2_of_group < 16:  # tl.dot needs K tiles of >= 16
         return MatmulPlan("dequantize", 0, 128, min(64, pow2_of_group))
-    block_k = min(128, pow2_of_group)
+    block_k = min(128 if codes == "int4" else 64, pow2_of_group)
     planes = block_k >= 128  # 8 planes of >= 16 packed rows each
-    if m <= DOT_MAX_SPLIT_ROWS:
-        block_n = 128
-        split = split_for(triton.cdiv(n, block_n), k // block_k, device)
-        return MatmulPlan("dot", 16, block_n, block_k, split, int4_planes=planes)
-    block_m = 64 if m <= 64 else 128
-    return MatmulPlan(
-        "dot", block_m, 128, block_k, int4_planes=planes, scale_after_dot=False,
-        num_warps=8 if block_m == 128 else 4,
-    )  # fmt: skip
+    block_n = 256 if codes == "int4" and n >= WIDE_N else 128
+    split = split_for(triton.cdiv(n, block_n), k // block_k, device)
+    return MatmulPlan("dot", 16, block_n, block_k, split, int4_planes=planes)
 
 
 # ---- codes -------------------------------------------------------------------------------------
@@ -200,18 +223,29 @@ def _sum_splits_kernel(partial_ptr, out_ptr, numel, split_k, BLOCK: tl.constexpr
 
 @triton.jit
 def _scale_group(
-    acc0, acc1, acc2, acc3, step0, step1, step2, step3, x_sum, scales_ptr, offsets_ptr, k0,
-    offs_c, c_mask, N, group_size, CODES: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+    acc0, acc1, acc2, acc3, step0, step1, step2, step3, xs0, xs1, xs2, xs3, scales_ptr,
+    offsets_ptr, k0, offs_c, c_mask, N, group_size, CODES: tl.constexpr,
+    HAS_OFFSETS: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
-    """acc_b + step_b · scale (+ Σx · offset) for the group of row k0, [rows, columns] tiles
-    (int8: byte b of word c is column 4 c + b)."""
+    """acc_i + step_i · scale (+ Σx_i · offset) for the group of row k0, [rows, columns] tiles
+    (int4: i is the row of x; int8: byte i of word c is column 4 c + i)."""
     group = (k0 // group_size) * N
     if CODES == "int4":
-        scale = tl.load(scales_ptr + group + offs_c, mask=c_mask).to(tl.float32)
-        acc0 += step0 * scale[None, :]
+        scale = tl.load(scales_ptr + group + offs_c, mask=c_mask).to(tl.float32)[None, :]
+        acc0 += step0 * scale
+        if BLOCK_M > 1:
+            acc1 += step1 * scale
+        if BLOCK_M > 2:
+            acc2 += step2 * scale
+            acc3 += step3 * scale
         if HAS_OFFSETS:
-            offset = tl.load(offsets_ptr + group + offs_c, mask=c_mask).to(tl.float32)
-            acc0 += x_sum * offset[None, :]
+            offset = tl.load(offsets_ptr + group + offs_c, mask=c_mask).to(tl.float32)[None, :]
+            acc0 += xs0 * offset
+            if BLOCK_M > 1:
+                acc1 += xs1 * offset
+            if BLOCK_M > 2:
+                acc2 += xs2 * offset
+                acc3 += xs3 * offset
     else:
         scales = scales_ptr + group + 4 * offs_c
         acc0 += step0 * tl.load(scales, mask=c_mask).to(tl.float32)[None, :]
@@ -230,21 +264,34 @@ def _byte_codes(word, BYTE: tl.constexpr, flip):
     return bits.to(tl.float32, bitcast=True) - (8388608.0 + 128.0 * (1 << (8 * BYTE)))
 
 
+@triton.jit
+def _x_plane(x_ptr, stride_xm, M, offs, ROW: tl.constexpr):
+    """float32 [ROWS, 1]: x[ROW, offs] (0 for a row past M)."""
+    if ROW == 0:
+        x = tl.load(x_ptr + offs)
+    else:
+        x = tl.load(x_ptr + ROW * stride_xm + offs, mask=(offs * 0 + ROW) < M, other=0.0)
+    return x.to(tl.float32)[:, None]
+
+
 @triton.jit(do_not_specialize=["steps_per_split", "split_k", "magic", "flip0", "flip1"])
 def _gemv_row_kernel(
     x_ptr, qweight_ptr, scales_ptr, offsets_ptr, out_ptr, partial_ptr, counter_ptr,
-    N, K, group_size, steps_per_split, split_k, magic, flip0, flip1,
-    CODES: tl.constexpr, HAS_OFFSETS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUPS: tl.constexpr, LAST_REDUCES: tl.constexpr,
+    M, N, K, stride_xm, group_size, steps_per_split, split_k, magic, flip0, flip1,
+    CODES: tl.constexpr, HAS_OFFSETS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
+    STAGES: tl.constexpr, LAST_REDUCES: tl.constexpr,
 ):  # fmt: skip
-    """The GEMV of one row of x. Tiles are 2-D [rows, columns], so each thread keeps the 16-byte
-    vectors it loads (a tile with a third, row-of-x dimension gets one column per thread). int4:
-    packed rows [BLOCK_K // 8, BLOCK_N], nibble j masked in place as code · 16^E (x carries
-    16^-E); int8: int32 words of 4 columns [BLOCK_K, BLOCK_N // 4], byte b as code · 256^(b % 2).
-    magic (MAGIC; flip0 / flip1: MAGIC | 0x80 / 0x8000) comes at run time: in a register,
-    (bits & mask) ^ magic is one LOP3 (with two immediates it takes two).
-    GROUPS: "step" (BLOCK_K == group_size), "all" (one group: the scales multiply the sums once,
-    at the end) or "any"."""
+    """The GEMV of BLOCK_M (int8: 1; int4: 1, 2 or 4) rows of x. Tiles are 2-D [rows, columns],
+    so each thread keeps the 16-byte vectors it loads (a tile with a third, row-of-x dimension
+    gets one column per thread); each row of x has its own accumulator tiles and shares the
+    unpacked codes. int4: packed rows [BLOCK_K // 8, BLOCK_N], nibble j masked in place as
+    code · 16^E (x carries 16^-E); int8: int32 words of 4 columns [BLOCK_K, BLOCK_N // 4],
+    byte b as code · 256^(b % 2). magic (MAGIC; flip0 / flip1: MAGIC | 0x80 / 0x8000) comes at
+    run time: in a register, (bits & mask) ^ magic is one LOP3 (with two immediates it takes
+    two). GROUPS: "step" (BLOCK_K == group_size), "all" (one group: the scales multiply the sums
+    once, at the end) or "any". STAGES > 1 software-pipelines the weight loads (cp.async into
+    shared memory, STAGES - 1 steps ahead), so loads stay in flight while a step computes."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     ROWS: tl.constexpr = BLOCK_K // 8 if CODES == "int4" else BLOCK_K  # loaded rows per step
@@ -255,22 +302,28 @@ def _gemv_row_kernel(
     offs_r = tl.arange(0, ROWS)
     k_start = pid_k * steps_per_split * BLOCK_K
     k_end = tl.minimum(K, k_start + steps_per_split * BLOCK_K)
-    acc0 = tl.zeros((ROWS, COLS), dtype=tl.float32)  # Σ_groups scale · Σ x·code (int8: byte 0)
-    acc1 = tl.zeros((ROWS, COLS), dtype=tl.float32)  # int8: bytes 1..3
+    # Σ_groups scale · Σ x·code: int4, one tile per row of x; int8, one per byte of the words
+    acc0 = tl.zeros((ROWS, COLS), dtype=tl.float32)
+    acc1 = tl.zeros((ROWS, COLS), dtype=tl.float32)
     acc2 = tl.zeros((ROWS, COLS), dtype=tl.float32)
     acc3 = tl.zeros((ROWS, COLS), dtype=tl.float32)
     part0 = tl.zeros((ROWS, COLS), dtype=tl.float32)  # GROUPS "any": the group's Σ x·code
     part1 = tl.zeros((ROWS, COLS), dtype=tl.float32)
     part2 = tl.zeros((ROWS, COLS), dtype=tl.float32)
     part3 = tl.zeros((ROWS, COLS), dtype=tl.float32)
-    x_sum = tl.zeros((ROWS, 1), dtype=tl.float32)  # int4 offsets: the group's Σ x per row
-    for k0 in range(k_start, k_end, BLOCK_K):
+    xs0 = tl.zeros((ROWS, 1), dtype=tl.float32)  # int4 offsets: the group's Σ x per row of x
+    xs1 = tl.zeros((ROWS, 1), dtype=tl.float32)
+    xs2 = tl.zeros((ROWS, 1), dtype=tl.float32)
+    xs3 = tl.zeros((ROWS, 1), dtype=tl.float32)
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
         if CODES == "int4":
             row0 = k0 // 8
         else:
             row0 = k0
         words = (row0 + offs_r)[:, None].to(tl.int64) * words_per_row + offs_c[None, :]
-        packed = tl.load(qweight_ptr + words, mask=c_mask[None, :], other=0)  # [ROWS, COLS]
+        packed = tl.load(  # [ROWS, COLS], read once: evicted first
+            qweight_ptr + words, mask=c_mask[None, :], other=0, eviction_policy="evict_first"
+        )
         if GROUPS == "all":  # products go straight into the accumulators
             step0, step1, step2, step3 = acc0, acc1, acc2, acc3
         elif GROUPS == "step":
@@ -282,15 +335,30 @@ def _gemv_row_kernel(
             high = packed >> 12  # nibbles 5..7 at bits 8..19 (a mask at bit 0 would make it a
             # bit-field extract: two instructions)
             for j in tl.static_range(8):
-                x_j = tl.load(x_ptr + k0 + 8 * offs_r + j).to(tl.float32)[:, None]  # [ROWS, 1]
-                if HAS_OFFSETS:
-                    x_sum += x_j
                 if j < 5:
                     bits = (packed & (0xF << (4 * j))) ^ magic
                 else:
                     bits = (high & (0xF << (4 * (j - 3)))) ^ magic
                 codes = bits.to(tl.float32, bitcast=True) - 8388608.0
+                offs_x = k0 + 8 * offs_r + j
+                x_j = _x_plane(x_ptr, stride_xm, M, offs_x, 0)  # [ROWS, 1]
                 step0 += (x_j * _plane_weight(j)) * codes
+                if HAS_OFFSETS:
+                    xs0 += x_j
+                if BLOCK_M > 1:
+                    x_j = _x_plane(x_ptr, stride_xm, M, offs_x, 1)
+                    step1 += (x_j * _plane_weight(j)) * codes
+                    if HAS_OFFSETS:
+                        xs1 += x_j
+                if BLOCK_M > 2:
+                    x_j = _x_plane(x_ptr, stride_xm, M, offs_x, 2)
+                    step2 += (x_j * _plane_weight(j)) * codes
+                    if HAS_OFFSETS:
+                        xs2 += x_j
+                    x_j = _x_plane(x_ptr, stride_xm, M, offs_x, 3)
+                    step3 += (x_j * _plane_weight(j)) * codes
+                    if HAS_OFFSETS:
+                        xs3 += x_j
         else:  # bytes 0, 1 in place (code · 1, code · 256); bytes 2, 3 after a shift by 16
             x = tl.load(x_ptr + k0 + offs_r).to(tl.float32)[:, None]  # [ROWS, 1]
             high = packed >> 16
@@ -302,36 +370,46 @@ def _gemv_row_kernel(
             acc0, acc1, acc2, acc3 = step0, step1, step2, step3
         elif GROUPS == "step":
             acc0, acc1, acc2, acc3 = _scale_group(
-                acc0, acc1, acc2, acc3, step0, step1, step2, step3, x_sum, scales_ptr,
-                offsets_ptr, k0, offs_c, c_mask, N, group_size, CODES, HAS_OFFSETS,
+                acc0, acc1, acc2, acc3, step0, step1, step2, step3, xs0, xs1, xs2, xs3,
+                scales_ptr, offsets_ptr, k0, offs_c, c_mask, N, group_size, CODES, HAS_OFFSETS,
+                BLOCK_M,
             )  # fmt: skip
-            x_sum = tl.zeros((ROWS, 1), dtype=tl.float32)
+            xs0 = tl.zeros((ROWS, 1), dtype=tl.float32)
+            xs1, xs2, xs3 = xs0, xs0, xs0
         else:
             if ((k0 + BLOCK_K) % group_size == 0) | (k0 + BLOCK_K >= k_end):  # the group ends
                 acc0, acc1, acc2, acc3 = _scale_group(
-                    acc0, acc1, acc2, acc3, step0, step1, step2, step3, x_sum, scales_ptr,
-                    offsets_ptr, k0, offs_c, c_mask, N, group_size, CODES, HAS_OFFSETS,
+                    acc0, acc1, acc2, acc3, step0, step1, step2, step3, xs0, xs1, xs2, xs3,
+                    scales_ptr, offsets_ptr, k0, offs_c, c_mask, N, group_size, CODES,
+                    HAS_OFFSETS, BLOCK_M,
                 )  # fmt: skip
-                x_sum = tl.zeros((ROWS, 1), dtype=tl.float32)
+                xs0 = tl.zeros((ROWS, 1), dtype=tl.float32)
+                xs1, xs2, xs3 = xs0, xs0, xs0
                 step0 = tl.zeros((ROWS, COLS), dtype=tl.float32)
                 step1, step2, step3 = step0, step0, step0
             part0, part1, part2, part3 = step0, step1, step2, step3
     if GROUPS == "all":  # scale the sums once
         zero = tl.zeros((ROWS, COLS), dtype=tl.float32)
         acc0, acc1, acc2, acc3 = _scale_group(
-            zero, zero, zero, zero, acc0, acc1, acc2, acc3, x_sum, scales_ptr, offsets_ptr,
-            k_start, offs_c, c_mask, N, group_size, CODES, HAS_OFFSETS,
+            zero, zero, zero, zero, acc0, acc1, acc2, acc3, xs0, xs1, xs2, xs3, scales_ptr,
+            offsets_ptr, k_start, offs_c, c_mask, N, group_size, CODES, HAS_OFFSETS, BLOCK_M,
         )  # fmt: skip
-    if CODES == "int4":
-        out = tl.sum(acc0, axis=0)  # [BLOCK_N]
-    else:  # byte b of word c is column 4 c + b; bytes 1 and 3 carry 256
+    if CODES == "int8":  # byte b of word c is column 4 c + b; bytes 1 and 3 carry 256
         even = tl.join(tl.sum(acc0, axis=0), tl.sum(acc2, axis=0))  # [COLS, 2]: bytes 0, 2
         odd = tl.join(tl.sum(acc1, axis=0), tl.sum(acc3, axis=0)) * (1.0 / 256)  # bytes 1, 3
-        out = tl.reshape(tl.join(even, odd), (BLOCK_N,))  # [c, t, s] is byte 2 t + s
+        out = tl.reshape(tl.join(even, odd), (1, BLOCK_N))  # [c, t, s] is byte 2 t + s
+    elif BLOCK_M == 1:
+        out = tl.sum(acc0, axis=0)[None, :]  # [1, BLOCK_N]
+    elif BLOCK_M == 2:
+        out = tl.trans(tl.join(tl.sum(acc0, axis=0), tl.sum(acc1, axis=0)))  # [2, BLOCK_N]
+    else:  # the joins' [n, i, o] is row 2 i + o, its place once flattened
+        inner = tl.join(tl.sum(acc0, axis=0), tl.sum(acc2, axis=0))  # rows 0, 2
+        outer = tl.join(tl.sum(acc1, axis=0), tl.sum(acc3, axis=0))  # rows 1, 3
+        out = tl.trans(tl.reshape(tl.join(inner, outer), (BLOCK_N, 4)))  # [4, BLOCK_N]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     _finish(
-        out[None, :], out_ptr, partial_ptr, counter_ptr, pid_n, pid_k, split_k,
-        tl.arange(0, 1), offs_n, 1, N, LAST_REDUCES,
+        out, out_ptr, partial_ptr, counter_ptr, pid_n, pid_k, split_k, tl.arange(0, BLOCK_M),
+        offs_n, M, N, LAST_REDUCES,
     )  # fmt: skip
 
 
@@ -391,14 +469,19 @@ def _gemv_kernel(
 # ---- dot (tensor cores) ------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["steps_per_split", "split_k"])
+@triton.jit(do_not_specialize=["steps_per_split", "split_k", "code_bits"])
 def _dot_kernel(
     x_ptr, qweight_ptr, scales_ptr, offsets_ptr, out_ptr, partial_ptr, counter_ptr,
-    M, N, K, stride_xm, group_size, steps_per_split, split_k,
+    M, N, K, stride_xm, group_size, steps_per_split, split_k, code_bits,
     CODES: tl.constexpr, HAS_OFFSETS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PLANES: tl.constexpr,
-    SCALE_AFTER_DOT: tl.constexpr, LAST_REDUCES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SCALE_AFTER_DOT: tl.constexpr, CODE_BIAS: tl.constexpr, LAST_REDUCES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
+    """CODE_BIAS (int4 planes, scales after the dot, 16-bit x; else 0): each code enters the dot
+    as code + CODE_BIAS in x's dtype, made from its bits alone (code | code_bits, the bits of
+    CODE_BIAS: 0x4300 = 128 in bfloat16, 0x6400 = 1024 in float16; exact, one LOP3 after the
+    shift and no float ops), and the group's CODE_BIAS · Σx comes off with the offsets."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m, num_pid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -435,11 +518,15 @@ def _dot_kernel(
             )
             for j in tl.static_range(8):
                 x_j = tl.load(x_rows + k0 + 8 * offs_r[None, :] + j, mask=m_mask[:, None])
-                codes = _shifted_plane(packed, j)
-                if SCALE_AFTER_DOT:
+                if CODE_BIAS != 0:
+                    bits = ((packed >> (4 * j)) & 0xF) | code_bits
+                    codes16 = bits.to(tl.int16).to(dtype, bitcast=True)  # code + CODE_BIAS
+                    part = tl.dot(x_j, codes16, part, input_precision=DOT_PRECISION)
+                elif SCALE_AFTER_DOT:
+                    codes = _shifted_plane(packed, j)
                     part = tl.dot(x_j, codes.to(dtype), part, input_precision=DOT_PRECISION)
                 else:
-                    weight = codes * scale[None, :]
+                    weight = _shifted_plane(packed, j) * scale[None, :]
                     if HAS_OFFSETS:
                         weight += offset[None, :]
                     acc = tl.dot(x_j, weight.to(dtype), acc, input_precision=DOT_PRECISION)
@@ -460,6 +547,8 @@ def _dot_kernel(
                 acc += part * scale[None, :]
                 if HAS_OFFSETS:
                     acc += x_sum[:, None] * offset[None, :]
+                if CODE_BIAS != 0:
+                    acc -= x_sum[:, None] * (CODE_BIAS * scale)[None, :]
                 part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 x_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     tile = pid_m * num_pid_n + pid_n
@@ -524,6 +613,14 @@ def check_operands(
     return m, n, k
 
 
+def row_gemv_fits(codes: str, m: int, n: int, block_m: int) -> bool:
+    """Whether the 2-D GEMV takes these rows: int4 up to 4 (BLOCK_M 1, 2 or 4), int8 one row of
+    whole int32 words (N a multiple of 4); others run the 3-D GEMV."""
+    if codes == "int4":
+        return m <= block_m <= ROW_GEMV_MAX_ROWS
+    return m == 1 and block_m == 1 and n % 4 == 0
+
+
 def split_k_buffers(
     split_k: int, m: int, n: int, device: torch.device
 ) -> tuple[int, torch.Tensor, torch.Tensor]:
@@ -566,14 +663,15 @@ def launch(
         x, qweight, scales, offsets_arg, out, partial, counters,
         m, n, k, x.stride(0), group_size, steps, split_k,
     )  # fmt: skip
-    if plan.kernel == "gemv" and m == 1 and (codes == "int4" or n % 4 == 0):
+    if plan.kernel == "gemv" and row_gemv_fits(codes, m, n, plan.block_m):
         words = qweight if codes == "int4" else qweight.view(torch.int32)  # int8: [K, N // 4]
         groups = "step" if group_size == plan.block_k else "all" if group_size == k else "any"
         _gemv_row_kernel[(n_blocks, split_k)](
-            x, words, scales, offsets_arg, out, partial, counters,
-            n, k, group_size, steps, split_k, MAGIC.value, MAGIC.value | 0x80, MAGIC.value | 0x8000,
-            BLOCK_N=plan.block_n, GROUPS=groups, LAST_REDUCES=last_reduces,
-            num_warps=plan.num_warps, num_stages=plan.num_stages, **common,
+            x, words, scales, offsets_arg, out, partial, counters, m, n, k, x.stride(0),
+            group_size, steps, split_k, MAGIC.value, MAGIC.value | 0x80, MAGIC.value | 0x8000,
+            BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, GROUPS=groups, STAGES=plan.num_stages,
+            LAST_REDUCES=last_reduces, num_warps=plan.num_warps, num_stages=plan.num_stages,
+            **common,
         )  # fmt: skip
     elif plan.kernel == "gemv":
         _gemv_kernel[(n_blocks, split_k)](
@@ -581,9 +679,12 @@ def launch(
             num_warps=plan.num_warps, num_stages=plan.num_stages, **common,
         )  # fmt: skip
     else:
+        planes = plan.int4_planes and codes == "int4"
+        biased = plan.biased_codes and planes and plan.scale_after_dot and x.dtype in CODE_BIAS
+        bias, bias_bits = CODE_BIAS[x.dtype] if biased else (0.0, 0)
         _dot_kernel[(m_blocks * n_blocks, split_k)](
-            *args, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, GROUP_M=8,
-            PLANES=plan.int4_planes and codes == "int4", SCALE_AFTER_DOT=plan.scale_after_dot,
+            *args, bias_bits, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, GROUP_M=8,
+            PLANES=planes, SCALE_AFTER_DOT=plan.scale_after_dot, CODE_BIAS=bias,
             LAST_REDUCES=last_reduces, DOT_PRECISION=dot_precision(x.dtype),
             num_warps=plan.num_warps, num_stages=plan.num_stages, **common,
         )  # fmt: skip

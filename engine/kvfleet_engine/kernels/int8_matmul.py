@@ -18,4 +18,6 @@ def int8_matmul(
     """x @ (code * scale) -> [M, N] in x's dtype (bias is the caller's)."""
     m, n, k = check_operands(x, qweight, scales, group_size, pack=1)
     require(qweight.dtype == torch.int8, f"qweight must be int8, got {qweight.dtype}")
-    return launch(x, qweight, scales, None, group_size, plan_matmul(m, n, k, group_size, x.device))
+    return launch(
+        x, qweight, scales, None, group_size, plan_matmul(m, n, k, group_size, x.device, "int8")
+    )

@@ -117,3 +117,42 @@ def tile_scales(
     `block_ids` (0 where not `valid`)."""
     offsets = block_ids.to(tl.int64) * stride_sb + kv_head * stride_sh + positions % BLOCK_SIZE
     return tl.load(scales_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def tile_block_ids(block_table, tile_start, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """The block ids [BLOCK_N] of the tile of positions from tile_start (0 past `end`)."""
+    positions = tile_start + tl.arange(0, BLOCK_N)
+    return tl.load(block_table + positions // BLOCK_SIZE, mask=positions < end, other=0)
+
+
+@triton.jit
+def prefetched_scales(
+    k_scales_ptr,
+    v_scales_ptr,
+    block_table,
+    ids_next,
+    tile_start,
+    end,
+    kv_head,
+    stride_sb,
+    stride_sh,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Software pipelining of the scale loads, which hang off the block table: during the tile at
+    tile_start, the K and V scales [BLOCK_N] of the next tile (from `ids_next`, its block ids,
+    loaded one tile earlier) and the block ids of the tile after it. Nothing loaded here is used
+    before the next iteration, so no load waits on another within one (loaded where used, each
+    tile waited for its block ids, then for its scales, twice the latency the bf16 loop sees)."""
+    next_start = tile_start + BLOCK_N
+    positions = next_start + tl.arange(0, BLOCK_N)
+    valid = positions < end
+    k_scale = tile_scales(
+        k_scales_ptr, ids_next, kv_head, positions, valid, stride_sb, stride_sh, BLOCK_SIZE
+    )
+    v_scale = tile_scales(
+        v_scales_ptr, ids_next, kv_head, positions, valid, stride_sb, stride_sh, BLOCK_SIZE
+    )
+    ids_after = tile_block_ids(block_table, next_start + BLOCK_N, end, BLOCK_N, BLOCK_SIZE)
+    return k_scale, v_scale, ids_after

@@ -22,7 +22,14 @@ from kvfleet_engine.kernels.checks import (
     next_power_of_2,
     require,
 )
-from kvfleet_engine.kernels.kv_fp8 import V_SCALE_BOOST, f16_rows, swapped_pairs, tile_scales
+from kvfleet_engine.kernels.kv_fp8 import (
+    V_SCALE_BOOST,
+    f16_rows,
+    prefetched_scales,
+    swapped_pairs,
+    tile_block_ids,
+    tile_scales,
+)
 
 
 # Values that change from step to step are not specialised on (that would recompile mid-run).
@@ -58,6 +65,8 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     FP8: tl.constexpr,
     F16_DOTS: tl.constexpr,
+    EARLY_V: tl.constexpr,
+    PREFETCH_SCALES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
@@ -103,6 +112,18 @@ def _prefill_kernel(
                 row_scale = q_factor * scale_log2
             else:
                 row_scale = tl.full([BLOCK_Q * GROUP_PAD], 1.0, tl.float32) * scale_log2
+            if PREFETCH_SCALES:  # the first tile's scales, the second's block ids (`kv_fp8`)
+                first = tl.arange(0, BLOCK_N)
+                ids_first = tile_block_ids(block_table, 0, end, BLOCK_N, BLOCK_SIZE)
+                k_scale_next = tile_scales(
+                    k_scales_ptr, ids_first, kv_head, first, first < end, stride_sb, stride_sh,
+                    BLOCK_SIZE,
+                )  # fmt: skip
+                v_scale_next = tile_scales(
+                    v_scales_ptr, ids_first, kv_head, first, first < end, stride_sb, stride_sh,
+                    BLOCK_SIZE,
+                )  # fmt: skip
+                ids_next = tile_block_ids(block_table, BLOCK_N, end, BLOCK_N, BLOCK_SIZE)
 
         m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
@@ -116,7 +137,13 @@ def _prefill_kernel(
             kv_mask = valid[:, None] & dim_mask[None, :]
             k = tl.load(k_cache_ptr + rows_off[:, None] + kv_offset, mask=kv_mask, other=0.0)
             v = tl.load(v_cache_ptr + rows_off[:, None] + kv_offset, mask=kv_mask, other=0.0)
-            if FP8:
+            if FP8 and PREFETCH_SCALES:
+                k_scale, v_scale = k_scale_next, v_scale_next
+                k_scale_next, v_scale_next, ids_next = prefetched_scales(
+                    k_scales_ptr, v_scales_ptr, block_table, ids_next, tile_start, end, kv_head,
+                    stride_sb, stride_sh, BLOCK_N, BLOCK_SIZE,
+                )  # fmt: skip
+            elif FP8:
                 k_scale = tile_scales(
                     k_scales_ptr,
                     block_ids,
@@ -137,6 +164,7 @@ def _prefill_kernel(
                     stride_sh,
                     BLOCK_SIZE,
                 )
+            if FP8:
                 scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
                 scores = scores * row_scale[:, None] * k_scale[None, :]
             else:
@@ -149,8 +177,9 @@ def _prefill_kernel(
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if FP8:
                 weighted = (p * (v_scale * V_SCALE_BOOST)[None, :]).to(q.dtype)
-                # V converted before its trip through shared memory (`kv_fp8.swapped_pairs`).
-                v = swapped_pairs(v.to(q.dtype))
+                v = v.to(q.dtype)
+                if EARLY_V:  # converted before shared memory (`kv_fp8.swapped_pairs`)
+                    v = swapped_pairs(v)
                 pv = tl.dot(weighted, v, input_precision=DOT_PRECISION)
             else:
                 pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -159,7 +188,8 @@ def _prefill_kernel(
 
         if FP8:
             acc = acc * (1.0 / V_SCALE_BOOST)
-            dims = dims ^ 1  # V's columns were swapped in pairs
+            if EARLY_V:
+                dims = dims ^ 1  # V's columns were swapped in pairs
         out = acc / l_i[:, None]
         tl.store(
             out_ptr + token_ids[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
@@ -183,6 +213,12 @@ def prefill_attention(
     block_n: int = 64,  # context tokens per tile
     num_warps: int = 4,
     num_stages: int = 2,
+    # fp8 cache only: float16 dots for 16-bit queries (else dots in the query dtype), and V
+    # converted before shared memory (`decode_attention`'s early_v). Chosen apart from decode's:
+    # the prefill kernel is bound by its tensor-core work, not by loads.
+    f16_dots: bool = True,
+    early_v: bool = False,
+    prefetch_scales: bool = True,  # the next tile's scales loaded during this one
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     check_paged_attention(query, k_cache, v_cache, block_tables, context_lens, k_scales, v_scales)
     check_index(cu_query_lens, "cu_query_lens", 1, torch.int32, k_cache.device)
@@ -229,7 +265,9 @@ def prefill_attention(
         BLOCK_N=block_n,
         BLOCK_SIZE=block_size,
         FP8=k_scales is not None,
-        F16_DOTS=query.dtype in (torch.float16, torch.bfloat16),
+        F16_DOTS=f16_dots and query.dtype in (torch.float16, torch.bfloat16),
+        EARLY_V=early_v,
+        PREFETCH_SCALES=prefetch_scales,
         DOT_PRECISION=dot_precision(query.dtype),
         num_warps=num_warps,
         num_stages=num_stages,

@@ -32,7 +32,10 @@ def quantize_kv(
     """Each row's scale is its largest magnitude / 448, rounded up to a bfloat16; the codes are
     the row times 1 / scale (float32, rounded to nearest even), so no code exceeds 448."""
     amax = x.float().abs().amax(dim=-1).clamp(min=AMAX_FLOOR)
-    bits = (amax / FP8_MAX).view(torch.int32)
+    # A tensor divisor, not a Python float: CUDA torch divides by a scalar as a multiplication by
+    # its float32 reciprocal, one ulp off the IEEE quotient (a scale one bfloat16 step too large
+    # wherever amax / 448 is exactly a bfloat16); the kernels divide correctly rounded (div_rn).
+    bits = (amax / amax.new_full((), FP8_MAX)).view(torch.int32)
     scale = ((bits + 0xFFFF) & -0x10000).view(torch.float32)  # exactly a bfloat16
     codes = (x.float() * (1.0 / scale)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return codes, scale.to(SCALE_DTYPE)

@@ -197,5 +197,15 @@ def fp8_linear_reference(
     return out if bias is None else out + bias
 
 
+def fp8_weight_only_reference(
+    x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What the decode-sized fp8 product computes: x as it is (not quantized) times the
+    dequantized e4m3 weights, in float32 (at least as accurate as W8A8)."""
+    w = weight.weight.float() * weight.scale[:, None]
+    out = (x.float() @ w.t()).to(x.dtype)
+    return out if bias is None else out + bias
+
+
 def _to_fp8(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)

@@ -1,0 +1,98 @@
+"""`kvfleet bench accuracy`: the engine's teacher-forced perplexity equals transformers' on the
+same windows, and the command prints and writes the comparison."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvfleet_engine.bench import accuracy
+from kvfleet_engine.bench.perplexity import evaluation_tokens, perplexity, windows
+
+
+def test_windows_score_every_token_but_the_first_once():
+    for num_tokens, window, stride in [(10, 4, 2), (10, 4, 3), (9, 4, 3), (3, 8, 4), (17, 5, 1)]:
+        scored = [
+            p for _, end, first in windows(num_tokens, window, stride) for p in range(first, end)
+        ]
+        assert scored == list(range(1, num_tokens)), (num_tokens, window, stride)
+        for begin, end, first in windows(num_tokens, window, stride):
+            assert end - begin <= window
+            assert first - begin >= min(window - stride, first)  # context of each scored token
+    with pytest.raises(ValueError, match="stride"):
+        list(windows(10, 4, 4))
+
+
+@torch.no_grad()
+def _transformers_perplexity(model: Any, token_ids: list[int], window: int, stride: int) -> float:
+    total, count = 0.0, 0
+    for begin, end, first in windows(len(token_ids), window, stride):
+        ids = torch.tensor([token_ids[begin:end]])
+        logprobs = torch.log_softmax(model(ids).logits[0].double(), dim=-1)
+        for position in range(first, end):
+            total -= float(logprobs[position - 1 - begin, token_ids[position]])
+            count += 1
+    return math.exp(total / count)
+
+
+@pytest.mark.parametrize("chunk", [512, 7])
+def test_engine_perplexity_matches_transformers(checkpoints: Any, make_llm: Any, chunk: int):
+    llm = make_llm("qwen2", dtype="float32", max_model_len=64)
+    token_ids = evaluation_tokens(llm.get_tokenizer(), 150)  # byte tokenizer: 150 characters
+    result = perplexity(llm, token_ids, window=64, stride=24, chunk=chunk)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoints.path("qwen2"), dtype=torch.float32)
+    expected = _transformers_perplexity(model.eval(), token_ids, 64, 24)
+    assert result.num_scored == 149
+    assert result.perplexity == pytest.approx(expected, rel=1e-4)
+    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks  # blocks back
+
+
+def test_command_prints_table_and_writes_json(checkpoints: Any, tmp_path: Path, capsys: Any):
+    path = checkpoints.path("llama3")
+    argv = [
+        "--config", f"base={path}:dtype=float32",
+        "--config", f"again={path}:dtype=float32,block_size=8",
+        "--bound", "again=0.01",
+        "--device", "cpu", "--max-tokens", "96", "--window", "64", "--stride", "32",
+        "--prompts", "3", "--new-tokens", "4", "--output", str(tmp_path),
+    ]  # fmt: skip
+    assert accuracy.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "perplexity" in out and "again" in out and "ok 0.01%" in out
+    (written,) = tmp_path.glob("*-cpu-accuracy.json")
+    document = json.loads(written.read_text())
+    base, again = document["results"]
+    assert document["workload"]["baseline"] == "base"
+    assert base["num_scored"] == again["num_scored"] == 95
+    assert again["perplexity"] == pytest.approx(base["perplexity"], rel=1e-5)
+    assert again["agreement"] == 1.0 and again["mean_matched_prefix"] == 4.0
+    assert again["options"] == {"dtype": "float32", "block_size": 8}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("nopath", "NAME=PATH"),
+        ("x=/m:kv_cache_dtyp=fp8", "unknown option 'kv_cache_dtyp'"),
+        ("x=/m:dtype", "not KEY=VALUE"),
+    ],
+)
+def test_bad_config_is_rejected_with_its_problem(text: str, message: str):
+    with pytest.raises(ValueError, match=message):
+        accuracy.parse_config(text)
+
+
+def test_config_options_are_typed():
+    config = accuracy.parse_config(
+        "sdpa=/models/x:attention_backend=sdpa,block_size=32,enforce_eager=true"
+    )
+    assert config == accuracy.Config(
+        "sdpa", "/models/x", {"attention_backend": "sdpa", "block_size": 32, "enforce_eager": True}
+    )
