@@ -12,10 +12,15 @@ from pathlib import Path
 from typing import Any
 
 from kvfleet_engine.loaders.gguf_metadata import find_gguf_file, gguf_eos_token_ids, gguf_hf_config
+from kvfleet_engine.loaders.gguf_names import gguf_linear_types
 from kvfleet_engine.models.registry import check_architecture
 from kvfleet_engine.quant.config import ALIASES as QUANTIZATION_ALIASES
 from kvfleet_engine.quant.config import METHODS as QUANTIZATION_METHODS
-from kvfleet_engine.quant.config import QuantConfig, resolve_quantization
+from kvfleet_engine.quant.config import (
+    QuantConfig,
+    resolve_gguf_quantization,
+    resolve_quantization,
+)
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +76,9 @@ class ModelConfig:
                 max_model_len=_resolve_max_model_len(max_model_len, hf_config),
                 eos_token_ids=gguf_eos_token_ids(str(gguf_file)),
                 hf_config=hf_config,
-                quantization=resolve_quantization(quantization, None),
+                quantization=resolve_gguf_quantization(
+                    quantization, gguf_linear_types(str(gguf_file)), gguf_file.name
+                ),
             )
         directory = Path(path)
         config_file = directory / "config.json"
@@ -344,8 +351,9 @@ class EngineConfig:
             "--quantization",
             default=None,
             choices=("auto", *QUANTIZATION_METHODS, *QUANTIZATION_ALIASES),
-            help="weight quantization (default auto: the checkpoint's quantization_config; "
-            "fp8 and int8 also quantize a float checkpoint at load)",
+            help="weight quantization (default auto: the checkpoint's quantization_config, or a "
+            "GGUF file's Q8_0/Q4 blocks kept quantized on CUDA; fp8 and int8 also quantize a "
+            "float checkpoint at load; gguf keeps GGUF blocks quantized on the CPU too)",
         )
 
     @classmethod

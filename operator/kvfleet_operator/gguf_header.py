@@ -12,6 +12,7 @@ the elements.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 from dataclasses import dataclass
@@ -75,6 +76,15 @@ class GGUFHeaderError(ValueError):
 
 
 @dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor info of the header."""
+
+    name: str  # e.g. "blk.0.attn_q.weight"
+    type_name: str  # ggml type, e.g. "Q4_K"
+    elements: int
+
+
+@dataclass(frozen=True)
 class GGUFSummary:
     """What the memory plan needs from a GGUF header. Architecture numbers are None when the
     file does not carry them."""
@@ -92,6 +102,7 @@ class GGUFSummary:
     num_parameters: int  # elements of every tensor in this file
     weight_bytes: int  # bytes of every tensor in this file, from each ggml type's block size
     header_bytes: int  # bytes from the start of the file to the end of the tensor infos
+    tensors: tuple[GGUFTensor, ...] = ()  # every tensor described in this file, in file order
 
 
 @dataclass(frozen=True)
@@ -193,6 +204,7 @@ def _parse(data: bytes) -> GGUFSummary:
         metadata[key] = reader.value(value_type, key, keep)
 
     num_parameters = weight_bytes = 0
+    tensors = []
     for _ in range(num_tensors):
         name = reader.string("tensor name")
         n_dims = reader.scalar("I")
@@ -204,7 +216,9 @@ def _parse(data: bytes) -> GGUFSummary:
         elements, size = _tensor_size(name, dims, ggml_type)
         num_parameters += elements
         weight_bytes += size
-    return _summary(version, metadata, num_tensors, num_parameters, weight_bytes, reader.offset)
+        tensors.append(GGUFTensor(name, GGML_TYPES[ggml_type][0], elements))
+    summary = _summary(version, metadata, num_tensors, num_parameters, weight_bytes, reader.offset)
+    return dataclasses.replace(summary, tensors=tuple(tensors))
 
 
 def _tensor_size(name: str, dims: list[int], ggml_type: int) -> tuple[int, int]:

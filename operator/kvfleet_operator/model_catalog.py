@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvfleet_operator.gguf_header import GGUFSummary, GGUFUnavailable
+from kvfleet_operator.gguf_header import GGUFSummary, GGUFTensor, GGUFUnavailable
 from kvfleet_operator.models import MemorySource, ModelHints, ModelSpec
 
 
@@ -21,6 +21,7 @@ class ModelArchitecture:
     numbers: ModelHints  # parameters, layers, heads, head dim, context
     source: MemorySource  # reported as status.memoryPlan.source
     weight_bytes: int | None = None  # the file's own bytes of weights (GGUF header), else None
+    gguf_tensors: tuple[GGUFTensor, ...] = ()  # the GGUF header's tensors, else empty
 
 
 @dataclass(frozen=True)
@@ -153,4 +154,6 @@ def _from_gguf(model: ModelSpec, gguf: GGUFSummary) -> ModelArchitecture | Unkno
         head_dim=gguf.head_dim,
         max_position_embeddings=gguf.context_length,
     )
-    return ModelArchitecture(numbers, "ggufHeader", weight_bytes=gguf.weight_bytes)
+    return ModelArchitecture(
+        numbers, "ggufHeader", weight_bytes=gguf.weight_bytes, gguf_tensors=gguf.tensors
+    )

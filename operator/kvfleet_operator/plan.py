@@ -10,9 +10,10 @@ Memory per GPU, all in bytes (documented in the README):
              (0.5 + 4/128 = 0.53125 per weight); the rest of the parameters (embeddings, lm
              head, norms, biases) stays 2 bytes. Without the MLP width (hints without
              intermediateSize) every parameter counts as a linear weight of hidden-size inputs.
-             For numbers from a GGUF header, the file's own bytes of weights instead (about 0.6
-             per parameter for Q4_K_M) once the engine keeps GGUF blocks quantized
-             (engine_features.GGUF_WEIGHTS_STAY_QUANTIZED; today it dequantizes them to bf16)
+             For numbers from a GGUF header, each tensor at the engine's bytes instead
+             (engine_features.GGUF_KEPT_QUANTIZED): block linears of Q8_0 1.0625 per weight,
+             Q4_0 / Q4_1 / Q4_K 0.625; a fused q/k/v or gate/up of mixed kinds, and every other
+             tensor, 2 (about 1.03 per parameter for an 8B Q4_K_M file, which holds about 0.6)
   kv cache = 2 (K and V) × ceil(layers / pipeline) × ceil(kv heads / tensor)
              × (head dim × bytes per KV element (auto 2, fp8 1) + scale bytes (fp8: one
              bfloat16 per token and KV head, else 0)) × maxModelLen × sla.concurrentSequences
@@ -23,11 +24,13 @@ Memory per GPU, all in bytes (documented in the README):
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from kvfleet_operator import engine_features
 from kvfleet_operator.accelerators import PRODUCT_LABEL
 from kvfleet_operator.engine_features import unavailable_features
+from kvfleet_operator.gguf_header import GGUFTensor
 from kvfleet_operator.model_catalog import ModelArchitecture, UnknownModel
 from kvfleet_operator.models import (
     AcceleratorProfileSpec,
@@ -277,9 +280,39 @@ def plan_memory(
 
 def _weight_bytes(spec: InferenceDeploymentSpec, architecture: ModelArchitecture) -> float:
     """Bytes of the weights in GPU memory, all GPUs together."""
-    if architecture.weight_bytes is not None and engine_features.GGUF_WEIGHTS_STAY_QUANTIZED:
-        return architecture.weight_bytes
+    if architecture.gguf_tensors and engine_features.GGUF_WEIGHTS_STAY_QUANTIZED:
+        return gguf_weight_bytes(architecture.gguf_tensors)
     return weight_bytes(architecture.numbers, spec.quantization.weights)
+
+
+# GGUF block linears (blk.N.<part>.weight) -> the engine layer holding them; the parts of a
+# fused layer (q/k/v, gate/up) stay quantized only when all have one kind.
+_GGUF_LAYERS = {
+    "attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "attn_output": "o",
+    "ffn_gate": "gate_up", "ffn_up": "gate_up", "ffn_down": "down",
+}  # fmt: skip
+_GGUF_LINEAR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+def gguf_weight_bytes(tensors: tuple[GGUFTensor, ...]) -> float:
+    """Bytes of a GGUF file's weights once the engine has loaded them on a GPU."""
+    layers: dict[tuple[str, str], list[GGUFTensor]] = {}  # (block, engine layer) -> its parts
+    total = 0.0
+    for tensor in tensors:
+        match = _GGUF_LINEAR.fullmatch(tensor.name)
+        if match is not None and match[2] in _GGUF_LAYERS:
+            layers.setdefault((match[1], _GGUF_LAYERS[match[2]]), []).append(tensor)
+        else:
+            total += tensor.elements * UNQUANTIZED_BYTES
+    for parts in layers.values():
+        kept = [engine_features.GGUF_KEPT_QUANTIZED.get(t.type_name) for t in parts]
+        kinds = {k[0] if k is not None else None for k in kept}
+        for tensor, kind_bytes in zip(parts, kept, strict=True):
+            per_weight: float = UNQUANTIZED_BYTES
+            if kind_bytes is not None and len(kinds) == 1:
+                per_weight = kind_bytes[1]
+            total += tensor.elements * per_weight
+    return total
 
 
 def weight_bytes(model: ModelHints, weights: WeightQuantization) -> float:

@@ -245,35 +245,54 @@ def llama_8b_gguf_header(write_gguf):
     return summary
 
 
-def test_gguf_header_gives_the_numbers_and_the_files_bytes(make_spec, write_gguf) -> None:
+# Llama 3.1 8B as conftest's header lays it out, in the engine's bytes on a GPU: per block, q/k/v
+# (Q4_K, Q4_K, Q6_K: mixed kinds, one fused layer) in bf16, o (Q4_K) and gate/up (Q4_1) as int4
+# 0.625, down (Q8_0) as int8 1.0625, 2 norms in bf16; the Q4_1 embedding and F16 output in bf16.
+_BLOCK_BYTES = (
+    (4096 + 2 * 1024) * 4096 * 2
+    + 4096 * 4096 * 0.625
+    + 2 * 14336 * 4096 * 0.625
+    + 4096 * 14336 * 1.0625
+    + 2 * 4096 * 2
+)
+LLAMA_8B_GGUF_ENGINE_BYTES = 32 * _BLOCK_BYTES + 2 * 128256 * 4096 * 2 + 4096 * 2
+
+
+def test_gguf_header_gives_the_numbers_and_the_engines_bytes(make_spec, write_gguf) -> None:
     header = llama_8b_gguf_header(write_gguf)
     assert header.num_parameters == 8_030_261_248  # the catalog's Llama 3.1 8B, counted
     # 4- to 8-bit blocks and an F16 output layer: about 0.8 bytes per parameter, not 2 (bf16).
     assert 0.55 < header.weight_bytes / header.num_parameters < 0.85
-    spec = make_spec(model={"uri": GGUF_URI})
-    p = plan_with(spec, header)
-    assert p.ok and p.memory.source == "ggufHeader"
-    # The engine dequantizes GGUF weights to bf16 at load: 2 bytes per parameter in GPU memory,
-    # like the catalog entry, and so is the KV cache from the header's layers and heads.
-    catalog = plan(make_spec()).memory
-    assert p.memory.model_dump(exclude={"source"}) == catalog.model_dump(exclude={"source"})
-
-
-def test_gguf_weights_are_the_files_bytes_once_the_engine_keeps_them_quantized(
-    make_spec, write_gguf, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(engine_features, "GGUF_WEIGHTS_STAY_QUANTIZED", True)
-    header = llama_8b_gguf_header(write_gguf)
     p = plan_with(make_spec(model={"uri": GGUF_URI}), header)
-    assert p.memory.source == "ggufHeader"
-    assert p.memory.weights_gib == round(header.weight_bytes / 1024**3, 2) < 14.96 / 2
+    assert p.ok and p.memory.source == "ggufHeader"
+    # The engine keeps the Q8_0 / Q4_x linears quantized and dequantizes the rest to bf16: more
+    # than the file's bytes, less than bf16's 14.96 GiB.
+    assert p.memory.weights_gib == round(LLAMA_8B_GGUF_ENGINE_BYTES / 1024**3, 2)
+    assert header.weight_bytes / 1024**3 < p.memory.weights_gib < 14.96 / 1.5
     assert p.memory.kv_cache_gib == pytest.approx(1.0)
     assert p.startup_timeout_seconds == 120 + math.ceil(10 * p.memory.weights_gib)
-    # The file's own format sets the bytes; quantization.weights does not scale them again.
-    int8 = make_spec(model={"uri": GGUF_URI}, quantization={"weights": "int8"})
-    assert plan_with(int8, header).memory.weights_gib == p.memory.weights_gib
     # Numbers that do not come from a GGUF header keep parameters × bytes per weight.
     assert plan(make_spec()).memory.weights_gib == pytest.approx(14.96, abs=0.01)
+
+
+def test_gguf_with_a_weights_quantization_is_unavailable(make_spec, write_gguf) -> None:
+    """The engine refuses --quantization for a GGUF file: the file's tensors set the format."""
+    header = llama_8b_gguf_header(write_gguf)
+    p = plan_with(make_spec(model={"uri": GGUF_URI}, quantization={"weights": "int8"}), header)
+    assert reasons(p) == ["FeatureUnavailable"]
+    assert "quantization.weights=int8: a GGUF file's tensors keep their own formats" in (
+        p.problems[0].message
+    )
+
+
+def test_gguf_weights_count_2_bytes_when_the_engine_dequantizes_them(
+    make_spec, write_gguf, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(engine_features, "GGUF_WEIGHTS_STAY_QUANTIZED", False)
+    p = plan_with(make_spec(model={"uri": GGUF_URI}), llama_8b_gguf_header(write_gguf))
+    assert p.memory.source == "ggufHeader"
+    catalog = plan(make_spec()).memory
+    assert p.memory.model_dump(exclude={"source"}) == catalog.model_dump(exclude={"source"})
 
 
 def test_memory_plan_names_its_source(make_spec) -> None:

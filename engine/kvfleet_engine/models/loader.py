@@ -14,7 +14,8 @@ from torch import nn
 from kvfleet_engine.config import ModelConfig
 from kvfleet_engine.layers.attention import AttentionMetadata
 from kvfleet_engine.models.registry import model_class
-from kvfleet_engine.quant.swap import check_device, quantize_linears
+from kvfleet_engine.quant.linear import QuantLinear
+from kvfleet_engine.quant.swap import check_device, checkpoint_names, quantize_linears
 
 log = logging.getLogger(__name__)
 
@@ -44,19 +45,22 @@ def serving_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
 def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
     """Build on meta -> swap quantized linears -> materialise -> load -> convert the loaded
     checkpoint layouts to the kernels' (finish_loading)."""
-    if config.quantization is not None:
-        check_device(config.quantization, device)
+    quant = config.quantization
+    if quant is not None and quant.cuda_only and device.type != "cuda":
+        quant = None  # a GGUF file on the CPU: dequantized at load (faster there, and exact)
+    if quant is not None:
+        check_device(quant, device)
     cls = model_class(config.architecture)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
+    kept: frozenset[str] = frozenset()  # checkpoint linears loaded in their quantized layout
     try:
         with torch.device("meta"):
             model = cls(config.hf_config, config.architecture)
-            if config.quantization is not None:
-                replaced = quantize_linears(model, config.quantization, dtype)
-                log.info(
-                    "%s: %d linear layers quantized", config.quantization.method, len(replaced)
-                )
+            if quant is not None:
+                replaced = quantize_linears(model, quant, dtype)
+                kept = frozenset(_checkpoint_linears(model, replaced))
+                log.info("%s: %d linear layers quantized", quant.method, len(replaced))
     finally:
         torch.set_default_dtype(default_dtype)
     model = model.to_empty(device=device)
@@ -67,7 +71,7 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
             method = getattr(module, hook, None)
             if method is not None:
                 method()
-    load_weights(model, checkpoint_tensors(config, device), config.path)
+    load_weights(model, checkpoint_tensors(config, device, kept), config.path)
     for module in model.modules():
         finish = getattr(module, "finish_loading", None)
         if finish is not None:
@@ -77,18 +81,28 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
 
 
 def checkpoint_tensors(
-    config: ModelConfig, device: torch.device
+    config: ModelConfig, device: torch.device, kept: frozenset[str] = frozenset()
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's (Hugging Face name, tensor) pairs, whatever its format."""
+    """The checkpoint's (Hugging Face name, tensor) pairs, whatever its format; a GGUF file's
+    linears named in `kept` come as their repacked blocks (loaders/gguf_tensors.py)."""
     if config.format == "gguf":
         from kvfleet_engine.loaders.gguf_tensors import gguf_tensors
 
-        for name, array in gguf_tensors(config.path):
+        for name, array in gguf_tensors(config.path, kept):
             yield name, torch.from_numpy(array)
     else:
         from kvfleet_engine.loaders.safetensors import safetensors_tensors
 
         yield from safetensors_tensors(Path(config.path), device)
+
+
+def _checkpoint_linears(model: nn.Module, replaced: list[str]) -> Iterator[str]:
+    """The checkpoint module names (q_proj, up_proj, ...) behind the replaced model modules."""
+    packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
+    for name in replaced:
+        module = model.get_submodule(name)
+        assert isinstance(module, QuantLinear)
+        yield from checkpoint_names(name, module, packed).values()
 
 
 @torch.no_grad()

@@ -7,10 +7,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("none", "fp8", "int8", "awq", "gptq", "compressed-tensors")
+METHODS = ("none", "fp8", "int8", "awq", "gptq", "compressed-tensors", "gguf")
 # The operator's names (InferenceDeployment quantization.weights) for the int4 methods.
 ALIASES = {"int4-awq": "awq", "int4-gptq": "gptq"}
 INT4_GROUP_SIZES = (32, 64, 128)
+# GGML types whose blocks stay quantized (as these kinds, group 32); other types dequantize.
+GGUF_KINDS = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4"}
+GGUF_GROUP_SIZE = 32
 _SUPPORTED_BITS = "4 (group 32, 64 or 128) or 8"
 
 
@@ -24,7 +27,8 @@ class WeightScheme:
     # Where the tensors come from: "float" (a float weight quantized at load) | "awq" (AutoAWQ
     # GEMM) | "gptq" (auto-gptq / GPTQModel) | "ct-float" (e4m3 + scales: compressed-tensors
     # float-quantized, or quant_method fp8) | "ct-int" (compressed-tensors int-quantized)
-    # | "ct-pack" (compressed-tensors pack-quantized).
+    # | "ct-pack" (compressed-tensors pack-quantized) | "gguf" (GGUF blocks, repacked by the
+    # loader into the canonical codes / scales / offsets).
     layout: str
     # Input columns per scale; None: one scale per output channel (or per tensor).
     group_size: int | None = None
@@ -48,6 +52,11 @@ class QuantConfig:
     ignore: tuple[str, ...] = ()
     # The checkpoint quantizes lm_head too (otherwise it stays in the serving dtype).
     quantize_lm_head: bool = False
+    # Applies on CUDA only; other devices load plain weights (GGUF with quantization auto).
+    cuda_only: bool = False
+    # A fused layer whose checkpoint layers differ stays unquantized instead of being an error
+    # (GGUF files choose a type per tensor: Q4_K_M has Q6_K v_proj in some layers).
+    unquantized_when_mixed: bool = False
 
     def scheme_for(self, name: str) -> WeightScheme | None:
         """The scheme of the checkpoint linear `name` (e.g. model.layers.0.self_attn.q_proj),
@@ -78,6 +87,10 @@ def resolve_quantization(
             f"quantization must be one of auto, {', '.join(METHODS)}, got {requested!r}"
         )
     stored = (hf_config or {}).get("quantization_config")
+    if requested == "gguf":
+        raise ValueError(
+            "quantization='gguf' needs a GGUF file; the model is a safetensors directory"
+        )
     if stored is None:
         if requested in ("awq", "gptq", "compressed-tensors"):
             raise ValueError(
@@ -97,6 +110,42 @@ def resolve_quantization(
         f"quantization={requested!r} contradicts the checkpoint's quantization_config "
         f"(quant_method {stored.get('quant_method')!r}, which runs as {config.method!r}); "
         "leave quantization unset to use the checkpoint's"
+    )
+
+
+def resolve_gguf_quantization(
+    requested: str | None, linear_types: dict[str, str], file_name: str
+) -> QuantConfig | None:
+    """The quantization of a GGUF file's linears (linear_types: module name -> GGML type name):
+    None or "auto" keeps the GGUF_KINDS blocks quantized on CUDA (the CPU dequantizes: faster
+    there, and exact); "gguf" keeps them on every device; "none" dequantizes everything. Other
+    methods are ValueErrors: the file's tensors carry their own formats."""
+    requested = ALIASES.get(requested or "", requested)
+    if requested == "none":
+        return None
+    if requested not in (None, "auto", "gguf"):
+        if requested not in METHODS:
+            raise ValueError(
+                f"quantization must be one of auto, {', '.join(METHODS)}, got {requested!r}"
+            )
+        types = ", ".join(sorted(set(linear_types.values())))
+        raise ValueError(
+            f"quantization={requested!r} does not apply to the GGUF file {file_name} (its tensors "
+            f"are {types}); use auto (blocks stay quantized on CUDA), gguf (on every device) or "
+            "none (dequantized at load)"
+        )
+    groups = []
+    for kind in ("int4", "int8"):
+        names = tuple(name for name, t in linear_types.items() if GGUF_KINDS.get(t) == kind)
+        if names:
+            scheme = WeightScheme(
+                kind, "gguf", group_size=GGUF_GROUP_SIZE, symmetric=kind == "int8"
+            )
+            groups.append((names, scheme))
+    if not groups:
+        return None
+    return QuantConfig(
+        "gguf", tuple(groups), cuda_only=requested != "gguf", unquantized_when_mixed=True
     )
 
 

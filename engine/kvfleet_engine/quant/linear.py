@@ -95,6 +95,13 @@ def checkpoint_tensors(
             T("scales", (groups, n), torch.float32, shard_dim=1),
             T("g_idx", (k,), torch.int32, kind="equal", optional=True),
         ]
+    elif scheme.layout == "gguf":  # loaders/gguf_tensors.py's repacked blocks
+        found = [
+            T("codes", (n, k), torch.uint8 if scheme.kind == "int4" else torch.int8),
+            T("scales", (n, groups), torch.float32),
+        ]
+        if scheme.kind == "int4":
+            found.append(T("offsets", (n, groups), torch.float32))
     else:
         raise ValueError(f"unknown checkpoint layout {scheme.layout!r}")
     if bias:
@@ -264,7 +271,8 @@ def to_kernel_layout(
     equal_loaded: dict[str, str | None],  # "equal" tensors the checkpoint had
 ) -> PackedWeight:
     # Float scales on the CPU (the reference's float32 product stays exact); float16 for the
-    # kernels, as layout.py packs by default.
+    # kernels, as layout.py packs by default (exact for GGUF's fp16 d and m; Q4_K's d * sc, 17
+    # significant bits, rounds to 11).
     device = next(iter(tensors.values())).device
     scale_dtype = torch.float32 if device.type == "cpu" else torch.float16
     group_size = scheme.group_size or in_features
@@ -276,12 +284,17 @@ def to_kernel_layout(
         return Fp8Weight(weight=tensors["weight"], scale=tensors["weight_scale"][:, 0].float())
     if layout == "ct-int":
         return pack_int8(tensors["weight"], tensors["weight_scale"], group_size)
+    if layout == "gguf" and scheme.kind == "int8":  # fp16 GGUF scales: exact in float16
+        return pack_int8(tensors["codes"], tensors["scales"], group_size, scale_dtype=scale_dtype)
     if layout == "gptq" and scheme.kind == "int8":
         return _gptq_int8(scheme, tensors, group_size)
     if layout == "ct-pack" and scheme.kind == "int8":  # signed codes stored as code + 128
         codes = formats.unpack_along_last(tensors["weight_packed"], 8) - 128
         return pack_int8(codes.to(torch.int8), tensors["weight_scale"], group_size)
-    if layout == "ct-pack":
+    g_idx = None
+    if layout == "gguf":
+        codes, scales, offsets = tensors["codes"], tensors["scales"], tensors["offsets"]
+    elif layout == "ct-pack":
         codes, scales, offsets = formats.compressed_tensors_canonical(
             tensors["weight_packed"], tensors["weight_scale"], tensors.get("weight_zero_point")
         )
@@ -290,7 +303,6 @@ def to_kernel_layout(
         codes, scales, offsets = formats.awq_canonical(
             tensors["qweight"], tensors["qzeros"], tensors["scales"]
         )
-        g_idx = None
     elif layout == "gptq":
         codes, scales, offsets = formats.gptq_canonical(
             tensors["qweight"], tensors["qzeros"], tensors["scales"], 4, scheme.zeros_minus_one

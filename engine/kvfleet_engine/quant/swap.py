@@ -28,7 +28,8 @@ def check_device(quant: QuantConfig, device: torch.device) -> None:
 def quantize_linears(model: nn.Module, quant: QuantConfig, dtype: torch.dtype) -> list[str]:
     """Replace every Linear whose checkpoint layers `quant` quantizes (create the model and call
     this under the meta device); returns the names of the replaced modules. Embeddings stay,
-    and so does a tied lm_head."""
+    and so does a tied lm_head (and, with quant.unquantized_when_mixed, a fused layer whose
+    checkpoint layers have different schemes)."""
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
     tied = bool(getattr(model, "tie_word_embeddings", False))
     replaced = []
@@ -37,6 +38,8 @@ def quantize_linears(model: nn.Module, quant: QuantConfig, dtype: torch.dtype) -
             continue
         names = checkpoint_names(name, module, packed)
         schemes = {quant.scheme_for(checkpoint_name) for checkpoint_name in names.values()}
+        if len(schemes) > 1 and quant.unquantized_when_mixed:
+            continue
         if len(schemes) > 1:
             raise ValueError(
                 f"{name}: its checkpoint layers {sorted(names.values())} are quantized "
@@ -57,7 +60,7 @@ def quantize_linears(model: nn.Module, quant: QuantConfig, dtype: torch.dtype) -
 
 
 def checkpoint_names(
-    name: str, module: Linear, packed: dict[str, tuple[str, str]]
+    name: str, module: Linear | QuantLinear, packed: dict[str, tuple[str, str]]
 ) -> dict[str | None, str]:
     """Shard (None: unfused) -> the checkpoint module it loads from, e.g. qkv_proj's "k" ->
     model.layers.0.self_attn.k_proj."""
