@@ -13,7 +13,6 @@ from engine_cases import assert_greedy_equal, random_prompts, reference_greedy, 
 from quant_pack import add_fp8_activation_hooks, write_quantized_checkpoint
 
 from kvfleet_engine import LLM, SamplingParams
-from kvfleet_engine.kernels.fp8_matmul import GEMV_MAX_ROWS
 from kvfleet_engine.quant.config import WeightScheme
 from kvfleet_engine.quant.layout import (
     fp8_linear_reference,
@@ -59,6 +58,10 @@ def test_layer_matches_its_reference(kind: str, rows: int) -> None:
         expected = int8_linear_reference(x, layer.packed, layer.bias)
         torch.testing.assert_close(layer(x), expected, rtol=2e-2, atol=2e-2)
         return
+    # The kernel module is imported here, not at collection: imported natively before
+    # tests/kernels switch Triton to its interpreter, its kernels would not run there.
+    from kvfleet_engine.kernels.fp8_matmul import GEMV_MAX_ROWS
+
     # fp8: decode-sized batches multiply x as it is, larger ones quantize it per token (W8A8);
     # W8A8's rounding of x costs ~3% relative error, so the wrong path fails the 1% bound.
     reference = fp8_weight_only_reference if rows <= GEMV_MAX_ROWS else fp8_linear_reference
