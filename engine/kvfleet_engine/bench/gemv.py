@@ -38,6 +38,20 @@ VARIANTS: dict[str, Product] = {
 }
 
 
+def replay_seconds(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Median seconds of one replay of a captured (and warmed-up) CUDA graph."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def layer_shapes(shape: str) -> list[tuple[str, int, int]]:
     """(name, N, K) of one decoder layer's products: qkv, o, gate_up, down."""
     cfg = SHAPES[shape][1]
@@ -74,16 +88,7 @@ def run_variant(shape: str, name: str, layers: int, tokens: int) -> dict[str, fl
         step()
     for _ in range(3):
         graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(20):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    seconds = sorted(times)[len(times) // 2]
+    seconds = replay_seconds(graph, 20)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from kvfleet_engine.bench.gemv import copy_bandwidth, layer_shapes
+from kvfleet_engine.bench.gemv import copy_bandwidth, layer_shapes, replay_seconds
 from kvfleet_engine.bench.results import Row, gpu_name, write_results
 from kvfleet_engine.bench.shapes import SHAPES
 from kvfleet_engine.kernels import fp8_matmul as fp8
@@ -202,15 +202,7 @@ def graph_seconds(step: Callable[[], None]) -> float:
         step()
     for _ in range(3):
         graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(15):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
+    return replay_seconds(graph, 15)
 
 
 class Bench:
