@@ -4,7 +4,7 @@ fraction of the measured copy bandwidth, and TFLOP/s; then sweeps of the candida
 (decode rows: CUDA-core GEMV blocks, split-K and pipelined weight loads, the split-K
 tensor-core kernel, the fp8 weight-only GEMV; prompt rows: the best dot tiles against
 dequantize + cuBLAS) with each product's fastest candidate (what the shape tables in
-kernels/int4_matmul.py and fp8_matmul.py should pick).
+kernels/int_plan.py and fp8_matmul.py should pick).
 
 Each product runs for every layer (distinct weights per layer, so nothing stays in L2) in one
 CUDA graph, timed by replaying it.
@@ -30,6 +30,8 @@ from kvfleet_engine.bench.results import Row, gpu_name, write_results
 from kvfleet_engine.bench.shapes import SHAPES
 from kvfleet_engine.kernels import fp8_matmul as fp8
 from kvfleet_engine.kernels import int4_matmul as ints
+from kvfleet_engine.kernels import int_plan
+from kvfleet_engine.kernels.checks import next_power_of_2
 from kvfleet_engine.quant.layout import FP8_DTYPE
 
 INT4_GROUP = 128
@@ -52,7 +54,7 @@ def make_weights(fmt: str, n: int, k: int, device: torch.device) -> Weights:
     return weight, torch.rand(n, device=device) * 1e-3
 
 
-PlanOf = Callable[[int, int, int, int, str], ints.MatmulPlan]  # (m, n, k, group, codes) -> plan
+PlanOf = Callable[[int, int, int, int, str], int_plan.MatmulPlan]  # (m, n, k, group, codes) -> plan
 
 
 def int_product(plan_of: PlanOf) -> Product:
@@ -70,8 +72,8 @@ def int_product(plan_of: PlanOf) -> Product:
     return product
 
 
-def auto_plan(m: int, n: int, k: int, group: int, codes: str) -> ints.MatmulPlan:
-    return ints.plan_matmul(m, n, k, group, torch.device("cuda"), codes)
+def auto_plan(m: int, n: int, k: int, group: int, codes: str) -> int_plan.MatmulPlan:
+    return int_plan.plan_matmul(m, n, k, group, torch.device("cuda"), codes)
 
 
 def fp8_product(backend: str, blocks: tuple | None = None) -> Product:
@@ -103,12 +105,12 @@ VARIANTS: dict[str, tuple[str, Product]] = {  # name -> (format, product)
 def plan(kernel: str, block_m: int, block_n: int, block_k: int, per_sm: int = 0, **kw) -> PlanOf:
     """A fixed plan whose split-K gives about `per_sm` programs per SM (0: no split)."""
 
-    def plan_of(m: int, n: int, k: int, group: int, codes: str) -> ints.MatmulPlan:
+    def plan_of(m: int, n: int, k: int, group: int, codes: str) -> int_plan.MatmulPlan:
         bk = min(block_k, group & -group)
-        bm = block_m or ints.next_power_of_2(m)
+        bm = block_m or next_power_of_2(m)
         tiles = triton.cdiv(n, block_n) * (1 if kernel == "gemv" else triton.cdiv(m, bm))
-        split = ints.split_for(tiles, k // bk, torch.device("cuda"), per_sm) if per_sm else 1
-        return ints.MatmulPlan(kernel, bm, block_n, bk, split, **kw)
+        split = int_plan.split_for(tiles, k // bk, torch.device("cuda"), per_sm) if per_sm else 1
+        return int_plan.MatmulPlan(kernel, bm, block_n, bk, split, **kw)
 
     return plan_of
 
@@ -131,7 +133,7 @@ def gemv_candidates(fmt: str, m: int) -> dict[str, PlanOf]:
             for st in (1, 3)
         }  # fmt: skip
     out: dict[str, PlanOf] = {}
-    if m <= ints.ROW_GEMV_MAX_ROWS:
+    if m <= int_plan.ROW_GEMV_MAX_ROWS:
         gemv = [(128, 64, 4, 8, 1), (128, 64, 4, 8, 3), (64, 64, 2, 8, 3)]
         if fmt == "int8":  # the 3-D GEMV
             gemv = [(128, 16, 4, 4, 3)]
@@ -141,7 +143,7 @@ def gemv_candidates(fmt: str, m: int) -> dict[str, PlanOf]:
             )
     # (BLOCK_N, BLOCK_K, per SM, planes, codes + bias made from their bits)
     dots = [(128, 128, 4, True, False), (256, 128, 4, True, False), (128, 128, 4, True, True)]
-    if m > ints.ROW_GEMV_MAX_ROWS:
+    if m > int_plan.ROW_GEMV_MAX_ROWS:
         dots += [(128, 128, 4, False, False), (256, 128, 4, True, True)]
     if fmt == "int8":  # int8 codes load as they are (no planes)
         dots = [(128, 64, 4, False, False), (128, 128, 4, False, False)]
@@ -165,7 +167,9 @@ def prompt_candidates(m: int) -> dict[str, PlanOf]:
             num_stages=3,
         ),
     }  # fmt: skip
-    out["dequantize+cuBLAS"] = lambda m, n, k, g, codes: ints.MatmulPlan("dequantize", 0, 128, 64)
+    out["dequantize+cuBLAS"] = lambda m, n, k, g, codes: int_plan.MatmulPlan(
+        "dequantize", 0, 128, 64
+    )
     return out
 
 
@@ -186,8 +190,8 @@ def fp8_candidates(m: int) -> dict[str, Product]:
 def fp8_gemv_product(m: int, bn: int, bk: int, warps: int, per_sm: int, dot: bool) -> Product:
     def product(x: torch.Tensor, w: Weights) -> torch.Tensor:
         n, k = w[0].shape
-        split = ints.split_for(triton.cdiv(n, bn), triton.cdiv(k, bk), x.device, per_sm)
-        blocks = (ints.next_power_of_2(m), bn, bk, warps, split, dot, "last")
+        split = int_plan.split_for(triton.cdiv(n, bn), triton.cdiv(k, bk), x.device, per_sm)
+        blocks = (next_power_of_2(m), bn, bk, warps, split, dot, "last")
         return fp8.fp8_gemv(x, w[0], w[1], torch.bfloat16, blocks)
 
     return product
@@ -308,7 +312,9 @@ def sweep_groups(m: int) -> list[tuple[str, str, dict[str, Product]]]:
     """(format, label, candidates) swept at m rows."""
     groups = []
     for fmt, label in (("int4", f"int4-g{INT4_GROUP}"), ("int8", "int8")):
-        plans = gemv_candidates(fmt, m) if m <= ints.DOT_MAX_SPLIT_ROWS else prompt_candidates(m)
+        plans = (
+            gemv_candidates(fmt, m) if m <= int_plan.DOT_MAX_SPLIT_ROWS else prompt_candidates(m)
+        )
         groups.append((fmt, label, {name: int_product(plan) for name, plan in plans.items()}))
     if m <= fp8.DECODE_MAX_ROWS:
         groups.append(("fp8", "fp8", fp8_candidates(m)))

@@ -18,13 +18,8 @@ import triton
 import triton.language as tl
 
 from kvfleet_engine.kernels.checks import dot_precision, next_power_of_2, require
-from kvfleet_engine.kernels.int4_matmul import (
-    COUNTERS,
-    _finish,
-    _sum_splits_kernel,
-    split_for,
-    split_k_buffers,
-)
+from kvfleet_engine.kernels.int_plan import split_for
+from kvfleet_engine.kernels.split_k import COUNTERS, _finish, _sum_splits_kernel, split_k_buffers
 from kvfleet_engine.quant.layout import FP8_DTYPE, FP8_MAX
 
 BACKENDS = ("scaled_mm", "triton")

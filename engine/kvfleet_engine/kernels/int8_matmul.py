@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from kvfleet_engine.kernels.checks import require
-from kvfleet_engine.kernels.int4_matmul import check_operands, launch, plan_matmul
+from kvfleet_engine.kernels.int4_matmul import check_operands, launch
+from kvfleet_engine.kernels.int_plan import plan_matmul
 
 
 def int8_matmul(

@@ -1,0 +1,87 @@
+"""Planning of the integer-weight products (`int4_matmul`, `int8_matmul`): the shape table
+that picks a kernel (GEMV, dot or dequantize + cuBLAS) and its block sizes per product class, as a
+`MatmulPlan`, and `split_for`, the slices of K that fill the SMs (also used by `fp8_matmul`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from kvfleet_engine.kernels.checks import next_power_of_2
+
+# The shape tables below follow bench.quant_gemv's sweeps on the H200 (Llama-3.1-8B products).
+GEMV_MAX_ROWS = 1  # up to this many rows the GEMV (2 rows and more: the split-K dot was faster)
+ROW_GEMV_MAX_ROWS = 4  # the 2-D GEMV takes up to this many rows of x (int4; int8 one)
+DOT_MAX_SPLIT_ROWS = 16  # up to this many rows the dot kernel splits K (decode batches)
+DEQUANTIZE_MIN_ROWS = 17  # from this many rows, dequantize once and use cuBLAS (the dot tiles
+# read the weight once but measured 2x to 5x slower at 64 and 256 rows)
+WIDE_N = 16384  # outputs from which a product counts as wide (gate_up) in the tables
+LONG_K = 8192  # inputs from which a product counts as long (down)
+KERNELS = ("gemv", "dot", "dequantize")
+SPLIT_REDUCE = ("last", "kernel")  # who sums split-K partials: the last program, or a kernel
+
+
+@dataclass(frozen=True)
+class MatmulPlan:
+    kernel: str  # one of KERNELS
+    block_m: int  # rows of x per program (gemv: all of them, a power of two)
+    block_n: int  # output columns per program
+    block_k: int  # rows of the weight per loop step; a power of two dividing group_size
+    split_k: int = 1  # gemv / dot: slices of K, summed as split_reduce says
+    split_reduce: str = "last"  # one of SPLIT_REDUCE
+    int4_planes: bool = True  # dot: int4 as 8 nibble planes (else unpacked by a reshape)
+    scale_after_dot: bool = True  # dot: scales on the group's product (else on the weights)
+    biased_codes: bool = False  # dot, int4 planes, scales after the dot, 16-bit x: codes + bias
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs of work, so split-K is exercised
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_for(n_blocks: int, k_steps: int, device: torch.device, per_sm: int = 4) -> int:
+    """Slices of K that give about `per_sm` programs per SM (at least 2 steps per slice)."""
+    wanted = max(1, per_sm * _num_sms(device) // max(1, n_blocks))
+    return max(1, min(wanted, k_steps // 2))
+
+
+def row_gemv_blocks(codes: str, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K before the group's cap, warps, programs per SM) of the one-row GEMV,
+    the fastest measured per product class."""
+    if codes == "int8":
+        return (256, 16, 4, 8) if n >= WIDE_N else (128, 64, 4, 4)
+    if n >= WIDE_N:
+        return 128, 64, 4, 8
+    if k >= LONG_K:
+        return 64, 128, 2, 8
+    return 256, 128, 4, 8
+
+
+def plan_matmul(
+    m: int, n: int, k: int, group_size: int, device: torch.device, codes: str = "int4"
+) -> MatmulPlan:
+    """Block sizes by shape class and codes ("int4" or "int8"): a fixed table, so nothing is
+    tuned inside graph capture."""
+    pow2_of_group = group_size & -group_size  # the largest power of two dividing group_size
+    if m <= GEMV_MAX_ROWS:
+        block_n, block_k, warps, per_sm = row_gemv_blocks(codes, n, k)
+        block_k = min(block_k, pow2_of_group)
+        split = split_for(triton.cdiv(n, block_n), k // block_k, device, per_sm)
+        return MatmulPlan(
+            "gemv", next_power_of_2(m), block_n, block_k, split, num_warps=warps, num_stages=1
+        )
+    if m >= DEQUANTIZE_MIN_ROWS or pow2_of_group < 16:  # tl.dot needs K tiles of >= 16
+        return MatmulPlan("dequantize", 0, 128, min(64, pow2_of_group))
+    block_k = min(128 if codes == "int4" else 64, pow2_of_group)
+    planes = block_k >= 128  # 8 planes of >= 16 packed rows each
+    block_n = 256 if codes == "int4" and n >= WIDE_N else 128
+    split = split_for(triton.cdiv(n, block_n), k // block_k, device)
+    return MatmulPlan("dot", 16, block_n, block_k, split, int4_planes=planes)
