@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from kvfleet_engine.bench.chat import QUESTIONS
-from kvfleet_engine.bench.serve import chat_requests, main
+from kvfleet_engine.bench.serve import main
+from kvfleet_engine.bench.serve_workload import chat_requests
 
 
 def test_chat_dataset_asks_the_questions_in_turn() -> None:

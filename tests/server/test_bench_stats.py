@@ -4,7 +4,10 @@ import math
 
 import pytest
 
-from kvfleet_engine.bench.serve import RequestResult, main, percentile, random_requests, summarize
+from kvfleet_engine.bench.serve import main
+from kvfleet_engine.bench.serve_load import RequestResult
+from kvfleet_engine.bench.serve_stats import percentile, summarize
+from kvfleet_engine.bench.serve_workload import random_requests
 
 
 def test_percentile_interpolates_like_numpy() -> None:
