@@ -15,6 +15,7 @@ then serves the main process's compiles).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import multiprocessing
 import os
@@ -252,17 +253,26 @@ def _warm(shape: str, part: list[tuple[str, int, Config]]) -> int:
     return done
 
 
-def prewarm(shape: str, todo: list[tuple[str, int, Config]], workers: int) -> None:
+def prewarm(shape: str, todo: list[tuple[str, int, Config]], workers: int, budget: float) -> None:
+    """Compile every job in `workers` processes (at most `budget` seconds; what is left then
+    compiles in this process)."""
     if workers <= 1:
         return
-    parts = [todo[i::workers] for i in range(workers)]
     started = time.time()
-    try:
-        with multiprocessing.get_context("spawn").Pool(workers) as pool:
-            done = sum(pool.starmap(_warm, [(shape, part) for part in parts]))
-        print(f"compiled {done} configs in {workers} processes in {time.time() - started:.0f} s")
-    except Exception as error:  # compiles then happen here
-        print(f"pre-compile failed ({type(error).__name__}: {error}); compiling serially")
+    context = multiprocessing.get_context("spawn")
+    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context)
+    futures = [pool.submit(_warm, shape, todo[i::workers]) for i in range(workers)]
+    finished, waiting = concurrent.futures.wait(futures, timeout=budget)
+    done = sum(f.result() for f in finished if f.exception() is None)
+    failed = [f.exception() for f in finished if f.exception() is not None]
+    if waiting:
+        for process in list(pool._processes.values()):  # stuck past the budget: stop them
+            process.terminate()
+    pool.shutdown(wait=not waiting, cancel_futures=True)
+    print(
+        f"compiled {done} of {len(todo)} configs in {workers} processes in "
+        f"{time.time() - started:.0f} s" + (f"; worker errors: {failed[:2]}" if failed else "")
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,6 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rows", default="1,2,4,8,16,64,256", help="comma-separated rows of x")
     parser.add_argument("--workers", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)))
+    parser.add_argument("--compile-budget-s", type=float, default=100.0)
+    parser.add_argument(
+        "--budget-s", type=float, default=200.0, help="stop timing new jobs after this long"
+    )
     parser.add_argument("--output-dir", type=Path)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -279,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [int(r) for r in args.rows.split(",")]
     todo = jobs(rows)
     print(f"{len(todo)} (kind, rows, config) jobs over {len(KINDS)} kinds, rows {rows}")
-    prewarm(args.shape, todo, args.workers)
+    start = time.time()
+    prewarm(args.shape, todo, args.workers, args.compile_budget_s)
     device = torch.device("cuda")
     bandwidth = copy_bandwidth()
     shapes = layer_shapes(args.shape)
@@ -290,8 +305,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; {args.layers} layers")
     results: list[dict[str, Any]] = []
-    started = time.time()
+    started, skipped, last_rows = time.time(), 0, 0
     for kind, m, config in todo:
+        if time.time() - start > args.budget_s:
+            skipped += 1
+            continue
+        if m != last_rows:
+            print(f"rows {m} ({time.time() - start:.0f} s)", flush=True)
+            last_rows = m
         name = config_name(config)
         entry: dict[str, Any] = {"kind": kind, "rows": m, "config": name, "spec": config}
         entry["products"] = {}
@@ -317,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                 "bytes": moved, "of_copy": moved / seconds / bandwidth,
             }  # fmt: skip
         results.append(entry)
-    print(f"timed {len(todo)} jobs in {time.time() - started:.0f} s")
+    print(f"timed {len(results)} jobs in {time.time() - started:.0f} s; {skipped} skipped (budget)")
     best, plans = summarize(results, rows, shapes, bandwidth)
     if args.output_dir:
         args.output_dir.mkdir(parents=True, exist_ok=True)
@@ -377,7 +398,7 @@ def summarize(
     print(f"{len(bad)} (config, product) pairs failed or were wrong" + (":" if bad else ""))
     for line in bad[:40]:
         print("  " + line)
-    header = f"{'kind':10}{'rows':>5}{'us/layer':>10}{'of copy':>9}{'x bf16':>8}  {'target':16}"
+    header = f"{'kind':10}{'rows':>5}{'us/layer':>10}{'of copy':>9}{'x bf16':>8}  {'target':22}"
     print(header + "best config per product (qkv | o | gate_up | down)")
     for m in rows:
         for kind in KINDS:
@@ -395,7 +416,7 @@ def summarize(
             moved = sum(r["products"][p]["bytes"] for p, (_, r) in chosen.items())
             of_copy = moved / (layer_us / 1e6) / bandwidth
             bf16 = best.get(("bf16", m))
-            ratio = layer_us / bf16["layer_us"] if bf16 else float("nan")
+            ratio = layer_us / bf16["layer_us"] if bf16 else 1.0  # bf16 itself comes first
             goal, verdict = target(kind, m), ""
             if goal:
                 value = of_copy if goal[0] == "of_copy" else ratio
@@ -409,7 +430,7 @@ def summarize(
             }  # fmt: skip
             names = " | ".join(f"{r['config']} {us:.1f}" for us, r in chosen.values())
             line = f"{LABELS[kind]:10}{m:>5}{layer_us:>10.1f}{of_copy:>9.2f}{ratio:>8.2f}"
-            print(f"{line}  {verdict:16}{names}")
+            print(f"{line}  {verdict:22}{names}")
             for pname, n, k in shapes:
                 spec = chosen[pname][1]["spec"]
                 if spec["family"] == "int":
