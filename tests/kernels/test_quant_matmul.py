@@ -21,7 +21,7 @@ from kvfleet_engine.quant import layout
 def _kernel_modules():
     """The integer and fp8 product modules, made in this run's mode: a module binds the Triton
     helpers of those it imports, so if any kernel is stale all are reloaded, helpers first."""
-    names = ["int_codes", "split_k", "int_plan", "int_gemv", "int_dot", "int4_matmul"]
+    names = ["int_codes", "split_k", "int_plan", "int_gemv", "int_dot", "int_mma", "int4_matmul"]
     names += ["int8_matmul", "fp8_matmul"]
     modules = [importlib.import_module(f"kvfleet_engine.kernels.{name}") for name in names]
     kernels = [
@@ -35,7 +35,7 @@ def _kernel_modules():
     return modules
 
 
-_, splits, int_plan, _, _, int4, int8, fp8 = _kernel_modules()
+_, splits, int_plan, _, _, _, int4, int8, fp8 = _kernel_modules()
 MatmulPlan = int_plan.MatmulPlan
 
 DEVICE = "cuda" if ON_GPU else "cpu"

@@ -15,6 +15,9 @@ kernels with 8-bit signed codes and no offsets (`int8_matmul`). Kernels by shape
   as 8 planes of one nibble each (x gathered to match, no reshape) or reshaped; scales on the
   group's fp32 product or on the weights before the dot; with 16-bit x, plane codes may enter
   as code + bias built from their bits alone (no float ops), the bias taken out with Σx.
+- mma (`int_mma`, any rows): the tensor-core kernel with codes made into 16-bit dot operands
+  from their bits (code + bias, two int4 codes per mask), scales once per group after the dot,
+  optionally with the weight as the left operand (swap AB) and split-K for decode rows.
 - dequantize + cuBLAS (long prompts): the weight is expanded once into x's dtype; at thousands of
   rows the product is compute-bound and the expansion is a few percent of it.
 Split-K partials are summed by the last program of each output tile (a counter, deterministic
@@ -35,6 +38,7 @@ from kvfleet_engine.kernels.checks import FLOAT_DTYPES, dot_precision, require
 from kvfleet_engine.kernels.int_codes import MAGIC
 from kvfleet_engine.kernels.int_dot import CODE_BIAS, _dequantize_kernel, _dot_kernel
 from kvfleet_engine.kernels.int_gemv import _gemv_kernel, _gemv_row_kernel, row_gemv_fits
+from kvfleet_engine.kernels.int_mma import launch_mma
 from kvfleet_engine.kernels.int_plan import MatmulPlan, plan_matmul
 from kvfleet_engine.kernels.split_k import COUNTERS, _sum_splits_kernel, split_k_buffers
 
@@ -111,6 +115,11 @@ def launch(
             BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, GROUPS=groups, STAGES=plan.num_stages,
             LAST_REDUCES=last_reduces, num_warps=plan.num_warps, num_stages=plan.num_stages,
             **common,
+        )  # fmt: skip
+    elif plan.kernel == "mma":
+        launch_mma(
+            x, qweight, scales, offsets, out, partial, counters, group_size, steps, split_k,
+            plan, dot_precision(x.dtype),
         )  # fmt: skip
     elif plan.kernel == "gemv":
         _gemv_kernel[(n_blocks, split_k)](

@@ -6,7 +6,10 @@ that picks a kernel (GEMV, dot or dequantize + cuBLAS) and its block sizes per p
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import json
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 import triton
@@ -21,7 +24,7 @@ DEQUANTIZE_MIN_ROWS = 17  # from this many rows, dequantize once and use cuBLAS 
 # read the weight once but measured 2x to 5x slower at 64 and 256 rows)
 WIDE_N = 16384  # outputs from which a product counts as wide (gate_up) in the tables
 LONG_K = 8192  # inputs from which a product counts as long (down)
-KERNELS = ("gemv", "dot", "dequantize")
+KERNELS = ("gemv", "dot", "mma", "dequantize")
 SPLIT_REDUCE = ("last", "kernel")  # who sums split-K partials: the last program, or a kernel
 
 
@@ -36,6 +39,9 @@ class MatmulPlan:
     int4_planes: bool = True  # dot: int4 as 8 nibble planes (else unpacked by a reshape)
     scale_after_dot: bool = True  # dot: scales on the group's product (else on the weights)
     biased_codes: bool = False  # dot, int4 planes, scales after the dot, 16-bit x: codes + bias
+    unpack: str = "planes"  # mma, int4: one of int_mma.UNPACKS
+    swap_ab: bool = False  # mma: out^T = W^T x^T (the weight is the dot's left operand)
+    int8_cast: bool = False  # mma, int8: codes cast to x's dtype (else float16 from their bits)
     num_warps: int = 4
     num_stages: int = 3
 
@@ -65,11 +71,76 @@ def row_gemv_blocks(codes: str, n: int, k: int) -> tuple[int, int, int, int]:
     return 256, 128, 4, 8
 
 
+# (codes, group_size, N, K) -> [(rows, plan)] sorted by rows: the plan for M rows of x is the
+# first whose rows >= M (the default rules below past the last). Filled by `install_plans`,
+# e.g. from bench.quant_sweep's JSON "plans" (at start-up: $KVFLEET_QUANT_PLANS names the file).
+PLAN_TABLE: dict[tuple[str, int, int, int], list[tuple[int, MatmulPlan]]] = {}
+PLANS_ENV = "KVFLEET_QUANT_PLANS"
+PLAN_FIELDS = tuple(field.name for field in fields(MatmulPlan))
+
+
+def plan_from_dict(plan: dict[str, Any]) -> MatmulPlan:
+    """A MatmulPlan from its fields by name (ValueError naming an unknown field or kernel)."""
+    unknown = sorted(set(plan) - set(PLAN_FIELDS))
+    if unknown:
+        raise ValueError(f"plan fields {unknown} unknown; allowed: {list(PLAN_FIELDS)}")
+    missing = [name for name in ("kernel", "block_m", "block_n", "block_k") if name not in plan]
+    if missing:
+        raise ValueError(f"plan fields {missing} missing")
+    made = MatmulPlan(**plan)
+    if made.kernel not in KERNELS:
+        raise ValueError(f"plan kernel {made.kernel!r} unknown; allowed: {list(KERNELS)}")
+    if made.split_reduce not in SPLIT_REDUCE:
+        raise ValueError(f"split_reduce {made.split_reduce!r}: allowed {list(SPLIT_REDUCE)}")
+    return made
+
+
+def install_plans(entries: list[dict[str, Any]]) -> None:
+    """Add plan-table entries {"kind": "int4" | "int8" | "fp8", "rows", "n", "k", "plan": {...}}
+    (int kinds also "group_size"; fp8 plans go to fp8_matmul's table)."""
+    from kvfleet_engine.kernels import fp8_matmul  # imports this module
+
+    for entry in entries:
+        kind, rows, n, k = entry["kind"], int(entry["rows"]), int(entry["n"]), int(entry["k"])
+        if kind == "fp8":
+            fp8_matmul.install_gemv_plan(rows, n, k, entry["plan"])
+            continue
+        if kind not in ("int4", "int8"):
+            raise ValueError(f"plan kind {kind!r} unknown; allowed: ['int4', 'int8', 'fp8']")
+        key = (kind, int(entry["group_size"]), n, k)
+        listed = [(r, p) for r, p in PLAN_TABLE.get(key, []) if r != rows]
+        PLAN_TABLE[key] = sorted([*listed, (rows, plan_from_dict(entry["plan"]))])
+
+
+@functools.cache
+def load_env_plans() -> int:
+    """Install the plans of the JSON file $KVFLEET_QUANT_PLANS names (once); how many."""
+    path = os.environ.get(PLANS_ENV)
+    if not path:
+        return 0
+    with open(path) as file:
+        entries = json.load(file)
+    entries = entries["plans"] if isinstance(entries, dict) else entries
+    install_plans(entries)
+    return len(entries)
+
+
+def table_plan(codes: str, m: int, n: int, k: int, group_size: int) -> MatmulPlan | None:
+    load_env_plans()
+    for rows, plan in PLAN_TABLE.get((codes, group_size, n, k), []):
+        if rows >= m:
+            return replace(plan, block_m=next_power_of_2(m)) if plan.kernel == "gemv" else plan
+    return None
+
+
 def plan_matmul(
     m: int, n: int, k: int, group_size: int, device: torch.device, codes: str = "int4"
 ) -> MatmulPlan:
-    """Block sizes by shape class and codes ("int4" or "int8"): a fixed table, so nothing is
-    tuned inside graph capture."""
+    """The plan table's entry for the product, else block sizes by shape class and codes
+    ("int4" or "int8"): fixed tables, so nothing is tuned inside graph capture."""
+    listed = table_plan(codes, m, n, k, group_size)
+    if listed is not None:
+        return listed
     pow2_of_group = group_size & -group_size  # the largest power of two dividing group_size
     if m <= GEMV_MAX_ROWS:
         block_n, block_k, warps, per_sm = row_gemv_blocks(codes, n, k)
