@@ -9,7 +9,8 @@ from typing import Any
 
 from kvfleet_operator.models import InferenceDeploymentSpec
 from kvfleet_operator.plan import Plan
-from kvfleet_operator.render import endpoint_url, rendered_weights, selector_string
+from kvfleet_operator.render import endpoint_url, selector_string
+from kvfleet_operator.render_pod import rendered_weights
 
 OWN_CONDITIONS = ("Ready", "Reconciling", "Stalled", "Planned", "Available")
 # Container waiting reasons that mean the pod will not serve without a change.

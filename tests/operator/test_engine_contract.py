@@ -8,7 +8,7 @@ import pytest
 from kvfleet_operator.accelerators import resolve_accelerator
 from kvfleet_operator.model_catalog import model_architecture
 from kvfleet_operator.plan import ClusterFeatures, plan_deployment
-from kvfleet_operator.render import ENGINE_QUANTIZATION, engine_args
+from kvfleet_operator.render_pod import ENGINE_QUANTIZATION, engine_args
 
 cli = pytest.importorskip("kvfleet_engine.server.cli")
 

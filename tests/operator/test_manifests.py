@@ -31,10 +31,12 @@ def test_small_sample_plans_cleanly() -> None:
     assert p.ok and p.memory is not None and p.memory.fits
 
 
-def test_large_sample_fits_but_waits_for_the_engine() -> None:
+def test_large_sample_is_one_pod_of_four_gpus() -> None:
     p = _plan("large.yaml")
+    assert p.ok, p.problems
     assert p.memory is not None and p.memory.fits
-    assert {problem.reason for problem in p.problems} == {"FeatureUnavailable"}
+    assert p.topology is not None and p.topology.kind == "Deployment"
+    assert (p.topology.gpus_per_pod, p.topology.pods_per_replica) == (4, 1)
 
 
 def test_quantized_sample_plans_awq_weights_and_an_fp8_kv_cache_on_an_l4() -> None:
