@@ -75,12 +75,47 @@ def test_kustomization_lists_existing_files() -> None:
         assert (MANIFESTS / resource).exists(), resource
 
 
-def test_rbac_never_writes_inference_deployment_spec_or_deletes() -> None:
+# What a change of a replica's shape deletes (topology_workloads.py): group pods, StatefulSets,
+# and the workload a change of topology leaves behind.
+DELETABLE = {"pods", "statefulsets", "deployments", "services", "leaderworkersets"}
+
+
+def test_rbac_never_writes_inference_deployment_spec_and_deletes_only_workloads() -> None:
     role = next(yaml.safe_load_all((MANIFESTS / "rbac.yaml").read_text()))
+    deletable = set()
     for rule in role["rules"]:
-        assert "delete" not in rule["verbs"] and "*" not in rule["verbs"]
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"]
+        if "delete" in rule["verbs"]:
+            deletable |= set(rule["resources"])
         if "inferencedeployments" in rule["resources"]:
             assert set(rule["verbs"]) <= {"get", "list", "watch"}
+    assert deletable == DELETABLE
+
+
+def test_rbac_covers_every_kind_the_operator_renders(make_spec) -> None:
+    """Each kind rendered for any topology can be applied (create, patch) by the role."""
+    from kvfleet_operator.render import render_children
+
+    role = next(yaml.safe_load_all((MANIFESTS / "rbac.yaml").read_text()))
+    granted = {
+        (group, resource)
+        for rule in role["rules"]
+        if {"create", "patch"} <= set(rule["verbs"])
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    }
+    plurals = {"Deployment": "deployments", "StatefulSet": "statefulsets", "Service": "services",
+               "PodDisruptionBudget": "poddisruptionbudgets", "ServiceMonitor": "servicemonitors",
+               "LeaderWorkerSet": "leaderworkersets"}  # fmt: skip
+    for parallelism, lws in (({"tensor": 2}, False), ({"tensor": 8, "pipeline": 2}, False),
+                             ({"tensor": 8, "pipeline": 2}, True)):  # fmt: skip
+        spec = make_spec(parallelism=parallelism)
+        profile = resolve_accelerator(spec.resources.accelerator, {})
+        cluster = ClusterFeatures(leader_worker_set=lws, service_monitor=True)
+        p = plan_deployment("x", spec, profile, model_architecture(spec.model), cluster)
+        for child in render_children("x", "ns", spec, p, profile, service_monitor=True):
+            group = child["apiVersion"].rpartition("/")[0]
+            assert (group, plurals[child["kind"]]) in granted, child["kind"]
 
 
 def health(obj: dict[str, Any]) -> tuple[str, str]:
