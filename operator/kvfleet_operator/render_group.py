@@ -170,8 +170,11 @@ def render_rank_service(name: str, namespace: str, labels: dict[str, str]) -> Ma
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
             "selector": {api.DEPLOYMENT_LABEL: name},
+            # torch.distributed meets at the leader's MASTER_PORT, the engine's step channel at
+            # the next port; gloo and NCCL then connect the ranks on ports of their own.
             "ports": [
-                {"name": "ranks", "port": MASTER_PORT, "targetPort": MASTER_PORT, "protocol": "TCP"}
+                {"name": name, "port": port, "targetPort": port, "protocol": "TCP"}
+                for name, port in (("ranks", MASTER_PORT), ("steps", MASTER_PORT + 1))
             ],
         },
     }
