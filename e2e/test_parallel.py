@@ -10,10 +10,10 @@ under the ServiceAccount and RBAC of manifests/.
 - With real engines (`kvfleet serve --nnodes`, skipped while the engine lacks it): a TP 2 replica
   (one pod, the engine starts both ranks) and a PP 2 replica over two kwok nodes (one engine per
   pod, bound at the pod's IP, talking gloo) serve completions through the InferenceDeployment's
-  Service (its EndpointSlice: no kube-proxy runs here); killing one rank's process makes the
-  replica not ready and the group is recreated. `RankEngines` plays the kubelet: it starts each
-  pod's engine from the pod's own arguments, reports /ready as the pod's Ready condition and a
-  process that exits as a container restart.
+  Service (the ready pods its selector picks: no kube-proxy runs here); killing one rank's
+  process makes the replica not ready and the group is recreated. `RankEngines` plays the
+  kubelet: it starts each pod's engine from the pod's own arguments, reports /ready as the pod's
+  Ready condition and a process that exits as a container restart.
 """
 
 from __future__ import annotations
@@ -383,16 +383,21 @@ def statefulsets(kubectl: Kubectl, namespace: str, name: str) -> list[str]:
 
 
 def service_ips(kubectl: Kubectl, namespace: str, name: str) -> list[str]:
-    """The ready addresses of the Service `name` (its EndpointSlices), sorted."""
-    slices = kubectl.json(
-        "get", "endpointslices", "-n", namespace, "-l", f"kubernetes.io/service-name={name}"
-    )["items"]
+    """The addresses the Service `name` sends to: its selector's Running, Ready pods, sorted.
+    (What its EndpointSlice would hold; here the EndpointSlice controller cannot write one:
+    the API refuses the loopback pod IPs kwok hands out, and no kube-proxy would route them.)"""
+    service = kubectl.json("get", "service", name, "-n", namespace)
+    selector = ",".join(f"{k}={v}" for k, v in service["spec"]["selector"].items())
+    pods = kubectl.json("get", "pods", "-n", namespace, "-l", selector)["items"]
     return sorted(
-        address
-        for endpoint_slice in slices
-        for endpoint in endpoint_slice.get("endpoints") or []
-        if (endpoint.get("conditions") or {}).get("ready")
-        for address in endpoint["addresses"]
+        p["status"]["podIP"]
+        for p in pods
+        if not p["metadata"].get("deletionTimestamp")
+        and p["status"].get("podIP")
+        and any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in p["status"].get("conditions", [])
+        )
     )
 
 
@@ -415,7 +420,7 @@ def not_ready(kubectl: Kubectl, namespace: str, name: str) -> bool:
 
 
 def complete(kubectl: Kubectl, namespace: str, name: str) -> dict[str, Any] | None:
-    """A completion from a ready address of the InferenceDeployment's Service."""
+    """A completion from an address of the InferenceDeployment's Service."""
     for ip in service_ips(kubectl, namespace, name):
         try:
             response = httpx.post(
