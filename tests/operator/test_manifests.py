@@ -39,6 +39,14 @@ def test_large_sample_is_one_pod_of_four_gpus() -> None:
     assert (p.topology.gpus_per_pod, p.topology.pods_per_replica) == (4, 1)
 
 
+def test_multi_node_sample_is_a_group_of_two_pods() -> None:
+    p = _plan("multi-node.yaml")
+    assert p.ok, p.problems
+    assert p.memory is not None and p.memory.fits
+    assert p.topology is not None and p.topology.kind == "StatefulSet"
+    assert (p.topology.nodes_per_replica, p.topology.gpus_per_pod) == (2, 8)
+
+
 def test_quantized_sample_plans_awq_weights_and_an_fp8_kv_cache_on_an_l4() -> None:
     p = _plan("quantized.yaml")
     assert p.ok and p.memory is not None and p.memory.source == "hints"
