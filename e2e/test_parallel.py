@@ -386,7 +386,9 @@ def service_ips(kubectl: Kubectl, namespace: str, name: str) -> list[str]:
     """The addresses the Service `name` sends to: its selector's Running, Ready pods, sorted.
     (What its EndpointSlice would hold; here the EndpointSlice controller cannot write one:
     the API refuses the loopback pod IPs kwok hands out, and no kube-proxy would route them.)"""
-    service = kubectl.json("get", "service", name, "-n", namespace)
+    service = get(kubectl, namespace, "service", name)
+    if service is None:  # not created yet
+        return []
     selector = ",".join(f"{k}={v}" for k, v in service["spec"]["selector"].items())
     pods = kubectl.json("get", "pods", "-n", namespace, "-l", selector)["items"]
     return sorted(
