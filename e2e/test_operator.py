@@ -429,7 +429,13 @@ def test_invalid_specs_are_rejected_or_stalled(
     kubectl.apply(infd(namespace, "fp8-a100", fp8_a100))
     too_large = llama(model={"uri": "hf://meta-llama/Llama-3.1-70B-Instruct", "maxModelLen": 8192})
     kubectl.apply(infd(namespace, "too-large", too_large))
-    kubectl("apply", "-n", namespace, "-f", str(ROOT / "manifests" / "samples" / "large.yaml"))
+    # Tensor parallel 16 is in the API but not in the engine: planned, then held back.
+    tp16 = llama(
+        model={"uri": "hf://meta-llama/Llama-3.1-70B-Instruct", "maxModelLen": 8192,
+               "servedModelName": "llama-70b"},
+        parallelism={"tensor": 16},
+    )  # fmt: skip
+    kubectl.apply(infd(namespace, "llama-70b", tp16))
 
     assert stalled_reason(cluster, operator, namespace, "fp8-a100") == "UnsupportedQuantization"
     assert stalled_reason(cluster, operator, namespace, "too-large") == "InsufficientGPUMemory"
@@ -438,9 +444,11 @@ def test_invalid_specs_are_rejected_or_stalled(
     assert stalled is not None and "needs 135.42 GiB per GPU" in stalled["message"]
     large = get(cluster, namespace, "infd", "llama-70b")
     assert large is not None and large["status"]["memoryPlan"]["fits"] is True
-    assert large["status"]["topology"]["gpusPerReplica"] == 4
+    assert large["status"]["topology"]["gpusPerReplica"] == 16
+    assert large["status"]["topology"]["kind"] == "StatefulSet"
     # Nothing is rolled out for a spec that cannot run.
     assert kubectl.json("get", "deployments", "-n", namespace)["items"] == []
+    assert kubectl.json("get", "statefulsets", "-n", namespace)["items"] == []
 
     # servedModelName is immutable.
     renamed = {"spec": {"model": {"servedModelName": "other"}}}

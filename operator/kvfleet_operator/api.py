@@ -21,7 +21,7 @@ DEPLOYMENT_LABEL = f"{GROUP}/deployment"
 
 # Optional CRDs the operator adapts to.
 SERVICE_MONITOR_CRD = "servicemonitors.monitoring.coreos.com"
-LEADER_WORKER_SET_CRD = "leaderworkersets.leaderworkerset.x-k8s.io"
+LEADER_WORKER_SET_API = "leaderworkerset.x-k8s.io/v1"
 KEDA_SCALED_OBJECT_CRD = "scaledobjects.keda.sh"
 
 ENGINE_PORT = 8000

@@ -32,6 +32,7 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
     ("v1", "Event"): ("events", True),
     ("v1", "Secret"): ("secrets", True),
     ("apps/v1", "Deployment"): ("deployments", True),
+    ("apps/v1", "StatefulSet"): ("statefulsets", True),
     ("policy/v1", "PodDisruptionBudget"): ("poddisruptionbudgets", True),
     ("monitoring.coreos.com/v1", "ServiceMonitor"): ("servicemonitors", True),
     ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): ("leaderworkersets", True),
@@ -50,6 +51,7 @@ class Cluster:
     def __init__(self, api_client: client.ApiClient) -> None:
         self._client = api_client
         self._crds: dict[str, tuple[float, bool]] = {}
+        self._served: dict[tuple[str, str], tuple[float, bool]] = {}
 
     @classmethod
     async def connect(cls) -> Cluster:
@@ -87,6 +89,19 @@ class Cluster:
             await self.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", name) is not None
         )
         self._crds[name] = (now, present)
+        return present
+
+    async def serves(self, api_version: str, plural: str) -> bool:
+        """Whether the API server serves `plural` in `api_version`, by its discovery document
+        (an installed CRD is served once Established); cached for CRD_CACHE_SECONDS."""
+        now = time.monotonic()
+        cached = self._served.get((api_version, plural))
+        if cached and now - cached[0] < CRD_CACHE_SECONDS:
+            return cached[1]
+        prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+        found = await self._request("GET", prefix)
+        present = any(r.get("name") == plural for r in (found or {}).get("resources", []))
+        self._served[(api_version, plural)] = (now, present)
         return present
 
     async def secret_value(self, namespace: str, name: str, key: str) -> str | None:
@@ -137,11 +152,14 @@ class Cluster:
         replicas: int,
         *,
         field_manager: str = api.AUTOSCALER_FIELD_MANAGER,
+        api_version: str = "apps/v1",
+        kind: str = "Deployment",
     ) -> Manifest:
-        """Set the replicas of the child Deployment `name`, owning only that field."""
+        """Set the replicas of the child workload `name` (a Deployment, or a LeaderWorkerSet
+        whose replicas are groups), owning only that field."""
         manifest = {
-            "apiVersion": "apps/v1",
-            "kind": "Deployment",
+            "apiVersion": api_version,
+            "kind": kind,
             "metadata": {"name": name, "namespace": namespace},
             "spec": {"replicas": replicas},
         }

@@ -53,8 +53,10 @@ async def spec_changed(namespace: str | None, name: str, memo: kopf.Memo, **_: A
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={api.DEPLOYMENT_LABEL: kopf.PRESENT})
+@kopf.on.event("apps", "v1", "statefulsets", labels={api.DEPLOYMENT_LABEL: kopf.PRESENT})
 async def child_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """A child Deployment's status moved (pods ready, rollout done): refresh the owner."""
+    """A child Deployment's or StatefulSet group's status moved (pods ready, a rank restarted,
+    rollout done): refresh the owner."""
     for owner in body.metadata.get("ownerReferences", []):
         if owner.get("kind") == api.INFERENCE_DEPLOYMENT and owner.get("controller"):
             await _reconcile(memo, body.metadata["namespace"], owner["name"])

@@ -357,13 +357,22 @@ class MemoryPlan(Model):
     fits: bool
 
 
+# The workload one replica runs as: one pod (Deployment), or a group of pods, one per node
+# (LeaderWorkerSet when its CRD is installed, else one StatefulSet per replica).
+WorkloadKind = Literal["Deployment", "LeaderWorkerSet", "StatefulSet"]
+
+
 class Topology(Model):
-    kind: Literal["Deployment", "LeaderWorkerSet"]
+    kind: WorkloadKind = Field(description="Workload the replicas run as.")
     tensor: int = Field(description="Tensor-parallel size in effect.")
     pipeline: int = Field(description="Pipeline-parallel size in effect.")
     gpus_per_replica: int
     pods_per_replica: int
     gpus_per_pod: int
+    # Optional in the schema only so that a status written before the field existed stays valid.
+    nodes_per_replica: int | None = Field(
+        default=None, description="Nodes one replica spans (one pod per node)."
+    )
 
 
 class Endpoint(Model):

@@ -40,6 +40,7 @@ from kvfleet_operator.models import (
     Topology,
     WeightQuantization,
 )
+from kvfleet_operator.topology import plan_topology, quantity_bytes
 
 GIB = 1024**3
 RUNTIME_RESERVE_GIB = 1.5
@@ -78,7 +79,7 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
 class ClusterFeatures:
     """Optional APIs found in the cluster."""
 
-    leader_worker_set: bool  # leaderworkersets.leaderworkerset.x-k8s.io is installed
+    leader_worker_set: bool  # the API serves leaderworkerset.x-k8s.io/v1 LeaderWorkerSets
     service_monitor: bool  # servicemonitors.monitoring.coreos.com is installed
     keda: bool = False  # scaledobjects.keda.sh is installed (autoscaling.controller: KEDA)
 
@@ -121,23 +122,28 @@ def plan_deployment(
         )
         return Plan(served_model_name, None, None, STARTUP_UNKNOWN_MODEL_SECONDS, (problem,))
 
-    topology, topology_problem = plan_topology(spec, profile)
+    topology, layout_error = plan_topology(
+        spec, profile, leader_worker_set=cluster.leader_worker_set
+    )
     known = model if isinstance(model, ModelArchitecture) else None
     memory = plan_memory(spec, profile, known) if known is not None else None
     problems = [
         *check_parallelism(spec, known.numbers if known is not None else None),
-        *([topology_problem] if topology_problem else []),
+        *([Problem("InvalidParallelism", layout_error.message)] if layout_error else []),
+        *check_shared_memory(spec),
         *check_quantization(spec, profile),
     ]
     if memory is not None and not memory.fits:
         problems.append(Problem("InsufficientGPUMemory", _memory_message(spec, profile, memory)))
-    if topology.kind == "LeaderWorkerSet" and not cluster.leader_worker_set:
+    external = spec.autoscaling.controller if spec.autoscaling is not None else "Builtin"
+    if topology.kind == "StatefulSet" and external != "Builtin":
         problems.append(
             Problem(
-                "MultiNodeUnavailable",
-                f"one replica needs {topology.gpus_per_replica} GPUs on "
-                f"{topology.pods_per_replica} nodes of {profile.devices_per_node}; that needs "
-                "the LeaderWorkerSet CRD (leaderworkerset.x-k8s.io), which is not installed",
+                "GroupAutoscalingUnavailable",
+                f"autoscaling.controller={external} scales the replicas of one object, but a "
+                f"replica of {topology.pods_per_replica} nodes runs as one StatefulSet per "
+                "replica (the LeaderWorkerSet CRD is not installed): use controller Builtin, "
+                "or install LeaderWorkerSet",
             )
         )
     if spec.autoscaling is not None and spec.autoscaling.controller == "KEDA" and not cluster.keda:
@@ -157,39 +163,6 @@ def plan_deployment(
         problems=tuple(problems),
         memory_unknown_reason=model.reason if isinstance(model, UnknownModel) else None,
     )
-
-
-def plan_topology(
-    spec: InferenceDeploymentSpec, profile: AcceleratorProfileSpec
-) -> tuple[Topology, Problem | None]:
-    """One pod when a replica fits on a node, else one pod per node (a LeaderWorkerSet group)."""
-    tensor, pipeline = spec.parallelism.tensor, spec.parallelism.pipeline
-    gpus = tensor * pipeline
-    per_node = profile.devices_per_node
-    if gpus <= per_node:
-        return Topology(
-            kind="Deployment",
-            tensor=tensor,
-            pipeline=pipeline,
-            gpus_per_replica=gpus,
-            pods_per_replica=1,
-            gpus_per_pod=gpus,
-        ), None
-    topology = Topology(
-        kind="LeaderWorkerSet",
-        tensor=tensor,
-        pipeline=pipeline,
-        gpus_per_replica=gpus,
-        pods_per_replica=math.ceil(gpus / per_node),
-        gpus_per_pod=per_node,
-    )
-    if gpus % per_node:
-        return topology, Problem(
-            "InvalidParallelism",
-            f"parallelism.tensor × parallelism.pipeline = {gpus} GPUs does not split evenly "
-            f"over nodes of {per_node} devices ({spec.resources.accelerator})",
-        )
-    return topology, None
 
 
 def check_parallelism(spec: InferenceDeploymentSpec, model: ModelHints | None) -> list[Problem]:
@@ -221,6 +194,14 @@ def check_parallelism(spec: InferenceDeploymentSpec, model: ModelHints | None) -
             )
         )
     return problems
+
+
+def check_shared_memory(spec: InferenceDeploymentSpec) -> list[Problem]:
+    try:
+        quantity_bytes(spec.resources.shared_memory)
+    except ValueError as exc:
+        return [Problem("InvalidSharedMemory", str(exc))]
+    return []
 
 
 def check_quantization(

@@ -24,14 +24,15 @@ from kvfleet_operator.model_catalog import (
 )
 from kvfleet_operator.models import AcceleratorProfileSpec, InferenceDeploymentSpec, ModelSpec
 from kvfleet_operator.plan import ClusterFeatures, plan_deployment
-from kvfleet_operator.render import render_children, selector_string
+from kvfleet_operator.render import render_children
 from kvfleet_operator.status import (
     compute_status,
     invalid_spec_status,
     rollout_event,
-    summarize_workload,
     transition_events,
 )
+from kvfleet_operator.topology_groups import group_count
+from kvfleet_operator.topology_workloads import prune, read_workloads, replace_group_pods
 
 log = logging.getLogger(__name__)
 
@@ -66,42 +67,58 @@ async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any
     profiles = await read_accelerator_profiles(cluster)
     profile = resolve_accelerator(spec.resources.accelerator, profiles)
     features = ClusterFeatures(
-        leader_worker_set=await cluster.has_crd(api.LEADER_WORKER_SET_CRD),
+        leader_worker_set=await cluster.serves(api.LEADER_WORKER_SET_API, "leaderworkersets"),
         service_monitor=await cluster.has_crd(api.SERVICE_MONITOR_CRD),
         keda=await cluster.has_crd(api.KEDA_SCALED_OBJECT_CRD),
     )
     architecture = await read_model_architecture(cluster, headers, namespace, spec.model)
     plan = plan_deployment(name, spec, profile, architecture, features)
-    deployment = await cluster.get("apps/v1", "Deployment", name, namespace)
+    planned = plan.topology.kind if plan.topology is not None else None
+    found = await read_workloads(
+        cluster, namespace, name, leader_worker_set=features.leader_worker_set
+    )
+    groups = group_count(spec, old_status, len(found.statefulsets))
     if plan.ok:
-        assert profile is not None
+        assert profile is not None and planned is not None
         children = render_children(
-            name, namespace, spec, plan, profile, service_monitor=features.service_monitor
+            name,
+            namespace,
+            spec,
+            plan,
+            profile,
+            service_monitor=features.service_monitor,
+            groups=groups,
         )
-        before = deployment
-        if deployment is not None and spec.effective_replicas() is None:
-            await _hand_replicas_to_autoscaler(cluster, deployment)
+        before = found.main(planned)
+        if before is not None and spec.effective_replicas() is None and planned != "StatefulSet":
+            await _hand_replicas_to_autoscaler(cluster, before)
         for child in children:
-            applied = await cluster.apply(child, owner=body)
-            if child["kind"] == "Deployment":
-                deployment = applied
-        event = rollout_event(before, deployment)
+            await cluster.apply(child, owner=body)
+        await prune(cluster, namespace, children, found, meta["uid"])
+        found = await read_workloads(
+            cluster, namespace, name, leader_worker_set=features.leader_worker_set
+        )
+        if planned == "StatefulSet":
+            replaced = await replace_group_pods(
+                cluster, namespace, found, spec.rollout.max_unavailable
+            )
+            if replaced:
+                message = f"replacing the pods {', '.join(replaced)} (broken or outdated groups)"
+                log.info("%s/%s: %s", namespace, name, message)
+                await cluster.post_event(body, "Normal", "GroupsReplaced", message)
+        event = rollout_event(before, found.main(planned), planned)
         if event is not None:
             await cluster.post_event(body, event.type, event.reason, event.message)
     else:
         log.debug("%s/%s not rolled out: %s", namespace, name, plan.problems[0].message)
 
-    workload = None
-    if deployment is not None:
-        pods = await cluster.list("v1", "Pod", namespace, selector_string(name))
-        workload = summarize_workload(deployment, pods)
     status = compute_status(
         name=name,
         namespace=namespace,
         generation=generation,
         spec=spec,
         plan=plan,
-        workload=workload,
+        workload=found.summary(planned, groups),
         old_status=old_status,
         now=now,
     )
@@ -125,17 +142,24 @@ async def read_model_architecture(
     return model_architecture(model, await headers.summary(model, token))
 
 
-async def _hand_replicas_to_autoscaler(cluster: Cluster, deployment: dict[str, Any]) -> None:
+async def _hand_replicas_to_autoscaler(cluster: Cluster, workload: dict[str, Any]) -> None:
     """Switching from fixed replicas to autoscaling: if only the reconciler owns the child's
-    spec.replicas, server-side apply without the field would delete it and the Deployment would
-    fall back to 1 replica. The autoscaler's field manager takes over the current value first."""
-    if not owns_replicas(deployment, api.FIELD_MANAGER):
+    spec.replicas, server-side apply without the field would delete it and the Deployment (or
+    LeaderWorkerSet) would fall back to 1 replica. The autoscaler's field manager takes over the
+    current value first."""
+    if not owns_replicas(workload, api.FIELD_MANAGER):
         return
-    if owns_replicas(deployment, api.AUTOSCALER_FIELD_MANAGER):
+    if owns_replicas(workload, api.AUTOSCALER_FIELD_MANAGER):
         return
-    meta = deployment["metadata"]
-    replicas = deployment.get("spec", {}).get("replicas", 1)
-    await cluster.scale(meta["namespace"], meta["name"], replicas)
+    meta = workload["metadata"]
+    replicas = workload.get("spec", {}).get("replicas", 1)
+    await cluster.scale(
+        meta["namespace"],
+        meta["name"],
+        replicas,
+        api_version=workload["apiVersion"],
+        kind=workload["kind"],
+    )
     log.info(
         "%s/%s: replicas (%d) handed to the autoscaler", meta["namespace"], meta["name"], replicas
     )

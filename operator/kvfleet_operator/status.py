@@ -9,7 +9,8 @@ from typing import Any
 
 from kvfleet_operator.models import InferenceDeploymentSpec
 from kvfleet_operator.plan import Plan
-from kvfleet_operator.render import endpoint_url, rendered_weights, selector_string
+from kvfleet_operator.render import endpoint_url, selector_string
+from kvfleet_operator.render_pod import rendered_weights
 
 OWN_CONDITIONS = ("Ready", "Reconciling", "Stalled", "Planned", "Available")
 # Container waiting reasons that mean the pod will not serve without a change.
@@ -27,13 +28,14 @@ FAILING_WAIT_REASONS = frozenset(
 
 @dataclass(frozen=True)
 class WorkloadState:
-    """The child Deployment and its pods, summarized."""
+    """The child workload and its pods, summarized; a replica is a pod of the Deployment, or a
+    group of pods (LeaderWorkerSet, StatefulSet groups: topology_groups.py)."""
 
-    desired: int  # Deployment spec.replicas (the autoscaler's number when it owns it)
-    replicas: int  # pods of any revision
-    updated: int  # pods of the current template
-    ready: int  # pods passing readiness
-    current: bool  # the Deployment controller has seen the latest template
+    desired: int  # replicas wanted (the autoscaler's number when it owns it)
+    replicas: int  # replicas of any revision
+    updated: int  # replicas of the current template
+    ready: int  # replicas passing readiness (a group: its leader, ready once all ranks are)
+    current: bool  # the workload's controller has seen the latest template
     deadline_exceeded: bool  # Progressing=False, ProgressDeadlineExceeded
     failing_pods: tuple[str, ...]  # "pod: reason" for pods stuck in a failing state
     unschedulable: str | None  # the scheduler's message for a pending pod, if any
@@ -43,6 +45,25 @@ class WorkloadState:
 def summarize_workload(deployment: dict[str, Any], pods: list[dict[str, Any]]) -> WorkloadState:
     spec, status = deployment.get("spec", {}), deployment.get("status", {})
     progressing = _find(status.get("conditions", []), "Progressing")
+    failing, unschedulable = pod_troubles(pods)
+    return WorkloadState(
+        desired=spec.get("replicas", 1),
+        replicas=status.get("replicas", 0),
+        updated=status.get("updatedReplicas", 0),
+        ready=status.get("readyReplicas", 0),
+        current=status.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 0),
+        deadline_exceeded=bool(
+            progressing and progressing.get("reason") == "ProgressDeadlineExceeded"
+        ),
+        failing_pods=failing,
+        unschedulable=unschedulable,
+        quantization=engine_weights(spec.get("template", {})),
+    )
+
+
+def pod_troubles(pods: list[dict[str, Any]]) -> tuple[tuple[str, ...], str | None]:
+    """("pod: reason" for each pod stuck in a failing state, sorted; the scheduler's message for
+    an unschedulable pod, if any), over the pods that are not terminating."""
     failing, unschedulable = [], None
     for pod in pods:
         if pod["metadata"].get("deletionTimestamp"):
@@ -59,23 +80,12 @@ def summarize_workload(deployment: dict[str, Any], pods: list[dict[str, Any]]) -
         scheduled = _find(pod_status.get("conditions", []), "PodScheduled")
         if scheduled and scheduled.get("reason") == "Unschedulable":
             unschedulable = scheduled.get("message", "Unschedulable")
-    return WorkloadState(
-        desired=spec.get("replicas", 1),
-        replicas=status.get("replicas", 0),
-        updated=status.get("updatedReplicas", 0),
-        ready=status.get("readyReplicas", 0),
-        current=status.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 0),
-        deadline_exceeded=bool(
-            progressing and progressing.get("reason") == "ProgressDeadlineExceeded"
-        ),
-        failing_pods=tuple(sorted(failing)),
-        unschedulable=unschedulable,
-        quantization=_engine_weights(spec),
-    )
+    return tuple(sorted(failing)), unschedulable
 
 
-def _engine_weights(deployment_spec: dict[str, Any]) -> str:
-    containers = deployment_spec.get("template", {}).get("spec", {}).get("containers", [])
+def engine_weights(template: dict[str, Any]) -> str:
+    """quantization.weights of the engine container of a pod template."""
+    containers = template.get("spec", {}).get("containers", [])
     engine: dict[str, Any] = next((c for c in containers if c.get("name") == "engine"), {})
     return rendered_weights(list(engine.get("args", [])))
 
@@ -146,6 +156,7 @@ def _scaling(spec: InferenceDeploymentSpec) -> str:
 
 
 Cond = tuple[str, str, str]  # status, reason, message
+_GROUP_WORKLOAD = {"LeaderWorkerSet": "a LeaderWorkerSet", "StatefulSet": "one StatefulSet each"}
 
 
 def _conditions(
@@ -161,16 +172,17 @@ def _conditions(
         conditions["Ready"] = ("False", reason, message)
     else:
         conditions["Planned"] = ("True", "Planned", _plan_summary(spec, plan))
-        conditions.update(_rollout_conditions(spec, workload))
+        assert plan.topology is not None
+        conditions.update(_rollout_conditions(spec, workload, plan.topology.kind))
     conditions["Available"] = _available(spec, workload)
     return conditions
 
 
 def _rollout_conditions(
-    spec: InferenceDeploymentSpec, workload: WorkloadState | None
+    spec: InferenceDeploymentSpec, workload: WorkloadState | None, kind: str
 ) -> dict[str, Cond]:
     if workload is None:
-        message = "creating the Deployment"
+        message = f"creating the {kind}"
         return {
             "Stalled": ("False", "Progressing", message),
             "Reconciling": ("True", "Creating", message),
@@ -225,11 +237,17 @@ def _available(spec: InferenceDeploymentSpec, workload: WorkloadState | None) ->
 
 
 def _plan_summary(spec: InferenceDeploymentSpec, plan: Plan) -> str:
-    assert plan.topology is not None
+    topology = plan.topology
+    assert topology is not None
     text = (
-        f"{plan.topology.pods_per_replica} pod(s) × {plan.topology.gpus_per_pod} GPU(s) "
+        f"{topology.pods_per_replica} pod(s) × {topology.gpus_per_pod} GPU(s) "
         f"({spec.resources.accelerator}) per replica"
     )
+    if topology.kind != "Deployment":
+        text += (
+            f", a group on {topology.nodes_per_replica} nodes (tensor {topology.tensor} × "
+            f"pipeline {topology.pipeline}) as {_GROUP_WORKLOAD[topology.kind]}"
+        )
     if plan.memory is None:
         return text + f"; memory not estimated ({plan.memory_unknown_reason})"
     return text + f"; {plan.memory.required_gib}/{plan.memory.available_gib} GiB per GPU"
@@ -314,13 +332,24 @@ def invalid_spec_status(
     }
 
 
-def rollout_event(before: dict[str, Any] | None, after: dict[str, Any] | None) -> Event | None:
-    """An event when applying the children created the Deployment or changed its spec."""
+_CREATED = {
+    "Deployment": "created the Deployment, Service and PodDisruptionBudget",
+    "LeaderWorkerSet": "created the LeaderWorkerSet, Service and PodDisruptionBudget",
+    "StatefulSet": "created the StatefulSet groups, their headless Service, the Service and "
+    "PodDisruptionBudget",
+}
+
+
+def rollout_event(
+    before: dict[str, Any] | None, after: dict[str, Any] | None, kind: str = "Deployment"
+) -> Event | None:
+    """An event when applying the children created the workload or changed its spec (`kind`:
+    the workload's; for StatefulSet groups, the first group's StatefulSet stands for all)."""
     if after is None:
         return None
     if before is None:
-        return Event("Normal", "Created", "created the Deployment, Service and PodDisruptionBudget")
+        return Event("Normal", "Created", _CREATED[kind])
     old, new = before["metadata"].get("generation"), after["metadata"].get("generation")
     if old == new:
         return None
-    return Event("Normal", "RolloutStarted", f"Deployment spec changed (generation {old} -> {new})")
+    return Event("Normal", "RolloutStarted", f"{kind} spec changed (generation {old} -> {new})")

@@ -66,8 +66,10 @@ class FakeCluster:
             "spec": {"model": {"uri": "file:///m"}, "autoscaling": autoscaling},
             "status": {"conditions": [{"type": "Ready", "status": "True"}]},
         }
-        self.deployment = {"spec": {"replicas": replicas}}
+        self.deployment: dict[str, Any] | None = {"spec": {"replicas": replicas}}
+        self.statefulsets: list[dict[str, Any]] = []  # StatefulSet groups (no Deployment)
         self.pods = pods
+        self.pod_selector = f"kvfleet.io/deployment={NAME}"
         self.writes: list[tuple[str, Any]] = []
         self.external: dict[str, dict[str, Any]] = {}
         self.resource_version = "1"
@@ -84,15 +86,22 @@ class FakeCluster:
             return copy.deepcopy(self.infd)
         if kind == "Deployment":
             return copy.deepcopy(self.deployment)
-        return None
+        return None  # no LeaderWorkerSet
 
     async def list(
         self, api_version: str, kind: str, namespace: str | None = None, selector: str = ""
     ):
-        assert selector == f"kvfleet.io/deployment={NAME}"
+        if kind == "StatefulSet":
+            assert selector == f"kvfleet.io/deployment={NAME}"
+            return copy.deepcopy(self.statefulsets)
+        assert selector == self.pod_selector, selector
         return copy.deepcopy(self.pods)
 
-    async def scale(self, namespace: str, name: str, replicas: int) -> dict[str, Any]:
+    async def scale(
+        self, namespace: str, name: str, replicas: int, api_version="apps/v1", kind="Deployment"
+    ) -> dict[str, Any]:
+        assert (api_version, kind, name) == ("apps/v1", "Deployment", NAME)
+        assert self.deployment is not None
         self.writes.append(("scale", replicas))
         self.deployment["spec"]["replicas"] = replicas
         return {}
@@ -316,3 +325,21 @@ async def test_prometheus_source_reads_the_same_series_per_pod() -> None:
     assert (p1.generation_tokens_total, p1.kv_cache_usage, p1.in_flight) == (500, 0.25, 4)
     assert p1.capacity_generation == 400
     assert samples["p2"] is None  # missing series: no data, never zeros
+
+
+async def test_statefulset_groups_scale_by_their_leaders_metrics() -> None:
+    """Replicas are groups: only leaders (pod index 0) are scraped, the count of StatefulSets is
+    the current replicas, and the desired count goes to status for the reconciler to render."""
+    cluster = FakeCluster(SPEC, 1, [pod("llama-group-0-0", "127.1.0.2")])
+    cluster.deployment = None
+    cluster.statefulsets = [{"metadata": {"name": "llama-group-0"}}]
+    cluster.pod_selector = f"kvfleet.io/deployment={NAME},apps.kubernetes.io/pod-index=0"
+    decision = None
+    for now, generated in ((T0, 0.0), (T0 + 5, 1000.0)):  # 200 tok/s on one group
+        async with engines({"127.1.0.2": metrics(generated)}) as http:
+            decision, _ = await autoscale_once(cluster, http, NS, NAME, now)  # type: ignore[arg-type]
+    assert decision is not None and decision.desired_replicas == 2
+    assert not [w for w in cluster.writes if w[0] in ("scale", "apply")]
+    status = cluster.infd["status"]["autoscaling"]
+    assert (status["currentReplicas"], status["desiredReplicas"]) == (1, 2)
+    assert ("event", "ScaledUp") in cluster.writes

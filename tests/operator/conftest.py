@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import copy
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from kvfleet_operator.models import InferenceDeploymentSpec
 
@@ -26,6 +29,25 @@ def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+@pytest.fixture
+def check_golden():
+    """check_golden(name, objects): the objects as YAML equal golden/NAME.yaml (rewritten with
+    UPDATE_GOLDEN=1 after a deliberate change)."""
+
+    def check(name: str, objects: list[dict[str, Any]]) -> None:
+        text = yaml.safe_dump_all(objects, sort_keys=False, width=100)
+        path = GOLDEN / f"{name}.yaml"
+        if os.environ.get("UPDATE_GOLDEN") == "1":
+            path.write_text(text)
+        assert path.exists(), f"{path} missing: run with UPDATE_GOLDEN=1"
+        assert text == path.read_text(), f"{path} differs: review, then UPDATE_GOLDEN=1"
+
+    return check
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import pytest
 from kvfleet_operator.accelerators import resolve_accelerator
 from kvfleet_operator.model_catalog import model_architecture
 from kvfleet_operator.plan import ClusterFeatures, plan_deployment
-from kvfleet_operator.render import ENGINE_QUANTIZATION, engine_args
+from kvfleet_operator.render_pod import ENGINE_QUANTIZATION, engine_args
 
 cli = pytest.importorskip("kvfleet_engine.server.cli")
 
@@ -64,3 +64,42 @@ def test_quantized_args_parse_with_the_engine_parser(make_spec, weights: str) ->
     assert plan.ok, plan.problems
     args = parser.parse_args(engine_args(spec, plan, "/models/model"))
     assert (args.quantization, args.kv_cache_dtype) == (ENGINE_QUANTIZATION[weights], "fp8")
+
+
+@pytest.mark.parametrize("leader_worker_set", [False, True])
+def test_group_args_parse_with_the_engine_parser(make_spec, leader_worker_set: bool) -> None:
+    """A rank of a two-node group: the flags of the shared contract (`--tensor-parallel-size`,
+    `--pipeline-parallel-size`, `--nnodes`, `--node-rank`, `--master-addr`, `--master-port`),
+    with the $(VAR)s the kubelet expands set to what rank 1 of group 0 would see."""
+    from kvfleet_operator.render import render_children
+
+    parser = cli.build_parser()
+    if "--nnodes" not in parser.format_help():
+        pytest.skip("this engine's `kvfleet serve` has no --nnodes yet (branch tp)")
+    spec = make_spec(parallelism={"tensor": 8, "pipeline": 2}, replicas=1)
+    profile = resolve_accelerator("h100-80gb", {})
+    cluster = ClusterFeatures(leader_worker_set=leader_worker_set, service_monitor=False)
+    plan = plan_deployment("x", spec, profile, model_architecture(spec.model), cluster)
+    assert plan.ok, plan.problems
+    workload = render_children("x", "ns", spec, plan, profile, service_monitor=False)
+    workload = [c for c in workload if c["kind"] in ("StatefulSet", "LeaderWorkerSet")]
+    template = workload[0]["spec"]
+    template = (
+        template["leaderWorkerTemplate"]["workerTemplate"]
+        if leader_worker_set
+        else (template["template"])
+    )
+    env = {"KVFLEET_NODE_RANK": "1", "LWS_WORKER_INDEX": "1", "LWS_LEADER_ADDRESS": "x-group-0.x"}
+    raw = template["spec"]["containers"][0]["args"]
+    args = parser.parse_args([_expand(a, env) for a in raw])
+    assert (args.tensor_parallel_size, args.pipeline_parallel_size) == (8, 2)
+    assert (args.nnodes, args.node_rank, args.master_port) == (2, 1, 29500)
+    leader = "x-group-0.x" if leader_worker_set else "x-group-0-0.x-group.ns.svc"
+    assert args.master_addr == leader
+
+
+def _expand(arg: str, env: dict[str, str]) -> str:
+    """The kubelet's $(VAR) expansion of a container argument."""
+    for key, value in env.items():
+        arg = arg.replace(f"$({key})", value)
+    return arg

@@ -31,10 +31,20 @@ def test_small_sample_plans_cleanly() -> None:
     assert p.ok and p.memory is not None and p.memory.fits
 
 
-def test_large_sample_fits_but_waits_for_the_engine() -> None:
+def test_large_sample_is_one_pod_of_four_gpus() -> None:
     p = _plan("large.yaml")
+    assert p.ok, p.problems
     assert p.memory is not None and p.memory.fits
-    assert {problem.reason for problem in p.problems} == {"FeatureUnavailable"}
+    assert p.topology is not None and p.topology.kind == "Deployment"
+    assert (p.topology.gpus_per_pod, p.topology.pods_per_replica) == (4, 1)
+
+
+def test_multi_node_sample_is_a_group_of_two_pods() -> None:
+    p = _plan("multi-node.yaml")
+    assert p.ok, p.problems
+    assert p.memory is not None and p.memory.fits
+    assert p.topology is not None and p.topology.kind == "StatefulSet"
+    assert (p.topology.nodes_per_replica, p.topology.gpus_per_pod) == (2, 8)
 
 
 def test_quantized_sample_plans_awq_weights_and_an_fp8_kv_cache_on_an_l4() -> None:
@@ -73,12 +83,47 @@ def test_kustomization_lists_existing_files() -> None:
         assert (MANIFESTS / resource).exists(), resource
 
 
-def test_rbac_never_writes_inference_deployment_spec_or_deletes() -> None:
+# What a change of a replica's shape deletes (topology_workloads.py): group pods, StatefulSets,
+# and the workload a change of topology leaves behind.
+DELETABLE = {"pods", "statefulsets", "deployments", "services", "leaderworkersets"}
+
+
+def test_rbac_never_writes_inference_deployment_spec_and_deletes_only_workloads() -> None:
     role = next(yaml.safe_load_all((MANIFESTS / "rbac.yaml").read_text()))
+    deletable = set()
     for rule in role["rules"]:
-        assert "delete" not in rule["verbs"] and "*" not in rule["verbs"]
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"]
+        if "delete" in rule["verbs"]:
+            deletable |= set(rule["resources"])
         if "inferencedeployments" in rule["resources"]:
             assert set(rule["verbs"]) <= {"get", "list", "watch"}
+    assert deletable == DELETABLE
+
+
+def test_rbac_covers_every_kind_the_operator_renders(make_spec) -> None:
+    """Each kind rendered for any topology can be applied (create, patch) by the role."""
+    from kvfleet_operator.render import render_children
+
+    role = next(yaml.safe_load_all((MANIFESTS / "rbac.yaml").read_text()))
+    granted = {
+        (group, resource)
+        for rule in role["rules"]
+        if {"create", "patch"} <= set(rule["verbs"])
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    }
+    plurals = {"Deployment": "deployments", "StatefulSet": "statefulsets", "Service": "services",
+               "PodDisruptionBudget": "poddisruptionbudgets", "ServiceMonitor": "servicemonitors",
+               "LeaderWorkerSet": "leaderworkersets"}  # fmt: skip
+    for parallelism, lws in (({"tensor": 2}, False), ({"tensor": 8, "pipeline": 2}, False),
+                             ({"tensor": 8, "pipeline": 2}, True)):  # fmt: skip
+        spec = make_spec(parallelism=parallelism)
+        profile = resolve_accelerator(spec.resources.accelerator, {})
+        cluster = ClusterFeatures(leader_worker_set=lws, service_monitor=True)
+        p = plan_deployment("x", spec, profile, model_architecture(spec.model), cluster)
+        for child in render_children("x", "ns", spec, p, profile, service_monitor=True):
+            group = child["apiVersion"].rpartition("/")[0]
+            assert (group, plurals[child["kind"]]) in granted, child["kind"]
 
 
 def health(obj: dict[str, Any]) -> tuple[str, str]:

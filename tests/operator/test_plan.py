@@ -176,24 +176,127 @@ def test_gpus_per_replica_is_tensor_times_pipeline(make_spec) -> None:
     assert p.memory.weights_gib == pytest.approx(14.96 / 8, abs=0.01)
 
 
-def test_replica_larger_than_a_node_needs_leader_worker_set(make_spec) -> None:
+def test_replica_larger_than_a_node_is_a_group_of_pods(make_spec) -> None:
     spec = make_spec(
         model={"uri": "hf://meta-llama/Llama-3.1-405B-Instruct"},
         parallelism={"tensor": 8, "pipeline": 2},
     )
+    # Without the LeaderWorkerSet API: one StatefulSet per replica, which any cluster runs.
     p = plan(spec)
-    assert p.topology.kind == "LeaderWorkerSet"
+    assert p.ok, p.problems
+    assert p.topology.kind == "StatefulSet"
     assert (p.topology.pods_per_replica, p.topology.gpus_per_pod) == (2, 8)
-    assert reasons(p)[0] == "MultiNodeUnavailable"
-    # With the LWS CRD installed the plan is valid; only the engine cannot serve it yet.
-    assert set(reasons(plan(spec, WITH_LWS))) == {"FeatureUnavailable"}
+    assert (p.topology.nodes_per_replica, p.topology.gpus_per_replica) == (2, 16)
+    # 405.85e9 params × 2 bytes / 16 GPUs = 47.25 GiB per GPU.
+    assert p.memory.weights_gib == pytest.approx(47.25, abs=0.01) and p.memory.fits
+    with_lws = plan(spec, WITH_LWS)
+    assert with_lws.ok and with_lws.topology.kind == "LeaderWorkerSet"
+    assert with_lws.topology.pods_per_replica == 2
+
+
+@pytest.mark.parametrize(
+    ("tensor", "pipeline", "per_node", "kind", "pods", "gpus_per_pod"),
+    [
+        (1, 1, 8, "Deployment", 1, 1),
+        (8, 1, 8, "Deployment", 1, 8),
+        (2, 4, 8, "Deployment", 1, 8),
+        (8, 2, 8, "StatefulSet", 2, 8),
+        (4, 3, 8, "StatefulSet", 2, 6),  # 12 ranks: 2 nodes of 6
+        (8, 1, 4, "StatefulSet", 2, 4),
+        (2, 2, 1, "StatefulSet", 4, 1),
+        (1, 2, 1, "StatefulSet", 2, 1),
+    ],
+)
+def test_ranks_split_evenly_over_the_fewest_nodes(
+    make_spec, tensor, pipeline, per_node, kind, pods, gpus_per_pod
+) -> None:
+    profile = BUILTIN_ACCELERATORS["h100-80gb"].model_copy(update={"devices_per_node": per_node})
+    p = plan(
+        make_spec(parallelism={"tensor": tensor, "pipeline": pipeline}),
+        profiles={"h100-80gb": profile},
+    )
+    assert p.ok, p.problems
+    topology = p.topology
+    assert (topology.kind, topology.pods_per_replica, topology.gpus_per_pod) == (
+        kind, pods, gpus_per_pod
+    )  # fmt: skip
+    assert topology.gpus_per_replica == tensor * pipeline == pods * gpus_per_pod
+
+
+def test_a_world_that_does_not_split_evenly_over_nodes_names_the_numbers(make_spec) -> None:
+    profile = BUILTIN_ACCELERATORS["h100-80gb"].model_copy(update={"devices_per_node": 4})
+    p = plan(make_spec(parallelism={"tensor": 2, "pipeline": 5}), profiles={"h100-80gb": profile})
+    assert reasons(p) == ["InvalidParallelism"]
+    assert p.problems[0].message == (
+        "parallelism.tensor × parallelism.pipeline = 2 × 5 = 10 GPUs needs 3 nodes of 4 devices "
+        "(h100-80gb), but 10 ranks do not split evenly over 3 nodes (every node runs the same "
+        "number of ranks)"
+    )
+
+
+def test_pipeline_larger_than_the_layers_is_refused(make_spec) -> None:
+    # Llama 3.2 1B: 16 layers.
+    spec = make_spec(model={"uri": "hf://meta-llama/Llama-3.2-1B"}, parallelism={"pipeline": 16})
+    assert plan(spec).ok
+    hints = {
+        "numParameters": 1_000_000, "numLayers": 4, "numAttentionHeads": 8,
+        "numKeyValueHeads": 2, "headDim": 16,
+    }  # fmt: skip
+    p = plan(make_spec(model={"uri": "pvc://m/tiny", "hints": hints}, parallelism={"pipeline": 8}))
+    assert reasons(p) == ["InvalidParallelism"]
+    assert p.problems[0].message == "parallelism.pipeline=8 exceeds the model's 4 layers"
+
+
+def test_tensor_size_against_gguf_header_heads(make_spec, write_gguf) -> None:
+    """The head count of an hf:// GGUF file's header checks the tensor size."""
+    header = parse_gguf_header(write_gguf(with_data=False, heads=4, kv_heads=2).read_bytes())
+    spec = make_spec(model={"uri": GGUF_URI}, parallelism={"tensor": 8})
+    p = plan_deployment(
+        "llama", spec, resolve_accelerator("h100-80gb", {}),
+        model_architecture(spec.model, header), NO_EXTRAS,
+    )  # fmt: skip
+    assert reasons(p) == ["InvalidParallelism"]
+    assert p.problems[0].message == (
+        "parallelism.tensor=8 does not divide the model's 4 attention heads"
+    )
+    spec = make_spec(model={"uri": GGUF_URI}, parallelism={"tensor": 4})
+    p = plan_deployment(
+        "llama", spec, resolve_accelerator("h100-80gb", {}),
+        model_architecture(spec.model, header), NO_EXTRAS,
+    )  # fmt: skip
+    assert p.ok, p.problems
+
+
+def test_external_autoscalers_cannot_scale_statefulset_groups(make_spec) -> None:
+    autoscaling = {
+        "controller": "HPA", "maxReplicas": 4, "targets": {"kvCacheUtilization": 0.7},
+    }  # fmt: skip
+    spec = make_spec(
+        parallelism={"tensor": 8, "pipeline": 2}, replicas=None, autoscaling=autoscaling
+    )
+    assert reasons(plan(spec)) == ["GroupAutoscalingUnavailable"]
+    assert "autoscaling.controller=HPA scales the replicas of one object" in (
+        plan(spec).problems[0].message
+    )
+    assert plan(spec, WITH_LWS).ok  # an HPA scales a LeaderWorkerSet's groups
+
+
+def test_unsupported_tensor_size_is_feature_unavailable(make_spec) -> None:
+    p = plan(make_spec(parallelism={"tensor": 16}), WITH_LWS)
+    assert reasons(p) == ["FeatureUnavailable"]
+    assert p.problems[0].message == (
+        "parallelism.tensor=16: the engine serves tensor parallel size 1 or 2 or 4 or 8 only "
+        "for now"
+    )
 
 
 def test_engine_feature_gate_names_each_field(make_spec, monkeypatch: pytest.MonkeyPatch) -> None:
-    # An engine without quantized weights or an e4m3 KV cache: the same gate holds them back.
+    # An engine without tensor parallelism, quantized weights or an e4m3 KV cache: the same
+    # gate holds them back.
     monkeypatch.setattr(engine_features, "WEIGHT_QUANTIZATIONS", frozenset({"none"}))
     monkeypatch.setattr(engine_features, "KV_CACHE_QUANTIZATIONS", frozenset({"auto"}))
     quantized = {"weights": "int4-awq", "kvCache": "fp8"}
+    monkeypatch.setattr(engine_features, "TENSOR_PARALLEL_SIZES", frozenset({1}))
     p = plan(make_spec(parallelism={"tensor": 2}, quantization=quantized))
     assert reasons(p) == ["FeatureUnavailable"] * 3
     assert [problem.message for problem in p.problems] == [

@@ -25,6 +25,8 @@ class MemoryCluster:
         self.applied: list[str] = []
         self.secrets: dict[tuple[str, str], dict[str, str]] = {}
         self.secret_reads = 0
+        self.deleted: list[str] = []  # "Kind/name"
+        self.leader_worker_set = False  # whether the LeaderWorkerSet API is served
 
     def add(self, obj: dict[str, Any]) -> None:
         meta = obj["metadata"]
@@ -34,10 +36,24 @@ class MemoryCluster:
         return copy.deepcopy(self.objects.get((kind, namespace or "", name)))
 
     async def list(self, api_version: str, kind: str, namespace=None, selector: str = ""):
-        return [copy.deepcopy(o) for (k, _, _), o in self.objects.items() if k == kind]
+        wanted = dict(term.split("=", 1) for term in selector.split(",") if term)
+        return [
+            copy.deepcopy(o)
+            for (k, ns, _), o in self.objects.items()
+            if k == kind
+            and (namespace is None or ns == namespace)
+            and wanted.items() <= (o["metadata"].get("labels") or {}).items()
+        ]
 
     async def has_crd(self, name: str) -> bool:
         return False
+
+    async def serves(self, api_version: str, plural: str) -> bool:
+        return self.leader_worker_set and plural == "leaderworkersets"
+
+    async def delete(self, api_version: str, kind: str, name: str, namespace=None) -> bool:
+        self.deleted.append(f"{kind}/{name}")
+        return self.objects.pop((kind, namespace or "", name), None) is not None
 
     async def secret_value(self, namespace: str, name: str, key: str) -> str | None:
         self.secret_reads += 1
@@ -52,6 +68,8 @@ class MemoryCluster:
             generation += 1
         stored = copy.deepcopy(manifest)
         stored["metadata"]["generation"] = generation
+        if previous is not None and "status" in previous:  # apply leaves the status alone
+            stored["status"] = previous["status"]
         self.objects[key] = stored
         self.applied.append(manifest["kind"])
         return copy.deepcopy(stored)
@@ -181,3 +199,88 @@ def test_owns_replicas_reads_managed_fields() -> None:
     }
     assert owns_replicas(deployment, "kvfleet-operator")
     assert not owns_replicas(deployment, "kvfleet-autoscaler")
+
+
+TWO_NODES = {"tensor": 8, "pipeline": 2}
+LLAMA_405B = {"uri": "hf://meta-llama/Llama-3.1-405B-Instruct", "maxModelLen": 8192}
+
+
+def group_pod(cluster: MemoryCluster, group: int, rank: int, restarts: int = 0) -> None:
+    """A pod of StatefulSet group `group` as its controller would create it."""
+    cluster.add({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": f"llama-group-{group}-{rank}", "namespace": "ns", "labels": {
+            "kvfleet.io/deployment": "llama", "kvfleet.io/group": str(group),
+            "apps.kubernetes.io/pod-index": str(rank), "controller-revision-hash": "r1"}},
+        "status": {"phase": "Running",
+                   "conditions": [{"type": "Ready", "status": "True"}],
+                   "containerStatuses": [{"name": "engine", "restartCount": restarts}]},
+    })  # fmt: skip
+
+
+def controller_saw(cluster: MemoryCluster, revision: str = "r1") -> None:
+    for (kind, _, _), obj in cluster.objects.items():
+        if kind == "StatefulSet":
+            generation = obj["metadata"]["generation"]
+            obj["status"] = {"observedGeneration": generation, "updateRevision": revision}
+
+
+async def test_native_groups_scale_recreate_and_leave_no_stale_workload() -> None:
+    cluster = MemoryCluster()
+    body = infd(replicas=1)  # Llama 3.1 8B: one GPU, then 16 over two nodes
+    cluster.add(body)
+    await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
+    assert cluster.applied == ["Deployment", "Service", "PodDisruptionBudget"]
+
+    # TP 8 x PP 2 outgrows a node: the Deployment gives way to a StatefulSet group.
+    body["spec"]["parallelism"] = TWO_NODES
+    body["metadata"]["generation"] = 2
+    cluster.applied.clear()
+    await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
+    assert cluster.applied == [
+        "Service", "StatefulSet", "Service", "PodDisruptionBudget"
+    ]  # fmt: skip
+    assert cluster.deleted == ["Deployment/llama"]
+    status = cluster.objects[("InferenceDeployment", "ns", "llama")]["status"]
+    assert status["topology"]["kind"] == "StatefulSet"
+    assert status["topology"]["nodesPerReplica"] == 2
+
+    # Two groups, both ready: 2/2.
+    body["spec"]["replicas"] = 2
+    body["metadata"]["generation"] = 3
+    await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
+    controller_saw(cluster)
+    for group in (0, 1):
+        for rank in (0, 1):
+            group_pod(cluster, group, rank)
+    await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
+    status = cluster.objects[("InferenceDeployment", "ns", "llama")]["status"]
+    assert status["replicasSummary"] == "2/2", status
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "True", ready
+
+    # A rank of group 1 restarted: every pod of group 1 is deleted, group 0 untouched.
+    group_pod(cluster, 1, 1, restarts=1)
+    cluster.deleted.clear()
+    await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
+    assert cluster.deleted == ["Pod/llama-group-1-0", "Pod/llama-group-1-1"]
+    assert "GroupsReplaced" in cluster.events
+
+    # Back to one group: the second StatefulSet goes.
+    body["spec"]["replicas"] = 1
+    body["metadata"]["generation"] = 4
+    cluster.deleted.clear()
+    await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
+    assert cluster.deleted == ["StatefulSet/llama-group-1"]
+
+
+async def test_leader_worker_set_when_served() -> None:
+    cluster = MemoryCluster()
+    cluster.leader_worker_set = True
+    cluster.add(infd(replicas=2, model=LLAMA_405B, parallelism=TWO_NODES))
+    await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
+    assert cluster.applied == ["LeaderWorkerSet", "Service", "PodDisruptionBudget"]
+    lws = cluster.objects[("LeaderWorkerSet", "ns", "llama-group")]
+    assert lws["spec"]["replicas"] == 2 and cluster.events == ["Created"]
+    status = cluster.objects[("InferenceDeployment", "ns", "llama")]["status"]
+    assert status["topology"]["kind"] == "LeaderWorkerSet"

@@ -2,6 +2,8 @@
 on Pods metrics, `controller: KEDA` a ScaledObject with Prometheus triggers. Both target the child
 Deployment; the Builtin autoscaler then stays out of the way.
 
+Both target the child workload (`target`: the Deployment, or the LeaderWorkerSet whose replicas
+are groups; StatefulSet groups have no one object to scale, plan.py refuses HPA and KEDA there).
 HPA Pods metrics come from a custom-metrics adapter (e.g. prometheus-adapter) serving these names
 per pod: kvfleet_kv_cache_usage_ratio, kvfleet_requests_waiting, and the rates
 kvfleet_generation_tokens_per_second / kvfleet_prompt_tokens_per_second (adapter rules over the
@@ -31,18 +33,28 @@ EXTERNAL_KINDS = (  # (apiVersion, kind) of the objects controller HPA / KEDA re
 
 
 def render_external_autoscaler(
-    name: str, namespace: str, labels: dict[str, str], spec: AutoscalingSpec
+    name: str,
+    namespace: str,
+    labels: dict[str, str],
+    spec: AutoscalingSpec,
+    target: dict[str, str] | None = None,
 ) -> Manifest:
-    """The HPA or ScaledObject for `spec.controller` (HPA or KEDA)."""
+    """The HPA or ScaledObject for `spec.controller` (HPA or KEDA), scaling `target`
+    (apiVersion, kind, name; default the Deployment `name`)."""
+    target = target or _deployment(name)
     if spec.controller == "HPA":
-        return render_hpa(name, namespace, labels, spec)
+        return render_hpa(name, namespace, labels, spec, target)
     if spec.controller == "KEDA":
-        return render_scaled_object(name, namespace, labels, spec)
+        return render_scaled_object(name, namespace, labels, spec, target)
     raise ValueError(f"controller {spec.controller!r} has no external object")
 
 
 def render_hpa(
-    name: str, namespace: str, labels: dict[str, str], spec: AutoscalingSpec
+    name: str,
+    namespace: str,
+    labels: dict[str, str],
+    spec: AutoscalingSpec,
+    scale_target: dict[str, str] | None = None,
 ) -> Manifest:
     """An autoscaling/v2 HPA with one Pods metric (AverageValue) per configured target."""
     metrics = []
@@ -66,7 +78,7 @@ def render_hpa(
         "kind": "HorizontalPodAutoscaler",
         "metadata": {"name": name, "namespace": namespace, "labels": labels},
         "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+            "scaleTargetRef": dict(scale_target or _deployment(name)),
             "minReplicas": spec.min_replicas,
             "maxReplicas": spec.max_replicas,
             "metrics": metrics,
@@ -76,7 +88,11 @@ def render_hpa(
 
 
 def render_scaled_object(
-    name: str, namespace: str, labels: dict[str, str], spec: AutoscalingSpec
+    name: str,
+    namespace: str,
+    labels: dict[str, str],
+    spec: AutoscalingSpec,
+    scale_target: dict[str, str] | None = None,
 ) -> Manifest:
     """A KEDA ScaledObject with one Prometheus trigger per configured target."""
     assert spec.prometheus is not None, "required for KEDA by AutoscalingSpec"
@@ -129,7 +145,7 @@ def render_scaled_object(
         "kind": "ScaledObject",
         "metadata": {"name": name, "namespace": namespace, "labels": labels},
         "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+            "scaleTargetRef": dict(scale_target or _deployment(name)),
             "minReplicaCount": spec.min_replicas,
             "maxReplicaCount": spec.max_replicas,
             "pollingInterval": spec.behavior.sync_period_seconds,
@@ -152,6 +168,10 @@ def render_scaled_object(
             ],
         },
     }
+
+
+def _deployment(name: str) -> dict[str, str]:
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "name": name}
 
 
 def hpa_behavior(behavior: AutoscalingBehavior) -> Manifest:

@@ -1,9 +1,12 @@
 """The Builtin autoscaler's tick for one InferenceDeployment: read, decide, act, report.
 
-    read   the InferenceDeployment, its child Deployment and pods; each ready pod's metrics
+    read   the InferenceDeployment, its child workload and pods; each ready pod's metrics (of a
+           group of pods, the leader's: it serves the whole group)
     decide `decide(spec, observation, state)` (pure, decision.py)
     act    mark the scale-down victims (pod-deletion-cost) and write the Deployment's
-           spec.replicas by server-side apply under the field manager `kvfleet-autoscaler`
+           spec.replicas by server-side apply under the field manager `kvfleet-autoscaler`; a
+           LeaderWorkerSet's spec.replicas (groups) likewise; for StatefulSet groups the count
+           is status.autoscaling.desiredReplicas, which the reconciler renders
     report status.autoscaling (signals, desired, mode, last 10 decisions, the saved state) and
            the ScalingLimited condition; never the InferenceDeployment's spec
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
@@ -36,6 +40,7 @@ from kvfleet_operator.autoscaling.sources import query_prometheus, scrape_pods
 from kvfleet_operator.autoscaling.spec import AutoscalingSpec
 from kvfleet_operator.autoscaling.state import ScalerState
 from kvfleet_operator.render import selector_string
+from kvfleet_operator.render_group import group_name, leader_selector
 
 log = logging.getLogger(__name__)
 
@@ -91,19 +96,19 @@ async def autoscale_once(
     if spec.controller != "Builtin":
         return idle  # an HPA or a ScaledObject owns the replicas
     await _remove_external_autoscalers(cluster, body)
-    deployment = await cluster.get("apps/v1", "Deployment", name, namespace)
-    if deployment is None:
+    workload = await scaled_workload(cluster, namespace, name)
+    if workload is None:
         return idle
 
     pods = [
         facts
-        for pod in await cluster.list("v1", "Pod", namespace, selector_string(name))
+        for pod in await cluster.list("v1", "Pod", namespace, workload.pod_selector)
         if (facts := pod_facts(pod)) is not None
     ]
     samples = await _read_metrics(spec, http, namespace, pods, now)
     observation = Observation(
         now=now,
-        replicas=int(deployment.get("spec", {}).get("replicas", 1)),
+        replicas=workload.replicas,
         ready_replicas=sum(1 for pod in pods if pod.ready_since is not None),
         unschedulable_replicas=sum(1 for pod in pods if pod.unschedulable),
         pods=tuple(PodObservation(p.name, p.ready_since, samples.get(p.name)) for p in pods),
@@ -112,9 +117,17 @@ async def autoscale_once(
     state = ScalerState.from_dict((status.get("autoscaling") or {}).get("state"))
     decision = decide(spec, observation, state)
 
-    await _mark_victims(cluster, namespace, pods, decision.victims)
+    if workload.kind == "Deployment":  # the groups go from the highest index down
+        await _mark_victims(cluster, namespace, pods, decision.victims)
     if decision.desired_replicas != observation.replicas:
-        await cluster.scale(namespace, name, decision.desired_replicas)
+        if workload.kind != "StatefulSet":  # StatefulSet groups: the reconciler reads
+            await cluster.scale(  # status.autoscaling.desiredReplicas (written below)
+                namespace,
+                workload.name,
+                decision.desired_replicas,
+                api_version=workload.api_version,
+                kind=workload.kind,
+            )
         verb = "ScaledUp" if decision.desired_replicas > observation.replicas else "ScaledDown"
         message = f"{observation.replicas} -> {decision.desired_replicas}: {decision.reason}"
         log.info("%s/%s %s %s", namespace, name, verb, message)
@@ -128,6 +141,46 @@ async def autoscale_once(
     )
     await _write_condition(cluster, written or body, spec, decision, now)
     return decision, spec.behavior.sync_period_seconds
+
+
+@dataclass(frozen=True)
+class ScaledWorkload:
+    """What the autoscaler scales: replicas are pods of a Deployment, or groups of pods (a
+    LeaderWorkerSet's replicas, or the number of StatefulSet groups); only a group's leader
+    serves metrics."""
+
+    kind: str  # Deployment, LeaderWorkerSet or StatefulSet
+    api_version: str
+    name: str  # the object whose spec.replicas is written (none for StatefulSet groups)
+    replicas: int
+    pod_selector: str  # the pods whose metrics count: every pod, or the groups' leaders
+
+
+async def scaled_workload(cluster: Cluster, namespace: str, name: str) -> ScaledWorkload | None:
+    """The child workload of `name`, or None while none exists yet."""
+    pods = selector_string(name)
+    deployment = await cluster.get("apps/v1", "Deployment", name, namespace)
+    if deployment is not None:
+        replicas = int(deployment.get("spec", {}).get("replicas", 1))
+        return ScaledWorkload("Deployment", "apps/v1", name, replicas, pods)
+    groups = await cluster.list("apps/v1", "StatefulSet", namespace, pods)
+    if groups:
+        leaders = _with_labels(pods, leader_selector("StatefulSet"))
+        return ScaledWorkload("StatefulSet", "apps/v1", name, len(groups), leaders)
+    lws = await cluster.get(
+        api.LEADER_WORKER_SET_API, "LeaderWorkerSet", group_name(name), namespace
+    )
+    if lws is not None:
+        replicas = int(lws.get("spec", {}).get("replicas", 1))
+        leaders = _with_labels(pods, leader_selector("LeaderWorkerSet"))
+        return ScaledWorkload(
+            "LeaderWorkerSet", api.LEADER_WORKER_SET_API, group_name(name), replicas, leaders
+        )
+    return None
+
+
+def _with_labels(selector: str, labels: dict[str, str]) -> str:
+    return ",".join([selector, *(f"{k}={v}" for k, v in labels.items())])
 
 
 async def _remove_external_autoscalers(cluster: Cluster, body: dict[str, Any]) -> None:

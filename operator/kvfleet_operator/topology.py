@@ -1,0 +1,95 @@
+"""Topology, pure: where the tensor × pipeline ranks of one replica run.
+
+    world   = parallelism.tensor × parallelism.pipeline (one GPU per rank)
+    world <= devicesPerNode  -> one pod with `world` GPUs (kind Deployment)
+    otherwise                -> a group of pods, one per node:
+                                nodes = ceil(world / devicesPerNode), world / nodes ranks each
+                                (kind LeaderWorkerSet when its CRD is installed, else one
+                                StatefulSet per replica)
+
+The engine numbers ranks node by node (`--node-rank` R holds ranks R × per-node ..), so every
+node must hold the same number of ranks: a world that does not split evenly over
+ceil(world / devicesPerNode) nodes is refused with the numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from kvfleet_operator.models import AcceleratorProfileSpec, InferenceDeploymentSpec, Topology
+
+# /dev/shm per GPU of a pod: NCCL's shared-memory transport between the pod's ranks, and the
+# engine's worker processes, use it; resources.sharedMemory is raised to this when smaller.
+SHARED_MEMORY_PER_GPU_GIB = 2
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|K|M|G|T|k)?$")
+_UNITS = {
+    None: 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TopologyError:
+    """Why the ranks of one replica cannot be laid out on the accelerator's nodes."""
+
+    message: str  # names the fields and the numbers
+
+
+def plan_topology(
+    spec: InferenceDeploymentSpec, profile: AcceleratorProfileSpec, *, leader_worker_set: bool
+) -> tuple[Topology, TopologyError | None]:
+    """The topology of one replica; `leader_worker_set`: whether the cluster serves the
+    LeaderWorkerSet API (found by the apply layer)."""
+    tensor, pipeline = spec.parallelism.tensor, spec.parallelism.pipeline
+    world = tensor * pipeline
+    per_node = profile.devices_per_node
+    if world <= per_node:
+        one_pod = Topology(
+            kind="Deployment",
+            tensor=tensor,
+            pipeline=pipeline,
+            gpus_per_replica=world,
+            pods_per_replica=1,
+            gpus_per_pod=world,
+            nodes_per_replica=1,
+        )
+        return one_pod, None
+    nodes = math.ceil(world / per_node)
+    group = Topology(
+        kind="LeaderWorkerSet" if leader_worker_set else "StatefulSet",
+        tensor=tensor,
+        pipeline=pipeline,
+        gpus_per_replica=world,
+        pods_per_replica=nodes,
+        gpus_per_pod=world // nodes,
+        nodes_per_replica=nodes,
+    )
+    if world % nodes:
+        return group, TopologyError(
+            f"parallelism.tensor × parallelism.pipeline = {tensor} × {pipeline} = {world} GPUs "
+            f"needs {nodes} nodes of {per_node} devices ({spec.resources.accelerator}), but "
+            f"{world} ranks do not split evenly over {nodes} nodes (every node runs the same "
+            "number of ranks)"
+        )
+    return group, None
+
+
+def shared_memory(requested: str, gpus_per_pod: int) -> str:
+    """The /dev/shm size of a pod: resources.sharedMemory, raised to
+    SHARED_MEMORY_PER_GPU_GIB per GPU of the pod when smaller."""
+    floor = SHARED_MEMORY_PER_GPU_GIB * gpus_per_pod
+    if quantity_bytes(requested) >= floor * 2**30:
+        return requested
+    return f"{floor}Gi"
+
+
+def quantity_bytes(text: str) -> float:
+    """A Kubernetes memory quantity ("8Gi", "512Mi", "16G", "1000000") in bytes."""
+    match = _QUANTITY.match(text.strip())
+    if match is None:
+        raise ValueError(
+            f"resources.sharedMemory={text!r}: expected a quantity such as 8Gi, 512Mi or 16G"
+        )
+    return float(match[1]) * _UNITS[match[2]]

@@ -1,0 +1,117 @@
+"""An InferenceDeployment's workload as the cluster has it, read and acted on through the apply
+layer: its Deployment, LeaderWorkerSet or StatefulSet groups (and their headless Service), and
+their pods. The decisions are topology_groups' (pure); this module only fetches and deletes."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfleet_operator import api
+from kvfleet_operator.apply import Cluster
+from kvfleet_operator.render import selector_string
+from kvfleet_operator.render_group import group_name
+from kvfleet_operator.status import WorkloadState, summarize_workload
+from kvfleet_operator.topology_groups import (
+    pods_to_replace,
+    stale_children,
+    statefulset_groups,
+    summarize_leader_worker_set,
+    summarize_statefulset_groups,
+)
+
+log = logging.getLogger(__name__)
+Manifest = dict[str, Any]
+
+
+@dataclass
+class Workloads:
+    """What exists of one InferenceDeployment's workload."""
+
+    deployment: Manifest | None = None
+    leader_worker_set: Manifest | None = None
+    statefulsets: list[Manifest] = field(default_factory=list)
+    rank_service: Manifest | None = None  # the StatefulSet groups' headless Service
+    pods: list[Manifest] = field(default_factory=list)
+
+    def objects(self) -> list[Manifest]:
+        """Every workload object found (the candidates for pruning)."""
+        found = [self.deployment, self.leader_worker_set, *self.statefulsets, self.rank_service]
+        return [obj for obj in found if obj is not None]
+
+    def main(self, kind: str) -> Manifest | None:
+        """The object whose creation or generation tells a rollout: the Deployment, the
+        LeaderWorkerSet, or the first StatefulSet."""
+        if kind == "Deployment":
+            return self.deployment
+        if kind == "LeaderWorkerSet":
+            return self.leader_worker_set
+        return self.statefulsets[0] if self.statefulsets else None
+
+    def kind(self, planned: str | None) -> str | None:
+        """The kind to report: the planned one when it exists, else whichever does."""
+        present = {
+            "Deployment": self.deployment is not None,
+            "LeaderWorkerSet": self.leader_worker_set is not None,
+            "StatefulSet": bool(self.statefulsets),
+        }
+        if planned is not None and present.get(planned):
+            return planned
+        return next((kind for kind, here in present.items() if here), None)
+
+    def summary(self, planned: str | None, desired_groups: int | None) -> WorkloadState | None:
+        kind = self.kind(planned)
+        if kind == "Deployment":
+            assert self.deployment is not None
+            return summarize_workload(self.deployment, self.pods)
+        if kind == "LeaderWorkerSet":
+            assert self.leader_worker_set is not None
+            return summarize_leader_worker_set(self.leader_worker_set, self.pods)
+        if kind == "StatefulSet":
+            groups = statefulset_groups(self.statefulsets, self.pods)
+            desired = len(groups) if desired_groups is None else desired_groups
+            return summarize_statefulset_groups(groups, desired, self.pods)
+        return None
+
+
+async def read_workloads(
+    cluster: Cluster, namespace: str, name: str, *, leader_worker_set: bool
+) -> Workloads:
+    """The workload objects and pods of `name`; the LeaderWorkerSet only where it is served."""
+    selector = selector_string(name)
+    found = Workloads(
+        deployment=await cluster.get("apps/v1", "Deployment", name, namespace),
+        statefulsets=await cluster.list("apps/v1", "StatefulSet", namespace, selector),
+        rank_service=await cluster.get("v1", "Service", group_name(name), namespace),
+        pods=await cluster.list("v1", "Pod", namespace, selector),
+    )
+    if leader_worker_set:
+        found.leader_worker_set = await cluster.get(
+            api.LEADER_WORKER_SET_API, "LeaderWorkerSet", group_name(name), namespace
+        )
+    for sts in found.statefulsets:  # the items of a list carry no apiVersion or kind
+        sts.setdefault("apiVersion", "apps/v1")
+        sts.setdefault("kind", "StatefulSet")
+    return found
+
+
+async def prune(
+    cluster: Cluster, namespace: str, rendered: list[Manifest], found: Workloads, owner_uid: str
+) -> None:
+    """Delete the workload objects the rendered children no longer include: StatefulSets past
+    the group count, or the workload of the topology before a change of kind."""
+    for api_version, kind, name in stale_children(rendered, found.objects(), owner_uid):
+        log.info("%s/%s: deleting %s %s (no longer rendered)", namespace, name, kind, name)
+        await cluster.delete(api_version, kind, name, namespace)
+
+
+async def replace_group_pods(
+    cluster: Cluster, namespace: str, found: Workloads, max_unavailable: int
+) -> list[str]:
+    """Delete the pods of broken and outdated StatefulSet groups (topology_groups), so that
+    their StatefulSets recreate each group whole; returns the pod names."""
+    names = pods_to_replace(statefulset_groups(found.statefulsets, found.pods), max_unavailable)
+    for pod in names:
+        await cluster.delete("v1", "Pod", pod, namespace)
+    return names
