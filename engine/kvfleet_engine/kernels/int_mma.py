@@ -105,10 +105,12 @@ def _int4_tile(
 @triton.jit
 def _int8_tile(codes, code_bits, DOT_DTYPE: tl.constexpr, INT8_CAST: tl.constexpr):
     """int8 codes as the dot's dtype: cast, or float16 1152 + code from the byte's bits."""
-    if INT8_CAST:
-        return codes.to(DOT_DTYPE)
-    bits = codes.to(tl.uint8, bitcast=True).to(tl.int32) ^ code_bits
-    return bits.to(tl.int16).to(tl.float16, bitcast=True)
+    if INT8_CAST:  # one return after if / else (see _mma)
+        out = codes.to(DOT_DTYPE)
+    else:
+        bits = codes.to(tl.uint8, bitcast=True).to(tl.int32) ^ code_bits
+        out = bits.to(tl.int16).to(tl.float16, bitcast=True)
+    return out
 
 
 @triton.jit(do_not_specialize=["steps_per_split", "split_k", "code_bits"])
