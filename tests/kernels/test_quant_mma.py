@@ -121,6 +121,31 @@ def test_plan_table_loads_the_sweep_json_named_by_the_environment(
     assert int_plan.plan_matmul(3, 48, 192, 192, torch.device("cpu"), "int8") == MatmulPlan(**plan)
 
 
+def test_baked_plans_pick_the_h200_sweep_winners_unless_the_environment_says_none(
+    empty_plan_table, monkeypatch
+) -> None:
+    from kvfleet_engine.kernels import fp8_matmul
+
+    monkeypatch.setattr(fp8_matmul, "GEMV_TABLE", {})
+    monkeypatch.delenv(int_plan.PLANS_ENV, raising=False)
+    assert int_plan.load_env_plans() > 0
+    cpu = torch.device("cpu")
+    gate_up = int_plan.plan_matmul(1, 28672, 4096, 128, cpu)  # sweep1: 37.3 us at 1 row
+    assert (gate_up.kernel, gate_up.block_n, gate_up.block_k, gate_up.split_k) == (
+        "gemv", 128, 64, 4,
+    )  # fmt: skip
+    assert int_plan.plan_matmul(64, 4096, 14336, 128, cpu).kernel == "mma"
+    assert int_plan.plan_matmul(300, 4096, 14336, 128, cpu).kernel == "dequantize"  # past 256
+    fp8_qkv = fp8_matmul.table_gemv_plan(1, 6144, 4096)
+    assert fp8_qkv is not None and (fp8_qkv.block_n, fp8_qkv.block_k) == (64, 256)
+    int_plan.PLAN_TABLE.clear()
+    int_plan.load_env_plans.cache_clear()
+    monkeypatch.setenv(int_plan.PLANS_ENV, "none")
+    assert int_plan.load_env_plans() == 0
+    assert int_plan.plan_matmul(1, 28672, 4096, 128, cpu).block_k == 64  # the shape rules
+    assert int_plan.PLAN_TABLE == {}
+
+
 def test_plan_table_rejects_unknown_fields_and_kinds_naming_them(empty_plan_table) -> None:
     entry = {"kind": "int4", "group_size": 128, "rows": 1, "n": 8, "k": 128}
     with pytest.raises(ValueError, match=r"plan fields \['block_q'\] unknown"):

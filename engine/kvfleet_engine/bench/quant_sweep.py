@@ -79,6 +79,12 @@ def int_configs(kind: str, m: int) -> list[Config]:
                     for per_sm in (4, 8):
                         out.append(_int("mma", 16, bn, 128, per_sm, unpack=unpack, swap_ab=swap))
         out.append(_int("mma", 16, 32, 128, 8, unpack=unpacks[0], swap_ab=True))
+        # swapped operands (compile since round 2): more programs, wider tiles, more stages
+        for unpack in unpacks:
+            out.append(_int("mma", 16, 64, 128, 16, unpack=unpack, swap_ab=True))
+            out.append(_int("mma", 16, 128, 128, 8, unpack=unpack, swap_ab=True, num_stages=4))
+            out.append(_int("mma", 16, 256, 128, 4, unpack=unpack, swap_ab=True, num_warps=8))
+            out.append(_int("mma", 16, 64, 128, 8, unpack=unpack, swap_ab=True, num_warps=2))
         out.append(_int("mma", 16, 64, 64, 8, unpack="reshape", swap_ab=True))
         out.append(_int("mma", 16, 128, 128, 4, unpack=unpacks[0], swap_ab=True, num_warps=8))
         if not four:

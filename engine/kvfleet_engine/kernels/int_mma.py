@@ -35,26 +35,34 @@ INT8_BIAS = (1152.0, 0x6480)  # float16: byte ^ 0x6480 = 1024 + (code + 128), fo
 
 @triton.jit
 def _mma(acc, x, w, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc + x [BM, kk] @ w [kk, BN] (SWAP_AB: acc^T + w^T @ x^T, acc [BN, BM])."""
+    """acc + x [BM, kk] @ w [kk, BN] (SWAP_AB: acc^T + w^T @ x^T, acc [BN, BM]). One return
+    after an if / else: Triton 3.6's compiler also traces the code after a return inside a
+    constexpr if (its interpreter does not), so the other form's dot saw the wrong acc."""
     if SWAP_AB:
-        return tl.dot(tl.trans(w), tl.trans(x), acc, input_precision=DOT_PRECISION)
-    return tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+        out = tl.dot(tl.trans(w), tl.trans(x), acc, input_precision=DOT_PRECISION)
+    else:
+        out = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+    return out
 
 
 @triton.jit
 def _along_n(v, SWAP_AB: tl.constexpr):
     """A [BLOCK_N] vector broadcast over the accumulator's columns of N."""
     if SWAP_AB:
-        return v[:, None]
-    return v[None, :]
+        out = v[:, None]
+    else:
+        out = v[None, :]
+    return out
 
 
 @triton.jit
 def _along_m(v, SWAP_AB: tl.constexpr):
     """A [BLOCK_M] vector broadcast over the accumulator's rows of x."""
     if SWAP_AB:
-        return v[None, :]
-    return v[:, None]
+        out = v[None, :]
+    else:
+        out = v[:, None]
+    return out
 
 
 @triton.jit
@@ -97,10 +105,12 @@ def _int4_tile(
 @triton.jit
 def _int8_tile(codes, code_bits, DOT_DTYPE: tl.constexpr, INT8_CAST: tl.constexpr):
     """int8 codes as the dot's dtype: cast, or float16 1152 + code from the byte's bits."""
-    if INT8_CAST:
-        return codes.to(DOT_DTYPE)
-    bits = codes.to(tl.uint8, bitcast=True).to(tl.int32) ^ code_bits
-    return bits.to(tl.int16).to(tl.float16, bitcast=True)
+    if INT8_CAST:  # one return after if / else (see _mma)
+        out = codes.to(DOT_DTYPE)
+    else:
+        bits = codes.to(tl.uint8, bitcast=True).to(tl.int32) ^ code_bits
+        out = bits.to(tl.int16).to(tl.float16, bitcast=True)
+    return out
 
 
 @triton.jit(do_not_specialize=["steps_per_split", "split_k", "code_bits"])

@@ -72,10 +72,13 @@ def row_gemv_blocks(codes: str, n: int, k: int) -> tuple[int, int, int, int]:
 
 
 # (codes, group_size, N, K) -> [(rows, plan)] sorted by rows: the plan for M rows of x is the
-# first whose rows >= M (the default rules below past the last). Filled by `install_plans`,
-# e.g. from bench.quant_sweep's JSON "plans" (at start-up: $KVFLEET_QUANT_PLANS names the file).
+# first whose rows >= M (the default rules below past the last). Filled by `install_plans`:
+# first from BAKED_PLANS (bench.quant_sweep's winners on the H200, the Llama-3.1-8B products),
+# then from the JSON file $KVFLEET_QUANT_PLANS names (its entries replace baked ones; "none"
+# installs no baked plans either, so the shape rules below decide).
 PLAN_TABLE: dict[tuple[str, int, int, int], list[tuple[int, MatmulPlan]]] = {}
 PLANS_ENV = "KVFLEET_QUANT_PLANS"
+BAKED_PLANS = os.path.join(os.path.dirname(__file__), "quant_plans.json")
 PLAN_FIELDS = tuple(field.name for field in fields(MatmulPlan))
 
 
@@ -112,15 +115,20 @@ def install_plans(entries: list[dict[str, Any]]) -> None:
         PLAN_TABLE[key] = sorted([*listed, (rows, plan_from_dict(entry["plan"]))])
 
 
-@functools.cache
-def load_env_plans() -> int:
-    """Install the plans of the JSON file $KVFLEET_QUANT_PLANS names (once); how many."""
-    path = os.environ.get(PLANS_ENV)
-    if not path:
-        return 0
+def _plan_file(path: str) -> list[dict[str, Any]]:
     with open(path) as file:
         entries = json.load(file)
-    entries = entries["plans"] if isinstance(entries, dict) else entries
+    return entries["plans"] if isinstance(entries, dict) else entries
+
+
+@functools.cache
+def load_env_plans() -> int:
+    """Install the baked plans, then those of the JSON file $KVFLEET_QUANT_PLANS names (once;
+    "none": neither); how many."""
+    path = os.environ.get(PLANS_ENV, "")
+    if path == "none":
+        return 0
+    entries = _plan_file(BAKED_PLANS) + (_plan_file(path) if path else [])
     install_plans(entries)
     return len(entries)
 

@@ -1,0 +1,51 @@
+"""Every quantized-product kernel config the sweep times or the plan tables pick compiles for
+the H200 (sm_90) with Triton's real compiler and the bundled ptxas, on the CPU: the interpreter
+accepted the swapped-operand mma configs that failed to compile on the GPU (sweep1)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from kvfleet_engine.bench import kernel_asm
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") == "1", reason="compiles natively (interpreter off)"
+)
+SWAPPED_INT4 = [  # sweep1: CompilationError on the H200 for every one of these forms
+    {
+        "kernel": "mma",
+        "block_m": 16,
+        "block_n": 64,
+        "block_k": 128,
+        "swap_ab": True,
+        "unpack": unpack,
+        "split_k": 2,
+    }
+    for unpack in ("planes", "reshape")
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", SWAPPED_INT4, ids=lambda p: p["unpack"])
+def test_swapped_int4_mma_compiles_for_sm90_with_wide_loads_and_no_spills(plan) -> None:
+    compiled = kernel_asm.compile_plan("int4", 1, 4096, 4096, plan)
+    assert [c.name for c in compiled] == ["_mma_kernel"]
+    found = kernel_asm.stats(compiled[0].kernel)
+    assert found["spill_bytes"] == 0
+    assert found["sass_ops"].get("LDGSTS", 0) + sum(found["sass_ldg"].values()) > 0
+    assert 16 in found["ptx_global_loads_by_bytes"] or found["sass_ops"].get("LDGSTS", 0) > 0
+
+
+JOBS = kernel_asm.compile_jobs([1, 2, 4, 8, 16, 64, 256])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kind, m, n, k, plan", JOBS, ids=[f"{j[0]}-m{j[1]}-{json.dumps(j[4])}" for j in JOBS]
+)
+def test_every_sweep_and_plan_table_config_compiles_for_sm90(kind, m, n, k, plan) -> None:
+    compiled = kernel_asm.compile_plan(kind, m, n, k, plan)
+    assert compiled and all(c.kernel.asm["cubin"] for c in compiled)
