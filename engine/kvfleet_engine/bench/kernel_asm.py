@@ -187,9 +187,11 @@ def compile_plan(kind: str, m: int, n: int, k: int, plan: dict[str, Any]) -> lis
 COMPILE_SHAPES = {"int4": (4096, 4096), "int8": (4096, 4096), "fp8": (4096, 4096)}
 
 
-def compile_jobs(rows: list[int]) -> list[tuple[str, int, int, int, dict[str, Any]]]:
-    """Every distinct compile of bench.quant_sweep's configs at these rows and of the plan
-    tables (kernels/quant_plans.json, the default rules' kernels come with the sweep's):
+def compile_jobs(
+    rows: list[int], *, sweep: bool = True
+) -> list[tuple[str, int, int, int, dict[str, Any]]]:
+    """Every distinct compile of the plan tables (kernels/quant_plans.json) and, with `sweep`, of
+    bench.quant_sweep's configs at these rows (the default rules' kernels come with the sweep's):
     (kind, rows, N, K, plan), split-K fixed at 2 (not a compile-time constant)."""
     from kvfleet_engine.bench import quant_sweep
     from kvfleet_engine.kernels import int_plan
@@ -206,7 +208,7 @@ def compile_jobs(rows: list[int]) -> list[tuple[str, int, int, int, dict[str, An
                          sort_keys=True)  # fmt: skip
         jobs.setdefault(key, (kind, m, n, k, plan))
 
-    for m in rows:
+    for m in rows if sweep else []:
         for kind in ("int4", "int8", "fp8"):
             for config in quant_sweep.configs(kind, m):
                 family, plan = config["family"], dict(config["plan"])
