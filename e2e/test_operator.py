@@ -5,7 +5,6 @@ manifests/, so the least-privilege role is exercised too."""
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import signal
@@ -18,7 +17,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-import yaml
 
 from kvcluster.kubectl import KubectlError
 from kvcluster.procs import stop_child, tail
@@ -70,7 +68,7 @@ def operator(cluster: E2ECluster, tmp_path_factory: pytest.TempPathFactory) -> I
         kubectl("apply", "--server-side", "-f", str(ROOT / "manifests" / name))
     created_service_monitor_crd = _ensure_service_monitor_crd(cluster)
     tmp = tmp_path_factory.mktemp("operator")
-    op = Operator(_service_account_kubeconfig(cluster, tmp), tmp / "operator.log")
+    op = Operator(cluster.service_account_kubeconfig(tmp), tmp / "operator.log")
     op.start()
     yield op
     op.stop()
@@ -119,29 +117,6 @@ def namespace(cluster: E2ECluster) -> Iterator[str]:
     cluster.kubectl("create", "namespace", name)
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
-
-
-def _service_account_kubeconfig(cluster: E2ECluster, tmp: Path) -> Path:
-    """A kubeconfig for system:serviceaccount:kvfleet-system:kvfleet-operator."""
-    admin = yaml.safe_load(cluster.kubeconfig.read_text())
-    token = cluster.kubectl(
-        "create", "token", "kvfleet-operator", "-n", "kvfleet-system", "--duration=2h"
-    ).strip()
-    entry = admin["clusters"][0]["cluster"]
-    if "certificate-authority" in entry:
-        ca = Path(entry.pop("certificate-authority")).read_bytes()
-        entry["certificate-authority-data"] = base64.b64encode(ca).decode()
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "e2e", "cluster": entry}],
-        "users": [{"name": "kvfleet-operator", "user": {"token": token}}],
-        "contexts": [{"name": "e2e", "context": {"cluster": "e2e", "user": "kvfleet-operator"}}],
-        "current-context": "e2e",
-    }
-    path = tmp / "operator.kubeconfig"
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 def wait_for(operator: Operator, check: Callable[[], T | None], timeout: float, what: str) -> T:

@@ -18,7 +18,6 @@ under the ServiceAccount and RBAC of manifests/.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import re
@@ -33,7 +32,6 @@ from typing import Any, TypeVar
 
 import httpx
 import pytest
-import yaml
 
 from kvcluster.kubectl import Kubectl, KubectlError
 from kvcluster.procs import stop_child, tail
@@ -90,7 +88,7 @@ def logs(tmp_path: Path) -> Path:
 def operator(installed: E2ECluster, namespace: str, logs: Path) -> Iterator[subprocess.Popen]:
     """`kvfleet operator` for this test's namespace, as system:serviceaccount:kvfleet-system:
     kvfleet-operator (the shipped RBAC)."""
-    env = {**os.environ, "KUBECONFIG": str(_service_account_kubeconfig(installed, logs))}
+    env = {**os.environ, "KUBECONFIG": str(installed.service_account_kubeconfig(logs))}
     with (logs / "operator.log").open("ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvfleet_cli", "operator", "-n", namespace],
@@ -229,7 +227,7 @@ def test_leader_worker_set_is_accepted_as_rendered(
     proc = None
     try:
         # The operator starts after the CRD, so discovery finds the API at once.
-        env = {**os.environ, "KUBECONFIG": str(_service_account_kubeconfig(installed, logs))}
+        env = {**os.environ, "KUBECONFIG": str(installed.service_account_kubeconfig(logs))}
         with (logs / "operator.log").open("ab") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "kvfleet_cli", "operator", "-n", namespace],
@@ -460,29 +458,6 @@ def wait(check: Callable[[], T | None], timeout: float, what: str, logs: Path) -
         return "\n".join(f"--- {p.name} ---\n{tail(p, 25)}" for p in sorted(logs.glob("*.log")))
 
     return wait_until(check, timeout, what, tails)
-
-
-def _service_account_kubeconfig(cluster: E2ECluster, directory: Path) -> Path:
-    """A kubeconfig for system:serviceaccount:kvfleet-system:kvfleet-operator."""
-    admin = yaml.safe_load(cluster.kubeconfig.read_text())
-    token = cluster.kubectl(
-        "create", "token", "kvfleet-operator", "-n", "kvfleet-system", "--duration=2h"
-    ).strip()
-    entry = admin["clusters"][0]["cluster"]
-    if "certificate-authority" in entry:
-        ca = Path(entry.pop("certificate-authority")).read_bytes()
-        entry["certificate-authority-data"] = base64.b64encode(ca).decode()
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "e2e", "cluster": entry}],
-        "users": [{"name": "kvfleet-operator", "user": {"token": token}}],
-        "contexts": [{"name": "e2e", "context": {"cluster": "e2e", "user": "kvfleet-operator"}}],
-        "current-context": "e2e",
-    }
-    path = directory / "operator.kubeconfig"
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 class RankEngines:

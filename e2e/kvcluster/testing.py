@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
+
+import yaml
 
 from kvcluster.config import ClusterConfig
 from kvcluster.kubectl import Kubectl
@@ -27,6 +30,29 @@ class E2ECluster:
     def env(self) -> dict[str, str]:
         """os.environ plus KUBECONFIG, for subprocesses (operator, kubectl, clients)."""
         return {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+
+    def service_account_kubeconfig(
+        self, directory: Path, account: str = "kvfleet-operator", namespace: str = "kvfleet-system"
+    ) -> Path:
+        """A kubeconfig for system:serviceaccount:NAMESPACE:ACCOUNT (a 2-hour token), written to
+        DIRECTORY/operator.kubeconfig: the operator runs with exactly the shipped RBAC."""
+        admin = yaml.safe_load(self.kubeconfig.read_text())
+        token = self.kubectl("create", "token", account, "-n", namespace, "--duration=2h").strip()
+        entry = admin["clusters"][0]["cluster"]
+        if "certificate-authority" in entry:
+            ca = Path(entry.pop("certificate-authority")).read_bytes()
+            entry["certificate-authority-data"] = base64.b64encode(ca).decode()
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "e2e", "cluster": entry}],
+            "users": [{"name": account, "user": {"token": token}}],
+            "contexts": [{"name": "e2e", "context": {"cluster": "e2e", "user": account}}],
+            "current-context": "e2e",
+        }
+        path = directory / "operator.kubeconfig"
+        path.write_text(yaml.safe_dump(config))
+        return path
 
     def wait_established(self, *crd_names: str, timeout_s: float = 30) -> None:
         """Wait until each CustomResourceDefinition is Established.
