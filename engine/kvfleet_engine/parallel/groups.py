@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,8 @@ class Groups:
     def join(cls, parallel: ParallelConfig, place: RankPlace, device: torch.device) -> Groups:
         """Join torch.distributed (blocks until every rank has) and build the groups."""
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cpu":  # the host's cores shared by its ranks, not each rank all of them
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.ranks_per_node))
         timeout = datetime.timedelta(seconds=parallel.join_timeout_s)
         dist.init_process_group(
             backend,
@@ -72,7 +75,7 @@ class Groups:
             rank=place.rank,
             world_size=place.world_size,
             timeout=timeout,
-            **({"device_id": device} if device.type == "cuda" else {}),
+            device_id=device if device.type == "cuda" else None,
         )
         groups = cls(place, device, parallel.join_timeout_s)
         tp = place.tp_size

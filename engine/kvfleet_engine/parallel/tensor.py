@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,7 +47,7 @@ AnyLinear = Linear | QuantLinear
 Split = dict[str | None, tuple[int, int]]
 
 
-def apply_tensor_parallel(model: nn.Module, groups: Groups) -> None:
+def apply_tensor_parallel(model: Any, groups: Groups) -> None:
     """Split `model` (built on the meta device, weights not loaded) for this rank."""
     tp, rank = groups.place.tp_size, groups.place.tp_rank
     if tp == 1:
@@ -56,7 +57,7 @@ def apply_tensor_parallel(model: nn.Module, groups: Groups) -> None:
             _split_attention(module, name, rank, tp)
         elif hasattr(module, "gate_up_proj"):
             inner = module.gate_up_proj.shard_offsets()["gate"][1]
-            split = {"gate": (rank, tp), "up": (rank, tp)}
+            split: Split = {"gate": (rank, tp), "up": (rank, tp)}
             module.gate_up_proj = _column_parallel(
                 module.gate_up_proj, split, f"{name}.gate_up_proj"
             )
@@ -68,7 +69,7 @@ def apply_tensor_parallel(model: nn.Module, groups: Groups) -> None:
     _split_vocabulary(model, groups)
 
 
-def _split_attention(attention: nn.Module, name: str, rank: int, tp: int) -> None:
+def _split_attention(attention: Any, name: str, rank: int, tp: int) -> None:
     heads, kv_heads = attention.num_heads, attention.num_kv_heads
     kv_parts = min(tp, kv_heads)  # fewer KV heads than ranks: each is held by tp / kv ranks
     kv_index = rank // (tp // kv_parts)
@@ -98,13 +99,14 @@ def _column_parallel(module: nn.Module, split: Split, name: str) -> AnyLinear:
     if isinstance(module, QuantLinear):
         out_features = sum(local.values()) if local else module.out_features // split[None][1]
         bias = "bias" in module.checkpoint_layout
-        part: AnyLinear = QuantLinear(
+        layer = QuantLinear(
             module.in_features, local, out_features, bias, module.scheme, module.dtype
         )
-        part.checkpoint_slicer = partial(_slice_quant_columns, part, split)
-        return part
+        layer.checkpoint_slicer = partial(_slice_quant_columns, layer, split)
+        return layer
     in_features = module.weight.shape[1]
     bias = module.bias is not None
+    part: Linear
     if local:
         part = MergedLinear(in_features, local, bias=bias)
     else:
@@ -150,10 +152,11 @@ def _row_parallel(module: AnyLinear, groups: Groups, name: str) -> AnyLinear:
                     f"do not divide into {spec.name}'s groups of {spec.k_per}"
                 )
         shards = {shard: rows for shard, (_, rows) in module.shard_offsets().items()}
-        part: AnyLinear = QuantLinear(
+        layer = QuantLinear(
             local_in, shards, module.out_features, "bias" in layout, module.scheme, module.dtype
         )
-        part.checkpoint_slicer = partial(_slice_quant_rows, part, rank, tp)
+        layer.checkpoint_slicer = partial(_slice_quant_rows, layer, rank, tp)
+        part: AnyLinear = layer
     else:
         out_features, in_features = module.weight.shape
         part = Linear(
@@ -208,7 +211,7 @@ def _slice_quant_rows(
 # ---- vocabulary --------------------------------------------------------------------------------
 
 
-def _split_vocabulary(model: nn.Module, groups: Groups) -> None:
+def _split_vocabulary(model: Any, groups: Groups) -> None:
     embedding = model.model.embed_tokens
     vocab_size, hidden = embedding.weight.shape
     parallel_embedding = VocabParallelEmbedding(vocab_size, hidden, groups)
@@ -216,9 +219,12 @@ def _split_vocabulary(model: nn.Module, groups: Groups) -> None:
     head = model.lm_head
     tp, rank = groups.place.tp_size, groups.place.tp_rank
     num_local, start = parallel_embedding.num_local, parallel_embedding.start
+    part: AnyLinear
     if getattr(model, "tie_word_embeddings", False):
         part = Linear(hidden, num_local)
         part.weight = parallel_embedding.weight  # the checkpoint's embedding fills both
+        # The shared parameter ends up with the LM head's loader (attached last): same rows.
+        part.checkpoint_slicer = lambda name, loaded, shard: vocab_rows(loaded, start, num_local)
     elif isinstance(head, QuantLinear):
         if vocab_size % tp:
             log.info(

@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from multiprocessing.connection import Connection
+from typing import TypeVar
 
 import torch
 
@@ -36,6 +37,8 @@ from kvfleet_engine.runner.executor import ModelExecutor, resolve_device
 from kvfleet_engine.runner.inputs import build_inputs
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -110,9 +113,8 @@ class Worker:
         decode = messages.to_worker.decode
         while True:
             record = decode(self.conn.recv_bytes())
-            if isinstance(record, Stop):
+            if isinstance(record, Stop):  # the process's exit closes its groups
                 log.info("rank %d stopping", self.rank)
-                self.groups.leave()
                 return
             if isinstance(record, Step):
                 self.step(record)
@@ -132,7 +134,7 @@ class Worker:
     def _send(self, record: messages.FromWorker) -> None:
         self.conn.send_bytes(messages.encode(record))
 
-    def _expect(self, kind: type) -> object:
+    def _expect(self, kind: type[R]) -> R:
         record = messages.to_worker.decode(self.conn.recv_bytes())
         if isinstance(record, Stop):
             raise SystemExit(0)

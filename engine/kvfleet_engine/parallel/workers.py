@@ -167,9 +167,9 @@ class WorkerGroup:
                 break
         if reason is None:
             conn = next(item for item in ready if item in by_conn)
-            rank = by_conn[conn]  # type: ignore[index]
+            rank = by_conn[conn]
             try:
-                record = messages.from_worker.decode(conn.recv_bytes())  # type: ignore[union-attr]
+                record = messages.from_worker.decode(conn.recv_bytes())
                 reason = (
                     f"rank {rank} failed: {record.error}"
                     if isinstance(record, Failed)
@@ -177,11 +177,11 @@ class WorkerGroup:
                 )
             except (EOFError, OSError):
                 reason = f"rank {rank} (pid {self.pids.get(rank)}) disconnected"
-            process = self.processes.get(rank)
-            if process is not None:
-                process.join(1)
-                if process.exitcode is not None:
-                    reason = f"rank {rank} (pid {process.pid}) exited with code {process.exitcode}"
+            local = self.processes.get(rank)
+            if local is not None:
+                local.join(1)
+                if local.exitcode is not None:
+                    reason = f"rank {rank} (pid {local.pid}) exited with code {local.exitcode}"
         if self._stopping:
             return
         self.failure = reason

@@ -14,9 +14,9 @@ from kvfleet_engine.layers.attention_torch import FP8_DTYPE
 from kvfleet_engine.layers.sampler import Sampler, SamplingMetadata
 from kvfleet_engine.models.loader import load_model, serving_dtype
 from kvfleet_engine.parallel.groups import Groups
+from kvfleet_engine.runner import kv_memory
 from kvfleet_engine.runner.inputs import ModelInputs
 from kvfleet_engine.runner.kv_memory import (
-    CPU_KV_CACHE_BYTES,
     allocate_kv_cache,
     block_bytes,
     check_holds_a_sequence,
@@ -143,7 +143,7 @@ class ModelExecutor:
             return requested
         if self.device.type == "cuda":
             return min(self._profile_free_blocks(), enough)
-        return min(enough // 2, CPU_KV_CACHE_BYTES // self.block_bytes)
+        return min(enough // 2, kv_memory.CPU_KV_CACHE_BYTES // self.block_bytes)
 
     def _profile_free_blocks(self) -> int:
         """Run the largest step once to measure peak activation memory, then give the KV cache
@@ -206,7 +206,7 @@ class ModelExecutor:
             ),
         )
 
-    def _tensor(self, data: list[int], dtype: torch.dtype) -> torch.Tensor:
+    def _tensor(self, data: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device)
 
     # ---- the forward pass ---------------------------------------------------------------------
