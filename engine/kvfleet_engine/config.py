@@ -168,11 +168,46 @@ class RunnerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    # Ranks that split every layer's heads, MLP and vocabulary (one process each).
+    tensor_parallel_size: int = 1
+    # Stages that split the layers between them (each stage is tensor_parallel_size ranks).
+    pipeline_parallel_size: int = 1
+    # Hosts the ranks span; each runs `kvfleet serve` with its own node_rank (0: the leader,
+    # which schedules and serves HTTP; the others only compute).
+    nnodes: int = 1
+    # This host's index in [0, nnodes).
+    node_rank: int = 0
+    # The leader's address and port: torch.distributed meets there, and the leader's step
+    # channel listens on master_port + 1.
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    # Seconds every rank may take to join and load its weights before start-up fails.
+    join_timeout_s: float = 600.0
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def node_ranks(self) -> range:
+        """The global ranks this host runs."""
+        return range(
+            self.node_rank * self.ranks_per_node, (self.node_rank + 1) * self.ranks_per_node
+        )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     runner: RunnerConfig
+    parallel: ParallelConfig = ParallelConfig()
 
     @classmethod
     def create(
@@ -194,13 +229,23 @@ class EngineConfig:
         async_scheduling: bool = True,
         seed: int = 0,
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 29500,
         quantization: str | None = None,
     ) -> EngineConfig:
         """Validate the settings and read the model's config.json (the only I/O)."""
-        if tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={tensor_parallel_size} is not supported yet; only 1 is"
-            )
+        parallel = ParallelConfig(
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            master_addr=master_addr,
+            master_port=master_port,
+        )
+        _check_parallel(parallel)
         _check(
             quantization in (None, "auto", *QUANTIZATION_METHODS, *QUANTIZATION_ALIASES),
             "quantization",
@@ -252,10 +297,20 @@ class EngineConfig:
             kv_cache_dtype,
             " | ".join(KV_CACHE_DTYPES),
         )
+        model_config = ModelConfig.from_pretrained(
+            model, dtype=dtype, max_model_len=max_model_len, quantization=quantization
+        )
+        check_model_split(model_config, parallel)
+        # Not built yet (issue 14 items 5 and 6): refused rather than run wrong.
+        _check(
+            pipeline_parallel_size == 1,
+            "pipeline_parallel_size",
+            pipeline_parallel_size,
+            "1 (pipeline parallelism is not implemented yet)",
+        )
+        _check(nnodes == 1, "nnodes", nnodes, "1 (multi-node replicas are not implemented yet)")
         return cls(
-            model=ModelConfig.from_pretrained(
-                model, dtype=dtype, max_model_len=max_model_len, quantization=quantization
-            ),
+            model=model_config,
             cache=CacheConfig(
                 block_size=block_size,
                 num_blocks=kv_cache_blocks,
@@ -274,6 +329,7 @@ class EngineConfig:
                 enforce_eager=enforce_eager,
                 seed=seed,
             ),
+            parallel=parallel,
         )
 
     @staticmethod
@@ -345,7 +401,33 @@ class EngineConfig:
             "--tensor-parallel-size",
             type=int,
             default=1,
-            help="GPUs per replica (only 1 is supported yet)",
+            help="ranks that split every layer (heads, MLP, vocabulary); one process each",
+        )
+        group.add_argument(
+            "--pipeline-parallel-size",
+            type=int,
+            default=1,
+            help="stages that split the layers (each of tensor-parallel-size ranks)",
+        )
+        group.add_argument(
+            "--nnodes", type=int, default=1, help="hosts the ranks span (one kvfleet serve each)"
+        )
+        group.add_argument(
+            "--node-rank",
+            type=int,
+            default=0,
+            help="this host's index (0: the leader, which serves HTTP; others only compute)",
+        )
+        group.add_argument(
+            "--master-addr",
+            default="127.0.0.1",
+            help="the leader's address (torch.distributed and the step channel meet there)",
+        )
+        group.add_argument(
+            "--master-port",
+            type=int,
+            default=29500,
+            help="torch.distributed's port on the leader (the step channel uses the next one)",
         )
         group.add_argument(
             "--quantization",
@@ -375,6 +457,11 @@ class EngineConfig:
             async_scheduling=ns.async_scheduling,
             seed=ns.seed,
             tensor_parallel_size=ns.tensor_parallel_size,
+            pipeline_parallel_size=ns.pipeline_parallel_size,
+            nnodes=ns.nnodes,
+            node_rank=ns.node_rank,
+            master_addr=ns.master_addr,
+            master_port=ns.master_port,
             quantization=ns.quantization,
         )
 
@@ -382,6 +469,47 @@ class EngineConfig:
     def keyword_names(cls) -> frozenset[str]:
         """The keywords create() accepts (LLM(**kwargs) checks against them)."""
         return frozenset(inspect.signature(cls.create).parameters)
+
+
+def _check_parallel(parallel: ParallelConfig) -> None:
+    tp, pp, nnodes = parallel.tensor_parallel_size, parallel.pipeline_parallel_size, parallel.nnodes
+    _check(isinstance(tp, int) and tp >= 1, "tensor_parallel_size", tp, "an integer >= 1")
+    _check(isinstance(pp, int) and pp >= 1, "pipeline_parallel_size", pp, "an integer >= 1")
+    _check(isinstance(nnodes, int) and nnodes >= 1, "nnodes", nnodes, "an integer >= 1")
+    _check(
+        parallel.world_size % nnodes == 0,
+        "nnodes",
+        nnodes,
+        f"a divisor of the world size tensor_parallel_size x pipeline_parallel_size = "
+        f"{tp} x {pp} = {parallel.world_size} (every node runs as many ranks)",
+    )
+    _check(0 <= parallel.node_rank < nnodes, "node_rank", parallel.node_rank, f"in [0, {nnodes})")
+    _check(1 <= parallel.master_port <= 65534, "master_port", parallel.master_port, "in [1, 65534]")
+
+
+def check_model_split(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """The model's heads, MLP and layers must split evenly over the ranks."""
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    cfg = model.hf_config
+    heads, kv_heads = int(cfg["num_attention_heads"]), model.num_kv_heads
+    if heads % tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} does not divide the model's num_attention_heads={heads}"
+        )
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size={tp} and the model's num_key_value_heads={kv_heads}: one "
+            "must divide the other (KV heads are split, or replicated when fewer than ranks)"
+        )
+    inner = int(cfg.get("intermediate_size") or 0)
+    if inner % tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} does not divide the model's intermediate_size={inner}"
+        )
+    if pp > model.num_layers:
+        raise ValueError(
+            f"pipeline_parallel_size={pp} is larger than the model's {model.num_layers} layers"
+        )
 
 
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:

@@ -63,6 +63,7 @@ class EngineInfo:
     version: str  # kvfleet version
     quantization: str  # the method running the weights ("none": plain weights)
     tensor_parallel_size: int
+    world_size: int = 1  # ranks (processes) of the replica: tensor x pipeline parallel sizes
 
 
 # Before the first engine step every gauge and counter reads 0 (and is present).
@@ -195,6 +196,13 @@ class _SnapshotCollector(Collector):
             [info.model, info.version, info.quantization, str(info.tensor_parallel_size)], 1.0
         )
         yield info_gauge
+
+        world = GaugeMetricFamily(
+            "kvfleet_parallel_world_size",
+            "Ranks (processes, GPUs) this replica runs on: tensor x pipeline parallel size.",
+        )
+        world.add_metric([], float(info.world_size))
+        yield world
 
         if m._capacity_tokens_per_second is not None:
             capacity = GaugeMetricFamily(

@@ -21,6 +21,7 @@ from engine_cases import random_prompts
 from conftest import Checkpoints
 from kvfleet_engine import SamplingParams, model_runner, sampling
 from kvfleet_engine.config import EngineConfig
+from kvfleet_engine.runner import kv_memory
 
 
 def _gaps_at_first_divergence(reference: list[Any], other: list[Any]) -> list[float]:
@@ -49,7 +50,7 @@ def _num_blocks(llm: Any) -> int:
 def test_fp8_cache_holds_about_twice_the_blocks_of_bf16(
     make_llm: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(model_runner, "CPU_KV_CACHE_BYTES", 8 << 20)  # the CPU cache budget
+    monkeypatch.setattr(kv_memory, "CPU_KV_CACHE_BYTES", 8 << 20)  # the CPU cache budget
     bf16 = make_llm("qwen3", dtype="bfloat16")
     fp8 = make_llm("qwen3", dtype="bfloat16", kv_cache_dtype="fp8")
     # Per token and kv head (head_dim 32): 64 bytes in bf16; 32 of codes + a 2-byte scale.

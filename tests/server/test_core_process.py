@@ -116,7 +116,7 @@ def test_core_death_fails_requests_turns_health_503_and_exits_non_zero(
     assert error["type"] == "service_unavailable"
     assert "engine core process exited" in error["message"]
     assert health is not None and health.status_code == 503
-    assert health.json()["status"] == "dead"
+    assert health.json()["status"] == "unhealthy"
     assert proc.wait(timeout=30) == 1
     assert _wait_gone(children, 30) == []  # no orphans: the resource tracker went too
 

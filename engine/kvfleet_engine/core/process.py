@@ -79,11 +79,14 @@ def run_engine_core(config: EngineConfig, conn: Connection, log_level: str = "IN
         device=str(core.model_runner.device),
         load_s=time.perf_counter() - started,
     )
+    loop = CoreLoop(core, conn)
+    workers = core.model_runner.workers
+    if workers is not None:  # a rank that dies ends the core at once, with the reason
+        workers.on_failure = loop.fail
     conn.send_bytes(encode(ready))
     gc.collect()
     gc.freeze()  # the model's objects live to the end: keep them out of every collection
     core.profile.track_gc()
-    loop = CoreLoop(core, conn)
     try:
         loop.run()
     except (BrokenPipeError, ConnectionResetError):
@@ -95,6 +98,8 @@ def run_engine_core(config: EngineConfig, conn: Connection, log_level: str = "IN
         except OSError:
             pass
         raise SystemExit(1) from exc
+    finally:
+        core.model_runner.shutdown()
 
 
 class CoreLoop:
@@ -104,6 +109,8 @@ class CoreLoop:
         self.core = core
         self.conn = conn
         self.encode = encoder().encode
+        # Records go out whole: the step loop and a rank's failure (another thread) both send.
+        self._send_lock = threading.Lock()
         # Decoded commands from the input thread; None: the pipe closed.
         self.commands: queue.SimpleQueue[ToCore | None] = queue.SimpleQueue()
         self._calls: dict[str, Any] = {
@@ -198,8 +205,21 @@ class CoreLoop:
 
     def _send(self, record: msgspec.Struct) -> None:
         began = time.perf_counter()
-        self.conn.send_bytes(self.encode(record))
+        payload = self.encode(record)
+        with self._send_lock:
+            self.conn.send_bytes(payload)
         self.core.profile.add("send", time.perf_counter() - began)
+
+    def fail(self, reason: str) -> None:
+        """A rank of the replica died or failed (monitor thread): tell the API process why and
+        exit now, whatever the step loop is doing (it may wait on the dead rank)."""
+        log.error("%s: engine core exits", reason)
+        try:
+            with self._send_lock:
+                self.conn.send_bytes(self.encode(CoreFailed(reason)))
+        except OSError:
+            pass
+        os._exit(1)
 
     def _read(self) -> None:
         """Input thread: receive and decode commands (the recv releases the GIL, so this

@@ -3,6 +3,9 @@ checkpoint tensors fill one fused parameter, so each step runs one matmul instea
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,18 +16,30 @@ from torch import nn
 # the same), so it keeps F.linear.
 _CPU_FEW_ROWS = 16
 
+# (parameter name, checkpoint tensor, shard) -> the part of the tensor this layer holds: tensor
+# parallelism sets one on the layers it splits (parallel/tensor.py).
+CheckpointSlicer = Callable[[str, torch.Tensor, str | None], torch.Tensor]
+
 
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.checkpoint_slicer: CheckpointSlicer | None = None
         self.attach_weight_loaders()
 
     def attach_weight_loaders(self) -> None:
         """Give each parameter its loader (again after to_empty, which makes new parameters)."""
-        for param in self.parameters(recurse=False):
-            param.weight_loader = self.load_shard  # type: ignore[attr-defined]
+        for name, param in self.named_parameters(recurse=False):
+            param.weight_loader = partial(self._load_named, name)  # type: ignore[attr-defined]
+
+    def _load_named(
+        self, name: str, param: torch.Tensor, loaded: torch.Tensor, shard: str | None
+    ) -> None:
+        if self.checkpoint_slicer is not None:
+            loaded = self.checkpoint_slicer(name, loaded, shard)
+        self.load_shard(param, loaded, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, in_features]
         if x.device.type == "cpu" and x.dim() == 2 and 1 < x.shape[0] <= _CPU_FEW_ROWS:

@@ -14,6 +14,8 @@ from torch import nn
 from kvfleet_engine.config import ModelConfig
 from kvfleet_engine.layers.attention import AttentionMetadata
 from kvfleet_engine.models.registry import model_class
+from kvfleet_engine.parallel.groups import Groups
+from kvfleet_engine.parallel.tensor import apply_tensor_parallel
 from kvfleet_engine.quant.linear import QuantLinear
 from kvfleet_engine.quant.swap import check_device, checkpoint_names, quantize_linears
 
@@ -42,9 +44,12 @@ def serving_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
     return DTYPES[config.dtype]
 
 
-def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
-    """Build on meta -> swap quantized linears -> materialise -> load -> convert the loaded
-    checkpoint layouts to the kernels' (finish_loading)."""
+def load_model(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, groups: Groups | None = None
+) -> CausalLM:
+    """Build on meta -> swap quantized linears -> split for this rank (tensor parallelism) ->
+    materialise -> load (each split layer cuts the checkpoint's tensors to its part) -> convert
+    the loaded checkpoint layouts to the kernels' (finish_loading)."""
     quant = config.quantization
     if quant is not None and quant.cuda_only and device.type != "cuda":
         quant = None  # a GGUF file on the CPU: dequantized at load (faster there, and exact)
@@ -61,6 +66,8 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
                 replaced = quantize_linears(model, quant, dtype)
                 kept = frozenset(_checkpoint_linears(model, replaced))
                 log.info("%s: %d linear layers quantized", quant.method, len(replaced))
+            if groups is not None:
+                apply_tensor_parallel(model, groups)
     finally:
         torch.set_default_dtype(default_dtype)
     model = model.to_empty(device=device)

@@ -13,6 +13,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from kvfleet_engine.layers.linear import CheckpointSlicer
 from kvfleet_engine.quant import formats
 from kvfleet_engine.quant.config import WeightScheme
 from kvfleet_engine.quant.layout import (
@@ -47,6 +48,11 @@ class CheckpointTensor:
     pack: int = 1  # values per element along shard_dim (shard offsets divide by it)
     optional: bool = False  # may be absent from the checkpoint
     broadcast: bool = False  # a one-element tensor fills the shard's slice (per-tensor scales)
+    # The dimension along the input features (or groups of them), None if there is none, and
+    # how many input features one element there covers (0: all of them, one group): what a
+    # split of the input features (a row-parallel layer) cuts.
+    k_dim: int | None = None
+    k_per: int = 1
 
 
 def checkpoint_tensors(
@@ -55,13 +61,14 @@ def checkpoint_tensors(
     """The tensors of one linear in the scheme's checkpoint layout (dtype: the serving dtype)."""
     k, n = in_features, out_features
     groups = k // (scheme.group_size or k)
+    group = scheme.group_size or 0  # input features per scale (0: one group over all of them)
     T = CheckpointTensor
     found: list[CheckpointTensor]
     if scheme.layout == "float":
-        found = [T("weight", (n, k), dtype)]
+        found = [T("weight", (n, k), dtype, k_dim=1)]
     elif scheme.layout == "ct-float":
         found = [
-            T("weight", (n, k), FP8_DTYPE),
+            T("weight", (n, k), FP8_DTYPE, k_dim=1),
             T("weight_scale", (n, 1), torch.float32, broadcast=True),
             # A static activation scale from calibration: we quantize activations per token at
             # run time instead (dynamic), which is at least as accurate.
@@ -69,39 +76,50 @@ def checkpoint_tensors(
         ]
     elif scheme.layout == "ct-int":
         found = [
-            T("weight", (n, k), torch.int8),
-            T("weight_scale", (n, groups), torch.float32, broadcast=True),
+            T("weight", (n, k), torch.int8, k_dim=1),
+            T("weight_scale", (n, groups), torch.float32, broadcast=True, k_dim=1, k_per=group),
         ]
     elif scheme.layout == "ct-pack":
+        per_word = 32 // _bits(scheme)
         found = [
-            T("weight_packed", (n, k // (32 // _bits(scheme))), torch.int32),
-            T("weight_scale", (n, groups), torch.float32),
-            T("weight_g_idx", (k,), torch.int32, kind="equal", optional=True),
+            T("weight_packed", (n, k // per_word), torch.int32, k_dim=1, k_per=per_word),
+            T("weight_scale", (n, groups), torch.float32, k_dim=1, k_per=group),
+            T("weight_g_idx", (k,), torch.int32, kind="equal", optional=True, k_dim=0),
             T("weight_shape", (2,), torch.int64, kind="shape"),
         ]
         if not scheme.symmetric:
-            found.append(T("weight_zero_point", (n // 8, groups), torch.int32, pack=8))
+            found.append(
+                T("weight_zero_point", (n // 8, groups), torch.int32, pack=8, k_dim=1, k_per=group)
+            )
     elif scheme.layout == "awq":
         found = [
-            T("qweight", (k, n // 8), torch.int32, shard_dim=1, pack=8),
-            T("qzeros", (groups, n // 8), torch.int32, shard_dim=1, pack=8),
-            T("scales", (groups, n), torch.float32, shard_dim=1),
+            T("qweight", (k, n // 8), torch.int32, shard_dim=1, pack=8, k_dim=0),
+            T("qzeros", (groups, n // 8), torch.int32, shard_dim=1, pack=8, k_dim=0, k_per=group),
+            T("scales", (groups, n), torch.float32, shard_dim=1, k_dim=0, k_per=group),
         ]
     elif scheme.layout == "gptq":
         per_word = 32 // _bits(scheme)
         found = [
-            T("qweight", (k // per_word, n), torch.int32, shard_dim=1),
-            T("qzeros", (groups, n // per_word), torch.int32, shard_dim=1, pack=per_word),
-            T("scales", (groups, n), torch.float32, shard_dim=1),
-            T("g_idx", (k,), torch.int32, kind="equal", optional=True),
+            T("qweight", (k // per_word, n), torch.int32, shard_dim=1, k_dim=0, k_per=per_word),
+            T(
+                "qzeros",
+                (groups, n // per_word),
+                torch.int32,
+                shard_dim=1,
+                pack=per_word,
+                k_dim=0,
+                k_per=group,
+            ),
+            T("scales", (groups, n), torch.float32, shard_dim=1, k_dim=0, k_per=group),
+            T("g_idx", (k,), torch.int32, kind="equal", optional=True, k_dim=0),
         ]
     elif scheme.layout == "gguf":  # loaders/gguf_tensors.py's repacked blocks
         found = [
-            T("codes", (n, k), torch.uint8 if scheme.kind == "int4" else torch.int8),
-            T("scales", (n, groups), torch.float32),
+            T("codes", (n, k), torch.uint8 if scheme.kind == "int4" else torch.int8, k_dim=1),
+            T("scales", (n, groups), torch.float32, k_dim=1, k_per=group),
         ]
         if scheme.kind == "int4":
-            found.append(T("offsets", (n, groups), torch.float32))
+            found.append(T("offsets", (n, groups), torch.float32, k_dim=1, k_per=group))
     else:
         raise ValueError(f"unknown checkpoint layout {scheme.layout!r}")
     if bias:
@@ -121,6 +139,7 @@ class QuantLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
+        self.dtype = dtype
         self._offsets: dict[str, tuple[int, int]] = {}
         offset = 0
         for name, rows in shards.items():
@@ -139,11 +158,18 @@ class QuantLinear(nn.Module):
             self.register_parameter(t.name, nn.Parameter(data, requires_grad=False))
         self._equal_first: dict[str, str | None] = {}  # "equal" tensor -> the shard that set it
         self.packed_kind: str | None = None  # "int4" | "int8" | "fp8" once finish_loading ran
+        # Cuts a checkpoint tensor down to this layer's part first (tensor parallelism).
+        self.checkpoint_slicer: CheckpointSlicer | None = None
         self.attach_weight_loaders()
 
     def shard_offsets(self) -> dict[str, tuple[int, int]]:
         """Checkpoint shard name -> (row offset, rows) inside the fused output features."""
         return self._offsets
+
+    @property
+    def checkpoint_layout(self) -> dict[str, CheckpointTensor]:
+        """The checkpoint tensors this layer reads, by name (what a tensor-parallel split cuts)."""
+        return dict(self._tensors)
 
     def attach_weight_loaders(self) -> None:
         """Give each parameter its loader (again after to_empty, which makes new parameters)."""
@@ -159,6 +185,8 @@ class QuantLinear(nn.Module):
     ) -> None:
         if spec.kind == "ignored":
             return
+        if self.checkpoint_slicer is not None:
+            loaded = self.checkpoint_slicer(spec.name, loaded, shard)
         if spec.kind == "shape":
             rows = self.out_features if shard is None else self._offsets[shard][1]
             if loaded.tolist() != [rows, self.in_features]:

@@ -92,10 +92,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health", summary="Liveness: the engine core process is running")
     async def health() -> JSONResponse:
-        if engine.error is not None:
-            return JSONResponse({"status": "dead", "error": str(engine.error)}, 503)
-        if state.startup_error is not None:
-            return JSONResponse({"status": "dead", "error": state.startup_error}, 503)
+        reason = str(engine.error) if engine.error is not None else state.startup_error
+        if reason is not None:  # the core (or one of its ranks) died, or warm-up failed
+            return JSONResponse({"status": "unhealthy", "reason": reason, "error": reason}, 503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/ready", summary="Readiness: weights loaded, warmed up, not draining")

@@ -134,6 +134,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             version=_version(),
             quantization=config.model.quantization_name,
             tensor_parallel_size=args.tensor_parallel_size,
+            world_size=config.parallel.world_size,
         )
     )
     settings = ServerSettings(

@@ -1,0 +1,143 @@
+"""A worker rank's process: join the replica, load its part of the model, then compute every
+step the driver sends (`messages.Step`) until `Stop` or the driver goes away.
+
+A worker never schedules or samples: it rebuilds each step's batch from the diff, runs the
+forward pass with its collectives, and receives the driver's sampled tokens (a broadcast on the
+device), which the next step's pending inputs read. Started by the engine itself (the driver
+for its host's ranks, `kvfleet serve --node-rank R` on other hosts), never by torchrun."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from multiprocessing.connection import Connection
+from typing import TypeVar
+
+import torch
+
+from kvfleet_engine.config import EngineConfig
+from kvfleet_engine.parallel import messages
+from kvfleet_engine.parallel.channel import connect
+from kvfleet_engine.parallel.groups import Groups, RankPlace
+from kvfleet_engine.parallel.messages import (
+    Allocate,
+    Failed,
+    Hello,
+    Loaded,
+    Measure,
+    Measured,
+    Ready,
+    Step,
+    Stop,
+)
+from kvfleet_engine.parallel.step_diff import StepDecoder
+from kvfleet_engine.runner.executor import ModelExecutor, resolve_device
+from kvfleet_engine.runner.inputs import build_inputs
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def run_worker(
+    config: EngineConfig, rank: int, status: Connection | None = None, log_level: str = "INFO"
+) -> None:
+    """A worker process's entry point (multiprocessing target). `status`, from the host's
+    launcher: gets "ready" once this rank can compute, or the reason it failed."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the driver stops it
+    logging.basicConfig(level=log_level.upper(), format=f"[rank {rank}] {LOG_FORMAT}")
+    parallel = config.parallel
+    try:
+        conn = connect(parallel, time.monotonic() + parallel.join_timeout_s)
+    except OSError as error:
+        log.error("%s", error)
+        _report(status, f"rank {rank}: {error}")
+        raise SystemExit(1) from error
+    conn.send_bytes(messages.encode(Hello(rank, os.getpid())))
+    try:
+        Worker(config, rank, conn, status).run()
+    except (EOFError, OSError):
+        log.error("the driver went away; rank %d exits", rank)
+        _report(status, f"rank {rank}: the driver went away")
+        raise SystemExit(1) from None
+    except Exception as error:
+        log.exception("rank %d failed", rank)
+        reason = (
+            f"{type(error).__name__}: {error}" if not isinstance(error, ValueError) else str(error)
+        )
+        try:
+            conn.send_bytes(messages.encode(Failed(rank, reason, isinstance(error, ValueError))))
+        except OSError:
+            pass
+        _report(status, f"rank {rank}: {reason}")
+        raise SystemExit(1) from error
+
+
+def _report(status: Connection | None, message: str) -> None:
+    if status is not None:
+        try:
+            status.send(message)
+        except OSError:
+            pass
+
+
+class Worker:
+    def __init__(
+        self, config: EngineConfig, rank: int, conn: Connection, status: Connection | None
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.conn = conn
+        self.status = status
+        self.decoder = StepDecoder()
+
+    def run(self) -> None:
+        parallel = self.config.parallel
+        place = RankPlace.of(parallel, self.rank)
+        device = resolve_device(
+            self.config.runner.device, place.local_rank, parallel.ranks_per_node
+        )
+        self.groups = Groups.join(parallel, place, device)
+        self.executor = ModelExecutor(self.config, self.groups)
+        self._send(Loaded(self.rank))
+        self._expect(Measure)
+        self._send(Measured(self.rank, self.executor.measure_num_blocks()))
+        allocate = self._expect(Allocate)
+        self.executor.allocate(allocate.num_blocks)
+        self._send(Ready(self.rank))
+        _report(self.status, "ready")
+        decode = messages.to_worker.decode
+        while True:
+            record = decode(self.conn.recv_bytes())
+            if isinstance(record, Stop):  # the process's exit closes its groups
+                log.info("rank %d stopping", self.rank)
+                return
+            if isinstance(record, Step):
+                self.step(record)
+
+    @torch.inference_mode()
+    def step(self, step: Step) -> None:
+        executor = self.executor
+        items = self.decoder.apply(step)
+        inputs = build_inputs(
+            items, executor.block_size, executor.device, executor.last_sample_rows
+        )
+        executor.forward(inputs)
+        samples = torch.empty(len(step.sample_rows), dtype=torch.int64, device=executor.device)
+        self.groups.broadcast_from_driver(samples)  # [rows]: the driver's sampled tokens
+        executor.keep_samples(samples, inputs.sampling_request_ids)
+
+    def _send(self, record: messages.FromWorker) -> None:
+        self.conn.send_bytes(messages.encode(record))
+
+    def _expect(self, kind: type[R]) -> R:
+        record = messages.to_worker.decode(self.conn.recv_bytes())
+        if isinstance(record, Stop):
+            raise SystemExit(0)
+        if not isinstance(record, kind):
+            raise RuntimeError(f"expected {kind.__name__} from the driver, got {record!r}")
+        return record

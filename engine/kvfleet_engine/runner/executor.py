@@ -1,0 +1,242 @@
+"""One rank's model: its weights (its part of them under tensor parallelism), its KV cache, its
+decode CUDA graphs and the forward pass to logits. Every rank has one; only the driver samples."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvfleet_engine.config import EngineConfig
+from kvfleet_engine.cuda_graphs import DecodeGraphs
+from kvfleet_engine.layers.attention import Attention, AttentionMetadata, load_backend
+from kvfleet_engine.layers.attention_torch import FP8_DTYPE
+from kvfleet_engine.layers.sampler import Sampler, SamplingMetadata
+from kvfleet_engine.models.loader import load_model, serving_dtype
+from kvfleet_engine.parallel.groups import Groups
+from kvfleet_engine.runner import kv_memory
+from kvfleet_engine.runner.inputs import ModelInputs
+from kvfleet_engine.runner.kv_memory import (
+    allocate_kv_cache,
+    block_bytes,
+    check_holds_a_sequence,
+    unbind_kv_cache,
+)
+
+log = logging.getLogger(__name__)
+
+# Triton has an e4m3 type (float8e4nv) from this compute capability on (Ada, Hopper).
+FP8_TRITON_MIN_CAPABILITY = (8, 9)
+
+
+def resolve_kv_cache_dtype(
+    setting: str, model_dtype: torch.dtype, device: torch.device, backend_name: str
+) -> torch.dtype:
+    """The cache's element type: the model's (auto), or e4m3 (fp8). The torch and sdpa backends
+    read an fp8 cache on any device; the Triton kernels need an e4m3 type the GPU has."""
+    if setting == "auto":
+        return model_dtype
+    if device.type == "cuda" and backend_name == "triton":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < FP8_TRITON_MIN_CAPABILITY:
+            need = ".".join(map(str, FP8_TRITON_MIN_CAPABILITY))
+            raise ValueError(
+                f"kv_cache_dtype=fp8 needs compute capability >= {need} for the triton attention "
+                f"backend; {device} ({torch.cuda.get_device_name(device)}) has "
+                f"{capability[0]}.{capability[1]}: use kv_cache_dtype=auto"
+            )
+    return FP8_DTYPE
+
+
+def resolve_device(name: str, local_rank: int = 0, ranks_per_node: int = 1) -> torch.device:
+    """The device setting; with several ranks on a host, GPU `local_rank` of the visible ones."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    if device.type == "cuda" and ranks_per_node > 1:
+        visible = torch.cuda.device_count()
+        if ranks_per_node > visible:
+            raise ValueError(
+                f"{ranks_per_node} ranks on this host (tensor_parallel_size x "
+                f"pipeline_parallel_size / nnodes) need {ranks_per_node} GPUs; {visible} visible"
+            )
+        device = torch.device("cuda", local_rank)
+    return device
+
+
+class ModelExecutor:
+    def __init__(self, config: EngineConfig, groups: Groups | None = None) -> None:
+        self.config = config
+        self.groups = groups
+        parallel = config.parallel
+        local_rank = groups.place.local_rank if groups is not None else 0
+        self.device = (
+            groups.device
+            if groups is not None
+            else resolve_device(config.runner.device, local_rank, parallel.ranks_per_node)
+        )
+        self.dtype = serving_dtype(config.model, self.device)
+        self.block_size = config.cache.block_size
+        backend_name = config.runner.attention_backend
+        if backend_name == "auto":
+            backend_name = "triton" if self.device.type == "cuda" else "sdpa"
+        self.backend_name = backend_name
+        self.backend = load_backend(backend_name)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(
+            config.cache.kv_cache_dtype, self.dtype, self.device, backend_name
+        )
+        torch.manual_seed(config.runner.seed)
+        self.model = load_model(config.model, self.device, self.dtype, groups)
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.sampler = Sampler()
+        self.num_blocks = 0
+        self.kv_caches: list[tuple[torch.Tensor, ...]] = []
+        self.decode_graphs: DecodeGraphs | None = None
+        # The last launched step's samples on the device ([rows] int64) and each request's
+        # row there: where the next step's PENDING_TOKEN inputs come from.
+        self.last_samples = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.last_sample_rows: dict[str, int] = {}
+
+    # ---- start-up -----------------------------------------------------------------------------
+
+    def measure_num_blocks(self) -> int:
+        """KV blocks this rank's memory holds (kv_cache_blocks if set); on a GPU it runs the
+        largest step once (every rank at once: the step has collectives)."""
+        return self._local_num_blocks()
+
+    def allocate(self, num_blocks: int) -> None:
+        """Allocate `num_blocks` KV blocks (the smallest any rank measured) and capture the
+        decode graphs (every rank in lockstep)."""
+        check_holds_a_sequence(num_blocks, self.block_size, self.config.model.max_model_len)
+        self.num_blocks = num_blocks
+        self.kv_caches = self._allocate(num_blocks)
+        if self.device.type == "cuda" and not self.config.runner.enforce_eager:
+            max_blocks = -(-self.config.model.max_model_len // self.block_size)
+            self.decode_graphs = DecodeGraphs(
+                self.model, self.config.scheduler.max_num_seqs, max_blocks, self.device
+            )
+            self.decode_graphs.capture()
+
+    @property
+    def block_bytes(self) -> int:
+        return block_bytes(self.attention_layers, self.block_size, self.kv_cache_dtype)
+
+    def _allocate(self, num_blocks: int) -> list[tuple[torch.Tensor, ...]]:
+        return allocate_kv_cache(
+            self.attention_layers,
+            num_blocks,
+            self.block_size,
+            self.kv_cache_dtype,
+            self.backend,
+            self.device,
+        )
+
+    def _local_num_blocks(self) -> int:
+        requested = self.config.cache.num_blocks
+        # Blocks beyond every sequence at full length would only grow the prefix cache, and a
+        # tiny model would otherwise get tens of millions of them.
+        blocks_per_seq = -(-self.config.model.max_model_len // self.block_size)
+        enough = 2 * blocks_per_seq * self.config.scheduler.max_num_seqs
+        if requested is not None:
+            return requested
+        if self.device.type == "cuda":
+            return min(self._profile_free_blocks(), enough)
+        return min(enough // 2, kv_memory.CPU_KV_CACHE_BYTES // self.block_bytes)
+
+    def _profile_free_blocks(self) -> int:
+        """Run the largest step once to measure peak activation memory, then give the KV cache
+        what gpu_memory_utilization leaves."""
+        tokens = self.config.scheduler.max_num_batched_tokens
+        seq_len = min(tokens, self.config.model.max_model_len)
+        num_seqs = -(-tokens // seq_len)
+        scratch_blocks = num_seqs * -(-seq_len // self.block_size)
+        self.kv_caches = self._allocate(scratch_blocks)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._dummy_prefill(num_seqs, seq_len, tokens)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        scratch_bytes = scratch_blocks * self.block_bytes
+        self.kv_caches = []
+        unbind_kv_cache(self.attention_layers, self.backend)
+        torch.cuda.empty_cache()
+        _, total = torch.cuda.mem_get_info(self.device)
+        budget = total * self.config.cache.gpu_memory_utilization - (peak - scratch_bytes)
+        return max(int(budget // self.block_bytes), 0)
+
+    @torch.inference_mode()
+    def _dummy_prefill(self, num_seqs: int, seq_len: int, num_tokens: int) -> None:
+        blocks_per_seq = -(-seq_len // self.block_size)
+        lens = [min(seq_len, num_tokens - i * seq_len) for i in range(num_seqs)]
+        block_tables = [
+            list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)
+        ]
+        positions = [p for n in lens for p in range(n)]
+        slots = [
+            block_tables[i][p // self.block_size] * self.block_size + p % self.block_size
+            for i, n in enumerate(lens)
+            for p in range(n)
+        ]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.int64),
+            block_tables=self._tensor(block_tables, torch.int32),
+            context_lens=self._tensor(lens, torch.int32),
+            cu_query_lens=self._tensor(cu, torch.int32),
+            is_decode=False,
+        )
+        input_ids = torch.zeros(len(positions), dtype=torch.int64, device=self.device)
+        hidden = self.model(input_ids, self._tensor(positions, torch.int64), meta)
+        logits = self.model.compute_logits(hidden[torch.tensor(cu[1:], device=self.device) - 1])
+        self.sampler.forward(
+            logits,
+            SamplingMetadata(
+                temperatures=torch.ones(num_seqs, device=self.device),
+                top_ks=torch.full((num_seqs,), 1, device=self.device),
+                top_ps=torch.full((num_seqs,), 0.9, device=self.device),
+                min_ps=torch.zeros(num_seqs, device=self.device),
+                all_greedy=False,
+                generators={},
+                penalties=None,
+                max_num_logprobs=None,
+            ),
+        )
+
+    def _tensor(self, data: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype).to(self.device)
+
+    # ---- the forward pass ---------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[num_sampling_rows, vocab] float32 logits, and each row's argmax when a decode graph
+        computed it (None: the sampler takes it)."""
+        if self.decode_graphs is not None and inputs.attention.is_decode:
+            graph_out = self.decode_graphs.run(
+                inputs.input_ids,
+                inputs.positions,
+                inputs.attention,
+                inputs.pending_sources,
+                self.last_samples,
+            )
+            if graph_out is not None:
+                logits, greedy = graph_out
+                if len(inputs.sampling_request_ids) == logits.shape[0]:
+                    return logits, greedy  # every row samples (the usual decode step), in order
+                return logits[inputs.logits_indices], greedy[inputs.logits_indices]
+        input_ids = inputs.input_ids
+        if inputs.pending_sources is not None:  # the previous step's samples, on the device
+            sources = inputs.pending_sources
+            sampled = self.last_samples.index_select(0, sources.clamp(min=0))
+            input_ids = torch.where(sources >= 0, sampled, input_ids)
+        hidden = self.model(input_ids, inputs.positions, inputs.attention)
+        return self.model.compute_logits(hidden[inputs.logits_indices]).float(), None
+
+    def keep_samples(self, token_ids: torch.Tensor, request_ids: list[str]) -> None:
+        """This step's samples [rows] on the device: the next step's pending inputs."""
+        self.last_samples = token_ids
+        self.last_sample_rows = {request_id: row for row, request_id in enumerate(request_ids)}

@@ -1,0 +1,65 @@
+"""The KV cache tensors of one rank: how many blocks fit, and each attention layer's K/V (and,
+for an fp8 cache, scales) bound to it. A rank holds only its own layers and KV heads."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from kvfleet_engine.layers.attention import Attention
+from kvfleet_engine.layers.attention_torch import FP8_DTYPE, SCALE_DTYPE
+
+# KV cache memory when sizing it on the CPU (there is no memory probe worth trusting).
+CPU_KV_CACHE_BYTES = 2 << 30
+
+
+def block_bytes(layers: list[Attention], block_size: int, kv_cache_dtype: torch.dtype) -> int:
+    """K and V of one block in each of `layers`, with an fp8 cache's scales."""
+    total = 0
+    for layer in layers:
+        row_bytes = layer.head_dim * kv_cache_dtype.itemsize  # one token's K of one kv head
+        if kv_cache_dtype == FP8_DTYPE:
+            row_bytes += SCALE_DTYPE.itemsize
+        total += 2 * layer.num_kv_heads * row_bytes * block_size
+    return total
+
+
+def allocate_kv_cache(
+    layers: list[Attention],
+    num_blocks: int,
+    block_size: int,
+    kv_cache_dtype: torch.dtype,
+    backend: ModuleType,
+    device: torch.device,
+) -> list[tuple[torch.Tensor, ...]]:
+    """Each layer's K and V caches [num_blocks, block_size, kv_heads, head_dim] and, for an
+    fp8 cache, their scales [num_blocks, kv_heads, block_size], bound to the layer."""
+    caches: list[tuple[torch.Tensor, ...]] = []
+    for layer in layers:
+        shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
+        k_cache = torch.zeros(shape, dtype=kv_cache_dtype, device=device)
+        v_cache = torch.zeros(shape, dtype=kv_cache_dtype, device=device)
+        scales: tuple[torch.Tensor, ...] = ()
+        if kv_cache_dtype == FP8_DTYPE:
+            scales_shape = (num_blocks, layer.num_kv_heads, block_size)
+            k_scales = torch.zeros(scales_shape, dtype=SCALE_DTYPE, device=device)
+            scales = (k_scales, torch.zeros_like(k_scales))
+        layer.bind(k_cache, v_cache, backend, *scales)
+        caches.append((k_cache, v_cache, *scales))
+    return caches
+
+
+def unbind_kv_cache(layers: list[Attention], backend: ModuleType) -> None:
+    for layer in layers:
+        layer.bind(torch.empty(0), torch.empty(0), backend)
+
+
+def check_holds_a_sequence(num_blocks: int, block_size: int, max_model_len: int) -> None:
+    if num_blocks * block_size < max_model_len:
+        raise ValueError(
+            f"the KV cache holds {num_blocks} blocks x {block_size} tokens = "
+            f"{num_blocks * block_size} tokens, fewer than max_model_len "
+            f"({max_model_len}); raise kv_cache_blocks / gpu_memory_utilization or lower "
+            f"max_model_len"
+        )

@@ -1,0 +1,150 @@
+"""Tensor parallelism on the CPU (gloo, float32): TP 2 and TP 4 give TP 1's greedy tokens on
+every architecture the tiny checkpoints cover (grouped KV heads split, a single KV head
+replicated, tied embeddings, q/k/v bias, q/k norms), through prefix hits, preemption, chunked
+prefill and async scheduling; bad sizes are refused naming the numbers; a rank that dies fails
+the next call with its reason instead of hanging. Each world is spawned once per test."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from engine_cases import random_prompts
+from parallel_cases import assert_same_greedy, free_port_pair
+
+from kvfleet_engine import LLM, SamplingParams
+from kvfleet_engine.model_runner import RankFailed
+
+NEW_TOKENS = 12
+# Small enough that the first call's 3 prompts are preempted (they need 14 blocks of 8 tokens,
+# the cache has 8) and chunked (16 tokens per step), and the second call's 2 prompts start
+# with prompt 1's first blocks (prefix hits).
+SETTINGS: dict[str, Any] = dict(
+    block_size=8, kv_cache_blocks=8, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64
+)
+
+
+def _prompts() -> list[list[int]]:
+    base = random_prompts([5, 37, 20, 4, 2], seed=3)
+    base[3] = base[1][:16] + base[3]
+    base[4] = base[1][:24] + base[4]
+    return base
+
+
+def _generate(llm: LLM) -> list[Any]:
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
+    first = llm.generate(prompt_token_ids=_prompts()[:3], sampling_params=params, use_tqdm=False)
+    # The second call finds the first call's blocks in the prefix cache.
+    return first + llm.generate(
+        prompt_token_ids=_prompts()[3:], sampling_params=params, use_tqdm=False
+    )
+
+
+@pytest.fixture(scope="module")
+def world(make_llm: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
+    """make(name, tp) -> an LLM with tensor_parallel_size tp. One world at a time: the driver
+    (rank 0) is this process, so making one shuts the previous one down."""
+    made: list[Any] = []
+
+    def make(name: str, tp: int, **kwargs: Any) -> Any:
+        while made:
+            made.pop().engine.model_runner.shutdown()
+        llm = make_llm(
+            name, tensor_parallel_size=tp, master_port=free_port_pair(), **{**SETTINGS, **kwargs}
+        )
+        made.append(llm)
+        return llm
+
+    yield make
+    while made:
+        made.pop().engine.model_runner.shutdown()
+
+
+def _check_equal(
+    world: Callable[..., Any], make_llm: Callable[..., Any], name: str, tp: int
+) -> None:
+    reference = _generate(make_llm(name, **SETTINGS))
+    llm = world(name, tp)
+    outputs = _generate(llm)
+    stats = llm.engine.stats()
+    assert stats.num_preemptions_total > 0, "the test meant to preempt"
+    assert stats.prefix_cache_hits_total > 0, "the test meant to hit the prefix cache"
+    assert_same_greedy(outputs, reference, f"{name} tp{tp}")
+
+
+def test_tp2_tied_embeddings_and_qkv_bias(world: Any, make_llm: Any) -> None:
+    _check_equal(world, make_llm, "qwen2", 2)
+
+
+def test_tp4_replicates_the_single_kv_head(world: Any, make_llm: Any) -> None:
+    _check_equal(world, make_llm, "mistral", 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "tp"), [("llama3", 2), ("llama2-tied", 2), ("mistral", 2), ("qwen3", 2), ("qwen3", 4)]
+)
+def test_every_architecture(world: Any, make_llm: Any, name: str, tp: int) -> None:
+    _check_equal(world, make_llm, name, tp)
+
+
+def test_sizes_that_do_not_split_are_refused(make_llm: Callable[..., Any]) -> None:
+    with pytest.raises(
+        ValueError, match="tensor_parallel_size=3 does not divide the model's num_attention_heads=4"
+    ):
+        make_llm("llama3", tensor_parallel_size=3)
+    with pytest.raises(
+        ValueError, match="pipeline_parallel_size=3 is larger than the model's 2 layers"
+    ):
+        make_llm("llama3", pipeline_parallel_size=3)
+    with pytest.raises(ValueError, match=r"nnodes must be a divisor of the world size .* = 2"):
+        make_llm("llama3", tensor_parallel_size=2, nnodes=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1, got 0"):
+        make_llm("llama3", tensor_parallel_size=0)
+
+
+def test_kv_heads_that_do_not_split_are_refused() -> None:
+    from kvfleet_engine.config import ModelConfig, ParallelConfig, check_model_split
+
+    hf_config = dict(
+        num_attention_heads=12, num_key_value_heads=3, intermediate_size=96, num_hidden_layers=2
+    )
+    model = ModelConfig(
+        "m", "safetensors", "LlamaForCausalLM", "float32", 64, frozenset(), hf_config
+    )
+    with pytest.raises(
+        ValueError,
+        match="tensor_parallel_size=4 and the model's num_key_value_heads=3: one must divide",
+    ):
+        check_model_split(model, ParallelConfig(tensor_parallel_size=4))
+    check_model_split(model, ParallelConfig(tensor_parallel_size=6))  # KV heads replicated
+
+
+def test_more_ranks_than_gpus_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from kvfleet_engine.runner.executor import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"4 ranks on this host .* need 4 GPUs; 2 visible"):
+        resolve_device("cuda", 0, 4)
+
+
+def test_a_rank_that_dies_fails_the_call(world: Any) -> None:
+    llm = world("llama3", 2, max_model_len=512, kv_cache_blocks=64, max_num_batched_tokens=64)
+    (pid,) = llm.engine.model_runner.workers.pids.values()
+    params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+    threading.Timer(0.5, os.kill, args=(pid, signal.SIGKILL)).start()  # while it generates
+    began = time.monotonic()
+    with pytest.raises(RankFailed, match=rf"rank 1 \(pid {pid}\) exited with code -9"):
+        while time.monotonic() - began < 30:
+            llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=params, use_tqdm=False)
+    assert time.monotonic() - began < 30
+    with pytest.raises(RankFailed, match="rank 1"):  # and every call after it
+        llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=params, use_tqdm=False)
