@@ -4,11 +4,13 @@
 # graphs: greedy tokens at TP 1, then TP 2/4/8 where that many GPUs are visible, compared with
 # TP 1; (3) batch-1 decode tok/s on the Llama-3.1-8B shape, random bf16 weights
 # (bench/make_checkpoint.py), at each TP that fits. Prints a table; JSON in $OUT/parallel.json.
-# Run: bash bench/gpu_parallel.sh  (about 4 minutes on one H200; BENCH_8B=0 skips (3)).
+# Run: bash bench/gpu_parallel.sh, carrying .whl  (about 4 minutes on one H200; BENCH_8B=0 skips (3)).
 set -uo pipefail
 OUT=${OUT:-/tmp/kvfleet-gpu-parallel}
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD/engine:$PWD/operator" PYTHONUNBUFFERED=1
+# The engine imports msgspec, which the device's Python lacks: wheels carried in .whl/server.
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/server/*.whl 2>&1 | tail -2
+export PYTHONPATH="/tmp/site:$PWD/engine:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 python3 -m kvfleet_cli tiny-model /tmp/kvfleet-tiny --force >/dev/null || exit 1
 if [ "${BENCH_8B:-1}" = 1 ] && [ ! -f /tmp/kvfleet-8b/config.json ]; then
