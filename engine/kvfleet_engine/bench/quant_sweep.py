@@ -116,13 +116,13 @@ def int_configs(kind: str, m: int) -> list[Config]:
         out.append(_int("mma", 64, 128, 64, 0, num_warps=4, num_stages=4, int8_cast=True))
         out.append(_int("mma", 128, 128, 64, 0, num_warps=8, num_stages=3, int8_cast=True))
     # swapped operands: the dequantized weight tile is the dot's left operand, which Hopper's
-    # wgmma reads from registers (the right one, x^T, from shared memory): no shared-memory
-    # round trip of the float tile. (BLOCK_M rows of x = the MMA's N, BLOCK_N, BLOCK_K, warps,
-    # stages)
-    swapped = [(64, 128, 64, 4, 3), (64, 128, 128, 4, 3), (64, 256, 64, 8, 3), (64, 64, 128, 4, 4)]
+    # wgmma reads from registers (the right one, x^T, from shared memory). (BLOCK_M rows of x =
+    # the MMA's N, BLOCK_N, BLOCK_K, warps, stages); kernel_asm: none of these spills (BLOCK_N
+    # 256 with BLOCK_M 128, BLOCK_M 256, or BLOCK_M 128 on 4 warps spill 144-584 bytes), int4
+    # BLOCK_K 128 stores its reshaped tile to shared memory (66-132 STS per step, against 5-11)
+    swapped = [(64, 128, 64, 4, 3), (64, 256, 64, 8, 3), (64, 64, 128, 4, 4)]
     if m > 64:
-        swapped += [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3),
-                    (256, 128, 64, 8, 3), (128, 128, 64, 4, 4)]  # fmt: skip
+        swapped += [(128, 128, 64, 8, 3), (128, 128, 128, 8, 3)]
     for bm, bn, bk, w, st in swapped:
         out.append(_int("mma", bm, bn, bk, 0, unpack="reshape", swap_ab=True, num_warps=w,
                         num_stages=st))  # fmt: skip
