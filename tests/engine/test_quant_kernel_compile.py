@@ -51,3 +51,26 @@ JOBS = kernel_asm.compile_jobs([], sweep=False)
 def test_every_plan_table_config_compiles_for_sm90(kind, m, n, k, plan) -> None:
     compiled = kernel_asm.compile_plan(kind, m, n, k, plan)
     assert compiled and all(c.kernel.asm["cubin"] for c in compiled)
+
+
+LEAN = {  # codes -> a lean GEMV plan (kernels.int_gemv_lean)
+    "int4": {"kernel": "lean", "block_m": 1, "block_n": 256, "block_k": 64, "split_k": 2},
+    "int8": {"kernel": "lean", "block_m": 1, "block_n": 512, "block_k": 16, "split_k": 2},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("codes", ["int4", "int8"])
+def test_lean_gemv_spends_one_int_op_and_one_ffma_per_code_in_its_k_loop(codes) -> None:
+    """The K loop's SASS: per code one LOP3 (int4) or PRMT (int8, inline PTX) and one FFMA, no
+    FADD per code (the int_gemv kernels take the magic number off each code with one)."""
+    plan = LEAN[codes]
+    compiled = kernel_asm.compile_plan(codes, 1, 28672, 4096, plan)
+    found = kernel_asm.stats(compiled[0].kernel)
+    codes_per_thread = plan["block_n"] * plan["block_k"] // (32 * 4)  # 4 warps
+    loop = found["loop"]
+    assert found["spill_bytes"] == 0
+    assert codes_per_thread <= loop["FFMA"] < 1.6 * codes_per_thread
+    assert loop.get("FADD", 0) < 0.4 * codes_per_thread  # per row and group, not per code
+    converts = loop["LOP3"] if codes == "int4" else loop["PRMT"]
+    assert codes_per_thread <= converts < 1.2 * codes_per_thread

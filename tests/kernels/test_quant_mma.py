@@ -72,6 +72,41 @@ def test_int8_mma_matches_reference(plan, group_size, m, dtype) -> None:
     assert relative_error(run_int8(x, weight, plan), expected) < tolerance
 
 
+LEAN = [  # (codes, plan, group_size): the one-row GEMV with one LOP3 / PRMT and one FFMA a code
+    pytest.param("int4", MatmulPlan("lean", 1, 32, 32, 3), 32, id="int4-step-split3"),
+    pytest.param("int4", MatmulPlan("lean", 1, 64, 32, 2, "kernel"), 128, id="int4-any"),
+    pytest.param("int4", MatmulPlan("lean", 1, 32, 64, num_stages=2), 384, id="int4-one-group"),
+    pytest.param("int8", MatmulPlan("lean", 1, 32, 16, 3), None, id="int8-per-channel"),
+    pytest.param("int8", MatmulPlan("lean", 1, 64, 32, 2), 64, id="int8-group64"),
+]
+
+
+@on_cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("codes", "plan", "group_size"), LEAN)
+def test_lean_gemv_matches_reference(codes, plan, group_size, dtype) -> None:
+    """Codes read as 1 + code · 2^(b - 23) (the biases taken off per group): float32 accumulation
+    keeps the error (~3e-4 relative) well below bfloat16 rounding, every nibble and signed byte."""
+    x = make_x(1, 384, dtype=dtype) * 30  # large activations: the biases are x · 2^15
+    if codes == "int4":
+        weight = make_int4(72, 384, group_size)
+        expected = layout.int4_linear_reference(x.float(), weight)
+        out = run_int4(x, weight, plan)
+    else:
+        weight = make_int8(48, 384, group_size)
+        expected = layout.int8_linear_reference(x.float(), weight)
+        out = run_int8(x, weight, plan)
+    tolerance = 1e-3 if dtype == torch.float32 else 8e-3  # measured ~3e-4: 1/10 of bf16 rounding
+    assert relative_error(out, expected) < tolerance
+
+
+@on_cpu
+def test_lean_gemv_rejects_more_rows() -> None:
+    weight = make_int4(64, 256, 128)
+    with pytest.raises(ValueError, match="lean GEMV takes one row of x, got 2"):
+        run_int4(make_x(2, 256), weight, MatmulPlan("lean", 1, 32, 64))
+
+
 @on_cpu
 def test_mma_rejects_blocks_it_cannot_run() -> None:
     weight = make_int4(64, 256, 128)

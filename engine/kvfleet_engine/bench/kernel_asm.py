@@ -117,6 +117,27 @@ def sass(kernel: Any) -> str:
         ).stdout
 
 
+SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([^;]*);")
+
+
+def loop_ops(code: str) -> dict[str, Any]:
+    """SASS op counts of the largest loop (a backward branch's range: the K loop of a product
+    kernel), as counted per iteration; {} without a loop."""
+    lines = [(int(a, 16), op, rest) for a, op, rest in SASS_LINE.findall(code)]
+    best: tuple[int, int] | None = None
+    for address, op, rest in lines:
+        target = re.search(r"0x([0-9a-f]+)\s*$", rest.strip())
+        if op == "BRA" and target and int(target.group(1), 16) < address:
+            start = int(target.group(1), 16)
+            if best is None or address - start > best[1] - best[0]:
+                best = (start, address)
+    if best is None:
+        return {}
+    ops = Counter(op if op in SASS_OPS else "LDG" if op.startswith("LDG") else "other"
+                  for address, op, _ in lines if best[0] <= address <= best[1])  # fmt: skip
+    return {"instructions": sum(ops.values()), **dict(ops)}
+
+
 def stats(kernel: Any) -> dict[str, Any]:
     """Registers, spills (local bytes), shared memory, PTX global loads by bytes per thread and
     static SASS counts of the instructions that matter for a dequantizing product."""
@@ -146,6 +167,7 @@ def stats(kernel: Any) -> dict[str, Any]:
         "sass_ldg": dict(Counter(wide)),
         "sass_ops": dict(ops),
         "sass_instructions": total,
+        "loop": loop_ops(code),
     }
 
 
@@ -200,7 +222,7 @@ def compile_jobs(
 
     def add(kind: str, m: int, plan: dict[str, Any]) -> None:
         n, k = COMPILE_SHAPES["fp8" if kind.startswith("fp8") else kind]
-        if kind == "fp8" or plan.get("kernel") in ("gemv", "dot", "mma"):
+        if kind == "fp8" or plan.get("kernel") in ("gemv", "lean", "dot", "mma"):
             plan = plan | {"split_k": 2}
         if plan.get("kernel") == "gemv":
             plan = plan | {"block_m": 1 if m == 1 else next_pow2(m)}

@@ -66,6 +66,16 @@ def int_configs(kind: str, m: int) -> list[Config]:
         if not four:
             rows = [(256, 16, 4, 8, 3), (128, 64, 4, 4, 1), (128, 64, 4, 4, 3), (128, 32, 4, 8, 3)]
         out += [_int("gemv", 1, bn, bk, s, num_warps=w, num_stages=st) for bn, bk, w, s, st in rows]
+        # the lean GEMV (int_gemv_lean: one LOP3 / PRMT and one FFMA per code): wider column
+        # blocks amortize each thread's x loads over more codes
+        lean = [(128, 64, 4, 8, 1), (256, 64, 4, 8, 1), (256, 128, 4, 8, 3), (512, 32, 4, 8, 1),
+                (256, 32, 2, 8, 1), (128, 128, 2, 8, 3), (512, 64, 8, 8, 3), (256, 64, 4, 16, 3),
+                (128, 64, 4, 4, 3)]  # fmt: skip
+        if not four:
+            lean = [(256, 16, 4, 8, 3), (512, 16, 4, 8, 1), (256, 32, 4, 8, 3), (128, 64, 4, 4, 1),
+                    (512, 32, 8, 8, 3), (256, 16, 2, 16, 3), (1024, 16, 8, 8, 1),
+                    (512, 16, 4, 4, 3)]  # fmt: skip
+        out += [_int("lean", 1, bn, bk, s, num_warps=w, num_stages=st) for bn, bk, w, s, st in lean]
     elif m <= int_plan.ROW_GEMV_MAX_ROWS:
         rows = [(128, 64, 4, 8, 3), (64, 64, 2, 8, 3)] if four else [(128, 16, 4, 4, 3)]
         out += [_int("gemv", m, bn, bk, s, num_warps=w, num_stages=st) for bn, bk, w, s, st in rows]
@@ -105,6 +115,17 @@ def int_configs(kind: str, m: int) -> list[Config]:
     if not four:
         out.append(_int("mma", 64, 128, 64, 0, num_warps=4, num_stages=4, int8_cast=True))
         out.append(_int("mma", 128, 128, 64, 0, num_warps=8, num_stages=3, int8_cast=True))
+    # swapped operands: the dequantized weight tile is the dot's left operand, which Hopper's
+    # wgmma reads from registers (the right one, x^T, from shared memory). (BLOCK_M rows of x =
+    # the MMA's N, BLOCK_N, BLOCK_K, warps, stages); kernel_asm: none of these spills (BLOCK_N
+    # 256 with BLOCK_M 128, BLOCK_M 256, or BLOCK_M 128 on 4 warps spill 144-584 bytes), int4
+    # BLOCK_K 128 stores its reshaped tile to shared memory (66-132 STS per step, against 5-11)
+    swapped = [(64, 128, 64, 4, 3), (64, 256, 64, 8, 3), (64, 64, 128, 4, 4)]
+    if m > 64:
+        swapped += [(128, 128, 64, 8, 3), (128, 128, 128, 8, 3)]
+    for bm, bn, bk, w, st in swapped:
+        out.append(_int("mma", bm, bn, bk, 0, unpack="reshape", swap_ab=True, num_warps=w,
+                        num_stages=st))  # fmt: skip
     return out
 
 
@@ -160,7 +181,7 @@ def resolve(config: Config, m: int, n: int, k: int, group: int) -> Any:
     family, fields, per_sm = config["family"], dict(config["plan"]), config["per_sm"]
     cuda = torch.device("cuda")
     if family == "int":
-        if fields["kernel"] == "gemv":
+        if fields["kernel"] in ("gemv", "lean"):
             fields["block_m"] = next_power_of_2(m)
             fields["block_k"] = min(fields["block_k"], group & -group)
         tiles = triton.cdiv(n, fields["block_n"])

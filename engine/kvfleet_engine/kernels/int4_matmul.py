@@ -38,6 +38,7 @@ from kvfleet_engine.kernels.checks import FLOAT_DTYPES, dot_precision, require
 from kvfleet_engine.kernels.int_codes import MAGIC
 from kvfleet_engine.kernels.int_dot import CODE_BIAS, _dequantize_kernel, _dot_kernel
 from kvfleet_engine.kernels.int_gemv import _gemv_kernel, _gemv_row_kernel, row_gemv_fits
+from kvfleet_engine.kernels.int_gemv_lean import INT8_FLIP, MAGICS, PRMT, _gemv_lean_kernel
 from kvfleet_engine.kernels.int_mma import launch_mma
 from kvfleet_engine.kernels.int_plan import MatmulPlan, plan_matmul
 from kvfleet_engine.kernels.split_k import COUNTERS, _sum_splits_kernel, split_k_buffers
@@ -98,7 +99,7 @@ def launch(
     steps = triton.cdiv(k // plan.block_k, plan.split_k)
     split_k = triton.cdiv(k // plan.block_k, steps)  # no empty slices
     n_blocks = triton.cdiv(n, plan.block_n)
-    m_blocks = 1 if plan.kernel == "gemv" else triton.cdiv(m, plan.block_m)
+    m_blocks = 1 if plan.kernel in ("gemv", "lean") else triton.cdiv(m, plan.block_m)
     require(m_blocks * n_blocks <= COUNTERS, f"at most {COUNTERS} output tiles per product")
     last_reduces = plan.split_reduce == "last"
     split_k, partial, counters = split_k_buffers(split_k, m, n, x.device)
@@ -115,6 +116,21 @@ def launch(
             BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, GROUPS=groups, STAGES=plan.num_stages,
             LAST_REDUCES=last_reduces, num_warps=plan.num_warps, num_stages=plan.num_stages,
             **common,
+        )  # fmt: skip
+    elif plan.kernel == "lean":
+        require(m == 1, f"the lean GEMV takes one row of x, got {m}")
+        require(codes == "int4" or n % 4 == 0, f"int8 lean GEMV needs N % 4 == 0, got {n}")
+        require(
+            plan.block_k % 8 == 0 and (group_size % plan.block_k == 0 or group_size == k),
+            f"lean block_k {plan.block_k} must divide group_size ({group_size}) or K be one group",
+        )
+        words = qweight if codes == "int4" else qweight.view(torch.int32)  # int8: [K, N // 4]
+        groups = "step" if group_size == plan.block_k else "all" if group_size == k else "any"
+        _gemv_lean_kernel[(n_blocks, split_k)](
+            x, words, scales, offsets_arg, out, partial, counters, n, k, group_size, steps,
+            split_k, *MAGICS, INT8_FLIP, BLOCK_N=plan.block_n, GROUPS=groups,
+            STAGES=plan.num_stages, LAST_REDUCES=last_reduces, USE_PRMT=PRMT,
+            num_warps=plan.num_warps, num_stages=plan.num_stages, **common,
         )  # fmt: skip
     elif plan.kernel == "mma":
         launch_mma(

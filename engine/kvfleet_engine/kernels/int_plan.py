@@ -24,7 +24,7 @@ DEQUANTIZE_MIN_ROWS = 17  # from this many rows, dequantize once and use cuBLAS 
 # read the weight once but measured 2x to 5x slower at 64 and 256 rows)
 WIDE_N = 16384  # outputs from which a product counts as wide (gate_up) in the tables
 LONG_K = 8192  # inputs from which a product counts as long (down)
-KERNELS = ("gemv", "dot", "mma", "dequantize")
+KERNELS = ("gemv", "lean", "dot", "mma", "dequantize")  # lean: int_gemv_lean, one row
 SPLIT_REDUCE = ("last", "kernel")  # who sums split-K partials: the last program, or a kernel
 
 
