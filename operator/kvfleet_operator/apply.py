@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import logging
 import time
 from datetime import UTC, datetime
@@ -33,6 +34,7 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
     ("v1", "Secret"): ("secrets", True),
     ("apps/v1", "Deployment"): ("deployments", True),
     ("policy/v1", "PodDisruptionBudget"): ("poddisruptionbudgets", True),
+    ("networking.k8s.io/v1", "NetworkPolicy"): ("networkpolicies", True),
     ("monitoring.coreos.com/v1", "ServiceMonitor"): ("servicemonitors", True),
     ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): ("leaderworkersets", True),
     ("autoscaling/v2", "HorizontalPodAutoscaler"): ("horizontalpodautoscalers", True),
@@ -91,7 +93,7 @@ class Cluster:
 
     async def secret_value(self, namespace: str, name: str, key: str) -> str | None:
         """One key of a Secret, decoded; None when the Secret or the key is missing or the
-        operator may not read Secrets (the shipped ClusterRole does not grant it)."""
+        operator may not read Secrets (a role narrower than the shipped one)."""
         try:
             secret = await self.get("v1", "Secret", name, namespace)
         except ApiException as exc:
@@ -107,6 +109,19 @@ class Cluster:
         except (binascii.Error, UnicodeDecodeError):
             log.warning("Secret %s/%s: key %s is not base64 UTF-8 text", namespace, name, key)
             return None
+
+    async def secret_digest(self, namespace: str, name: str, key: str) -> str | None:
+        """A digest of one key of a Secret (salted with the Secret's uid, so the annotation
+        that carries it says nothing about the value); None when the Secret or the key is
+        missing or the operator may not read Secrets."""
+        try:
+            secret = await self.get("v1", "Secret", name, namespace)
+        except ApiException as exc:
+            if exc.status != 403:
+                raise
+            log.info("may not read Secret %s/%s: %s", namespace, name, exc.reason)
+            return None
+        return None if secret is None else secret_key_digest(secret, key)
 
     # -- writes -----------------------------------------------------------------------------
 
@@ -247,6 +262,16 @@ def _path(api_version: str, kind: str, namespace: str | None, name: str | None =
         prefix += f"/namespaces/{quote(namespace)}"
     path = f"{prefix}/{plural}"
     return f"{path}/{quote(name)}" if name else path
+
+
+def secret_key_digest(secret: Manifest, key: str) -> str | None:
+    """sha256 of the Secret's uid, the key and its (base64) value, 32 hex digits; None when the
+    key is absent. The uid salts it: the same key in another Secret digests differently."""
+    encoded = (secret.get("data") or {}).get(key)
+    if encoded is None:
+        return None
+    digest = hashlib.sha256(f"{secret['metadata'].get('uid', '')}/{key}/{encoded}".encode())
+    return digest.hexdigest()[:32]
 
 
 def with_owner(manifest: Manifest, owner: Manifest) -> Manifest:

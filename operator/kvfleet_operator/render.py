@@ -16,6 +16,7 @@ from kvfleet_operator import api
 from kvfleet_operator.autoscaling.actuators import render_external_autoscaler
 from kvfleet_operator.models import AcceleratorProfileSpec, InferenceDeploymentSpec
 from kvfleet_operator.plan import Plan
+from kvfleet_operator.render_network import render_network_policy
 
 MODEL_DIR = "/models"
 PRE_STOP_SECONDS = 5
@@ -24,6 +25,10 @@ S3_IMAGE = "amazon/aws-cli:2.22.35"
 # quantization.weights -> `kvfleet serve --quantization`; `none` passes no flag, so the engine
 # reads the checkpoint's config.json (a plain checkpoint then loads as bf16).
 ENGINE_QUANTIZATION = {"int8": "int8", "fp8": "fp8", "int4-awq": "awq", "int4-gptq": "gptq"}
+API_KEY_ENV = "KVFLEET_API_KEY"  # `kvfleet serve` reads its API key from it
+# The pod-template annotation that carries a digest of the API key: a rotated Secret changes the
+# template, so the Deployment rolls its pods onto the new key.
+API_KEY_DIGEST_ANNOTATION = f"{api.GROUP}/api-key-digest"
 Manifest = dict[str, Any]
 
 
@@ -57,10 +62,12 @@ def render_children(
     profile: AcceleratorProfileSpec,
     *,
     service_monitor: bool,
+    api_key_digest: str | None = None,
 ) -> list[Manifest]:
-    """Every child, in apply order."""
+    """Every child, in apply order. `api_key_digest`: a digest of the spec.auth Secret's key,
+    None when there is none or it could not be read (then a rotation rolls nothing)."""
     children = [
-        render_deployment(name, namespace, spec, plan, profile),
+        render_deployment(name, namespace, spec, plan, profile, api_key_digest),
         render_service(name, namespace),
         render_pod_disruption_budget(name, namespace),
     ]
@@ -68,6 +75,12 @@ def render_children(
         children.append(render_service_monitor(name, namespace))
     if spec.autoscaling is not None and spec.autoscaling.controller != "Builtin":
         children.append(render_external_autoscaler(name, namespace, labels(name), spec.autoscaling))
+    if spec.network_policy.enabled:
+        children.append(
+            render_network_policy(
+                name, namespace, spec.network_policy, labels(name), selector(name)
+            )
+        )
     return children
 
 
@@ -81,6 +94,7 @@ def render_deployment(
     spec: InferenceDeploymentSpec,
     plan: Plan,
     profile: AcceleratorProfileSpec,
+    api_key_digest: str | None = None,
 ) -> Manifest:
     assert plan.topology is not None and plan.topology.kind == "Deployment", plan.topology
     source = _model_source(spec)
@@ -129,6 +143,9 @@ def render_deployment(
         deployment_spec = {"replicas": replicas, **deployment_spec}
     if not source.init_containers:
         del deployment_spec["template"]["spec"]["initContainers"]
+    if api_key_digest is not None:
+        annotations = {API_KEY_DIGEST_ANNOTATION: api_key_digest}
+        deployment_spec["template"]["metadata"]["annotations"] = annotations
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -210,7 +227,7 @@ def _engine_container(
         "command": ["kvfleet", "serve"],
         "args": engine_args(spec, plan, source.path),
         "ports": [{"name": "http", "containerPort": api.ENGINE_PORT, "protocol": "TCP"}],
-        "env": _cache_env(),
+        "env": _cache_env() + _api_key_env(spec),
         "resources": resources,
         "startupProbe": {
             "httpGet": dict(ready),
@@ -255,6 +272,14 @@ def _cache_env() -> list[dict[str, str]]:
         {"name": "HF_HOME", "value": "/tmp/hf"},
         {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"},
     ]
+
+
+def _api_key_env(spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
+    ref = spec.auth.api_key_secret_ref
+    if ref is None:
+        return []
+    source = {"secretKeyRef": {"name": ref.name, "key": ref.key}}
+    return [{"name": API_KEY_ENV, "valueFrom": source}]
 
 
 @dataclass(frozen=True)

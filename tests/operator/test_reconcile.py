@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 
 from kvfleet_operator import api
-from kvfleet_operator.apply import with_owner
+from kvfleet_operator.apply import secret_key_digest, with_owner
 from kvfleet_operator.header_cache import HeaderCache
 from kvfleet_operator.reconcile import reconcile
 
@@ -42,6 +42,10 @@ class MemoryCluster:
     async def secret_value(self, namespace: str, name: str, key: str) -> str | None:
         self.secret_reads += 1
         return self.secrets.get((namespace, name), {}).get(key)
+
+    async def secret_digest(self, namespace: str, name: str, key: str) -> str | None:
+        secret = self.objects.get(("Secret", namespace, name))
+        return None if secret is None else secret_key_digest(secret, key)
 
     async def apply(self, manifest: dict[str, Any], *, owner=None, field_manager=""):
         manifest = with_owner(manifest, owner) if owner else manifest
@@ -83,7 +87,7 @@ async def test_reconcile_applies_children_then_is_a_no_op() -> None:
     cluster = MemoryCluster()
     cluster.add(infd(replicas=2))
     await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
-    assert cluster.applied == ["Deployment", "Service", "PodDisruptionBudget"]
+    assert cluster.applied == ["Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"]
     deployment = cluster.objects[("Deployment", "ns", "llama")]
     assert deployment["metadata"]["ownerReferences"][0]["uid"] == "u-1"
     assert len(cluster.status_patches) == 1 and cluster.events == ["Created"]
@@ -160,7 +164,7 @@ async def test_unreadable_gguf_header_rolls_out_without_a_memory_plan() -> None:
         in (planned["message"])
     )
     assert "HTTP 401" in planned["message"] and "set model.hints" in planned["message"]
-    assert cluster.applied == ["Deployment", "Service", "PodDisruptionBudget"]
+    assert cluster.applied == ["Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"]
     assert cluster.secret_reads == 0  # no credentialsSecret: unauthenticated
 
 
@@ -181,3 +185,32 @@ def test_owns_replicas_reads_managed_fields() -> None:
     }
     assert owns_replicas(deployment, "kvfleet-operator")
     assert not owns_replicas(deployment, "kvfleet-autoscaler")
+
+
+async def test_rotating_the_api_key_secret_rolls_the_pods() -> None:
+    cluster = MemoryCluster()
+    cluster.add(infd(replicas=1, auth={"apiKeySecretRef": {"name": "keys", "key": "api"}}))
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "keys", "namespace": "ns", "uid": "s-1"},
+        "data": {"api": "c2stb2xk"},
+    }
+    cluster.add(secret)
+
+    def template() -> dict[str, Any]:
+        return cluster.objects[("Deployment", "ns", "llama")]["spec"]["template"]
+
+    await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
+    first = template()
+    digest = first["metadata"]["annotations"]["kvfleet.io/api-key-digest"]
+    assert len(digest) == 32 and "c2stb2xk" not in str(first["metadata"])
+    env = {e["name"]: e for e in first["spec"]["containers"][0]["env"]}
+    assert env["KVFLEET_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "keys", "key": "api"}
+
+    await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
+    assert template() == first, "an unchanged Secret must not roll the pods"
+
+    cluster.add({**secret, "data": {"api": "c2stbmV3"}})  # rotated
+    await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
+    assert template()["metadata"]["annotations"]["kvfleet.io/api-key-digest"] != digest
