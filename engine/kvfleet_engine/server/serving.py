@@ -30,6 +30,7 @@ from kvfleet_engine.server.protocol import (
     SamplingFields,
     unsupported_fields,
 )
+from kvfleet_engine.server.request_log import RECORD_KEY, note
 from kvfleet_engine.server.serving_logprobs import LogprobFormatter
 from kvfleet_engine.server.serving_requests import (
     chat_prompt_ids,
@@ -79,11 +80,12 @@ class OpenAIServing:
         group = await self._submit(
             body, prompts, body.max_tokens, body.logprobs, priority, "cmpl", stamps
         )
+        note(http.scope, request_id=group.request_id)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = ending_in_error_event(self._stream_completion(group, include_usage))
-            return self._sse(events, group)
-        choices = await collect(group, http)
+            return self._sse(events, group, http)
+        choices = await self._collect(group, http)
         return CompletionResponse(
             id=group.request_id,
             created=group.created,
@@ -111,11 +113,12 @@ class OpenAIServing:
         group = await self._submit(
             body, [prompt_ids], max_tokens, num_logprobs, priority, "chatcmpl", stamps
         )
+        note(http.scope, request_id=group.request_id)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = ending_in_error_event(self._stream_chat(group, include_usage, num_logprobs))
-            return self._sse(events, group)
-        choices = await collect(group, http)
+            return self._sse(events, group, http)
+        choices = await self._collect(group, http)
         return ChatCompletionResponse(
             id=group.request_id,
             created=group.created,
@@ -207,9 +210,15 @@ class OpenAIServing:
         self.engine.profile.add("request", time.time() - stamps["handled"])
         return group
 
+    async def _collect(self, group: RequestGroup, http: Request) -> list[Choice]:
+        try:
+            return await collect(group, http)
+        finally:
+            _note_outcome(http, group)
+
     # --- streaming ---------------------------------------------------------------------------
 
-    def _sse(self, events: AsyncIterator[str], group: RequestGroup) -> SSEResponse:
+    def _sse(self, events: AsyncIterator[str], group: RequestGroup, http: Request) -> SSEResponse:
         stamps = group.streams[0].stamps if group.streams else None
         profile = self.engine.profile
 
@@ -225,12 +234,16 @@ class OpenAIServing:
                 log.debug("first token of %s: %s", group.request_id, _hops_ms(stamps))
             return True
 
-        return SSEResponse(events, group.close, profile, on_chunk_written)
+        def on_close() -> None:
+            group.close()
+            _note_outcome(http, group)
+
+        return SSEResponse(events, on_close, profile, on_chunk_written)
 
     async def _stream_completion(
         self, group: RequestGroup, include_usage: bool
     ) -> AsyncIterator[str]:
-        choices = [Choice(k // group.n) for k in range(len(group.streams))]
+        choices = group.choices = [Choice(k // group.n) for k in range(len(group.streams))]
         event = chunk_writer(group, "text_completion", self.engine.profile)
         async for k, out in merge(group.streams):
             c = choices[k]
@@ -256,7 +269,7 @@ class OpenAIServing:
     async def _stream_chat(
         self, group: RequestGroup, include_usage: bool, num_logprobs: int | None
     ) -> AsyncIterator[str]:
-        choices = [Choice(0) for _ in group.streams]
+        choices = group.choices = [Choice(0) for _ in group.streams]
         event = chunk_writer(group, "chat.completion.chunk", self.engine.profile)
         for k in range(len(group.streams)):
             yield event(
@@ -288,6 +301,25 @@ class OpenAIServing:
             )
         for line in stream_end(group, choices, include_usage, ChatCompletionChunk):
             yield line
+
+
+def _note_outcome(http: Request, group: RequestGroup) -> None:
+    """The request's token counts, finish reasons and TTFT, for its --log-requests line."""
+    if RECORD_KEY not in http.scope:
+        return
+    usage = group.usage(group.choices)
+    reasons = [c.output.finish_reason if c.output else None for c in group.choices]
+    stamps = group.streams[0].stamps if group.streams else None
+    ttft_ms = None
+    if stamps is not None and "token" in stamps:
+        ttft_ms = round((stamps["token"] - stamps["received"]) * 1e3, 2)
+    note(
+        http.scope,
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        finish_reasons=reasons,
+        ttft_ms=ttft_ms,
+    )
 
 
 def _hops_ms(stamps: dict[str, float]) -> str:

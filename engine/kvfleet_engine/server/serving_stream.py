@@ -47,6 +47,7 @@ class RequestGroup:
     prompt_token_ids: list[list[int]]
     n: int
     streams: list[RequestStream] = field(default_factory=list)
+    choices: list[Choice] = field(default_factory=list)  # their progress, once they run
 
     def close(self) -> None:
         for stream in self.streams:
@@ -107,7 +108,7 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Comple
 
 async def collect(group: RequestGroup, http: Request) -> list[Choice]:
     """Run every engine request to completion; abort them all if the client disconnects."""
-    choices = [Choice(k // group.n) for k in range(len(group.streams))]
+    choices = group.choices = [Choice(k // group.n) for k in range(len(group.streams))]
 
     async def run() -> None:
         async for k, out in merge(group.streams):
