@@ -8,8 +8,11 @@ Reads return plain dicts; a missing object is `None`.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import hashlib
+import json
 import logging
 import time
 from datetime import UTC, datetime
@@ -34,6 +37,7 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
     ("apps/v1", "Deployment"): ("deployments", True),
     ("apps/v1", "StatefulSet"): ("statefulsets", True),
     ("policy/v1", "PodDisruptionBudget"): ("poddisruptionbudgets", True),
+    ("networking.k8s.io/v1", "NetworkPolicy"): ("networkpolicies", True),
     ("monitoring.coreos.com/v1", "ServiceMonitor"): ("servicemonitors", True),
     ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): ("leaderworkersets", True),
     ("autoscaling/v2", "HorizontalPodAutoscaler"): ("horizontalpodautoscalers", True),
@@ -43,6 +47,11 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
     (api.API_VERSION, api.ACCELERATOR_PROFILE): (api.ACCELERATOR_PROFILES, False),
 }
 CRD_CACHE_SECONDS = 30.0
+# 429 (the API server's storage for a just-installed CRD is initializing, or priority and
+# fairness throttles us): retried in place after Retry-After, capped, a few times.
+RETRY_STATUSES = frozenset({429})
+MAX_RETRIES = 5
+MAX_RETRY_AFTER_SECONDS = 10.0
 
 
 class Cluster:
@@ -106,7 +115,7 @@ class Cluster:
 
     async def secret_value(self, namespace: str, name: str, key: str) -> str | None:
         """One key of a Secret, decoded; None when the Secret or the key is missing or the
-        operator may not read Secrets (the shipped ClusterRole does not grant it)."""
+        operator may not read Secrets (a role narrower than the shipped one)."""
         try:
             secret = await self.get("v1", "Secret", name, namespace)
         except ApiException as exc:
@@ -122,6 +131,19 @@ class Cluster:
         except (binascii.Error, UnicodeDecodeError):
             log.warning("Secret %s/%s: key %s is not base64 UTF-8 text", namespace, name, key)
             return None
+
+    async def secret_digest(self, namespace: str, name: str, key: str) -> str | None:
+        """A digest of one key of a Secret (salted with the Secret's uid, so the annotation
+        that carries it says nothing about the value); None when the Secret or the key is
+        missing or the operator may not read Secrets."""
+        try:
+            secret = await self.get("v1", "Secret", name, namespace)
+        except ApiException as exc:
+            if exc.status != 403:
+                raise
+            log.info("may not read Secret %s/%s: %s", namespace, name, exc.reason)
+            return None
+        return None if secret is None else secret_key_digest(secret, key)
 
     # -- writes -----------------------------------------------------------------------------
 
@@ -239,23 +261,62 @@ class Cluster:
         query: dict[str, str] | None = None,
         content_type: str = "application/json",
     ) -> Manifest | None:
-        try:
-            response = await self._client.call_api(
-                path,
-                method,
-                query_params=list((query or {}).items()),
-                header_params={"Accept": "application/json", "Content-Type": content_type},
-                body=body,
-                auth_settings=["BearerToken"],
-                response_types_map={200: "object", 201: "object"},
-                _return_http_data_only=True,
-            )
-        except ApiException as exc:
-            if exc.status == 404 and method in ("GET", "PATCH"):
-                return None
-            raise
+        for attempt in range(MAX_RETRIES + 1):
+            try:
+                response = await self._client.call_api(
+                    path,
+                    method,
+                    query_params=list((query or {}).items()),
+                    header_params={"Accept": "application/json", "Content-Type": content_type},
+                    body=body,
+                    auth_settings=["BearerToken"],
+                    response_types_map={200: "object", 201: "object"},
+                    _return_http_data_only=True,
+                )
+                break
+            except ApiException as exc:
+                if exc.status == 404 and method in ("GET", "PATCH"):
+                    return None
+                if exc.status not in RETRY_STATUSES or attempt == MAX_RETRIES:
+                    raise
+                delay = retry_after_seconds(exc)
+                log.warning(
+                    "%s %s: %s; retry %d of %d in %.0f s",
+                    method,
+                    path,
+                    api_error_summary(exc),
+                    attempt + 1,
+                    MAX_RETRIES,
+                    delay,
+                )
+                await asyncio.sleep(delay)
         decoded: Manifest = response
         return decoded
+
+
+def api_error_summary(exc: BaseException) -> str:
+    """One line for an API error: "429 Too Many Requests: storage is (re)initializing", not the
+    exception's text (every response header and the whole body)."""
+    if not isinstance(exc, ApiException):
+        return f"{type(exc).__name__}: {exc}"
+    message = ""
+    try:
+        message = json.loads(exc.body or "{}").get("message", "")
+    except (ValueError, AttributeError):
+        message = str(exc.body or "")[:200]
+    line = f"{exc.status} {exc.reason}"
+    return f"{line}: {message}" if message else line
+
+
+def retry_after_seconds(exc: ApiException) -> float:
+    """The error's Retry-After (1 s when absent), at most MAX_RETRY_AFTER_SECONDS."""
+    headers: dict[str, str] = dict(exc.headers or {})
+    value = headers.get("Retry-After", "1")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 1.0
+    return max(0.0, min(seconds, MAX_RETRY_AFTER_SECONDS))
 
 
 def _path(api_version: str, kind: str, namespace: str | None, name: str | None = None) -> str:
@@ -265,6 +326,16 @@ def _path(api_version: str, kind: str, namespace: str | None, name: str | None =
         prefix += f"/namespaces/{quote(namespace)}"
     path = f"{prefix}/{plural}"
     return f"{path}/{quote(name)}" if name else path
+
+
+def secret_key_digest(secret: Manifest, key: str) -> str | None:
+    """sha256 of the Secret's uid, the key and its (base64) value, 32 hex digits; None when the
+    key is absent. The uid salts it: the same key in another Secret digests differently."""
+    encoded = (secret.get("data") or {}).get(key)
+    if encoded is None:
+        return None
+    digest = hashlib.sha256(f"{secret['metadata'].get('uid', '')}/{key}/{encoded}".encode())
+    return digest.hexdigest()[:32]
 
 
 def with_owner(manifest: Manifest, owner: Manifest) -> Manifest:

@@ -11,7 +11,7 @@ from typing import Any
 import kopf
 
 from kvfleet_operator import api
-from kvfleet_operator.apply import Cluster
+from kvfleet_operator.apply import Cluster, api_error_summary
 from kvfleet_operator.autoscaling.autoscaler import run_autoscaler
 from kvfleet_operator.header_cache import HeaderCache
 from kvfleet_operator.loops import Loops
@@ -67,4 +67,5 @@ async def _reconcile(memo: kopf.Memo, namespace: str | None, name: str) -> None:
     try:
         await reconcile(memo.cluster, namespace, name, memo.headers)
     except Exception as exc:  # API errors, timeouts: retried, not fatal
-        raise kopf.TemporaryError(f"reconcile failed: {exc}", delay=RETRY_SECONDS) from exc
+        message = f"reconcile failed: {api_error_summary(exc)}"
+        raise kopf.TemporaryError(message, delay=RETRY_SECONDS) from exc

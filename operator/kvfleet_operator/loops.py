@@ -17,7 +17,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from kvfleet_operator import api
-from kvfleet_operator.apply import Cluster
+from kvfleet_operator.apply import Cluster, api_error_summary
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,12 @@ class Loops:
         while not self._stopped:
             try:
                 await self.run_once(reconcile=not woken)
-            except Exception:
-                log.exception("resync pass failed; retrying in %.0f s", RESYNC_SECONDS)
+            except Exception as exc:  # one line: an API error's text is its headers and body
+                log.warning(
+                    "resync pass failed (%s); retrying in %.0f s",
+                    api_error_summary(exc),
+                    RESYNC_SECONDS,
+                )
             woken = False
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), RESYNC_SECONDS)
@@ -103,7 +107,7 @@ class Loops:
                 try:
                     await self._reconcile(self._cluster, *key)
                 except Exception as exc:
-                    log.warning("resync of %s/%s failed: %s", *key, exc)
+                    log.warning("resync of %s/%s failed: %s", *key, api_error_summary(exc))
             if _autoscaled(obj):
                 autoscaled.add(key)
         for key in autoscaled:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
+from kvfleet_operator.access_spec import AuthSpec, NetworkPolicySpec
 from kvfleet_operator.autoscaling.spec import AutoscalingSpec
 from kvfleet_operator.wire import Model
 
@@ -298,6 +299,10 @@ class InferenceDeploymentSpec(Model):
     sla: SLASpec = Field(default_factory=SLASpec, description="Latency targets and concurrency.")
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="Rollout and draining.")
     suspend: bool = Field(default=False, description="Scale to zero, keep every object.")
+    auth: AuthSpec = Field(default_factory=AuthSpec, description="API-key authentication.")
+    network_policy: NetworkPolicySpec = Field(
+        default_factory=NetworkPolicySpec, description="Which pods may reach the engines."
+    )
 
     def effective_replicas(self) -> int | None:
         """Replicas the reconciler writes; None when the autoscaler owns them."""

@@ -88,6 +88,7 @@ async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any
             profile,
             service_monitor=features.service_monitor,
             groups=groups,
+            api_key_digest=await read_api_key_digest(cluster, namespace, spec),
         )
         before = found.main(planned)
         if before is not None and spec.effective_replicas() is None and planned != "StatefulSet":
@@ -140,6 +141,17 @@ async def read_model_architecture(
         return await cluster.secret_value(namespace, model.credentials_secret.name, "HF_TOKEN")
 
     return model_architecture(model, await headers.summary(model, token))
+
+
+async def read_api_key_digest(
+    cluster: Cluster, namespace: str, spec: InferenceDeploymentSpec
+) -> str | None:
+    """The digest of spec.auth's Secret key that the pod template carries (rotating the Secret
+    rolls the pods); None without spec.auth or when the Secret cannot be read."""
+    ref = spec.auth.api_key_secret_ref
+    if ref is None:
+        return None
+    return await cluster.secret_digest(namespace, ref.name, ref.key)
 
 
 async def _hand_replicas_to_autoscaler(cluster: Cluster, workload: dict[str, Any]) -> None:

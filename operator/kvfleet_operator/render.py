@@ -20,8 +20,12 @@ from kvfleet_operator.render_group import (
     render_rank_service,
     render_statefulsets,
 )
-from kvfleet_operator.render_pod import pod_spec
+from kvfleet_operator.render_network import render_network_policy
+from kvfleet_operator.render_pod import annotate_pod_templates, pod_spec
 
+# The pod-template annotation that carries a digest of the API key: a rotated Secret changes the
+# template, so the workload rolls its pods onto the new key.
+API_KEY_DIGEST_ANNOTATION = f"{api.GROUP}/api-key-digest"
 Manifest = dict[str, Any]
 
 
@@ -56,10 +60,13 @@ def render_children(
     *,
     service_monitor: bool,
     groups: int | None = None,
+    api_key_digest: str | None = None,
 ) -> list[Manifest]:
     """Every child, in apply order. The workload follows `plan.topology.kind`: a Deployment, a
     LeaderWorkerSet, or (native groups) the headless Service and one StatefulSet per replica,
-    `groups` of them when the autoscaler owns the count."""
+    `groups` of them when the autoscaler owns the count. `api_key_digest`: a digest of the
+    spec.auth Secret's key for the pod templates, None when there is none or it could not be
+    read (then a rotation rolls nothing)."""
     assert plan.topology is not None
     kind = plan.topology.kind
     workloads: list[Manifest]
@@ -75,6 +82,9 @@ def render_children(
             render_rank_service(name, namespace, labels(name)),
             *render_statefulsets(name, namespace, labels(name), spec, plan, profile, count),
         ]
+    if api_key_digest is not None:
+        for workload in workloads:
+            annotate_pod_templates(workload, {API_KEY_DIGEST_ANNOTATION: api_key_digest})
     children = [
         *workloads,
         render_service(name, namespace, leader_selector(kind)),
@@ -89,6 +99,17 @@ def render_children(
             target["name"] = group_name(name)
         children.append(
             render_external_autoscaler(name, namespace, labels(name), spec.autoscaling, target)
+        )
+    if spec.network_policy.enabled:
+        children.append(
+            render_network_policy(
+                name,
+                namespace,
+                spec.network_policy,
+                labels(name),
+                selector(name),
+                group=kind != "Deployment",
+            )
         )
     return children
 

@@ -24,6 +24,7 @@ MASTER_PORT = 29500
 # quantization.weights -> `kvfleet serve --quantization`; `none` passes no flag, so the engine
 # reads the checkpoint's config.json (a plain checkpoint then loads as bf16).
 ENGINE_QUANTIZATION = {"int8": "int8", "fp8": "fp8", "int4-awq": "awq", "int4-gptq": "gptq"}
+API_KEY_ENV = "KVFLEET_API_KEY"  # `kvfleet serve` reads its API key from it
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,7 @@ def _engine_container(
         "command": ["kvfleet", "serve"],
         "args": engine_args(spec, plan, source.path, ranks),
         "ports": [{"name": "http", "containerPort": api.ENGINE_PORT, "protocol": "TCP"}],
-        "env": _cache_env() + (ranks.env if ranks is not None else []),
+        "env": _cache_env() + (ranks.env if ranks is not None else []) + _api_key_env(spec),
         "resources": resources,
         "startupProbe": {
             "httpGet": dict(ready),
@@ -208,6 +209,29 @@ def _container_security() -> dict[str, Any]:
         "readOnlyRootFilesystem": True,
         "capabilities": {"drop": ["ALL"]},
     }
+
+
+def _api_key_env(spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
+    ref = spec.auth.api_key_secret_ref
+    if ref is None:
+        return []
+    source = {"secretKeyRef": {"name": ref.name, "key": ref.key}}
+    return [{"name": API_KEY_ENV, "valueFrom": source}]
+
+
+def annotate_pod_templates(workload: dict[str, Any], annotations: dict[str, str]) -> None:
+    """Adds `annotations` to every pod template of a Deployment, StatefulSet or LeaderWorkerSet
+    (its leader and worker templates), in place."""
+    spec = workload["spec"]
+    if workload["kind"] == "LeaderWorkerSet":
+        group = spec["leaderWorkerTemplate"]
+        templates = [group[key] for key in ("leaderTemplate", "workerTemplate") if key in group]
+    elif "template" in spec:
+        templates = [spec["template"]]
+    else:
+        templates = []
+    for template in templates:
+        template.setdefault("metadata", {}).setdefault("annotations", {}).update(annotations)
 
 
 def _cache_env() -> list[dict[str, str]]:

@@ -1,6 +1,11 @@
-"""The apply layer's pure parts: resource paths and owner references."""
+"""The apply layer: resource paths, owner references, and how API errors are retried and logged."""
 
 from __future__ import annotations
+
+import json
+import logging
+
+import pytest
 
 from kvfleet_operator.apply import _path, with_owner
 
@@ -38,3 +43,63 @@ def test_with_owner_sets_a_controller_reference_without_mutating() -> None:
         }
     ]
     assert "ownerReferences" not in child["metadata"]
+
+
+class _Client:
+    """call_api answering with the given errors first, then {}."""
+
+    def __init__(self, *errors: Exception) -> None:
+        self.errors = list(errors)
+        self.calls = 0
+
+    async def call_api(self, *args: object, **kwargs: object) -> dict:
+        self.calls += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        return {"ok": True}
+
+
+def _api_error(status: int, reason: str, message: str, retry_after: str | None = None):
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    exc = ApiException(status=status, reason=reason)
+    exc.body = json.dumps({"kind": "Status", "message": message})
+    exc.headers = {"Retry-After": retry_after} if retry_after else {"Audit-Id": "x" * 40}
+    return exc
+
+
+async def test_a_429_is_retried_after_one_warning_line_each(caplog, monkeypatch) -> None:
+    from kvfleet_operator import apply
+
+    monkeypatch.setattr(apply.asyncio, "sleep", _no_sleep)
+    storage = _api_error(429, "Too Many Requests", "storage is (re)initializing", "1")
+    client = _Client(storage, storage)
+    cluster = apply.Cluster(client)  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING):
+        assert await cluster.get("v1", "Pod", "p", "ns") == {"ok": True}
+    assert client.calls == 3
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "GET /api/v1/namespaces/ns/pods/p: 429 Too Many Requests: storage is (re)initializing; "
+        f"retry {k} of 5 in 1 s"
+        for k in (1, 2)
+    ]
+    assert "Audit-Id" not in caplog.text and "HTTP response" not in caplog.text
+
+
+async def test_a_conflict_is_raised_and_summarized_in_one_line() -> None:
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    from kvfleet_operator import apply
+
+    conflict = _api_error(409, "Conflict", "the object has been modified")
+    cluster = apply.Cluster(_Client(conflict))  # type: ignore[arg-type]
+    with pytest.raises(ApiException) as raised:
+        await cluster.get("v1", "Pod", "p", "ns")
+    summary = apply.api_error_summary(raised.value)
+    assert summary == "409 Conflict: the object has been modified"
+    assert "\n" not in summary
+
+
+async def _no_sleep(seconds: float) -> None:
+    return None

@@ -112,9 +112,7 @@ def test_rbac_covers_every_kind_the_operator_renders(make_spec) -> None:
         for group in rule["apiGroups"]
         for resource in rule["resources"]
     }
-    plurals = {"Deployment": "deployments", "StatefulSet": "statefulsets", "Service": "services",
-               "PodDisruptionBudget": "poddisruptionbudgets", "ServiceMonitor": "servicemonitors",
-               "LeaderWorkerSet": "leaderworkersets"}  # fmt: skip
+    from kvfleet_operator.apply import RESOURCES
     for parallelism, lws in (({"tensor": 2}, False), ({"tensor": 8, "pipeline": 2}, False),
                              ({"tensor": 8, "pipeline": 2}, True)):  # fmt: skip
         spec = make_spec(parallelism=parallelism)
@@ -123,7 +121,8 @@ def test_rbac_covers_every_kind_the_operator_renders(make_spec) -> None:
         p = plan_deployment("x", spec, profile, model_architecture(spec.model), cluster)
         for child in render_children("x", "ns", spec, p, profile, service_monitor=True):
             group = child["apiVersion"].rpartition("/")[0]
-            assert (group, plurals[child["kind"]]) in granted, child["kind"]
+            plural, _ = RESOURCES[(child["apiVersion"], child["kind"])]
+            assert (group, plural) in granted, child["kind"]
 
 
 def health(obj: dict[str, Any]) -> tuple[str, str]:

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 
 from kvfleet_operator import api
-from kvfleet_operator.apply import with_owner
+from kvfleet_operator.apply import secret_key_digest, with_owner
 from kvfleet_operator.header_cache import HeaderCache
 from kvfleet_operator.reconcile import reconcile
 
@@ -59,6 +59,10 @@ class MemoryCluster:
         self.secret_reads += 1
         return self.secrets.get((namespace, name), {}).get(key)
 
+    async def secret_digest(self, namespace: str, name: str, key: str) -> str | None:
+        secret = self.objects.get(("Secret", namespace, name))
+        return None if secret is None else secret_key_digest(secret, key)
+
     async def apply(self, manifest: dict[str, Any], *, owner=None, field_manager=""):
         manifest = with_owner(manifest, owner) if owner else manifest
         key = (manifest["kind"], manifest["metadata"]["namespace"], manifest["metadata"]["name"])
@@ -101,7 +105,7 @@ async def test_reconcile_applies_children_then_is_a_no_op() -> None:
     cluster = MemoryCluster()
     cluster.add(infd(replicas=2))
     await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
-    assert cluster.applied == ["Deployment", "Service", "PodDisruptionBudget"]
+    assert cluster.applied == ["Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"]
     deployment = cluster.objects[("Deployment", "ns", "llama")]
     assert deployment["metadata"]["ownerReferences"][0]["uid"] == "u-1"
     assert len(cluster.status_patches) == 1 and cluster.events == ["Created"]
@@ -178,7 +182,7 @@ async def test_unreadable_gguf_header_rolls_out_without_a_memory_plan() -> None:
         in (planned["message"])
     )
     assert "HTTP 401" in planned["message"] and "set model.hints" in planned["message"]
-    assert cluster.applied == ["Deployment", "Service", "PodDisruptionBudget"]
+    assert cluster.applied == ["Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"]
     assert cluster.secret_reads == 0  # no credentialsSecret: unauthenticated
 
 
@@ -230,7 +234,7 @@ async def test_native_groups_scale_recreate_and_leave_no_stale_workload() -> Non
     body = infd(replicas=1)  # Llama 3.1 8B: one GPU, then 16 over two nodes
     cluster.add(body)
     await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
-    assert cluster.applied == ["Deployment", "Service", "PodDisruptionBudget"]
+    assert cluster.applied == ["Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"]
 
     # TP 8 x PP 2 outgrows a node: the Deployment gives way to a StatefulSet group.
     body["spec"]["parallelism"] = TWO_NODES
@@ -238,7 +242,7 @@ async def test_native_groups_scale_recreate_and_leave_no_stale_workload() -> Non
     cluster.applied.clear()
     await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
     assert cluster.applied == [
-        "Service", "StatefulSet", "Service", "PodDisruptionBudget"
+        "Service", "StatefulSet", "Service", "PodDisruptionBudget", "NetworkPolicy"
     ]  # fmt: skip
     assert cluster.deleted == ["Deployment/llama"]
     status = cluster.objects[("InferenceDeployment", "ns", "llama")]["status"]
@@ -279,8 +283,39 @@ async def test_leader_worker_set_when_served() -> None:
     cluster.leader_worker_set = True
     cluster.add(infd(replicas=2, model=LLAMA_405B, parallelism=TWO_NODES))
     await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
-    assert cluster.applied == ["LeaderWorkerSet", "Service", "PodDisruptionBudget"]
+    assert cluster.applied == [
+        "LeaderWorkerSet", "Service", "PodDisruptionBudget", "NetworkPolicy"
+    ]  # fmt: skip
     lws = cluster.objects[("LeaderWorkerSet", "ns", "llama-group")]
     assert lws["spec"]["replicas"] == 2 and cluster.events == ["Created"]
     status = cluster.objects[("InferenceDeployment", "ns", "llama")]["status"]
     assert status["topology"]["kind"] == "LeaderWorkerSet"
+
+
+async def test_rotating_the_api_key_secret_rolls_the_pods() -> None:
+    cluster = MemoryCluster()
+    cluster.add(infd(replicas=1, auth={"apiKeySecretRef": {"name": "keys", "key": "api"}}))
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "keys", "namespace": "ns", "uid": "s-1"},
+        "data": {"api": "c2stb2xk"},
+    }
+    cluster.add(secret)
+
+    def template() -> dict[str, Any]:
+        return cluster.objects[("Deployment", "ns", "llama")]["spec"]["template"]
+
+    await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
+    first = template()
+    digest = first["metadata"]["annotations"]["kvfleet.io/api-key-digest"]
+    assert len(digest) == 32 and "c2stb2xk" not in str(first["metadata"])
+    env = {e["name"]: e for e in first["spec"]["containers"][0]["env"]}
+    assert env["KVFLEET_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "keys", "key": "api"}
+
+    await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
+    assert template() == first, "an unchanged Secret must not roll the pods"
+
+    cluster.add({**secret, "data": {"api": "c2stbmV3"}})  # rotated
+    await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
+    assert template()["metadata"]["annotations"]["kvfleet.io/api-key-digest"] != digest

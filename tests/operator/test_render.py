@@ -14,11 +14,14 @@ from kvfleet_operator.render_pod import engine_args, rendered_weights
 CLUSTER = ClusterFeatures(leader_worker_set=False, service_monitor=True)
 
 
-def children(spec, name="llama", service_monitor=True):
+def children(spec, name="llama", service_monitor=True, api_key_digest=None):
     profile = resolve_accelerator(spec.resources.accelerator, {})
     p = plan_deployment(name, spec, profile, model_architecture(spec.model), CLUSTER)
     assert p.ok, p.problems
-    return render_children(name, "team-a", spec, p, profile, service_monitor=service_monitor)
+    return render_children(
+        name, "team-a", spec, p, profile, service_monitor=service_monitor,
+        api_key_digest=api_key_digest,
+    )  # fmt: skip
 
 
 def test_hf_model_with_fixed_replicas(check_golden, make_spec) -> None:
@@ -47,7 +50,9 @@ def test_pvc_model_with_autoscaling_and_no_service_monitor(check_golden, make_sp
         },
     )
     objects = children(spec, service_monitor=False)
-    assert [o["kind"] for o in objects] == ["Deployment", "Service", "PodDisruptionBudget"]
+    assert [o["kind"] for o in objects] == [
+        "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy",
+    ]  # fmt: skip
     check_golden("pvc-autoscaling", objects)
 
 

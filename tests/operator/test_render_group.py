@@ -48,7 +48,7 @@ def test_tensor_parallel_replica_on_one_node_is_one_pod(check_golden, make_spec)
     )
     objects = children(spec)
     assert [o["kind"] for o in objects] == [
-        "Deployment", "Service", "PodDisruptionBudget", "ServiceMonitor"
+        "Deployment", "Service", "PodDisruptionBudget", "ServiceMonitor", "NetworkPolicy"
     ]  # fmt: skip
     check_golden("parallel-one-pod", objects[:1])
     pod = objects[0]["spec"]["template"]["spec"]
@@ -82,6 +82,7 @@ def test_native_group_is_one_statefulset_per_replica(check_golden, make_spec) ->
         ("Service", "llama"),
         ("PodDisruptionBudget", "llama"),
         ("ServiceMonitor", "llama"),
+        ("NetworkPolicy", "llama"),
     ]
     check_golden("group-statefulset", objects)
     headless, first, second, service, pdb = objects[:5]
@@ -154,6 +155,7 @@ def test_leader_worker_set_when_the_cluster_serves_it(check_golden, make_spec) -
         ("Service", "llama"),
         ("PodDisruptionBudget", "llama"),
         ("ServiceMonitor", "llama"),
+        ("NetworkPolicy", "llama"),
     ]
     check_golden("group-leaderworkerset", objects)
     lws = objects[0]

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
+import uvicorn
 
 MODEL_NAME = "kvfleet-tiny"
 
@@ -38,3 +44,59 @@ def metric(text: str, line_start: str) -> float:
 
 def scrape(url: str) -> str:
     return httpx.get(f"{url}/metrics", timeout=10).text
+
+
+@dataclass
+class LiveServer:
+    url: str  # http://127.0.0.1:PORT
+    state: object  # kvfleet_engine.server.state.ServerState
+
+
+@contextlib.contextmanager
+def serve_in_thread(tiny_model_dir: Path, **overrides: object) -> Iterator[LiveServer]:
+    """The tiny model's engine core and the app in a uvicorn thread; `overrides` set
+    ServerSettings fields (api_key, max_request_body_bytes, log_requests, ...)."""
+    from kvfleet_engine.async_engine import AsyncEngine
+    from kvfleet_engine.client.core_client import CoreClient
+    from kvfleet_engine.config import EngineConfig
+    from kvfleet_engine.metrics import EngineInfo, EngineMetrics
+    from kvfleet_engine.server.admission import AdmissionConfig
+    from kvfleet_engine.server.app import build_app
+    from kvfleet_engine.server.state import ServerSettings, ServerState
+    from kvfleet_engine.tokenizer import load_tokenizer
+
+    config = EngineConfig.create(
+        str(tiny_model_dir),
+        device="cpu",
+        kv_cache_blocks=256,
+        max_num_seqs=32,
+        max_num_batched_tokens=1024,
+        max_model_len=512,
+    )
+    client = CoreClient(config, log_level="warning")
+    client.start()
+    metrics = EngineMetrics(EngineInfo(MODEL_NAME, "test", "none", 1))
+    settings = ServerSettings(
+        served_model_name=MODEL_NAME,
+        max_model_len=config.model.max_model_len,
+        vocab_size=config.model.vocab_size,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        admission=AdmissionConfig(None, None, None, None),
+        drain_timeout_s=5.0,
+        **overrides,  # type: ignore[arg-type]
+    )
+    engine = AsyncEngine(client, load_tokenizer(config.model), metrics)
+    state = ServerState(settings, engine, metrics)
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url)
+    yield LiveServer(url, state)
+    server.should_exit = True
+    thread.join(30)
+    client.shutdown()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import traceback
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
@@ -15,7 +16,15 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvfleet_engine.server.errors import APIError, error_body, param_from_location
+from kvfleet_engine.server.auth import APIKeyAuth
+from kvfleet_engine.server.body_limit import BodyLimit
+from kvfleet_engine.server.errors import (
+    APIError,
+    error_body,
+    error_response,
+    param_from_location,
+    telling_error,
+)
 from kvfleet_engine.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -25,6 +34,7 @@ from kvfleet_engine.server.protocol import (
     ModelCard,
     ModelList,
 )
+from kvfleet_engine.server.request_log import RequestLog
 from kvfleet_engine.server.serving import RECEIVED_KEY, OpenAIServing
 from kvfleet_engine.server.state import ServerState
 
@@ -61,34 +71,59 @@ def build_app(state: ServerState) -> FastAPI:
             engine.shutdown()
 
     app = FastAPI(title="kvfleet engine", version=state.metrics.info.version, lifespan=lifespan)
+    # Outermost last: stamp, log, authenticate, bound the body, then route.
+    app.add_middleware(BodyLimit, max_bytes=state.settings.max_request_body_bytes)
+    if state.settings.api_key is not None:
+        app.add_middleware(APIKeyAuth, api_key=state.settings.api_key)
+    if state.settings.log_requests:
+        app.add_middleware(RequestLog)
     app.add_middleware(StampReceived)
 
     @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
+    async def _api_error(request: Request, exc: APIError) -> Response:
+        return error_response(exc.body(), exc.status_code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"loc": ("body",), "msg": "invalid request"}
-        param = param_from_location(first.get("loc", ("body",)))
-        if first.get("type") == "json_invalid":
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        error = telling_error(exc.errors())
+        param = param_from_location(error.get("loc", ("body",)))
+        detail = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+        if error.get("type") == "json_invalid":
             param = "body"
-            message = f"request body is not valid JSON: {first.get('msg')}"
-        elif first.get("type") == "extra_forbidden":
+            message = f"request body is not valid JSON: {detail}"
+        elif error.get("type") == "string_unicode":
+            message = f"{param}: must be valid Unicode text (it holds a lone UTF-16 surrogate)"
+        elif error.get("type") == "extra_forbidden":
             message = f"{param}: unrecognized request argument"
         else:
-            message = f"{param}: {first.get('msg')}"
-        return JSONResponse(error_body(message, type_="invalid_request_error", param=param), 400)
+            message = f"{param}: {detail}"
+        return error_response(error_body(message, type_="invalid_request_error", param=param), 400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        body = error_body(str(exc.detail), type_="invalid_request_error")
-        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        message, param = str(exc.detail), None
+        if exc.status_code == 400:  # the body could not be decoded (not UTF-8, nested too deep)
+            message, param = f"request body could not be parsed as UTF-8 JSON ({message})", "body"
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            message = f"method {request.method} is not allowed on {request.url.path}"
+            message += f"; allowed: {allowed}" if allowed else ""
+        body = error_body(message, type_="invalid_request_error", param=param)
+        return error_response(body, exc.status_code, exc.headers)
 
     @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(error_body(f"internal error: {exc}", type_="internal_error"), 500)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        # The message may quote the request (prompt text): the frames go to the log, the
+        # message only at debug level.
+        log.error(
+            "unhandled %s on %s:\n%s",
+            type(exc).__name__,
+            request.url.path,
+            "".join(traceback.format_tb(exc.__traceback__)),
+        )
+        log.debug("unhandled error on %s", request.url.path, exc_info=exc)
+        message = f"internal error ({type(exc).__name__}); the server log has the traceback"
+        return error_response(error_body(message, type_="internal_error"), 500)
 
     @app.get("/health", summary="Liveness: the engine core process is running")
     async def health() -> JSONResponse:

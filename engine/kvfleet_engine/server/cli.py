@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import gc
 import logging
+import os
 import signal
 import sys
 from types import FrameType
@@ -28,11 +29,14 @@ import uvicorn
 
 from kvfleet_engine.argtypes import positive_float, positive_int
 from kvfleet_engine.server.admission import AdmissionConfig
+from kvfleet_engine.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 if TYPE_CHECKING:
     from kvfleet_engine.server.state import ServerState
 
 log = logging.getLogger(__name__)
+
+API_KEY_ENV = "KVFLEET_API_KEY"  # the API key, when --api-key is not given
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +78,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds in-flight requests may take to finish after SIGTERM",
     )
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    server.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health, /ready and "
+        f"/metrics (default: the {API_KEY_ENV} environment variable; unset: no authentication)",
+    )
+    server.add_argument(
+        "--max-request-body-bytes",
+        type=positive_int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="larger request bodies get 413",
+    )
+    server.add_argument(
+        "--log-requests",
+        action="store_true",
+        help="log one JSON line per request: id, status, token counts, timings (never text)",
+    )
     EngineConfig.add_cli_args(parser)
     return parser
 
@@ -150,6 +171,9 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             tpot_slo_s=args.tpot_slo_ms / 1000 if args.tpot_slo_ms else None,
         ),
         drain_timeout_s=args.drain_timeout,
+        max_request_body_bytes=args.max_request_body_bytes,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        log_requests=args.log_requests,
     )
     engine = AsyncEngine(client, tokenizer, metrics)
     state = ServerState(settings, engine, metrics)

@@ -7,8 +7,11 @@ a JSON response, so a bad request never surfaces as a 500.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from starlette.responses import Response
 
 
 class APIError(Exception):
@@ -49,35 +52,44 @@ def invalid_field(field: str, message: str) -> APIError:
 
 def param_from_location(loc: Sequence[int | str]) -> str:
     """pydantic error location -> dotted field name, dropping the root ("body", "header") and
-    union type tags.
+    the union members' type tags, so the field reads the way the client spelled it.
 
-    ("body", "messages", 0, "content") -> "messages.0.content"
+    ("body", "messages", 0, "content", "list[TextPart]", 0, "text") -> "messages.0.content.0.text"
     """
     parts = [str(p) for p in loc]
     if parts and parts[0] in ("body", "header", "query", "path"):
         parts = parts[1:]
-    # Union members show up as type names inside the location ("prompt", "str", ...); keep the
-    # path up to the first of them so the field reads the way the client spelled it.
-    kept: list[str] = []
-    for part in parts:
-        if kept and not part.isdigit() and part in _UNION_TAGS:
-            break
-        kept.append(part)
+    kept = [part for part in parts if part.isdigit() or not _is_union_tag(part)]
     return ".".join(kept) if kept else "body"
 
 
-_UNION_TAGS = {
-    "str",
-    "int",
-    "float",
-    "bool",
-    "list",
-    "list[int]",
-    "list[str]",
-    "list[list[int]]",
-    "function-after",
-    "function-before",
-    "function-wrap",
-    "literal['text']",
-    "literal['image_url']",
-}
+def telling_error(errors: Sequence[Any]) -> dict[str, Any]:
+    """The validation error to report. A value that fails every member of a union (prompt: a
+    string, strings, token ids, ...) fails each in its own way; the member whose own check
+    rejected it says more than the members of the wrong type."""
+    if not errors:
+        return {"loc": ("body",), "msg": "invalid request", "type": "invalid"}
+    for error in errors:
+        if error.get("type") == "value_error":
+            return dict(error)
+    for error in errors:
+        kind = str(error.get("type", ""))
+        if not kind.endswith(("_type", "_parsing")) and kind != "string_unicode":
+            return dict(error)
+    return dict(errors[0])
+
+
+def _is_union_tag(part: str) -> bool:
+    return "[" in part or part in _UNION_TAGS
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "constrained-int", "TextPart"}
+
+
+def error_response(
+    body: dict[str, Any], status_code: int, headers: Mapping[str, str] | None = None
+) -> Response:
+    """A JSON error response. ASCII-escaped: messages may quote what the client sent, and a
+    lone surrogate in it must not break the encoding of the answer."""
+    content = json.dumps(body, separators=(",", ":")).encode()
+    return Response(content, status_code, headers=headers, media_type="application/json")

@@ -10,10 +10,24 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 # --- requests --------------------------------------------------------------------------------
 
+
+def _unicode_text(value: str) -> str:
+    """JSON can carry lone UTF-16 surrogates ("\\ud800"); no tokenizer can encode them."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"must be valid Unicode text: a lone UTF-16 surrogate {value[exc.start]!r} at "
+            f"character {exc.start}"
+        ) from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_unicode_text)]  # every request string the server reads
 NonNegInt = Annotated[int, Field(ge=0)]
 TokenIds = Annotated[list[NonNegInt], Field(min_length=1)]
 
@@ -29,20 +43,20 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(min_length=1)
+    model: Text = Field(min_length=1)
     n: int = Field(default=1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=100.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    user: str | None = None  # accepted for compatibility; not used
-    logit_bias: dict[str, float] | None = None  # not implemented: rejected when non-empty
+    user: Text | None = None  # accepted for compatibility; not used
+    logit_bias: dict[Text, float] | None = None  # not implemented: rejected when non-empty
     # kvfleet / vLLM extensions
-    top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: off
+    top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)  # -1 or 0: off
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     stop_token_ids: list[NonNegInt] | None = None
@@ -57,13 +71,13 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | TokenIds | list[TokenIds] = Field(
+    prompt: Text | list[Text] | TokenIds | list[TokenIds] = Field(
         description="A string, a list of strings, token ids, or a list of token-id lists."
     )
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False  # not implemented: rejected when true
-    suffix: str | None = None  # not implemented: rejected when set
+    suffix: Text | None = None  # not implemented: rejected when set
     best_of: int | None = Field(default=None, ge=1, le=128)  # only best_of == n accepted
 
 
@@ -71,15 +85,15 @@ class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -98,7 +112,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     # not implemented: rejected when set
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Text | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvfleet_engine.async_engine import AsyncEngine
 from kvfleet_engine.metrics import EngineMetrics
 from kvfleet_engine.server.admission import AdmissionConfig, AdmissionPolicy, QueueSnapshot
+from kvfleet_engine.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 from kvfleet_engine.server.errors import APIError
 
 
@@ -20,6 +21,9 @@ class ServerSettings:
     max_num_seqs: int  # most requests in one step's batch
     admission: AdmissionConfig  # queue bounds and SLA targets
     drain_timeout_s: float  # SIGTERM: how long in-flight requests may take to finish
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger bodies: 413
+    api_key: str | None = field(default=None, repr=False)  # None: no authentication
+    log_requests: bool = False  # one JSON line per request: ids, status, tokens, timings
 
 
 class ServerState:

@@ -1,0 +1,47 @@
+"""`APIKeyAuth`: every route but the probes and the metrics needs `Authorization: Bearer <key>`.
+
+The key is compared in constant time and appears in no log line and no response.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvfleet_engine.server.errors import error_body, error_response
+
+# Kubernetes probes and Prometheus scrape these without credentials.
+PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics"})
+
+
+class APIKeyAuth:
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        if not api_key:
+            raise ValueError("api_key: must be a non-empty string (or leave it unset)")
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = _authorization(scope)
+        if given is not None and hmac.compare_digest(given, self._expected):
+            await self.app(scope, receive, send)
+            return
+        message = (
+            "missing API key: send it as the header 'Authorization: Bearer <key>'"
+            if given is None
+            else "incorrect API key provided"
+        )
+        body = error_body(message, type_="invalid_request_error", code="invalid_api_key")
+        response = error_response(body, 401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
+def _authorization(scope: Scope) -> bytes | None:
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            return bytes(value)
+    return None

@@ -1,0 +1,86 @@
+"""`BodyLimit`: requests whose body exceeds the limit get 413 before the app parses anything.
+
+A declared Content-Length over the limit is refused without reading the body; a chunked body is
+read up to the limit and refused as soon as it passes it (then replayed to the app, which would
+buffer it whole anyway).
+"""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvfleet_engine.server.errors import error_body, error_response
+
+# The default: a prompt at a 128k-token context fits, as token ids (~7 bytes each) or as
+# JSON-escaped text; a batch of prompts beyond it goes in several requests.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
+
+
+class BodyLimit:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        if max_bytes < 1:
+            raise ValueError(f"max_request_body_bytes: must be >= 1, got {max_bytes}")
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = _content_length(scope)
+        if length is not None:  # the server's parser holds the body to its declared length
+            if length > self.max_bytes:
+                await self._refuse(scope, send)
+            else:
+                await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away before its body ended
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._refuse(scope, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(b"".join(chunks), receive), send)
+
+    async def _refuse(self, scope: Scope, send: Send) -> None:
+        body = error_body(
+            f"request body exceeds {self.max_bytes} bytes (--max-request-body-bytes)",
+            type_="invalid_request_error",
+            param="body",
+            code="request_too_large",
+        )
+        response = error_response(body, 413, headers={"Connection": "close"})
+        await response(scope, _no_receive, send)
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            return int(value) if value.isdigit() else None
+    return None
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The body in one message, then the client's own messages (its disconnect)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}

@@ -1,0 +1,149 @@
+"""From a validated OpenAI request to what the engine takes: token ids, a generation limit and
+`SamplingParams` per choice. Every problem is a 400 naming the request field."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvfleet_engine.server.errors import APIError, invalid_field
+from kvfleet_engine.server.protocol import ChatCompletionRequest, SamplingFields
+
+if TYPE_CHECKING:
+    from kvfleet_engine.sampling import SamplingParams
+
+# Engine requests one HTTP request may become (prompts times n): beyond it, one client's batch
+# would hold the scheduler for everyone else; larger batches go in several requests.
+MAX_CHOICES_PER_REQUEST = 256
+
+
+def tokenize_prompts(tokenizer: Any, prompt: Any) -> list[list[int]]:
+    """The completion request's prompt (a string, strings, token ids, lists of token ids) as one
+    list of token ids per prompt."""
+    if isinstance(prompt, str):
+        return [encode(tokenizer, prompt, "prompt", add_special_tokens=True)]
+    if not prompt:
+        raise invalid_field("prompt", "must not be empty")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    if len(prompt) > MAX_CHOICES_PER_REQUEST:
+        raise invalid_field(
+            "prompt", f"at most {MAX_CHOICES_PER_REQUEST} prompts per request, got {len(prompt)}"
+        )
+    if isinstance(prompt[0], list):
+        return [list(p) for p in prompt]
+    return [
+        encode(tokenizer, p, f"prompt.{k}", add_special_tokens=True) for k, p in enumerate(prompt)
+    ]
+
+
+def chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
+    """The conversation through the model's chat template, as token ids."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise invalid_field("messages", "this model has no chat template; use /v1/completions")
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=body.add_generation_prompt, tokenize=False
+        )
+    except Exception as exc:  # jinja raises on conversations the template forbids
+        raise invalid_field("messages", f"rejected by the chat template: {exc}") from exc
+    return encode(tokenizer, str(text), "messages", add_special_tokens=False)
+
+
+def encode(tokenizer: Any, text: str, field_name: str, add_special_tokens: bool) -> list[int]:
+    """Token ids of `text`; a 400 naming `field_name` when the tokenizer refuses it (the
+    protocol already refuses lone surrogates; this catches whatever else a tokenizer cannot
+    encode)."""
+    try:
+        ids: list[int] = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except Exception as exc:
+        raise invalid_field(
+            field_name, f"cannot be encoded by this model's tokenizer ({type(exc).__name__})"
+        ) from exc
+    return ids
+
+
+def check_prompt_ids(prompts: list[list[int]], vocab_size: int) -> None:
+    for ids in prompts:
+        if any(t >= vocab_size for t in ids):
+            raise invalid_field("prompt", f"token ids must be < {vocab_size}")
+
+
+def check_num_choices(num_prompts: int, n: int) -> None:
+    if num_prompts * n > MAX_CHOICES_PER_REQUEST:
+        raise invalid_field(
+            "n",
+            f"{num_prompts} prompts times n={n} is {num_prompts * n} completions; at most "
+            f"{MAX_CHOICES_PER_REQUEST} per request",
+        )
+
+
+def generation_limit(
+    body: SamplingFields, max_tokens: int | None, prompt_len: int, max_model_len: int
+) -> int:
+    """Tokens this prompt may generate: the client's limit, or whatever the context leaves."""
+    if prompt_len == 0:
+        raise invalid_field("prompt", "must contain at least one token")
+    if prompt_len >= max_model_len:
+        field_name = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        raise invalid_field(
+            field_name,
+            f"is {prompt_len} tokens; this model's context is {max_model_len} tokens, "
+            "and the prompt must leave room for at least one generated token",
+        )
+    room = max_model_len - prompt_len
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        chat_limit = isinstance(body, ChatCompletionRequest) and body.max_completion_tokens
+        raise invalid_field(
+            "max_completion_tokens" if chat_limit else "max_tokens",
+            f"{max_tokens} plus the {prompt_len}-token prompt exceeds this model's context "
+            f"of {max_model_len} tokens; at most {room} allowed",
+        )
+    return max_tokens
+
+
+def sampling_params(
+    body: SamplingFields, max_tokens: int, logprobs: int | None, choice: int, vocab_size: int
+) -> SamplingParams:
+    """The engine's parameters for choice `choice` of the request."""
+    from kvfleet_engine.sampling import SamplingParams
+
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    stop_token_ids = list(body.stop_token_ids or [])
+    if any(t >= vocab_size for t in stop_token_ids):
+        raise invalid_field("stop_token_ids", f"token ids must be < {vocab_size}")
+    given: dict[str, Any] = {
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "repetition_penalty": body.repetition_penalty,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+    }
+    kwargs = {k: v for k, v in given.items() if v is not None}
+    # n > 1 with a seed: each choice gets its own seed, so the choices differ but the
+    # response as a whole is reproducible.
+    seed = None if body.seed is None else body.seed + choice
+    try:
+        return SamplingParams(
+            n=1,
+            seed=seed,
+            max_tokens=max_tokens,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=body.skip_special_tokens,
+            **kwargs,
+        )
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=_field_in(str(exc), kwargs)) from exc
+
+
+def _field_in(message: str, candidates: dict[str, Any]) -> str | None:
+    """The sampling field a SamplingParams error names, if any."""
+    names = [*candidates, "stop", "stop_token_ids", "seed", "max_tokens", "logprobs"]
+    return next((name for name in names if message.startswith(name) or name in message), None)

@@ -1,0 +1,205 @@
+"""What the chaos suite shares: real `kvfleet serve` processes, their pids and memory, SSE
+reading, and the tally of cases tried and statuses seen that the suite reports at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+MODEL_NAME = "kvfleet-tiny"
+API_KEY = "sk-chaos-0123456789abcdef"  # every chaos server requires it
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+LABEL = f'{{model_name="{MODEL_NAME}"}}'
+
+
+@dataclass
+class Tally:
+    """Per category: cases tried and the statuses they got (or a transport error's name)."""
+
+    statuses: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
+    notes: dict[str, str] = field(default_factory=dict)  # fault -> what happened, how fast
+
+    def add(self, category: str, status: int | str) -> None:
+        self.statuses[category][str(status)] += 1
+
+    def note(self, fault: str, text: str) -> None:
+        self.notes[fault] = text
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "categories": {
+                name: {"cases": sum(seen.values()), "statuses": dict(sorted(seen.items()))}
+                for name, seen in sorted(self.statuses.items())
+            },
+            "faults": self.notes,
+        }
+
+
+TALLY = Tally()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Serve:
+    """One `kvfleet serve` process on the tiny model (CPU), with the chaos API key."""
+
+    def __init__(self, model_dir: Path, log_path: Path, port: int, *extra: str) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        command = [sys.executable, "-m", "kvfleet_cli", "serve", "--model", str(model_dir)]
+        command += ["--served-model-name", MODEL_NAME, "--host", "127.0.0.1"]
+        command += ["--port", str(port), "--device", "cpu", "--max-model-len", "512"]
+        command += ["--max-request-body-bytes", str(1024 * 1024), *extra]
+        self._log = log_path.open("ab")
+        env = {**os.environ, "KVFLEET_API_KEY": API_KEY}
+        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.log_path = log_path
+
+    def wait_ready(self, timeout_s: float = 240.0) -> float:
+        """Seconds until /ready answered 200."""
+        began = time.monotonic()
+        while time.monotonic() - began < timeout_s:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"kvfleet serve exited {self.proc.returncode}: {self.tail()}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
+                    return time.monotonic() - began
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.url} not ready after {timeout_s} s: {self.tail()}")
+
+    def tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    @property
+    def core_pid(self) -> int:
+        for pid in children(self.proc.pid):
+            try:
+                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return pid
+            except OSError:
+                continue
+        raise AssertionError(f"no engine-core child of {self.proc.pid}")
+
+    def stop(self) -> None:
+        kids = children(self.proc.pid)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+        for pid in wait_gone(kids, 30):
+            os.kill(pid, signal.SIGKILL)
+        self._log.close()
+
+
+def children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def is_running(pid: int) -> bool:
+    """Alive and not a zombie waiting to be reaped."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """The pids still running after up to `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        running = [pid for pid in pids if is_running(pid)]
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.05)
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def metric(url: str, name: str) -> float:
+    """The value of `name{model_name=...}` in the server's /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    start = f"{name}{LABEL} "
+    for line in text.splitlines():
+        if line.startswith(start):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no metric {start!r}")
+
+
+def wait_idle(url: str, timeout_s: float = 30.0) -> float:
+    """Seconds until running, waiting and KV usage are all 0."""
+    began = time.monotonic()
+    names = ("kvfleet_requests_running", "kvfleet_requests_waiting", "kvfleet_kv_cache_usage_ratio")
+    while True:
+        values = [metric(url, name) for name in names]
+        if values == [0.0, 0.0, 0.0]:
+            return time.monotonic() - began
+        assert time.monotonic() - began < timeout_s, dict(zip(names, values, strict=True))
+        time.sleep(0.1)
+
+
+def sse_events(response: httpx.Response) -> Iterator[dict[str, Any]]:
+    """The JSON events of a server-sent-events response, up to [DONE]."""
+    for line in response.iter_lines():
+        if line == "data: [DONE]":
+            return
+        if line.startswith("data: "):
+            yield json.loads(line.removeprefix("data: "))
+
+
+@dataclass
+class StreamResult:
+    text: str = ""
+    finish_reason: str | None = None
+    completion_tokens: int | None = None
+    error: dict[str, Any] | None = None
+
+
+def read_stream(response: httpx.Response, stop_after_chunks: int | None = None) -> StreamResult:
+    """Collect a completion stream (with include_usage); stop reading after that many chunks."""
+    result = StreamResult()
+    for k, event in enumerate(sse_events(response)):
+        if "error" in event:
+            result.error = event["error"]
+        for choice in event.get("choices", []):
+            result.text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            result.finish_reason = choice.get("finish_reason") or result.finish_reason
+        if event.get("usage"):
+            result.completion_tokens = event["usage"]["completion_tokens"]
+        if stop_after_chunks is not None and k + 1 >= stop_after_chunks:
+            break
+    return result

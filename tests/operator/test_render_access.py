@@ -1,0 +1,68 @@
+"""spec.auth and spec.networkPolicy in the rendered children (golden YAML: UPDATE_GOLDEN=1)."""
+
+from __future__ import annotations
+
+from test_render import children
+
+from kvfleet_operator.render import API_KEY_DIGEST_ANNOTATION
+
+
+def _kinds(objects: list[dict]) -> list[str]:
+    return [o["kind"] for o in objects]
+
+
+def test_network_policy_and_api_key_secret(check_golden, make_spec) -> None:
+    spec = make_spec(
+        auth={"apiKeySecretRef": {"name": "llama-api-key", "key": "api-key"}},
+        networkPolicy={"allowedNamespaces": ["team-a", "gateway", "team-a"]},
+    )
+    objects = children(spec, api_key_digest="0123456789abcdef0123456789abcdef")
+    check_golden("auth-network-policy", objects)
+    deployment, policy = objects[0], objects[-1]
+    template = deployment["spec"]["template"]
+    assert template["metadata"]["annotations"] == {
+        API_KEY_DIGEST_ANNOTATION: "0123456789abcdef0123456789abcdef"
+    }
+    env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
+    assert env["KVFLEET_API_KEY"]["valueFrom"] == {
+        "secretKeyRef": {"name": "llama-api-key", "key": "api-key"}
+    }
+    assert policy["kind"] == "NetworkPolicy"
+    assert policy["spec"]["podSelector"] == deployment["spec"]["selector"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 8000}]
+    namespaces = [
+        s["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+        for s in rule["from"]
+        if "namespaceSelector" in s
+    ]
+    assert namespaces == ["kvfleet-system", "monitoring", "team-a", "gateway"]
+    routers = [s for s in rule["from"] if "namespaceSelector" not in s]
+    assert routers == [
+        {
+            "podSelector": {
+                "matchLabels": {
+                    "app.kubernetes.io/component": "router",
+                    "app.kubernetes.io/part-of": "kvfleet",
+                }
+            }
+        }
+    ]
+
+
+def test_a_rotated_key_changes_the_pod_template_and_nothing_else(make_spec) -> None:
+    spec = make_spec(auth={"apiKeySecretRef": {"name": "k", "key": "v"}})
+    before = children(spec, api_key_digest="a" * 32)
+    after = children(spec, api_key_digest="b" * 32)
+    assert before[1:] == after[1:]
+    assert before[0]["spec"]["template"] != after[0]["spec"]["template"]
+
+
+def test_network_policy_off_and_no_auth(make_spec) -> None:
+    objects = children(make_spec(networkPolicy={"enabled": False}))
+    assert "NetworkPolicy" not in _kinds(objects)
+    template = objects[0]["spec"]["template"]
+    assert "annotations" not in template["metadata"]
+    env = [e["name"] for e in template["spec"]["containers"][0]["env"]]
+    assert "KVFLEET_API_KEY" not in env
+    assert _kinds(children(make_spec()))[-1] == "NetworkPolicy"  # on by default
