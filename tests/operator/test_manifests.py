@@ -113,6 +113,7 @@ def test_rbac_covers_every_kind_the_operator_renders(make_spec) -> None:
         for resource in rule["resources"]
     }
     from kvfleet_operator.apply import RESOURCES
+
     for parallelism, lws in (({"tensor": 2}, False), ({"tensor": 8, "pipeline": 2}, False),
                              ({"tensor": 8, "pipeline": 2}, True)):  # fmt: skip
         spec = make_spec(parallelism=parallelism)
