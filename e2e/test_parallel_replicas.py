@@ -1,5 +1,5 @@
-"""Tensor- and pipeline-parallel replicas end to end on the local control plane, with the operator
-under the ServiceAccount and RBAC of manifests/.
+"""Tensor-parallel replicas, on one pod and over several nodes, end to end on the local control
+plane, with the operator under the ServiceAccount and RBAC of manifests/.
 
 - A replica larger than a node without the LeaderWorkerSet API: one StatefulSet per replica, its
   ranks on separate kwok nodes, the API Service on the leader only; scaling 1 -> 2 -> 1 groups;
@@ -8,12 +8,12 @@ under the ServiceAccount and RBAC of manifests/.
   the upstream v1 types; no LWS controller runs here): the API server accepts the
   LeaderWorkerSet the operator renders, field for field.
 - With real engines (`kvfleet serve --nnodes`, skipped while the engine lacks it): a TP 2 replica
-  (one pod, the engine starts both ranks) and a PP 2 replica over two kwok nodes (one engine per
-  pod, bound at the pod's IP, talking gloo) serve completions through the InferenceDeployment's
-  Service (the ready pods its selector picks: no kube-proxy runs here); killing one rank's
-  process makes the replica not ready and the group is recreated. `RankEngines` plays the
-  kubelet: it starts each pod's engine from the pod's own arguments, reports /ready as the pod's
-  Ready condition and a process that exits as a container restart.
+  (one pod, the engine starts both ranks) and a TP 2 replica over two one-GPU kwok nodes (one
+  engine per pod, bound at the pod's IP, talking gloo) serve completions through the
+  InferenceDeployment's Service (the ready pods its selector picks: no kube-proxy runs here);
+  killing one rank's process makes the replica not ready and the group is recreated.
+  `RankEngines` plays the kubelet: it starts each pod's engine from the pod's own arguments,
+  reports /ready as the pod's Ready condition and a process that exits as a container restart.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def one_gpu_nodes(installed: E2ECluster, namespace: str) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int]]:
-    """The tiny random Llama (2 layers, 4 heads, 2 KV heads: TP 2 and PP 2 both divide it) and
+    """The tiny random Llama (2 layers, 4 heads, 2 KV heads: TP 2 divides it) and
     its model.hints."""
     directory = tmp_path_factory.mktemp("tiny") / "model"
     subprocess.run(
@@ -147,7 +147,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
 # -- tests ------------------------------------------------------------------------------------
 
 
-def test_pipeline_group_runs_as_statefulsets_and_scales_by_groups(
+def test_two_node_group_runs_as_statefulsets_and_scales_by_groups(
     installed: E2ECluster,
     namespace: str,
     operator: subprocess.Popen,
@@ -157,14 +157,14 @@ def test_pipeline_group_runs_as_statefulsets_and_scales_by_groups(
 ) -> None:
     kubectl = installed.kubectl
     model, hints = tiny_model
-    name = "pp2"
-    kubectl.apply(infd(namespace, name, model, hints, {"pipeline": 2}, one_gpu_nodes, replicas=1))
+    name = "tp2"  # tensor 2 over one-GPU nodes: a group of two pods
+    kubectl.apply(infd(namespace, name, model, hints, {"tensor": 2}, one_gpu_nodes, replicas=1))
     pods = wait(lambda: running_group(kubectl, namespace, name, 0, 2), 60, "group 0", logs)
     # One pod per node, ranks by ordinal, the leader's DNS name as --master-addr.
     assert len({p["spec"]["nodeName"] for p in pods}) == 2, [p["spec"]["nodeName"] for p in pods]
     assert [p["metadata"]["labels"]["apps.kubernetes.io/pod-index"] for p in pods] == ["0", "1"]
     args = pods[1]["spec"]["containers"][0]["args"]
-    assert flag(args, "--pipeline-parallel-size") == "2" and flag(args, "--nnodes") == "2"
+    assert flag(args, "--tensor-parallel-size") == "2" and flag(args, "--nnodes") == "2"
     assert flag(args, "--node-rank") == "$(KVFLEET_NODE_RANK)"
     assert flag(args, "--master-addr") == f"{name}-group-0-0.{name}-group.{namespace}.svc"
     assert pods[1]["spec"]["hostname"] == f"{name}-group-0-1"
@@ -175,7 +175,7 @@ def test_pipeline_group_runs_as_statefulsets_and_scales_by_groups(
 
     obj = wait(lambda: ready(kubectl, namespace, name, generation=1), 60, "Ready", logs)
     assert obj["status"]["topology"] == {
-        "kind": "StatefulSet", "tensor": 1, "pipeline": 2, "gpusPerReplica": 2,
+        "kind": "StatefulSet", "tensor": 2, "pipeline": 1, "gpusPerReplica": 2,
         "podsPerReplica": 2, "gpusPerPod": 1, "nodesPerReplica": 2,
     }  # fmt: skip
     assert obj["status"]["replicasSummary"] == "1/1"
@@ -211,11 +211,11 @@ def test_pipeline_group_runs_as_statefulsets_and_scales_by_groups(
 
 
 def test_leader_worker_set_is_accepted_as_rendered(
-    installed: E2ECluster, namespace: str, logs: Path
+    installed: E2ECluster, namespace: str, one_gpu_nodes: str, logs: Path
 ) -> None:
     from kvfleet_operator.accelerators import resolve_accelerator
     from kvfleet_operator.model_catalog import model_architecture
-    from kvfleet_operator.models import InferenceDeploymentSpec
+    from kvfleet_operator.models import AcceleratorProfileSpec, InferenceDeploymentSpec
     from kvfleet_operator.plan import ClusterFeatures, plan_deployment
     from kvfleet_operator.render import render_children
 
@@ -235,8 +235,8 @@ def test_leader_worker_set_is_accepted_as_rendered(
             )  # fmt: skip
         spec = {
             "model": {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct", "maxModelLen": 8192},
-            "parallelism": {"tensor": 8, "pipeline": 2},
-            "resources": {"accelerator": "h100-80gb"},
+            "parallelism": {"tensor": 2},  # over one-GPU nodes: a group of two pods
+            "resources": {"accelerator": one_gpu_nodes},
             "rollout": {"maxSurge": 1, "maxUnavailable": 0},
             "replicas": 2,
         }
@@ -245,7 +245,9 @@ def test_leader_worker_set_is_accepted_as_rendered(
             lambda: get(kubectl, namespace, "leaderworkerset", "lws-group"), 60, "the LWS", logs
         )
         typed = InferenceDeploymentSpec.model_validate(spec)
-        profile = resolve_accelerator("h100-80gb", {})
+        one_gpu = kubectl.json("get", "acceleratorprofile", one_gpu_nodes)["spec"]
+        profiles = {one_gpu_nodes: AcceleratorProfileSpec.model_validate(one_gpu)}
+        profile = resolve_accelerator(one_gpu_nodes, profiles)
         features = ClusterFeatures(leader_worker_set=True, service_monitor=False)
         plan = plan_deployment("lws", typed, profile, model_architecture(typed.model), features)
         rendered = render_children("lws", namespace, typed, plan, profile, service_monitor=False)
@@ -261,7 +263,7 @@ def test_leader_worker_set_is_accepted_as_rendered(
 
         found = wait(topology, 30, "status.topology", logs)
         assert (found["kind"], found["nodesPerReplica"], found["gpusPerReplica"]) == (
-            "LeaderWorkerSet", 2, 16
+            "LeaderWorkerSet", 2, 2
         )  # fmt: skip
         assert statefulsets(kubectl, namespace, "lws") == []
     finally:
@@ -274,7 +276,7 @@ def test_leader_worker_set_is_accepted_as_rendered(
 @needs_engine_groups
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("parallelism", "profile", "pods"), [({"tensor": 2}, "builtin", 1), ({"pipeline": 2}, "one", 2)]
+    ("parallelism", "profile", "pods"), [({"tensor": 2}, "builtin", 1), ({"tensor": 2}, "one", 2)]
 )
 def test_parallel_replica_serves_through_its_service_and_recovers(
     installed: E2ECluster,

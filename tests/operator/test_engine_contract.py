@@ -68,16 +68,18 @@ def test_quantized_args_parse_with_the_engine_parser(make_spec, weights: str) ->
 
 @pytest.mark.parametrize("leader_worker_set", [False, True])
 def test_group_args_parse_with_the_engine_parser(make_spec, leader_worker_set: bool) -> None:
-    """A rank of a two-node group: the flags of the shared contract (`--tensor-parallel-size`,
-    `--pipeline-parallel-size`, `--nnodes`, `--node-rank`, `--master-addr`, `--master-port`),
-    with the $(VAR)s the kubelet expands set to what rank 1 of group 0 would see."""
+    """A rank of a two-node group (tensor 8 over nodes of 4 GPUs): the flags of the shared
+    contract (`--tensor-parallel-size`, `--nnodes`, `--node-rank`, `--master-addr`,
+    `--master-port`), with the $(VAR)s the kubelet expands set to what rank 1 of group 0 would
+    see."""
     from kvfleet_operator.render import render_children
 
     parser = cli.build_parser()
     if "--nnodes" not in parser.format_help():
         pytest.skip("this engine's `kvfleet serve` has no --nnodes yet (branch tp)")
-    spec = make_spec(parallelism={"tensor": 8, "pipeline": 2}, replicas=1)
-    profile = resolve_accelerator("h100-80gb", {})
+    spec = make_spec(parallelism={"tensor": 8}, replicas=1)
+    four = resolve_accelerator("h100-80gb", {}).model_copy(update={"devices_per_node": 4})
+    profile = resolve_accelerator("h100-80gb", {"h100-80gb": four})
     cluster = ClusterFeatures(leader_worker_set=leader_worker_set, service_monitor=False)
     plan = plan_deployment("x", spec, profile, model_architecture(spec.model), cluster)
     assert plan.ok, plan.problems
@@ -92,7 +94,7 @@ def test_group_args_parse_with_the_engine_parser(make_spec, leader_worker_set: b
     env = {"KVFLEET_NODE_RANK": "1", "LWS_WORKER_INDEX": "1", "LWS_LEADER_ADDRESS": "x-group-0.x"}
     raw = template["spec"]["containers"][0]["args"]
     args = parser.parse_args([_expand(a, env) for a in raw])
-    assert (args.tensor_parallel_size, args.pipeline_parallel_size) == (8, 2)
+    assert (args.tensor_parallel_size, args.pipeline_parallel_size) == (8, 1)
     assert (args.nnodes, args.node_rank, args.master_port) == (2, 1, 29500)
     leader = "x-group-0.x" if leader_worker_set else "x-group-0-0.x-group.ns.svc"
     assert args.master_addr == leader

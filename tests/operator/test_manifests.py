@@ -11,7 +11,7 @@ import yaml
 
 from kvfleet_operator.accelerators import resolve_accelerator
 from kvfleet_operator.model_catalog import model_architecture
-from kvfleet_operator.models import InferenceDeploymentSpec
+from kvfleet_operator.models import AcceleratorProfileSpec, InferenceDeploymentSpec
 from kvfleet_operator.plan import ClusterFeatures, plan_deployment
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
@@ -20,7 +20,9 @@ MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
 def _plan(path: str, gguf_header=None):
     sample = yaml.safe_load((MANIFESTS / "samples" / path).read_text())
     spec = InferenceDeploymentSpec.model_validate(sample["spec"])
-    profile = resolve_accelerator(spec.resources.accelerator, {})
+    custom = yaml.safe_load((MANIFESTS / "samples" / "accelerator-profile.yaml").read_text())
+    profiles = {custom["metadata"]["name"]: AcceleratorProfileSpec.model_validate(custom["spec"])}
+    profile = resolve_accelerator(spec.resources.accelerator, profiles)
     cluster = ClusterFeatures(leader_worker_set=False, service_monitor=False)
     architecture = model_architecture(spec.model, gguf_header)
     return plan_deployment(sample["metadata"]["name"], spec, profile, architecture, cluster)
@@ -44,7 +46,7 @@ def test_multi_node_sample_is_a_group_of_two_pods() -> None:
     assert p.ok, p.problems
     assert p.memory is not None and p.memory.fits
     assert p.topology is not None and p.topology.kind == "StatefulSet"
-    assert (p.topology.nodes_per_replica, p.topology.gpus_per_pod) == (2, 8)
+    assert (p.topology.nodes_per_replica, p.topology.gpus_per_pod) == (2, 4)
 
 
 def test_quantized_sample_plans_awq_weights_and_an_fp8_kv_cache_on_an_l4() -> None:
