@@ -201,3 +201,18 @@ def _state(pid: int) -> bytes:
         return Path(f"/proc/{pid}/status").read_bytes().lower()
     except OSError:
         return b"zombie"
+
+
+def test_a_node_that_cannot_reach_the_leader_exits_with_the_reason(
+    tiny_model_dir: Path,
+) -> None:
+    master_port = _free_port_pair()  # nobody listens there
+    command = _serve_command(tiny_model_dir, free_port(), "--tensor-parallel-size", "2")
+    command += ["--nnodes", "2", "--node-rank", "1", "--master-port", str(master_port)]
+    command += ["--parallel-join-timeout", "2"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert (
+        f"node 1 exits with code 1: rank 1: could not reach the leader's step channel at "
+        f"127.0.0.1:{master_port + 1} within 2 s" in done.stderr
+    ), done.stderr[-2000:]

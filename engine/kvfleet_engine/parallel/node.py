@@ -157,7 +157,8 @@ class ComputeNode:
                     self._drain_reason(rank)  # its own reason, sent just before it exited
                     if self.state.failure is None and process.exitcode == 0:
                         # The leader sent Stop: the replica is over, not this host at fault.
-                        self._fail(f"the leader stopped rank {rank}")
+                        self.state.failure = f"the leader stopped rank {rank}"
+                        log.info("%s: this node stops", self.state.failure)
                         stopped = True
                     if self.state.failure is None:
                         self._fail(
