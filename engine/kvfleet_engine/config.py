@@ -7,10 +7,12 @@ import argparse
 import inspect
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvfleet_engine.argtypes import positive_float
 from kvfleet_engine.loaders.gguf_metadata import find_gguf_file, gguf_eos_token_ids, gguf_hf_config
 from kvfleet_engine.loaders.gguf_names import gguf_linear_types
 from kvfleet_engine.models.registry import check_architecture
@@ -234,6 +236,7 @@ class EngineConfig:
         node_rank: int = 0,
         master_addr: str = "127.0.0.1",
         master_port: int = 29500,
+        parallel_join_timeout_s: float = 600.0,
         quantization: str | None = None,
     ) -> EngineConfig:
         """Validate the settings and read the model's config.json (the only I/O)."""
@@ -244,6 +247,7 @@ class EngineConfig:
             node_rank=node_rank,
             master_addr=master_addr,
             master_port=master_port,
+            join_timeout_s=parallel_join_timeout_s,
         )
         _check_parallel(parallel)
         _check(
@@ -301,14 +305,13 @@ class EngineConfig:
             model, dtype=dtype, max_model_len=max_model_len, quantization=quantization
         )
         check_model_split(model_config, parallel)
-        # Not built yet (issue 14 items 5 and 6): refused rather than run wrong.
+        # Not built yet (issue 14 item 5): refused rather than run wrong.
         _check(
             pipeline_parallel_size == 1,
             "pipeline_parallel_size",
             pipeline_parallel_size,
             "1 (pipeline parallelism is not implemented yet)",
         )
-        _check(nnodes == 1, "nnodes", nnodes, "1 (multi-node replicas are not implemented yet)")
         return cls(
             model=model_config,
             cache=CacheConfig(
@@ -430,6 +433,13 @@ class EngineConfig:
             help="torch.distributed's port on the leader (the step channel uses the next one)",
         )
         group.add_argument(
+            "--parallel-join-timeout",
+            type=positive_float,
+            default=600.0,
+            help="seconds every rank may take to reach the leader, join and load its weights "
+            "(then start-up fails: the leader, or the node that cannot reach it, exits 1)",
+        )
+        group.add_argument(
             "--quantization",
             default=None,
             choices=("auto", *QUANTIZATION_METHODS, *QUANTIZATION_ALIASES),
@@ -462,6 +472,7 @@ class EngineConfig:
             node_rank=ns.node_rank,
             master_addr=ns.master_addr,
             master_port=ns.master_port,
+            parallel_join_timeout_s=ns.parallel_join_timeout,
             quantization=ns.quantization,
         )
 
@@ -485,6 +496,13 @@ def _check_parallel(parallel: ParallelConfig) -> None:
     )
     _check(0 <= parallel.node_rank < nnodes, "node_rank", parallel.node_rank, f"in [0, {nnodes})")
     _check(1 <= parallel.master_port <= 65534, "master_port", parallel.master_port, "in [1, 65534]")
+    timeout = parallel.join_timeout_s
+    _check(
+        isinstance(timeout, (int, float)) and timeout > 0 and math.isfinite(timeout),
+        "parallel_join_timeout_s",
+        timeout,
+        "a finite number of seconds > 0",
+    )
 
 
 def check_model_split(model: ModelConfig, parallel: ParallelConfig) -> None:

@@ -80,6 +80,13 @@ class ModelRunner:
         self._failure_timer: threading.Timer | None = None
         self._in_step = False  # launch() or collect() runs (a stuck one: see _rank_failed)
         parallel = config.parallel
+        if parallel.node_rank != 0:
+            raise ValueError(
+                f"node_rank must be 0 for the engine (the leader, rank 0), got "
+                f"{parallel.node_rank}: node {parallel.node_rank} of {parallel.nnodes} only "
+                f"computes, with `kvfleet serve --nnodes {parallel.nnodes} --node-rank "
+                f"{parallel.node_rank}`"
+            )
         if parallel.world_size > 1:
             self.workers = WorkerGroup(config, log_level)
             on_failure = weakref.WeakMethod(self._rank_failed)

@@ -104,6 +104,10 @@ def test_sizes_that_do_not_split_are_refused(make_llm: Callable[..., Any]) -> No
         make_llm("llama3", pipeline_parallel_size=3)
     with pytest.raises(ValueError, match=r"nnodes must be a divisor of the world size .* = 2"):
         make_llm("llama3", tensor_parallel_size=2, nnodes=3)
+    with pytest.raises(ValueError, match=r"node_rank must be 0 for the engine .* got 1"):
+        make_llm("llama3", tensor_parallel_size=2, nnodes=2, node_rank=1)
+    with pytest.raises(ValueError, match="parallel_join_timeout_s must be a finite number"):
+        make_llm("llama3", parallel_join_timeout_s=0)
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1, got 0"):
         make_llm("llama3", tensor_parallel_size=0)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from multiprocessing.connection import Connection
 from typing import TypeVar
@@ -47,9 +48,14 @@ def run_worker(
     config: EngineConfig, rank: int, status: Connection | None = None, log_level: str = "INFO"
 ) -> None:
     """A worker process's entry point (multiprocessing target). `status`, from the host's
-    launcher: gets "ready" once this rank can compute, or the reason it failed."""
+    launcher (a duplex pipe it never writes to): gets "ready" once this rank can compute, or
+    the reason it failed; its end closing means the launcher died, and this rank exits."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the driver stops it
     logging.basicConfig(level=log_level.upper(), format=f"[rank {rank}] {LOG_FORMAT}")
+    if status is not None:
+        threading.Thread(
+            target=_exit_with_launcher, args=(status, rank), name="kvfleet-launcher", daemon=True
+        ).start()
     parallel = config.parallel
     try:
         conn = connect(parallel, time.monotonic() + parallel.join_timeout_s)
@@ -75,6 +81,17 @@ def run_worker(
             pass
         _report(status, f"rank {rank}: {reason}")
         raise SystemExit(1) from error
+
+
+def _exit_with_launcher(status: Connection, rank: int) -> None:
+    """Block until the launcher's end of `status` closes (it died, however it died), then end
+    this rank at once: its step channel closes, so the driver sees the rank gone."""
+    try:
+        status.recv()
+    except (EOFError, OSError):
+        pass
+    log.error("the launcher of rank %d went away; rank %d exits", rank, rank)
+    os._exit(1)
 
 
 def _report(status: Connection | None, message: str) -> None:

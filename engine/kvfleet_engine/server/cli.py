@@ -4,6 +4,9 @@
 
 Without --model it serves the embedded model, SmolLM2-135M-Instruct (fetched and cached on first
 use: `kvfleet fetch-model`), as "smollm2-135m-instruct".
+With --nnodes N, every host runs `kvfleet serve` with its --node-rank: node 0 (the leader) does
+all of the above; another node only computes (its ranks) and answers /health and /ready on
+--port (`kvfleet_engine.parallel.node`).
 SIGTERM: /ready turns 503, new requests get 503, in-flight requests finish (up to
 --drain-timeout seconds, then they are aborted), and the process exits 0.
 
@@ -137,6 +140,10 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         config = EngineConfig.from_cli_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    if config.parallel.node_rank > 0:  # a compute-only host of a multi-node replica
+        from kvfleet_engine.parallel import node
+
+        return node.serve(config, args.host, args.port, args.log_level)
     client = CoreClient(config, log_level=args.log_level)
     try:
         client.start()
