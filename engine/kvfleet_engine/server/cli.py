@@ -136,6 +136,8 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             tensor_parallel_size=args.tensor_parallel_size,
         )
     )
+    assert client.ready is not None, "set by client.start()"
+    metrics.set_cache_config(client.ready.block_size, client.ready.num_blocks)
     settings = ServerSettings(
         served_model_name=served_name,
         max_model_len=config.model.max_model_len,
