@@ -83,8 +83,8 @@ async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any
             await _hand_replicas_to_autoscaler(cluster, deployment)
         for child in children:
             applied = await cluster.apply(child, owner=body)
-            if child["kind"] == "Deployment":
-                deployment = applied
+            if child["kind"] == "Deployment" and child["metadata"]["name"] == name:
+                deployment = applied  # the engines' (the router's has its own name)
         event = rollout_event(before, deployment)
         if event is not None:
             await cluster.post_event(body, event.type, event.reason, event.message)

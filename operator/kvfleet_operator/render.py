@@ -16,11 +16,15 @@ from kvfleet_operator import api
 from kvfleet_operator.autoscaling.actuators import render_external_autoscaler
 from kvfleet_operator.models import AcceleratorProfileSpec, InferenceDeploymentSpec
 from kvfleet_operator.plan import Plan
+from kvfleet_operator.render_router import render_router
 
 MODEL_DIR = "/models"
 PRE_STOP_SECONDS = 5
 STARTUP_PERIOD_SECONDS = 10
 S3_IMAGE = "amazon/aws-cli:2.22.35"
+# Engine pods speak vLLM's model-server protocol (its metric names, vllm:cache_config_info), so
+# llm-d's router or any Gateway API Inference Extension endpoint picker can front them.
+ENGINE_TYPE_LABEL = {"llm-d.ai/engine-type": "vllm"}
 # quantization.weights -> `kvfleet serve --quantization`; `none` passes no flag, so the engine
 # reads the checkpoint's config.json (a plain checkpoint then loads as bf16).
 ENGINE_QUANTIZATION = {"int8": "int8", "fp8": "fp8", "int4-awq": "awq", "int4-gptq": "gptq"}
@@ -68,6 +72,8 @@ def render_children(
         children.append(render_service_monitor(name, namespace))
     if spec.autoscaling is not None and spec.autoscaling.controller != "Builtin":
         children.append(render_external_autoscaler(name, namespace, labels(name), spec.autoscaling))
+    if spec.routing.enabled:
+        children += render_router(name, namespace, spec, plan)
     return children
 
 
@@ -97,7 +103,7 @@ def render_deployment(
         "progressDeadlineSeconds": max(600, plan.startup_timeout_seconds + 120),
         "revisionHistoryLimit": 3,
         "template": {
-            "metadata": {"labels": labels(name)},
+            "metadata": {"labels": {**labels(name), **ENGINE_TYPE_LABEL}},
             "spec": {
                 "securityContext": {
                     "runAsNonRoot": True,

@@ -48,7 +48,7 @@ class MemoryCluster:
         key = (manifest["kind"], manifest["metadata"]["namespace"], manifest["metadata"]["name"])
         previous = self.objects.get(key)
         generation = (previous or {}).get("metadata", {}).get("generation", 0)
-        if previous is None or previous["spec"] != manifest["spec"]:
+        if previous is None or previous.get("spec") != manifest.get("spec"):
             generation += 1
         stored = copy.deepcopy(manifest)
         stored["metadata"]["generation"] = generation
@@ -64,6 +64,11 @@ class MemoryCluster:
 
     async def post_event(self, involved, type_, reason, message) -> None:
         self.events.append(reason)
+
+
+# The engines' objects, then the router's (routing.enabled is the default).
+CHILDREN = ["Deployment", "Service", "PodDisruptionBudget"]
+ROUTER = ["ServiceAccount", "Role", "RoleBinding", "Deployment", "Service", "PodDisruptionBudget"]
 
 
 def infd(**spec: Any) -> dict[str, Any]:
@@ -83,7 +88,7 @@ async def test_reconcile_applies_children_then_is_a_no_op() -> None:
     cluster = MemoryCluster()
     cluster.add(infd(replicas=2))
     await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
-    assert cluster.applied == ["Deployment", "Service", "PodDisruptionBudget"]
+    assert cluster.applied == CHILDREN + ROUTER
     deployment = cluster.objects[("Deployment", "ns", "llama")]
     assert deployment["metadata"]["ownerReferences"][0]["uid"] == "u-1"
     assert len(cluster.status_patches) == 1 and cluster.events == ["Created"]
@@ -160,7 +165,7 @@ async def test_unreadable_gguf_header_rolls_out_without_a_memory_plan() -> None:
         in (planned["message"])
     )
     assert "HTTP 401" in planned["message"] and "set model.hints" in planned["message"]
-    assert cluster.applied == ["Deployment", "Service", "PodDisruptionBudget"]
+    assert cluster.applied == CHILDREN + ROUTER
     assert cluster.secret_reads == 0  # no credentialsSecret: unauthenticated
 
 
