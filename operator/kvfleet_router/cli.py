@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-attempts",
         type=int,
         default=DEFAULTS.max_attempts,
-        help="replicas tried per request on 429/503",
+        help="replicas tried per request when they answer 429 (on 503 or a refused "
+        "connection a request waits for another replica until --queue-timeout)",
     )
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]

@@ -6,8 +6,10 @@ Retries: a refused or failed connection, a 503 (draining, starting: that replica
 its Retry-After) or a 429 (busy: not tried again for this request) moves the request to the
 next replica of the ranking; once the ranking is used up it waits in the queue for another
 replica until its deadline, unless every replica answered 429 (that answer goes to the client,
-which backs off). Connection failures do not count toward `max_attempts` (the
-replica is out until a scrape reaches it again, so they cannot loop); answers do. Once the
+which backs off). Only 429s count toward `max_attempts`: a refused connection takes the replica
+out until a scrape reaches it again, a 503 for its Retry-After (at least MIN_COOL_DOWN_S), so
+neither can loop, and a request that meets only starting or stopping replicas waits for a
+serving one, as at zero. Once the
 first byte went to the client nothing is retried: a replica that dies mid-stream ends the
 stream. A client that disconnects cancels the handler (aiohttp's handler_cancellation), which
 closes the upstream connection at once, and the engine aborts the request.
@@ -152,7 +154,7 @@ class Proxy:
         attempts = 0
         waited = 0.0
         decided = False
-        while attempts < settings.max_attempts:
+        while attempts < settings.max_attempts and time.monotonic() < deadline:
             replicas = self._queue.available(busy)
             if not replicas and last is not None and last.status == 429:
                 result.outcome = m.CLIENT_ERROR  # every replica is busy: the client backs off
@@ -176,12 +178,7 @@ class Proxy:
                     result.outcome = m.CLIENT_ERROR if last.status < 500 else m.ENGINE_ERROR
                     return last
                 result.outcome = m.QUEUE_TIMEOUT
-                return _error(
-                    503,
-                    f"no replica became available within {settings.queue_timeout_s:g} s",
-                    type_="service_unavailable",
-                    headers={"Retry-After": str(settings.retry_after_s)},
-                )
+                return self._no_replica()
             ranking = self._strategy.rank(routed, replicas)
             if not decided:
                 decided = True
@@ -198,17 +195,28 @@ class Proxy:
                     continue  # connection failed: the replica is out
                 if not isinstance(answer, _Declined):
                     return answer
-                attempts += 1
                 last = answer.response
                 if last.status == 429:
+                    attempts += 1
                     busy.add(replica.address)
                     self._metrics.retried("429")
                 else:
                     self._pool.cool_down(replica, _retry_after(last))
                     self._metrics.retried("503")
-        assert last is not None
+        if last is None:  # the deadline passed between attempts
+            result.outcome = m.QUEUE_TIMEOUT
+            return self._no_replica()
         result.outcome = m.CLIENT_ERROR if last.status < 500 else m.ENGINE_ERROR
         return last
+
+    def _no_replica(self) -> web.Response:
+        settings = self._settings
+        return _error(
+            503,
+            f"no replica became available within {settings.queue_timeout_s:g} s",
+            type_="service_unavailable",
+            headers={"Retry-After": str(settings.retry_after_s)},
+        )
 
     async def _try(
         self,

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 DEFAULT_COOL_DOWN_S = 1.0  # a 503 without Retry-After keeps the replica out this long
+MIN_COOL_DOWN_S, MAX_COOL_DOWN_S = 0.25, 30.0  # whatever its Retry-After says
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,8 @@ class ReplicaPool:
 
     def cool_down(self, replica: Replica, seconds: float | None) -> None:
         """Out for `seconds` (its Retry-After), or DEFAULT_COOL_DOWN_S."""
-        delay = DEFAULT_COOL_DOWN_S if seconds is None else max(0.0, min(seconds, 30.0))
+        delay = DEFAULT_COOL_DOWN_S if seconds is None else seconds
+        delay = max(MIN_COOL_DOWN_S, min(delay, MAX_COOL_DOWN_S))
         replica.cool_until = time.monotonic() + delay
 
     async def wait_changed(self, timeout: float) -> None:

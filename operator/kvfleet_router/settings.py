@@ -28,7 +28,7 @@ class RouterSettings:
     queue_size: int = 256  # requests that may wait for a replica; beyond it, 503 at once
     queue_timeout_s: float = 300.0  # longest wait for a replica; then 503 with Retry-After
     scrape_interval_s: float = 0.1  # each replica's /metrics read this often (10 Hz)
-    max_attempts: int = 3  # replicas tried per request (429/503/connect failure: the next)
+    max_attempts: int = 3  # replicas tried per request that answer 429 (busy)
     connect_timeout_s: float = 2.0  # TCP connect to a replica
     block_chars: int = 64  # characters per prefix block (about 16 tokens of English text)
     load_factor: float = 1.25  # bounded load: no replica above this x the mean load (prefix)

@@ -241,3 +241,18 @@ async def _until(check: object, timeout: float = 2.0) -> None:
     while not check():  # type: ignore[operator]
         assert time.monotonic() < deadline, "condition never held"
         await asyncio.sleep(0.01)
+
+
+async def test_a_starting_replica_503s_until_ready_and_the_request_waits_for_it(
+    start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    (engine,) = await start_engines(1)
+    engine.status, engine.retry_after = 503, "0.3"  # warming up
+    router = await start_router([engine.url])
+    request = asyncio.create_task(router.post("/v1/completions", COMPLETION))
+    await asyncio.sleep(1.0)
+    assert not request.done()
+    engine.status = None  # warm-up done
+    response = await asyncio.wait_for(request, 2)
+    assert response.status == 200
+    assert 3 <= len(engine.bodies) <= 6  # retried every Retry-After, not in a busy loop
