@@ -267,6 +267,7 @@ class Proxy:
                     result.outcome = m.DISCONNECTED  # the write to the client failed
                 else:
                     result.outcome = m.BROKEN  # the replica went away mid-stream: no retry
+                    transport.abort()  # the client sees a broken stream, not a short answer
                 return response
             await response.write_eof()
             result.outcome = _outcome(upstream.status)
