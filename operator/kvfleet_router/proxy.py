@@ -76,12 +76,13 @@ class Proxy:
         self._metrics = metrics
         self._session = session
         self.started_at = int(time.time())
+        self._served = frozenset(settings.served_model_names)
 
-    def model_names(self) -> set[str]:
+    def model_names(self) -> frozenset[str]:
         """What clients may ask for: the configured names, or those the replicas report."""
-        if self._settings.served_model_names:
-            return set(self._settings.served_model_names)
-        names: set[str] = set()
+        if self._served:
+            return self._served
+        names: frozenset[str] = frozenset()
         for replica in self._pool.members.values():
             if replica.sample is not None:
                 names |= replica.sample.model_names
