@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from kvfleet_router.discovery import EndpointSliceDiscovery, StaticDiscovery
+from kvfleet_router.discovery import KubernetesDiscovery, StaticDiscovery
 from kvfleet_router.load import LoadScraper
 from kvfleet_router.metrics import RouterMetrics
 from kvfleet_router.proxy import Proxy
@@ -35,11 +35,11 @@ class Router:
         self.queue = WaitingQueue(self.pool, settings.queue_size)
         self.strategy = make_strategy(settings)
         self.metrics = RouterMetrics(self.strategy.name, self.pool, self.queue)
-        self.discovery: StaticDiscovery | EndpointSliceDiscovery
+        self.discovery: StaticDiscovery | KubernetesDiscovery
         if settings.deployment is not None:
             assert settings.namespace is not None, "checked by RouterSettings"
-            self.discovery = EndpointSliceDiscovery(
-                self.pool, settings.namespace, settings.deployment
+            self.discovery = KubernetesDiscovery(
+                self.pool, settings.namespace, settings.deployment, settings.discovery
             )
         else:
             self.discovery = StaticDiscovery(self.pool, settings.backends)

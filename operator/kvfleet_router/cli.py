@@ -33,6 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--namespace", help="namespace of --deployment (default: this pod's namespace)"
     )
     parser.add_argument(
+        "--discovery",
+        choices=("endpointslices", "pods"),
+        default="endpointslices",
+        help="with --deployment: the ready endpoints of its Service's EndpointSlices, or its "
+        "ready pods (needs pods get/list/watch; for clusters whose EndpointSlices cannot hold "
+        "the pod IPs)",
+    )
+    parser.add_argument(
         "--served-model-name",
         action="append",
         default=[],
@@ -86,6 +94,7 @@ def main(argv: list[str]) -> int:
         settings = RouterSettings(
             deployment=args.deployment,
             namespace=namespace,
+            discovery=args.discovery,
             backends=tuple(args.backend),
             served_model_names=tuple(args.served_model_name),
             strategy=args.strategy,

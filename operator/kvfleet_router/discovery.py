@@ -1,5 +1,6 @@
 """Who the replicas are: the ready endpoints of the engine Service's EndpointSlices (a list,
-then a watch; relisted when the watch ends or fails), or a fixed list of URLs.
+then a watch; relisted when the watch ends or fails; or the ready pods its selector matches),
+or a fixed list of URLs.
 
 Either way the result goes into `ReplicaPool.set_members`; `synced` says the first full list
 has arrived (the router reports ready from then on, with or without replicas: at zero it holds
@@ -21,6 +22,8 @@ from kvfleet_router.settings import ENGINE_PORT
 log = logging.getLogger(__name__)
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+DEPLOYMENT_LABEL = "kvfleet.io/deployment"  # the engine pods' (and their Service's) selector
+DISCOVERY_SOURCES = ("endpointslices", "pods")
 PORT_NAME = "http"
 WATCH_TIMEOUT_S = 300  # the API server ends a watch after this; then list again
 RETRY_S = 2.0  # after a failed list or watch
@@ -41,6 +44,20 @@ def ready_addresses(slices: Iterable[dict[str, Any]]) -> set[str]:
                 continue
             for ip in endpoint.get("addresses") or []:
                 addresses.add(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
+    return addresses
+
+
+def ready_pod_addresses(pods: Iterable[dict[str, Any]]) -> set[str]:
+    """podIP:8000 of every Running, Ready pod that is not terminating."""
+    addresses = set()
+    for pod in pods:
+        status = pod.get("status") or {}
+        ip = status.get("podIP")
+        if not ip or pod["metadata"].get("deletionTimestamp") or status.get("phase") != "Running":
+            continue
+        conditions = {c.get("type"): c.get("status") for c in status.get("conditions") or []}
+        if conditions.get("Ready") == "True":
+            addresses.add(f"[{ip}]:{ENGINE_PORT}" if ":" in ip else f"{ip}:{ENGINE_PORT}")
     return addresses
 
 
@@ -65,14 +82,24 @@ class StaticDiscovery:
         self.synced = True
 
 
-class EndpointSliceDiscovery:
-    """The ready endpoints of Service `service` in `namespace`, kept current by a watch."""
+class KubernetesDiscovery:
+    """The ready replicas behind the engine Service `service` in `namespace`, kept current by
+    a list and a watch: of its EndpointSlices (`source="endpointslices"`, what the operator
+    renders), or of the pods its selector matches (`source="pods"`; for clusters whose
+    EndpointSlices cannot hold the pod IPs, such as the e2e control plane, where kwok's pod IPs
+    are loopback addresses the API server refuses in an EndpointSlice)."""
 
-    def __init__(self, pool: ReplicaPool, namespace: str, service: str) -> None:
+    def __init__(
+        self, pool: ReplicaPool, namespace: str, service: str, source: str = "endpointslices"
+    ) -> None:
+        if source not in DISCOVERY_SOURCES:
+            raise ValueError(f"source: must be one of {', '.join(DISCOVERY_SOURCES)}")
         self._pool = pool
         self._namespace = namespace
-        self._selector = f"{SERVICE_NAME_LABEL}={service}"
-        self._slices: dict[str, dict[str, Any]] = {}  # slice name -> slice
+        self._source = source
+        label = SERVICE_NAME_LABEL if source == "endpointslices" else DEPLOYMENT_LABEL
+        self._selector = f"{label}={service}"
+        self._objects: dict[str, dict[str, Any]] = {}  # name -> EndpointSlice or Pod
         self.synced = False
 
     async def run(self) -> None:
@@ -83,31 +110,34 @@ class EndpointSliceDiscovery:
         except config.ConfigException:
             await config.load_kube_config()
         async with client.ApiClient() as api_client:
-            discovery = client.DiscoveryV1Api(api_client)
+            if self._source == "endpointslices":
+                list_func = client.DiscoveryV1Api(api_client).list_namespaced_endpoint_slice
+            else:
+                list_func = client.CoreV1Api(api_client).list_namespaced_pod
             while True:
                 try:
-                    version = await self._list(discovery)
-                    await self._watch(discovery, watch.Watch(), version)
+                    version = await self._list(list_func)
+                    await self._watch(list_func, watch.Watch(), version)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
-                    log.warning("EndpointSlices of %s: %s; retrying", self._selector, exc)
+                    log.warning("%s of %s: %s; retrying", self._source, self._selector, exc)
                     await asyncio.sleep(RETRY_S)
 
-    async def _list(self, discovery: Any) -> str:
-        response = await discovery.list_namespaced_endpoint_slice(
+    async def _list(self, list_func: Any) -> str:
+        response = await list_func(
             self._namespace, label_selector=self._selector, _preload_content=False
         )
         listing = json.loads(await response.read())
-        self._slices = {item["metadata"]["name"]: item for item in listing.get("items", [])}
+        self._objects = {item["metadata"]["name"]: item for item in listing.get("items", [])}
         self._publish()
         self.synced = True
         version: str = listing["metadata"]["resourceVersion"]
         return version
 
-    async def _watch(self, discovery: Any, watcher: Any, version: str) -> None:
+    async def _watch(self, list_func: Any, watcher: Any, version: str) -> None:
         async with watcher.stream(
-            discovery.list_namespaced_endpoint_slice,
+            list_func,
             self._namespace,
             label_selector=self._selector,
             resource_version=version,
@@ -116,17 +146,21 @@ class EndpointSliceDiscovery:
             async for event in events:
                 kind, raw = event["type"], event["raw_object"]
                 if kind == "ERROR":
-                    log.info("EndpointSlice watch ended: %s", raw.get("message", raw))
+                    log.info("%s watch ended: %s", self._source, raw.get("message", raw))
                     return
                 name = raw["metadata"]["name"]
                 if kind == "DELETED":
-                    self._slices.pop(name, None)
+                    self._objects.pop(name, None)
                 else:
-                    self._slices[name] = raw
+                    self._objects[name] = raw
                 self._publish()
 
     def _publish(self) -> None:
-        addresses = ready_addresses(self._slices.values())
+        objects = self._objects.values()
+        if self._source == "endpointslices":
+            addresses = ready_addresses(objects)
+        else:
+            addresses = ready_pod_addresses(objects)
         if addresses != set(self._pool.members):
             log.info("replicas of %s: %s", self._selector, ", ".join(sorted(addresses)) or "none")
         self._pool.set_members(addresses, reachable=True)

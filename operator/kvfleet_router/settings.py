@@ -18,6 +18,7 @@ class RouterSettings:
     # Replicas: either the engine Service of an InferenceDeployment (its EndpointSlices)...
     deployment: str | None = None  # InferenceDeployment name = its engine Service's name
     namespace: str | None = None  # its namespace
+    discovery: str = "endpointslices"  # or "pods": what lists the ready replicas
     # ...or fixed engine base URLs (http://host:port, no path), for local use.
     backends: tuple[str, ...] = ()
     # Model names clients may ask for; empty: learned from the replicas' metrics.
@@ -42,6 +43,8 @@ class RouterSettings:
             parts = urlsplit(url)
             if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
                 raise ValueError(f"backends: {url!r} is not an http://host:port URL")
+        if self.discovery not in ("endpointslices", "pods"):
+            raise ValueError(f"discovery: must be endpointslices or pods, got {self.discovery!r}")
         if self.strategy not in STRATEGY_NAMES:
             raise ValueError(
                 f"strategy: must be one of {', '.join(STRATEGY_NAMES)}, got {self.strategy!r}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvfleet_router.cli import main as router_main
-from kvfleet_router.discovery import backend_address, ready_addresses
+from kvfleet_router.discovery import backend_address, ready_addresses, ready_pod_addresses
 from kvfleet_router.load import parse_load
 from kvfleet_router.settings import RouterSettings
 
@@ -98,3 +98,21 @@ def test_the_cli_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         router_main([])
     assert "either --deployment" in capsys.readouterr().err
+
+
+def test_pod_discovery_takes_running_ready_pods_only() -> None:
+    def pod(ip: str, phase: str = "Running", ready: str = "True", deleting: bool = False):
+        meta: dict[str, object] = {"name": ip}
+        if deleting:
+            meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+        conditions = [{"type": "Ready", "status": ready}]
+        return {"metadata": meta, "status": {"phase": phase, "podIP": ip, "conditions": conditions}}
+
+    pods = [
+        pod("10.0.0.1"),
+        pod("10.0.0.2", ready="False"),
+        pod("10.0.0.3", phase="Pending"),
+        pod("10.0.0.4", deleting=True),
+        {"metadata": {"name": "no-ip"}, "status": {"phase": "Pending"}},
+    ]
+    assert ready_pod_addresses(pods) == {"10.0.0.1:8000"}
