@@ -93,7 +93,7 @@ class RouterProcess:
                 stderr=subprocess.STDOUT,
             )
         self.url = f"http://{ip}:8000"
-        wait_until(lambda: _status(self.url + "/ready") == 200, 60, "router /ready", self.tail)
+        wait_until(lambda: _status(self.url + "/ready") == 200, 180, "router /ready", self.tail)
         return self
 
     def __exit__(self, *exc: object) -> None:
