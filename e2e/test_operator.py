@@ -231,7 +231,7 @@ def test_sample_lifecycle(cluster: E2ECluster, operator: Operator, namespace: st
     )
     status = obj["status"]
     assert status["endpoint"] == {
-        "url": f"http://llama-8b.{namespace}.svc:8000/v1",
+        "url": f"http://llama-8b-router.{namespace}.svc:8000/v1",
         "servedModelName": "llama-8b",
     }
     assert (

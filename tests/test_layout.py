@@ -40,3 +40,12 @@ def test_every_subcommand_target_exists() -> None:
         module_name, func_name = target.split(":")
         module = importlib.import_module(module_name)
         assert callable(getattr(module, func_name)), name
+
+
+def test_test_modules_have_unique_names() -> None:
+    """pytest imports test modules of tests/ and e2e/ (no __init__.py) by their basename: two
+    files with one name stop the whole run at collection."""
+    seen: dict[str, Path] = {}
+    for path in sorted([*ROOT.glob("tests/**/test_*.py"), *ROOT.glob("e2e/**/test_*.py")]):
+        assert path.name not in seen, f"{path} and {seen[path.name]} share a module name"
+        seen[path.name] = path

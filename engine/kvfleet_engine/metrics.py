@@ -79,6 +79,7 @@ class EngineMetrics:
         self._snapshot: SchedulerStats | None = None
         self._baseline: SchedulerStats = _NO_STATS  # totals before serving (self-benchmark)
         self._capacity_tokens_per_second: float | None = None
+        self._cache_config: tuple[int, int] | None = None  # (block_size, num_gpu_blocks)
         labels = ["model_name"]
         self._ttft = _histogram_pair(
             self.registry, "time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
@@ -154,6 +155,11 @@ class EngineMetrics:
     def set_capacity(self, tokens_per_second: float) -> None:
         self._capacity_tokens_per_second = tokens_per_second
 
+    def set_cache_config(self, block_size: int, num_gpu_blocks: int) -> None:
+        """The KV cache's shape, for vllm:cache_config_info (what a GIE endpoint picker and
+        kvfleet router read to size their prefix indexes)."""
+        self._cache_config = (block_size, num_gpu_blocks)
+
     # --- output ----------------------------------------------------------------------------
 
     def render(self) -> tuple[bytes, str]:
@@ -212,6 +218,16 @@ class _SnapshotCollector(Collector):
             )
             capacity.add_metric(value, m._capacity_tokens_per_second)
             yield capacity
+
+        if m._cache_config is not None:
+            block_size, num_gpu_blocks = m._cache_config
+            cache_info = GaugeMetricFamily(
+                "vllm:cache_config_info",
+                "KV-cache configuration (vLLM's names); value is always 1.",
+                labels=["model_name", "block_size", "num_gpu_blocks"],
+            )
+            cache_info.add_metric([info.model, str(block_size), str(num_gpu_blocks)], 1.0)
+            yield cache_info
 
         stats = m._snapshot or _NO_STATS
         base = m._baseline

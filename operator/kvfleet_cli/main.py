@@ -16,6 +16,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "tiny-model": ("kvfleet_engine.tiny_model:main", "write a tiny random Llama checkpoint"),
     "operator": ("kvfleet_operator.main:main", "run the InferenceDeployment operator (kopf)"),
+    "router": (
+        "kvfleet_router.cli:main",
+        "route OpenAI requests across engine replicas (prefix- and load-aware, scale from zero)",
+    ),
     "crds": ("kvfleet_operator.crd:main", "write the CRDs generated from the typed models"),
     "bench": ("kvfleet_engine.bench.cli:main", "benchmarks: throughput, latency, serve"),
 }

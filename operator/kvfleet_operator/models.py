@@ -27,6 +27,7 @@ GGUF_URI_MESSAGE = (
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8, 16)
 
 WeightQuantization = Literal["none", "int8", "fp8", "int4-awq", "int4-gptq"]
+RoutingStrategy = Literal["prefix", "least-load", "round-robin"]
 KVCacheQuantization = Literal["auto", "fp8"]
 # Where the memory plan's model numbers came from (status.memoryPlan.source).
 MemorySource = Literal["catalog", "ggufHeader", "hints"]
@@ -227,6 +228,49 @@ class RolloutSpec(Model):
     )
 
 
+class RoutingSpec(Model):
+    """`kvfleet router` in front of the replicas: prefix- and load-aware routing, retries, and
+    requests held while the deployment scales up from zero."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Render the router (Deployment, Service, PDB, RBAC); status.endpoint.url "
+        "then points at it. Without it clients reach the engines through their Service.",
+    )
+    strategy: RoutingStrategy = Field(
+        default="prefix",
+        description="prefix: the replica holding the longest prefix of the prompt, within a "
+        "load bound; least-load: the replica with the fewest requests in flight and queued; "
+        "round-robin: each in turn.",
+    )
+    queue_size: int = Field(
+        default=256,
+        ge=0,
+        le=100000,
+        description="Requests the router holds while no replica is available (scaling from "
+        "zero, all replicas restarting); beyond it, 503 at once.",
+    )
+    queue_timeout_seconds: int = Field(
+        default=300,
+        ge=1,
+        le=3600,
+        description="Longest a request waits for a replica; then 503 with Retry-After. Cover "
+        "a replica's start-up (weights loading) when scaling from zero.",
+    )
+    scale_to_zero_after_seconds: int = Field(
+        default=600,
+        ge=30,
+        le=86400,
+        description="With autoscaling.minReplicas 0: scale to zero after the router saw no "
+        "request for this long.",
+    )
+    image: str | None = Field(
+        default=None,
+        max_length=512,
+        description="Router image; defaults to the operator's (it carries `kvfleet router`).",
+    )
+
+
 def _one_rate_target(name: str) -> tuple[str, str]:
     rate = f"self.autoscaling.targets.{name}"
     return (
@@ -298,6 +342,9 @@ class InferenceDeploymentSpec(Model):
     )
     sla: SLASpec = Field(default_factory=SLASpec, description="Latency targets and concurrency.")
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="Rollout and draining.")
+    routing: RoutingSpec = Field(
+        default_factory=RoutingSpec, description="The router in front of the replicas."
+    )
     suspend: bool = Field(default=False, description="Scale to zero, keep every object.")
     auth: AuthSpec = Field(default_factory=AuthSpec, description="API-key authentication.")
     network_policy: NetworkPolicySpec = Field(

@@ -154,6 +154,15 @@ def plan_deployment(
                 "are not installed; install KEDA or use controller Builtin",
             )
         )
+    if spec.autoscaling is not None and spec.autoscaling.min_replicas == 0:
+        if not spec.routing.enabled:
+            problems.append(
+                Problem(
+                    "InvalidAutoscaling",
+                    "autoscaling.minReplicas: 0 needs routing.enabled: true (the router holds "
+                    "requests while a replica starts and tells the autoscaler they wait)",
+                )
+            )
     problems += [Problem("FeatureUnavailable", m) for m in unavailable_features(spec)]
     return Plan(
         served_model_name=served_model_name,

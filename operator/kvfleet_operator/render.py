@@ -21,7 +21,8 @@ from kvfleet_operator.render_group import (
     render_statefulsets,
 )
 from kvfleet_operator.render_network import render_network_policy
-from kvfleet_operator.render_pod import annotate_pod_templates, pod_spec
+from kvfleet_operator.render_pod import ENGINE_TYPE_LABEL, annotate_pod_templates, pod_spec
+from kvfleet_operator.render_router import render_router
 
 # The pod-template annotation that carries a digest of the API key: a rotated Secret changes the
 # template, so the workload rolls its pods onto the new key.
@@ -111,6 +112,8 @@ def render_children(
                 group=kind != "Deployment",
             )
         )
+    if spec.routing.enabled:
+        children += render_router(name, namespace, spec, plan)
     return children
 
 
@@ -138,7 +141,7 @@ def render_deployment(
         "progressDeadlineSeconds": max(600, plan.startup_timeout_seconds + 120),
         "revisionHistoryLimit": 3,
         "template": {
-            "metadata": {"labels": labels(name)},
+            "metadata": {"labels": {**labels(name), **ENGINE_TYPE_LABEL}},
             "spec": pod_spec(spec, plan, profile),
         },
     }

@@ -23,7 +23,7 @@ from typing import Any
 from kvfleet_operator import api
 from kvfleet_operator.models import AcceleratorProfileSpec, InferenceDeploymentSpec
 from kvfleet_operator.plan import Plan
-from kvfleet_operator.render_pod import MASTER_PORT, Ranks, pod_spec
+from kvfleet_operator.render_pod import ENGINE_TYPE_LABEL, MASTER_PORT, Ranks, pod_spec
 
 Manifest = dict[str, Any]
 
@@ -87,7 +87,7 @@ def render_leader_worker_set(
             "size": plan.topology.pods_per_replica,
             "restartPolicy": "RecreateGroupOnPodRestart",
             "workerTemplate": {
-                "metadata": {"labels": dict(labels)},
+                "metadata": {"labels": {**labels, **ENGINE_TYPE_LABEL}},
                 "spec": pod_spec(spec, plan, profile, ranks=ranks, affinity=apart),
             },
         },
@@ -153,7 +153,7 @@ def render_statefulset(
             "revisionHistoryLimit": 3,
             "selector": {"matchLabels": dict(member)},
             "template": {
-                "metadata": {"labels": dict(pod_labels)},
+                "metadata": {"labels": {**pod_labels, **ENGINE_TYPE_LABEL}},
                 "spec": pod_spec(spec, plan, profile, ranks=ranks, affinity=_one_per_node(member)),
             },
         },

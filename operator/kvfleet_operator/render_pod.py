@@ -25,6 +25,10 @@ MASTER_PORT = 29500
 # reads the checkpoint's config.json (a plain checkpoint then loads as bf16).
 ENGINE_QUANTIZATION = {"int8": "int8", "fp8": "fp8", "int4-awq": "awq", "int4-gptq": "gptq"}
 API_KEY_ENV = "KVFLEET_API_KEY"  # `kvfleet serve` reads its API key from it
+# On every engine pod template: the pods speak vLLM's model-server protocol (its metric names,
+# vllm:cache_config_info), so llm-d's router or any Gateway API Inference Extension endpoint
+# picker can front them.
+ENGINE_TYPE_LABEL = {"llm-d.ai/engine-type": "vllm"}
 
 
 @dataclass(frozen=True)
@@ -221,7 +225,7 @@ def _api_key_env(spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
 
 def annotate_pod_templates(workload: dict[str, Any], annotations: dict[str, str]) -> None:
     """Adds `annotations` to every pod template of a Deployment, StatefulSet or LeaderWorkerSet
-    (its leader and worker templates), in place."""
+    (its leader and worker templates), in place; the groups' headless Service has none."""
     spec = workload["spec"]
     if workload["kind"] == "LeaderWorkerSet":
         group = spec["leaderWorkerTemplate"]

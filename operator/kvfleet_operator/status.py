@@ -11,6 +11,7 @@ from kvfleet_operator.models import InferenceDeploymentSpec
 from kvfleet_operator.plan import Plan
 from kvfleet_operator.render import endpoint_url, selector_string
 from kvfleet_operator.render_pod import rendered_weights
+from kvfleet_operator.render_router import router_url
 
 OWN_CONDITIONS = ("Ready", "Reconciling", "Stalled", "Planned", "Available")
 # Container waiting reasons that mean the pod will not serve without a change.
@@ -118,7 +119,9 @@ def compute_status(
         "quantization": _quantization(spec, plan, workload),
         "selector": selector_string(name),
         "endpoint": {
-            "url": endpoint_url(name, namespace),
+            "url": router_url(name, namespace)
+            if spec.routing.enabled
+            else endpoint_url(name, namespace),
             "servedModelName": plan.served_model_name,
         },
         "topology": plan.topology.model_dump(by_alias=True) if plan.topology else None,
@@ -211,7 +214,9 @@ def _rollout_conditions(
         and workload.replicas == desired
     )
     if done:
-        reason = "Suspended" if desired == 0 else "AllReplicasReady"
+        reason = "AllReplicasReady"
+        if desired == 0:
+            reason = "Suspended" if spec.suspend else "ScaledToZero"
         message = f"{workload.ready}/{desired} replicas ready"
         return {
             "Stalled": ("False", "Healthy", message),
@@ -233,6 +238,9 @@ def _available(spec: InferenceDeploymentSpec, workload: WorkloadState | None) ->
         return ("False", "Suspended", "spec.suspend is true")
     if workload is not None and workload.ready > 0:
         return ("True", "MinimumReplicasAvailable", f"{workload.ready} replicas serve")
+    if workload is not None and workload.desired == 0 and spec.routing.enabled:
+        message = "scaled to zero; the router holds requests while a replica starts"
+        return ("False", "ScaledToZero", message)
     return ("False", "NoReplicasAvailable", "no replica serves yet")
 
 

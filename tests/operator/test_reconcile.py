@@ -72,7 +72,7 @@ class MemoryCluster:
         key = (manifest["kind"], manifest["metadata"]["namespace"], manifest["metadata"]["name"])
         previous = self.objects.get(key)
         generation = (previous or {}).get("metadata", {}).get("generation", 0)
-        if previous is None or previous["spec"] != manifest["spec"]:
+        if previous is None or previous.get("spec") != manifest.get("spec"):
             generation += 1
         stored = copy.deepcopy(manifest)
         stored["metadata"]["generation"] = generation
@@ -92,6 +92,11 @@ class MemoryCluster:
         self.events.append(reason)
 
 
+# The engines' objects, then the router's (routing.enabled is the default).
+CHILDREN = ["Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"]
+ROUTER = ["ServiceAccount", "Role", "RoleBinding", "Deployment", "Service", "PodDisruptionBudget"]
+
+
 def infd(**spec: Any) -> dict[str, Any]:
     return {
         "apiVersion": api.API_VERSION,
@@ -109,7 +114,7 @@ async def test_reconcile_applies_children_then_is_a_no_op() -> None:
     cluster = MemoryCluster()
     cluster.add(infd(replicas=2))
     await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
-    assert cluster.applied == ["Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"]
+    assert cluster.applied == CHILDREN + ROUTER
     deployment = cluster.objects[("Deployment", "ns", "llama")]
     assert deployment["metadata"]["ownerReferences"][0]["uid"] == "u-1"
     assert len(cluster.status_patches) == 1 and cluster.events == ["Created"]
@@ -186,7 +191,7 @@ async def test_unreadable_gguf_header_rolls_out_without_a_memory_plan() -> None:
         in (planned["message"])
     )
     assert "HTTP 401" in planned["message"] and "set model.hints" in planned["message"]
-    assert cluster.applied == ["Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"]
+    assert cluster.applied == CHILDREN + ROUTER
     assert cluster.secret_reads == 0  # no credentialsSecret: unauthenticated
 
 
@@ -238,7 +243,7 @@ async def test_native_groups_scale_recreate_and_leave_no_stale_workload() -> Non
     body = infd(replicas=1)  # Llama 3.1 8B: one GPU, then 16 over two nodes
     cluster.add(body)
     await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
-    assert cluster.applied == ["Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"]
+    assert cluster.applied == CHILDREN + ROUTER
 
     # TP 8 x PP 2 outgrows a node: the Deployment gives way to a StatefulSet group.
     body["spec"]["parallelism"] = TWO_NODES
@@ -246,7 +251,7 @@ async def test_native_groups_scale_recreate_and_leave_no_stale_workload() -> Non
     cluster.applied.clear()
     await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
     assert cluster.applied == [
-        "Service", "StatefulSet", "Service", "PodDisruptionBudget", "NetworkPolicy"
+        "Service", "StatefulSet", "Service", "PodDisruptionBudget", "NetworkPolicy", *ROUTER
     ]  # fmt: skip
     assert cluster.deleted == ["Deployment/llama"]
     status = cluster.objects[("InferenceDeployment", "ns", "llama")]["status"]
@@ -288,7 +293,7 @@ async def test_leader_worker_set_when_served() -> None:
     cluster.add(infd(replicas=2, model=LLAMA_405B, parallelism=TWO_NODES))
     await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
     assert cluster.applied == [
-        "LeaderWorkerSet", "Service", "PodDisruptionBudget", "NetworkPolicy"
+        "LeaderWorkerSet", "Service", "PodDisruptionBudget", "NetworkPolicy", *ROUTER
     ]  # fmt: skip
     lws = cluster.objects[("LeaderWorkerSet", "ns", "llama-group")]
     assert lws["spec"]["replicas"] == 2 and cluster.events == ["Created"]

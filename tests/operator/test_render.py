@@ -33,7 +33,9 @@ def test_hf_model_with_fixed_replicas(check_golden, make_spec) -> None:
     check_golden("hf-fixed-replicas", children(spec))
 
 
-def test_pvc_model_with_autoscaling_and_no_service_monitor(check_golden, make_spec) -> None:
+def test_pvc_model_with_autoscaling_no_service_monitor_and_no_router(
+    check_golden, make_spec
+) -> None:
     spec = make_spec(
         model={"uri": "pvc://models/llama-3.1-8b-instruct"},
         replicas=None,
@@ -48,6 +50,7 @@ def test_pvc_model_with_autoscaling_and_no_service_monitor(check_golden, make_sp
             "maxQueuedTokens": 65536,
             "extraArgs": ["--seed", "1"],
         },
+        routing={"enabled": False},
     )
     objects = children(spec, service_monitor=False)
     assert [o["kind"] for o in objects] == [

@@ -58,7 +58,7 @@ def test_all_replicas_ready_is_ready_and_current(make_spec) -> None:
     assert status["replicasSummary"] == "2/2" and status["scaling"] == "Manual"
     assert status["selector"] == "kvfleet.io/deployment=llama"
     assert status["endpoint"] == {
-        "url": "http://llama.team-a.svc:8000/v1",
+        "url": "http://llama-router.team-a.svc:8000/v1",
         "servedModelName": "llama",
     }
     assert status["memoryPlan"]["fits"] is True

@@ -165,6 +165,8 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             world_size=config.parallel.world_size,
         )
     )
+    assert client.ready is not None, "set by client.start()"
+    metrics.set_cache_config(client.ready.block_size, client.ready.num_blocks)
     settings = ServerSettings(
         served_model_name=served_name,
         max_model_len=config.model.max_model_len,

@@ -1,7 +1,8 @@
 """The Builtin autoscaler's tick for one InferenceDeployment: read, decide, act, report.
 
     read   the InferenceDeployment, its child workload and pods; each ready pod's metrics (of a
-           group of pods, the leader's: it serves the whole group)
+           group of pods, the leader's: it serves the whole group); with minReplicas 0, the
+           demand its router pods report (requests waiting, idle time)
     decide `decide(spec, observation, state)` (pure, decision.py)
     act    mark the scale-down victims (pod-deletion-cost) and write the Deployment's
            spec.replicas by server-side apply under the field manager `kvfleet-autoscaler`; a
@@ -36,11 +37,13 @@ from kvfleet_operator.autoscaling.decision import (
 )
 from kvfleet_operator.autoscaling.pods import DELETION_COST, PodFacts, format_time, pod_facts
 from kvfleet_operator.autoscaling.samples import EngineSample, Observation, PodObservation
-from kvfleet_operator.autoscaling.sources import query_prometheus, scrape_pods
+from kvfleet_operator.autoscaling.sources import query_prometheus, scrape_pods, scrape_routers
 from kvfleet_operator.autoscaling.spec import AutoscalingSpec
 from kvfleet_operator.autoscaling.state import ScalerState
+from kvfleet_operator.models import RoutingSpec
 from kvfleet_operator.render import selector_string
 from kvfleet_operator.render_group import group_name, leader_selector
+from kvfleet_operator.render_router import ROUTER_PORT, router_selector_string
 
 log = logging.getLogger(__name__)
 
@@ -106,12 +109,25 @@ async def autoscale_once(
         if (facts := pod_facts(pod)) is not None
     ]
     samples = await _read_metrics(spec, http, namespace, pods, now)
+    # The routers' demand decides only the moves to and from zero (minReplicas 0).
+    demand, idle_after = None, None
+    routing = RoutingSpec.model_validate(raw_spec.get("routing") or {})
+    if spec.min_replicas == 0 and routing.enabled:
+        routers = [
+            facts
+            for pod in await cluster.list("v1", "Pod", namespace, router_selector_string(name))
+            if (facts := pod_facts(pod)) is not None
+        ]
+        demand = await scrape_routers(http, routers, ROUTER_PORT)
+        idle_after = float(routing.scale_to_zero_after_seconds)
     observation = Observation(
         now=now,
         replicas=workload.replicas,
         ready_replicas=sum(1 for pod in pods if pod.ready_since is not None),
         unschedulable_replicas=sum(1 for pod in pods if pod.unschedulable),
         pods=tuple(PodObservation(p.name, p.ready_since, samples.get(p.name)) for p in pods),
+        demand=demand,
+        scale_to_zero_after_s=idle_after,
     )
     status = body.get("status") or {}
     state = ScalerState.from_dict((status.get("autoscaling") or {}).get("state"))

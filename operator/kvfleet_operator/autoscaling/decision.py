@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from kvfleet_operator.autoscaling.limits import rate_limit, stabilize
-from kvfleet_operator.autoscaling.samples import Observation, PodObservation
+from kvfleet_operator.autoscaling.samples import Observation, PodObservation, RouterDemand
 from kvfleet_operator.autoscaling.spec import AutoscalingSpec
 from kvfleet_operator.autoscaling.state import (
     HISTORY_LENGTH,
@@ -80,6 +80,10 @@ def decide(spec: AutoscalingSpec, observation: Observation, state: ScalerState) 
     signals = _read_signals(spec, ticks, now, current, ready)
     state = replace(state, snapshots=snapshots, ticks=ticks)
 
+    if spec.min_replicas == 0:
+        to_or_from_zero = _zero(spec, observation, state, signals)
+        if to_or_from_zero is not None:
+            return to_or_from_zero
     if ready == 0 or not counted_pods(spec, observation):
         why = "no ready pods" if ready == 0 else "no metrics from ready pods past warm-up"
         return _hold(spec, observation, state, signals, why)
@@ -215,8 +219,53 @@ def _top(signals: list[SignalReading], panic: bool) -> str:
     return f"{top.name} {shown}/{top.target:.3g} per replica -> {desired}"
 
 
-def _clamp(spec: AutoscalingSpec, replicas: int) -> int:
-    return max(spec.min_replicas, min(spec.max_replicas, replicas))
+def _zero(
+    spec: AutoscalingSpec,
+    observation: Observation,
+    state: ScalerState,
+    signals: tuple[SignalReading, ...],
+) -> Decision | None:
+    """With minReplicas 0: from zero to one as soon as a request waits in the router, to zero
+    once the router has been idle for routing.scaleToZeroAfterSeconds. Neither waits for
+    stabilization or rate limits: the idle time is the scale-down window, and a request that
+    waits needs a replica now. None: decide as usual (never below one replica)."""
+    current = observation.replicas
+    demand = observation.demand
+    if current == 0:
+        if demand is None:
+            return _finish(
+                spec, observation, state, signals, "Stable", 0,
+                "hold at zero: no demand signal from the router", METRICS_UNAVAILABLE,
+            )  # fmt: skip
+        if demand.queued > 0 or demand.in_flight > 0:
+            waiting = _count(demand)
+            return _finish(
+                spec, observation, state, signals, "Stable", 1,
+                f"scale from zero: {waiting} waiting in the router", "",
+            )  # fmt: skip
+        return _finish(spec, observation, state, signals, "Stable", 0, "at zero: no requests", "")
+    idle_after = observation.scale_to_zero_after_s
+    if demand is None or idle_after is None or not _idle(demand, idle_after):
+        return None
+    return _finish(
+        spec, observation, state, signals, "Stable", 0,
+        f"scale to zero: no request through the router for {demand.idle_seconds:.0f} s "
+        f"(routing.scaleToZeroAfterSeconds {idle_after:g})", "",
+    )  # fmt: skip
+
+
+def _idle(demand: RouterDemand, idle_after: float) -> bool:
+    return demand.queued == 0 and demand.in_flight == 0 and demand.idle_seconds >= idle_after
+
+
+def _count(demand: RouterDemand) -> str:
+    return f"{demand.queued:g} queued, {demand.in_flight:g} in flight"
+
+
+def _clamp(spec: AutoscalingSpec, replicas: int, allow_zero: bool = False) -> int:
+    """Within [minReplicas, maxReplicas]; never 0 unless the zero rule decided it."""
+    floor = spec.min_replicas if allow_zero else max(1, spec.min_replicas)
+    return max(floor, min(spec.max_replicas, replicas))
 
 
 def _hold(
@@ -251,7 +300,7 @@ def _finish(
 ) -> Decision:
     """Apply min/max, the scale-down drain, and record the decision."""
     now, current = observation.now, observation.replicas
-    clamped = _clamp(spec, desired)
+    clamped = _clamp(spec, desired, allow_zero=desired == 0 and spec.min_replicas == 0)
     if clamped != desired:
         reason = f"{reason}; clamped to [{spec.min_replicas}, {spec.max_replicas}]"
         desired = clamped

@@ -7,7 +7,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from kvfleet_operator.autoscaling.samples import EngineSample
+from kvfleet_operator.autoscaling.samples import EngineSample, RouterDemand
 
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)(?:\s+\S+)?$")
 _LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
@@ -71,6 +71,11 @@ CAPACITY = "kvfleet_engine_capacity_tokens_per_second"
 TTFT = "kvfleet_time_to_first_token_seconds"
 TPOT = "kvfleet_inter_token_latency_seconds"
 
+# What the autoscaler reads from each `kvfleet router` pod (README "Router").
+ROUTER_QUEUED = "kvfleet_router_queued_requests"
+ROUTER_IN_FLIGHT = "kvfleet_router_requests_in_flight"
+ROUTER_IDLE = "kvfleet_router_idle_seconds"
+
 # Label values of CAPACITY that mean prompt (prefill) or generation (decode) capacity; the kvfleet
 # engine exports only generation capacity, without such a label.
 _PROMPT_KINDS = {"prompt", "prefill"}
@@ -129,3 +134,14 @@ def engine_sample(samples: list[Sample], time: float) -> EngineSample:
 
 def _finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) and value > 0 else None
+
+
+def router_demand(samples: list[Sample]) -> RouterDemand:
+    """The demand signal out of one router's /metrics; ParseError when a gauge is missing."""
+    values = {
+        s.name: s.value for s in samples if s.name in (ROUTER_QUEUED, ROUTER_IN_FLIGHT, ROUTER_IDLE)
+    }
+    missing = [n for n in (ROUTER_QUEUED, ROUTER_IN_FLIGHT, ROUTER_IDLE) if n not in values]
+    if missing:
+        raise ParseError(f"missing metrics: {', '.join(missing)}")
+    return RouterDemand(values[ROUTER_QUEUED], values[ROUTER_IN_FLIGHT], values[ROUTER_IDLE])

@@ -31,6 +31,16 @@ class EngineSample:
 
 
 @dataclass(frozen=True)
+class RouterDemand:
+    """What the InferenceDeployment's routers report (summed over router pods): the demand
+    signal that scales from zero and to zero."""
+
+    queued: float  # kvfleet_router_queued_requests: requests waiting for a replica
+    in_flight: float  # kvfleet_router_requests_in_flight
+    idle_seconds: float  # kvfleet_router_idle_seconds (the least over router pods)
+
+
+@dataclass(frozen=True)
 class PodObservation:
     """One pod of the child Deployment."""
 
@@ -48,3 +58,5 @@ class Observation:
     ready_replicas: int  # its status.readyReplicas
     unschedulable_replicas: int  # pods the scheduler reports Unschedulable
     pods: tuple[PodObservation, ...]  # pods of the Deployment (not terminating)
+    demand: RouterDemand | None = None  # from the routers; None: no router, or no answer
+    scale_to_zero_after_s: float | None = None  # routing.scaleToZeroAfterSeconds with a router

@@ -16,7 +16,7 @@ import httpx
 from kvfleet_operator.api import ENGINE_PORT
 from kvfleet_operator.autoscaling import promtext
 from kvfleet_operator.autoscaling.pods import PodFacts
-from kvfleet_operator.autoscaling.samples import EngineSample
+from kvfleet_operator.autoscaling.samples import EngineSample, RouterDemand
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,36 @@ async def _scrape(
         return promtext.engine_sample(promtext.parse(response.text), time=now)
     except (httpx.HTTPError, promtext.ParseError) as exc:
         log.info("no metrics from pod %s (%s): %s", pod.name, url, exc)
+        return None
+
+
+async def scrape_routers(
+    http: httpx.AsyncClient, pods: list[PodFacts], port: int = ENGINE_PORT
+) -> RouterDemand | None:
+    """The routers' demand, summed over the ready router pods that answered (the least idle
+    time of them); None when none did."""
+    ready = [pod for pod in pods if pod.ready_since is not None and pod.ip]
+    demands = [
+        d for d in await asyncio.gather(*(_scrape_router(http, p, port) for p in ready)) if d
+    ]
+    if not demands:
+        return None
+    return RouterDemand(
+        queued=sum(d.queued for d in demands),
+        in_flight=sum(d.in_flight for d in demands),
+        idle_seconds=min(d.idle_seconds for d in demands),
+    )
+
+
+async def _scrape_router(http: httpx.AsyncClient, pod: PodFacts, port: int) -> RouterDemand | None:
+    host = f"[{pod.ip}]" if pod.ip and ":" in pod.ip else pod.ip
+    url = f"http://{host}:{port}/metrics"
+    try:
+        response = await http.get(url, timeout=SCRAPE_TIMEOUT_SECONDS)
+        response.raise_for_status()
+        return promtext.router_demand(promtext.parse(response.text))
+    except (httpx.HTTPError, promtext.ParseError) as exc:
+        log.info("no demand from router pod %s (%s): %s", pod.name, url, exc)
         return None
 
 

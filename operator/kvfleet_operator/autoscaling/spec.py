@@ -232,7 +232,11 @@ class AutoscalingSpec(Model):
     """Scale the InferenceDeployment's replicas on what its engines report."""
 
     min_replicas: int = Field(
-        default=1, ge=1, description="Fewest replicas (scale to zero is not supported yet)."
+        default=1,
+        ge=0,
+        description="Fewest replicas. 0 scales to zero after routing.scaleToZeroAfterSeconds "
+        "without requests, and back to one when a request waits in the router; it needs "
+        "routing.enabled and controller Builtin.",
     )
     max_replicas: int = Field(ge=1, description="Most replicas.")
     controller: Controller = Field(
@@ -278,6 +282,12 @@ class AutoscalingSpec(Model):
             raise ValueError(
                 "autoscaling.targets.promptTokenRate.capacityFraction is not supported: the engine "
                 "measures generation capacity only; use promptTokenRate.tokensPerSecond"
+            )
+        if self.min_replicas == 0 and self.controller != "Builtin":
+            raise ValueError(
+                f"autoscaling.minReplicas: 0 needs controller Builtin (got {self.controller}): "
+                "the router's demand signal, which scales from zero, feeds the built-in "
+                "autoscaler only"
             )
         needs_prometheus = self.source == "Prometheus" or self.controller == "KEDA"
         if needs_prometheus and self.prometheus is None:

@@ -1,0 +1,186 @@
+"""Rendering the router, pure: `kvfleet router` in front of one InferenceDeployment's engines.
+
+    ServiceAccount, Role, RoleBinding  the router reads the engine Service's EndpointSlices
+                                       (get, list, watch; nothing else)
+    Deployment                         one router pod (operator image, `kvfleet router`)
+    Service                            <name>-router:8000, what status.endpoint.url names
+    PodDisruptionBudget                maxUnavailable 1
+
+The router's pods carry `kvfleet.io/router`, never `kvfleet.io/deployment`: the engine
+Deployment's selector, its Service and the autoscaler's pod list must not match them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvfleet_operator import api
+from kvfleet_operator.models import InferenceDeploymentSpec
+from kvfleet_operator.plan import Plan
+
+ROUTER_LABEL = f"{api.GROUP}/router"
+ROUTER_PORT = api.ENGINE_PORT  # clients change only the host when the router fronts them
+DEFAULT_ROUTER_IMAGE = "ghcr.io/kvfleet/kvfleet-operator:0.1.0"  # it carries `kvfleet router`
+PRE_STOP_SECONDS = 5  # endpoints drop the pod before it stops accepting
+STREAM_DRAIN_SECONDS = 60  # in-flight streams finish before the pod is killed
+Manifest = dict[str, Any]
+
+
+def router_name(name: str) -> str:
+    return f"{name}-router"
+
+
+def router_labels(name: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "kvfleet-router",
+        "app.kubernetes.io/component": "router",
+        "app.kubernetes.io/part-of": "kvfleet",
+        "app.kubernetes.io/managed-by": api.FIELD_MANAGER,
+        ROUTER_LABEL: name,
+    }
+
+
+def router_selector(name: str) -> dict[str, str]:
+    return {ROUTER_LABEL: name}
+
+
+def router_selector_string(name: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in router_selector(name).items())
+
+
+def router_url(name: str, namespace: str) -> str:
+    return f"http://{router_name(name)}.{namespace}.svc:{ROUTER_PORT}/v1"
+
+
+def render_router(
+    name: str, namespace: str, spec: InferenceDeploymentSpec, plan: Plan
+) -> list[Manifest]:
+    """The router's objects, in apply order (RBAC before the pod that uses it)."""
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(name, namespace)},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": _metadata(name, namespace),
+            "rules": [
+                {
+                    "apiGroups": ["discovery.k8s.io"],
+                    "resources": ["endpointslices"],
+                    "verbs": ["get", "list", "watch"],
+                }
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": _metadata(name, namespace),
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "Role",
+                "name": router_name(name),
+            },
+            "subjects": [
+                {"kind": "ServiceAccount", "name": router_name(name), "namespace": namespace}
+            ],
+        },
+        render_router_deployment(name, namespace, spec, plan),
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _metadata(name, namespace),
+            "spec": {
+                "type": "ClusterIP",
+                "selector": router_selector(name),
+                "ports": [
+                    {"name": "http", "port": ROUTER_PORT, "targetPort": "http", "protocol": "TCP"}
+                ],
+            },
+        },
+        {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": _metadata(name, namespace),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": router_selector(name)}},
+        },
+    ]
+
+
+def _metadata(name: str, namespace: str) -> dict[str, Any]:
+    return {"name": router_name(name), "namespace": namespace, "labels": router_labels(name)}
+
+
+def router_args(name: str, namespace: str, spec: InferenceDeploymentSpec, plan: Plan) -> list[str]:
+    """`kvfleet router` arguments: the engine Service `name` (its EndpointSlices) and the spec's
+    routing settings."""
+    routing = spec.routing
+    return [
+        "--deployment", name,
+        "--namespace", namespace,
+        "--served-model-name", plan.served_model_name,
+        "--strategy", routing.strategy,
+        "--queue-size", str(routing.queue_size),
+        "--queue-timeout", str(routing.queue_timeout_seconds),
+        "--port", str(ROUTER_PORT),
+    ]  # fmt: skip
+
+
+def render_router_deployment(
+    name: str, namespace: str, spec: InferenceDeploymentSpec, plan: Plan
+) -> Manifest:
+    container = {
+        "name": "router",
+        "image": spec.routing.image or DEFAULT_ROUTER_IMAGE,
+        "command": ["kvfleet", "router"],
+        "args": router_args(name, namespace, spec, plan),
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "resources": {
+            "requests": {"cpu": "250m", "memory": "128Mi"},
+            "limits": {"memory": "512Mi"},  # no CPU limit: throttling would add latency
+        },
+        "readinessProbe": {
+            "httpGet": {"path": "/ready", "port": "http"},
+            "periodSeconds": 5,
+            "timeoutSeconds": 3,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 6,
+        },
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(name, namespace),
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": router_selector(name)},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "revisionHistoryLimit": 3,
+            "template": {
+                "metadata": {"labels": router_labels(name)},
+                "spec": {
+                    "serviceAccountName": router_name(name),
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": 1000,
+                        "runAsGroup": 1000,
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
+                    "terminationGracePeriodSeconds": PRE_STOP_SECONDS + STREAM_DRAIN_SECONDS,
+                    "containers": [container],
+                },
+            },
+        },
+    }

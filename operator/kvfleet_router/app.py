@@ -1,0 +1,139 @@
+"""The router's aiohttp application: the OpenAI routes through the proxy, /health, /ready,
+/metrics; its lifecycle starts discovery and load scraping and stops them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from kvfleet_router.discovery import KubernetesDiscovery, StaticDiscovery
+from kvfleet_router.load import LoadScraper
+from kvfleet_router.metrics import RouterMetrics
+from kvfleet_router.proxy import Proxy
+from kvfleet_router.replicas import ReplicaPool
+from kvfleet_router.settings import RouterSettings
+from kvfleet_router.strategies import make_strategy
+from kvfleet_router.waiting import WaitingQueue
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 * 1024 * 1024  # long prompts, or many of them
+
+
+class Router:
+    """All the parts of one router process, wired together."""
+
+    def __init__(self, settings: RouterSettings) -> None:
+        self.settings = settings
+        self.pool = ReplicaPool()
+        self.queue = WaitingQueue(self.pool, settings.queue_size)
+        self.strategy = make_strategy(settings)
+        self.metrics = RouterMetrics(self.strategy.name, self.pool, self.queue)
+        self.discovery: StaticDiscovery | KubernetesDiscovery
+        if settings.deployment is not None:
+            assert settings.namespace is not None, "checked by RouterSettings"
+            self.discovery = KubernetesDiscovery(
+                self.pool, settings.namespace, settings.deployment, settings.discovery
+            )
+        else:
+            self.discovery = StaticDiscovery(self.pool, settings.backends)
+        self.proxy: Proxy | None = None  # made at start-up, with the client session
+
+    def build_app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.cleanup_ctx.append(self._lifecycle)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/ready", self._ready)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._completions)
+        return app
+
+    async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=None, keepalive_timeout=30)
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=self.settings.connect_timeout_s, sock_read=None
+        )
+        async with aiohttp.ClientSession(
+            connector=connector, timeout=timeout, auto_decompress=False, trust_env=False
+        ) as session:
+            self.proxy = Proxy(
+                self.settings, self.pool, self.queue, self.strategy, self.metrics, session
+            )
+            scraper = LoadScraper(self.pool, session, self.settings.scrape_interval_s)
+            tasks = [
+                asyncio.create_task(self.discovery.run(), name="discovery"),
+                asyncio.create_task(scraper.run(), name="scraper"),
+            ]
+            try:
+                yield
+            finally:
+                for task in tasks:
+                    task.cancel()
+                for task in tasks:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        """Ready once discovery has its first list, replicas or not (at zero it queues)."""
+        if self.discovery.synced:
+            return web.json_response({"status": "ready"})
+        return web.json_response({"status": "discovering replicas"}, status=503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body, content_type = self.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        assert self.proxy is not None, "set at start-up"
+        return await self.proxy.models(request)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        assert self.proxy is not None, "set at start-up"
+        return await self.proxy.completions(request)
+
+
+def run(settings: RouterSettings) -> None:
+    """Serve until SIGINT/SIGTERM, on uvloop when it is installed."""
+    loop_factory = None
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    router = Router(settings)
+    log.info(
+        "kvfleet router on %s:%d, strategy %s, replicas from %s",
+        settings.host,
+        settings.port,
+        settings.strategy,
+        f"{settings.namespace}/{settings.deployment}"
+        if settings.deployment
+        else ", ".join(settings.backends),
+    )
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(_serve(router, settings))
+
+
+async def _serve(router: Router, settings: RouterSettings) -> None:
+    runner = web.AppRunner(router.build_app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port, backlog=1024)
+    await site.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,151 @@
+"""`kvfleet router`: the flags, read once into RouterSettings."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from kvfleet_router.settings import ENGINE_PORT, STRATEGY_NAMES, RouterSettings
+
+DEFAULTS = RouterSettings(backends=("http://localhost",))  # only to show the defaults
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvfleet router",
+        description="OpenAI-compatible router in front of an InferenceDeployment's engine "
+        "replicas: prefix- and load-aware, retries, holds requests while scaling from zero.",
+    )
+    where = parser.add_argument_group("replicas (one of)")
+    where.add_argument(
+        "--deployment",
+        help="InferenceDeployment whose engine Service's EndpointSlices list the replicas",
+    )
+    where.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an engine's base URL, e.g. http://127.0.0.1:8001 (repeat for several)",
+    )
+    parser.add_argument(
+        "--namespace", help="namespace of --deployment (default: this pod's namespace)"
+    )
+    parser.add_argument(
+        "--discovery",
+        choices=("endpointslices", "pods"),
+        default="endpointslices",
+        help="with --deployment: the ready endpoints of its Service's EndpointSlices, or its "
+        "ready pods (needs pods get/list/watch; for clusters whose EndpointSlices cannot hold "
+        "the pod IPs)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="model name clients use (repeatable); other names get 404. Default: the names "
+        "the replicas report",
+    )
+    parser.add_argument("--strategy", choices=STRATEGY_NAMES, default=DEFAULTS.strategy)
+    parser.add_argument("--host", default=DEFAULTS.host)
+    parser.add_argument("--port", type=int, default=ENGINE_PORT)
+    parser.add_argument(
+        "--queue-size",
+        type=int,
+        default=DEFAULTS.queue_size,
+        help="requests that may wait for a replica; beyond it 503 at once",
+    )
+    parser.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=DEFAULTS.queue_timeout_s,
+        metavar="SECONDS",
+        help="longest wait for a replica (scale from zero); then 503 with Retry-After",
+    )
+    parser.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=DEFAULTS.scrape_interval_s,
+        metavar="SECONDS",
+        help="how often each replica's /metrics is read (at most 0.1: >= 10 Hz)",
+    )
+    parser.add_argument(
+        "--max-attempts",
+        type=int,
+        default=DEFAULTS.max_attempts,
+        help="replicas tried per request when they answer 429 (on 503 or a refused "
+        "connection a request waits for another replica until --queue-timeout)",
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    namespace = args.namespace
+    if args.deployment and namespace is None:
+        namespace = _pod_namespace()
+    try:
+        settings = RouterSettings(
+            deployment=args.deployment,
+            namespace=namespace,
+            discovery=args.discovery,
+            backends=tuple(args.backend),
+            served_model_names=tuple(args.served_model_name),
+            strategy=args.strategy,
+            host=args.host,
+            port=args.port,
+            queue_size=args.queue_size,
+            queue_timeout_s=args.queue_timeout,
+            scrape_interval_s=args.scrape_interval,
+            max_attempts=args.max_attempts,
+        )
+    except ValueError as exc:
+        parser.error(_flag_message(str(exc)))
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from kvfleet_router.app import run
+
+    run(settings)
+    return 0
+
+
+_FLAGS = {
+    "deployment": "--deployment",
+    "backends": "--backend",
+    "namespace": "--namespace",
+    "strategy": "--strategy",
+    "port": "--port",
+    "queue_size": "--queue-size",
+    "queue_timeout_s": "--queue-timeout",
+    "scrape_interval_s": "--scrape-interval",
+    "max_attempts": "--max-attempts",
+}
+
+
+def _flag_message(message: str) -> str:
+    """A settings error in flag names: 'queue_size: ...' -> '--queue-size: ...'."""
+    field, sep, rest = message.partition(": ")
+    if sep and field in _FLAGS:
+        return f"{_FLAGS[field]}: {rest}"
+    if message.startswith("set either deployment"):
+        return "set either --deployment (with --namespace) or --backend, not both"
+    return message
+
+
+def _pod_namespace() -> str | None:
+    try:
+        with open("/var/run/secrets/kubernetes.io/serviceaccount/namespace") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

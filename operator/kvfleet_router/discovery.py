@@ -1,0 +1,166 @@
+"""Who the replicas are: the ready endpoints of the engine Service's EndpointSlices (a list,
+then a watch; relisted when the watch ends or fails; or the ready pods its selector matches),
+or a fixed list of URLs.
+
+Either way the result goes into `ReplicaPool.set_members`; `synced` says the first full list
+has arrived (the router reports ready from then on, with or without replicas: at zero it holds
+requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Iterable
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvfleet_router.replicas import ReplicaPool
+from kvfleet_router.settings import ENGINE_PORT
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+DEPLOYMENT_LABEL = "kvfleet.io/deployment"  # the engine pods' (and their Service's) selector
+DISCOVERY_SOURCES = ("endpointslices", "pods")
+PORT_NAME = "http"
+WATCH_TIMEOUT_S = 300  # the API server ends a watch after this; then list again
+RETRY_S = 2.0  # after a failed list or watch
+
+
+def ready_addresses(slices: Iterable[dict[str, Any]]) -> set[str]:
+    """host:port of every ready, not terminating endpoint in the EndpointSlices (dicts as the
+    API returns them). An absent `ready` means ready (the API's rule)."""
+    addresses = set()
+    for endpoint_slice in slices:
+        ports = endpoint_slice.get("ports") or []
+        port = next((p.get("port") for p in ports if p.get("name") == PORT_NAME), None)
+        if port is None:
+            port = ports[0].get("port") if len(ports) == 1 else ENGINE_PORT
+        for endpoint in endpoint_slice.get("endpoints") or []:
+            conditions = endpoint.get("conditions") or {}
+            if conditions.get("ready") is False or conditions.get("terminating") is True:
+                continue
+            for ip in endpoint.get("addresses") or []:
+                addresses.add(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
+    return addresses
+
+
+def ready_pod_addresses(pods: Iterable[dict[str, Any]]) -> set[str]:
+    """podIP:8000 of every Running, Ready pod that is not terminating."""
+    addresses = set()
+    for pod in pods:
+        status = pod.get("status") or {}
+        ip = status.get("podIP")
+        if not ip or pod["metadata"].get("deletionTimestamp") or status.get("phase") != "Running":
+            continue
+        conditions = {c.get("type"): c.get("status") for c in status.get("conditions") or []}
+        if conditions.get("Ready") == "True":
+            addresses.add(f"[{ip}]:{ENGINE_PORT}" if ":" in ip else f"{ip}:{ENGINE_PORT}")
+    return addresses
+
+
+def backend_address(url: str) -> str:
+    """http://host:port -> host:port (port 80 when absent)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    return f"{host}:{parts.port or 80}"
+
+
+class StaticDiscovery:
+    """Fixed backends; each becomes available at its first successful scrape."""
+
+    def __init__(self, pool: ReplicaPool, backends: Iterable[str]) -> None:
+        self._pool = pool
+        self._addresses = [backend_address(url) for url in backends]
+        self.synced = False
+
+    async def run(self) -> None:
+        self._pool.set_members(self._addresses, reachable=False)
+        self.synced = True
+
+
+class KubernetesDiscovery:
+    """The ready replicas behind the engine Service `service` in `namespace`, kept current by
+    a list and a watch: of its EndpointSlices (`source="endpointslices"`, what the operator
+    renders), or of the pods its selector matches (`source="pods"`; for clusters whose
+    EndpointSlices cannot hold the pod IPs, such as the e2e control plane, where kwok's pod IPs
+    are loopback addresses the API server refuses in an EndpointSlice)."""
+
+    def __init__(
+        self, pool: ReplicaPool, namespace: str, service: str, source: str = "endpointslices"
+    ) -> None:
+        if source not in DISCOVERY_SOURCES:
+            raise ValueError(f"source: must be one of {', '.join(DISCOVERY_SOURCES)}")
+        self._pool = pool
+        self._namespace = namespace
+        self._source = source
+        label = SERVICE_NAME_LABEL if source == "endpointslices" else DEPLOYMENT_LABEL
+        self._selector = f"{label}={service}"
+        self._objects: dict[str, dict[str, Any]] = {}  # name -> EndpointSlice or Pod
+        self.synced = False
+
+    async def run(self) -> None:
+        from kubernetes_asyncio import client, config, watch
+
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            await config.load_kube_config()
+        async with client.ApiClient() as api_client:
+            if self._source == "endpointslices":
+                list_func = client.DiscoveryV1Api(api_client).list_namespaced_endpoint_slice
+            else:
+                list_func = client.CoreV1Api(api_client).list_namespaced_pod
+            while True:
+                try:
+                    version = await self._list(list_func)
+                    await self._watch(list_func, watch.Watch(), version)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    log.warning("%s of %s: %s; retrying", self._source, self._selector, exc)
+                    await asyncio.sleep(RETRY_S)
+
+    async def _list(self, list_func: Any) -> str:
+        response = await list_func(
+            self._namespace, label_selector=self._selector, _preload_content=False
+        )
+        listing = json.loads(await response.read())
+        self._objects = {item["metadata"]["name"]: item for item in listing.get("items", [])}
+        self._publish()
+        self.synced = True
+        version: str = listing["metadata"]["resourceVersion"]
+        return version
+
+    async def _watch(self, list_func: Any, watcher: Any, version: str) -> None:
+        async with watcher.stream(
+            list_func,
+            self._namespace,
+            label_selector=self._selector,
+            resource_version=version,
+            timeout_seconds=WATCH_TIMEOUT_S,
+        ) as events:
+            async for event in events:
+                kind, raw = event["type"], event["raw_object"]
+                if kind == "ERROR":
+                    log.info("%s watch ended: %s", self._source, raw.get("message", raw))
+                    return
+                name = raw["metadata"]["name"]
+                if kind == "DELETED":
+                    self._objects.pop(name, None)
+                else:
+                    self._objects[name] = raw
+                self._publish()
+
+    def _publish(self) -> None:
+        objects = self._objects.values()
+        if self._source == "endpointslices":
+            addresses = ready_addresses(objects)
+        else:
+            addresses = ready_pod_addresses(objects)
+        if addresses != set(self._pool.members):
+            log.info("replicas of %s: %s", self._selector, ", ".join(sorted(addresses)) or "none")
+        self._pool.set_members(addresses, reachable=True)

@@ -1,0 +1,77 @@
+"""Block-aligned hashes of a request's prompt, the keys of prefix affinity.
+
+The router has no tokenizer and no chat template, so it does not render the prompt the way the
+engine will; it hashes a canonical form that grows the same way the rendered prompt does:
+
+- completions: the prompt text in blocks of `block_chars` characters (token-id prompts: blocks
+  of 16 ids, the engine's default KV block);
+- chat: the messages in order, each as `role US content RS` (content parts' text joined, tool
+  calls as JSON), concatenated and cut into the same character blocks.
+
+Block i's hash covers every character before its end (chained: h_i = hash(h_{i-1}, block_i)),
+and only full blocks count, like the engine's prefix cache. So turn n+1 of a conversation
+shares all of turn n's full blocks, and requests with one system prompt share its blocks: what
+the engine has cached for one, it has cached for the other, whatever its template adds around
+the messages. Python's `hash` is salted per process, which is fine: the hashes never leave it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+TOKEN_BLOCK = 16  # token ids per block of a token-id prompt
+_UNIT, _RECORD = "\x1f", "\x1e"
+
+
+def block_hashes(body: dict[str, Any], chat: bool, block_chars: int) -> list[int]:
+    """The chained hashes of the full blocks of a request body's prompt (empty when it has no
+    prompt the router can read: the engine then answers for it)."""
+    if chat:
+        return _text_blocks(_canonical_messages(body.get("messages")), block_chars)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch: route on its first prompt
+    if isinstance(prompt, str):
+        return _text_blocks(prompt, block_chars)
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return _token_blocks(prompt)
+    return []
+
+
+def _canonical_messages(messages: Any) -> str:
+    if not isinstance(messages, list):
+        return ""
+    parts = []
+    for message in messages:
+        if not isinstance(message, dict):
+            return ""
+        role = message.get("role")
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(
+                str(part.get("text", "")) if isinstance(part, dict) else "" for part in content
+            )
+        text = f"{role}{_UNIT}{content if isinstance(content, str) else ''}"
+        if message.get("tool_calls"):
+            text += json.dumps(message["tool_calls"], sort_keys=True, separators=(",", ":"))
+        parts.append(text + _RECORD)
+    return "".join(parts)
+
+
+def _text_blocks(text: str, block_chars: int) -> list[int]:
+    hashes = []
+    chained = 0
+    for end in range(block_chars, len(text) + 1, block_chars):
+        chained = hash((chained, text[end - block_chars : end]))
+        hashes.append(chained)
+    return hashes
+
+
+def _token_blocks(ids: list[int]) -> list[int]:
+    hashes = []
+    chained = 0
+    for end in range(TOKEN_BLOCK, len(ids) + 1, TOKEN_BLOCK):
+        chained = hash((chained, tuple(ids[end - TOKEN_BLOCK : end])))
+        hashes.append(chained)
+    return hashes

@@ -1,0 +1,310 @@
+"""One request through the router: read and parse the body once, check it, rank the replicas,
+send it to the best one, retry elsewhere while nothing has reached the client, and pass the
+answer back (an event stream chunk by chunk, as it comes).
+
+Retries: a refused or failed connection, a 503 (draining, starting: that replica cools down for
+its Retry-After) or a 429 (busy: not tried again for this request) moves the request to the
+next replica of the ranking; once the ranking is used up it waits in the queue for another
+replica until its deadline, unless every replica answered 429 (that answer goes to the client,
+which backs off). Only 429s count toward `max_attempts`: a refused connection takes the replica
+out until a scrape reaches it again, a 503 for its Retry-After (at least MIN_COOL_DOWN_S), so
+neither can loop, and a request that meets only starting or stopping replicas waits for a
+serving one, as at zero. Once the
+first byte went to the client nothing is retried: a replica that dies mid-stream ends the
+stream. A client that disconnects cancels the handler (aiohttp's handler_cancellation), which
+closes the upstream connection at once, and the engine aborts the request.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from kvfleet_router import metrics as m
+from kvfleet_router.metrics import RouterMetrics
+from kvfleet_router.prefix import block_hashes
+from kvfleet_router.replicas import Replica, ReplicaPool
+from kvfleet_router.settings import RouterSettings
+from kvfleet_router.strategies import RoutedRequest, Strategy
+from kvfleet_router.waiting import QueueFull, WaitingQueue
+
+REPLICA_HEADER = "X-Kvfleet-Replica"  # which replica answered (host:port)
+_HOP_BY_HOP = frozenset(
+    {
+        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+        "trailer", "transfer-encoding", "upgrade", "host", "content-length",
+    }
+)  # fmt: skip
+_NOT_PASSED_BACK = _HOP_BY_HOP | {"content-encoding", "date", "server"}
+CHAT_PATH = "/v1/chat/completions"
+
+
+@dataclass(frozen=True)
+class _Declined:
+    """A replica's 429/503 answer, read in full: try another, or pass it on at the end."""
+
+    response: web.Response
+
+
+@dataclass
+class _Outcome:
+    """How one request ended, for kvfleet_router_requests_total."""
+
+    replica: str = ""  # host:port that answered; "" when the router answered itself
+    outcome: str = m.DISCONNECTED  # until something else is known
+
+
+class Proxy:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        pool: ReplicaPool,
+        queue: WaitingQueue,
+        strategy: Strategy,
+        metrics: RouterMetrics,
+        session: aiohttp.ClientSession,
+    ) -> None:
+        self._settings = settings
+        self._pool = pool
+        self._queue = queue
+        self._strategy = strategy
+        self._metrics = metrics
+        self._session = session
+        self.started_at = int(time.time())
+        self._served = frozenset(settings.served_model_names)
+
+    def model_names(self) -> frozenset[str]:
+        """What clients may ask for: the configured names, or those the replicas report."""
+        if self._served:
+            return self._served
+        names: frozenset[str] = frozenset()
+        for replica in self._pool.members.values():
+            if replica.sample is not None:
+                names |= replica.sample.model_names
+        return names
+
+    async def models(self, request: web.Request) -> web.Response:
+        """GET /v1/models, answered by the router (it must work at zero replicas too)."""
+        cards = [
+            {"id": name, "object": "model", "created": self.started_at, "owned_by": "kvfleet"}
+            for name in sorted(self.model_names())
+        ]
+        return web.json_response({"object": "list", "data": cards})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/completions and /v1/chat/completions."""
+        arrived = time.monotonic()
+        result = _Outcome()
+        self._metrics.started()
+        try:
+            return await self._forward(request, arrived, result)
+        finally:
+            self._metrics.finished(result.replica, result.outcome)
+
+    async def _forward(
+        self, request: web.Request, arrived: float, result: _Outcome
+    ) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:  # UnicodeDecodeError is one
+            result.outcome = m.BAD_REQUEST
+            return _error(400, f"request body is not valid JSON: {exc}", param="body")
+        if not isinstance(body, dict):
+            result.outcome = m.BAD_REQUEST
+            return _error(400, "request body must be a JSON object", param="body")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            result.outcome = m.BAD_REQUEST
+            return _error(400, "model: required, the served model name (a string)", "model")
+        known = self.model_names()
+        if known and model not in known:
+            result.outcome = m.UNKNOWN_MODEL
+            served = ", ".join(repr(name) for name in sorted(known))
+            return _error(
+                404,
+                f"model {model!r} does not exist; this router serves {served}",
+                param="model",
+                code="model_not_found",
+            )
+        routed = RoutedRequest(
+            block_hashes(body, request.path == CHAT_PATH, self._settings.block_chars)
+        )
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        return await self._send(request, raw, headers, routed, arrived, result)
+
+    async def _send(
+        self,
+        request: web.Request,
+        raw: bytes,
+        headers: dict[str, str],
+        routed: RoutedRequest,
+        arrived: float,
+        result: _Outcome,
+    ) -> web.StreamResponse:
+        settings = self._settings
+        deadline = arrived + settings.queue_timeout_s
+        url_path = request.path_qs
+        busy: set[str] = set()  # answered 429: not again for this request
+        last: web.Response | None = None  # the last 429/503 answer, passed on if nothing works
+        attempts = 0
+        waited = 0.0
+        decided = False
+        while attempts < settings.max_attempts and time.monotonic() < deadline:
+            replicas = self._queue.available(busy)
+            if not replicas and last is not None and last.status == 429:
+                result.outcome = m.CLIENT_ERROR  # every replica is busy: the client backs off
+                return last
+            if not replicas:
+                queue_start = time.monotonic()
+                try:
+                    replicas = await self._queue.wait(deadline, busy)
+                except QueueFull:
+                    result.outcome = m.QUEUE_FULL
+                    return _error(
+                        503,
+                        f"{settings.queue_size} requests are already waiting for a replica",
+                        type_="service_unavailable",
+                        headers={"Retry-After": str(settings.retry_after_s)},
+                    )
+                waited += time.monotonic() - queue_start
+                self._metrics.observe_queue_wait(time.monotonic() - queue_start)
+            if not replicas:
+                if last is not None:
+                    result.outcome = m.CLIENT_ERROR if last.status < 500 else m.ENGINE_ERROR
+                    return last
+                result.outcome = m.QUEUE_TIMEOUT
+                return self._no_replica()
+            ranking = self._strategy.rank(routed, replicas)
+            if not decided:
+                decided = True
+                self._metrics.routed(
+                    ranking.reason, len(routed.block_hashes), ranking.matched_blocks
+                )
+                self._metrics.observe_added_latency(time.monotonic() - arrived - waited)
+            for replica in ranking.replicas:
+                if attempts >= settings.max_attempts:
+                    break
+                self._strategy.routed(routed, replica)
+                answer = await self._try(request, replica, url_path, raw, headers, result)
+                if answer is None:
+                    continue  # connection failed: the replica is out
+                if not isinstance(answer, _Declined):
+                    return answer
+                last = answer.response
+                if last.status == 429:
+                    attempts += 1
+                    busy.add(replica.address)
+                    self._metrics.retried("429")
+                else:
+                    self._pool.cool_down(replica, _retry_after(last))
+                    self._metrics.retried("503")
+        if last is None:  # the deadline passed between attempts
+            result.outcome = m.QUEUE_TIMEOUT
+            return self._no_replica()
+        result.outcome = m.CLIENT_ERROR if last.status < 500 else m.ENGINE_ERROR
+        return last
+
+    def _no_replica(self) -> web.Response:
+        settings = self._settings
+        return _error(
+            503,
+            f"no replica became available within {settings.queue_timeout_s:g} s",
+            type_="service_unavailable",
+            headers={"Retry-After": str(settings.retry_after_s)},
+        )
+
+    async def _try(
+        self,
+        request: web.Request,
+        replica: Replica,
+        url_path: str,
+        raw: bytes,
+        headers: dict[str, str],
+        result: _Outcome,
+    ) -> web.StreamResponse | _Declined | None:
+        """Send to one replica: the response for the client (a stream already on its way),
+        a declined answer (429/503: try another), or None (the connection failed)."""
+        replica.in_flight += 1
+        upstream: aiohttp.ClientResponse | None = None
+        try:
+            try:
+                upstream = await self._session.request(
+                    request.method, replica.url + url_path, data=raw, headers=headers
+                )
+                retry = upstream.status in (429, 503)
+                streamed = upstream.content_type == "text/event-stream" and not retry
+                data = b"" if streamed else await upstream.read()
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError):
+                self._pool.connect_failed(replica)
+                self._metrics.retried("connect")
+                return None
+            response_headers = {
+                k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_PASSED_BACK
+            }
+            response_headers[REPLICA_HEADER] = replica.address
+            if retry:
+                return _Declined(
+                    web.Response(status=upstream.status, body=data, headers=response_headers)
+                )
+            result.replica = replica.address
+            if not streamed:
+                result.outcome = _outcome(upstream.status)
+                return web.Response(status=upstream.status, body=data, headers=response_headers)
+            response = web.StreamResponse(status=upstream.status, headers=response_headers)
+            await response.prepare(request)
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError):
+                upstream.close()
+                transport = request.transport
+                if transport is None or transport.is_closing():
+                    result.outcome = m.DISCONNECTED  # the write to the client failed
+                else:
+                    result.outcome = m.BROKEN  # the replica went away mid-stream: no retry
+                    transport.abort()  # the client sees a broken stream, not a short answer
+                return response
+            await response.write_eof()
+            result.outcome = _outcome(upstream.status)
+            return response
+        except BaseException:
+            if upstream is not None:
+                upstream.close()  # the client went away: drop the upstream connection now
+            raise
+        finally:
+            replica.in_flight -= 1
+            if upstream is not None:
+                upstream.release()
+
+
+def _outcome(status: int) -> str:
+    if status < 400:
+        return m.SUCCESS
+    return m.CLIENT_ERROR if status < 500 else m.ENGINE_ERROR
+
+
+def _retry_after(response: web.Response) -> float | None:
+    try:
+        return float(response.headers.get("Retry-After", ""))
+    except ValueError:
+        return None
+
+
+def _error(
+    status: int,
+    message: str,
+    param: str | None = None,
+    *,
+    type_: str = "invalid_request_error",
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    """An OpenAI-style error body from the router itself."""
+    body: dict[str, Any] = {"message": message, "type": type_, "param": param, "code": code}
+    return web.json_response({"error": body}, status=status, headers=headers)

@@ -1,0 +1,70 @@
+"""The router's settings: one frozen record, read once at the edge (`kvfleet router` flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import urlsplit
+
+StrategyName = Literal["prefix", "least-load", "round-robin"]
+STRATEGY_NAMES: tuple[StrategyName, ...] = ("prefix", "least-load", "round-robin")
+ENGINE_PORT = 8000  # the engine's container port (the `http` port of its Service)
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """Everything `kvfleet router` is told; each component reads only its own fields."""
+
+    # Replicas: either the engine Service of an InferenceDeployment (its EndpointSlices)...
+    deployment: str | None = None  # InferenceDeployment name = its engine Service's name
+    namespace: str | None = None  # its namespace
+    discovery: str = "endpointslices"  # or "pods": what lists the ready replicas
+    # ...or fixed engine base URLs (http://host:port, no path), for local use.
+    backends: tuple[str, ...] = ()
+    # Model names clients may ask for; empty: learned from the replicas' metrics.
+    served_model_names: tuple[str, ...] = ()
+    strategy: StrategyName = "prefix"
+    host: str = "0.0.0.0"  # listen address
+    port: int = ENGINE_PORT  # listen port
+    queue_size: int = 256  # requests that may wait for a replica; beyond it, 503 at once
+    queue_timeout_s: float = 300.0  # longest wait for a replica; then 503 with Retry-After
+    scrape_interval_s: float = 0.1  # each replica's /metrics read this often (10 Hz)
+    max_attempts: int = 3  # replicas tried per request that answer 429 (busy)
+    connect_timeout_s: float = 2.0  # TCP connect to a replica
+    block_chars: int = 64  # characters per prefix block (about 16 tokens of English text)
+    load_factor: float = 1.25  # bounded load: no replica above this x the mean load (prefix)
+
+    def __post_init__(self) -> None:
+        if (self.deployment is None) == (not self.backends):
+            raise ValueError("set either deployment (with namespace) or backends, not both")
+        if self.deployment is not None and not self.namespace:
+            raise ValueError("namespace: required with deployment")
+        for url in self.backends:
+            parts = urlsplit(url)
+            if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
+                raise ValueError(f"backends: {url!r} is not an http://host:port URL")
+        if self.discovery not in ("endpointslices", "pods"):
+            raise ValueError(f"discovery: must be endpointslices or pods, got {self.discovery!r}")
+        if self.strategy not in STRATEGY_NAMES:
+            raise ValueError(
+                f"strategy: must be one of {', '.join(STRATEGY_NAMES)}, got {self.strategy!r}"
+            )
+        checks = (
+            ("port", 1 <= self.port <= 65535, "1..65535"),
+            ("queue_size", self.queue_size >= 0, ">= 0"),
+            ("queue_timeout_s", self.queue_timeout_s > 0, "> 0"),
+            ("scrape_interval_s", 0 < self.scrape_interval_s <= 0.1, "in (0, 0.1] (>= 10 Hz)"),
+            ("max_attempts", self.max_attempts >= 1, ">= 1"),
+            ("connect_timeout_s", self.connect_timeout_s > 0, "> 0"),
+            ("block_chars", self.block_chars >= 1, ">= 1"),
+            ("load_factor", self.load_factor > 1, "> 1"),
+        )
+        for field, ok, allowed in checks:
+            if not ok:
+                raise ValueError(f"{field}: must be {allowed}, got {getattr(self, field)!r}")
+
+    @property
+    def retry_after_s(self) -> int:
+        """Retry-After of a 503 when no replica came in time: a few seconds, since the replicas
+        are still starting."""
+        return max(1, min(30, round(self.queue_timeout_s / 10)))

@@ -1,0 +1,68 @@
+"""prefix (default): the replica that holds the longest prefix of the prompt, within a load
+bound; with no prefix anywhere, the least loaded.
+
+The router remembers, per replica, the prefix blocks it sent there (prefix_index), sized like
+that replica's KV cache. Bounded load as in consistent hashing with bounded loads (KubeAI's
+CHWBL): a replica whose load exceeds load_factor x (total load + 1) / replicas takes no request
+by prefix, which then goes to the best replica under the bound and is remembered there too, so
+a hot prefix spreads over as many replicas as its load needs. Unlike CHWBL the bound has an
+absolute slack of SPILL_SLACK requests: an engine batches, so a few more requests on one replica
+cost little, while a prefix miss costs the whole prefill (without it, two requests of one
+tenant on an idle fleet of three would already land on two replicas).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvfleet_router.prefix_index import PrefixIndex, capacity_blocks
+from kvfleet_router.replicas import Replica
+from kvfleet_router.strategies.base import Ranking, RoutedRequest, by_load
+
+SPILL_SLACK = 2.0  # requests a replica may hold above the relative bound before spilling
+
+
+class PrefixAffinity:
+    name = "prefix"
+
+    def __init__(self, block_chars: int, load_factor: float) -> None:
+        self._block_chars = block_chars
+        self._load_factor = load_factor
+        self._indexes: dict[str, PrefixIndex] = {}  # replica address -> its blocks
+        self._turn = 0
+
+    def rank(self, request: RoutedRequest, replicas: Sequence[Replica]) -> Ranking:
+        self._turn += 1
+        ordered = by_load(replicas, self._turn)
+        hashes = request.block_hashes
+        if not hashes:
+            return Ranking(tuple(ordered), "least-load")
+        total = sum(r.load for r in replicas)
+        bound = self._load_factor * (total + 1) / len(replicas) + SPILL_SLACK
+        matched = {r.address: self._index(r).match(hashes) for r in ordered}
+        # Stable sort: equal (bound, match) keep the load order.
+        ranked = sorted(ordered, key=lambda r: (r.load > bound, -matched[r.address]))
+        best = ranked[0]
+        if matched[best.address] == 0:
+            reason = "spill" if max(matched.values()) > 0 else "least-load"
+        else:
+            reason = "prefix"
+        return Ranking(tuple(ranked), reason, matched[best.address])
+
+    def routed(self, request: RoutedRequest, replica: Replica) -> None:
+        if request.block_hashes:
+            self._index(replica).add(request.block_hashes)
+
+    def _index(self, replica: Replica) -> PrefixIndex:
+        sample = replica.sample
+        capacity = capacity_blocks(
+            sample.num_gpu_blocks if sample else None,
+            sample.block_size if sample else None,
+            self._block_chars,
+        )
+        index = self._indexes.get(replica.address)
+        if index is None:
+            index = self._indexes[replica.address] = PrefixIndex(capacity)
+        elif index.capacity != capacity:
+            index.resize(capacity)
+        return index

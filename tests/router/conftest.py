@@ -1,0 +1,80 @@
+"""Fixtures: fake engines (small local HTTP servers) and a router in front of them, all in the
+test's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+from fake_engine import MODEL, FakeEngine
+
+from kvfleet_router.app import Router
+from kvfleet_router.settings import RouterSettings
+
+
+@dataclass
+class RunningRouter:
+    router: Router
+    server: TestServer
+    http: aiohttp.ClientSession
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.port}"
+
+    async def wait_available(self, count: int, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.router.pool.available()) < count:
+            assert time.monotonic() < deadline, f"{count} replicas never became available"
+            await asyncio.sleep(0.02)
+
+    async def post(self, path: str, data: bytes, **kwargs: Any) -> aiohttp.ClientResponse:
+        return await self.http.post(self.url + path, data=data, **kwargs)
+
+
+StartEngines = Callable[[int], Awaitable[list[FakeEngine]]]
+StartRouter = Callable[..., Awaitable[RunningRouter]]
+
+
+@pytest.fixture
+async def start_engines() -> AsyncIterator[StartEngines]:
+    started: list[FakeEngine] = []
+
+    async def start(count: int) -> list[FakeEngine]:
+        engines = [await FakeEngine().start() for _ in range(count)]
+        started.extend(engines)
+        return engines
+
+    yield start
+    for engine in started:
+        await engine.stop()
+
+
+@pytest.fixture
+async def start_router() -> AsyncIterator[StartRouter]:
+    running: list[RunningRouter] = []
+
+    async def start(backends: list[str], wait: bool = True, **overrides: Any) -> RunningRouter:
+        settings = replace(
+            RouterSettings(backends=tuple(backends), served_model_names=(MODEL,)), **overrides
+        )
+        router = Router(settings)
+        server = TestServer(router.build_app(), port=0)
+        await server.start_server()
+        http = aiohttp.ClientSession()
+        result = RunningRouter(router, server, http)
+        running.append(result)
+        if wait:
+            await result.wait_available(len(backends))
+        return result
+
+    yield start
+    for item in running:
+        await item.http.close()
+        await item.server.close()

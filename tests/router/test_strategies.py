@@ -1,0 +1,116 @@
+"""The strategies on their own: which replica each picks for a sequence of requests."""
+
+from __future__ import annotations
+
+import json
+
+from fake_engine import MODEL, chat
+
+from kvfleet_router.prefix import block_hashes
+from kvfleet_router.replicas import Replica
+from kvfleet_router.strategies import RoutedRequest
+from kvfleet_router.strategies.least_load import LeastLoad
+from kvfleet_router.strategies.prefix import PrefixAffinity
+from kvfleet_router.strategies.round_robin import RoundRobin
+
+BLOCK = 64
+
+
+def replicas(count: int) -> list[Replica]:
+    return [Replica(f"10.0.0.{i}:8000", reachable=True) for i in range(count)]
+
+
+def chat_request(*turns: str, system: str = "You are a helpful assistant. ") -> RoutedRequest:
+    body = json.loads(chat(MODEL, *turns))
+    body["messages"][0]["content"] = system * 20
+    return RoutedRequest(block_hashes(body, chat=True, block_chars=BLOCK))
+
+
+def send(strategy: PrefixAffinity, request: RoutedRequest, fleet: list[Replica]) -> Replica:
+    ranking = strategy.rank(request, fleet)
+    strategy.routed(request, ranking.replicas[0])
+    return ranking.replicas[0]
+
+
+def test_a_conversation_stays_on_one_replica() -> None:
+    fleet = replicas(3)
+    strategy = PrefixAffinity(BLOCK, load_factor=1.25)
+    question = "What is the capital of France? " * 4
+    answer = "Paris is the capital of France. " * 4
+    first = send(strategy, chat_request(question), fleet)
+    first.in_flight += 1  # the first turn still streams while others arrive
+    for turn in range(2, 6):
+        turns = [question, answer] * (turn - 1) + [question]
+        ranking = strategy.rank(chat_request(*turns), fleet)
+        assert ranking.replicas[0] is first
+        assert ranking.reason == "prefix"
+        assert ranking.matched_blocks > 0
+        strategy.routed(chat_request(*turns), first)
+
+
+def test_tenants_with_their_own_system_prompts_spread_over_the_fleet() -> None:
+    fleet = replicas(4)
+    strategy = PrefixAffinity(BLOCK, load_factor=1.25)
+    homes = {}
+    for tenant in range(8):
+        system = f"You are the assistant of tenant {tenant}. Answer briefly. "
+        home = send(strategy, chat_request("hello", system=system), fleet)
+        home.in_flight += 1
+        homes[tenant] = home
+        # Every later user of the tenant lands where its system prompt is.
+        again = strategy.rank(chat_request("another user asks", system=system), fleet)
+        assert again.replicas[0] is home
+    assert {r.address for r in homes.values()} == {r.address for r in fleet}
+
+
+def test_an_overloaded_replica_spills_its_prefix_to_another() -> None:
+    fleet = replicas(2)
+    strategy = PrefixAffinity(BLOCK, load_factor=1.25)
+    home = send(strategy, chat_request("hello"), fleet)
+    home.in_flight = 10  # far above 1.25 x the mean load + the slack
+    ranking = strategy.rank(chat_request("hello again"), fleet)
+    assert ranking.replicas[0] is not home
+    assert ranking.reason == "spill"
+    assert ranking.replicas[1] is home  # still the fallback
+
+
+def test_a_request_without_a_prompt_goes_to_the_least_loaded() -> None:
+    fleet = replicas(3)
+    fleet[0].in_flight, fleet[1].in_flight = 2, 1
+    ranking = PrefixAffinity(BLOCK, 1.25).rank(RoutedRequest([]), fleet)
+    assert ranking.replicas[0] is fleet[2]
+    assert ranking.reason == "least-load"
+
+
+def test_least_load_prefers_idle_replicas_and_rotates_between_equals() -> None:
+    fleet = replicas(3)
+    strategy = LeastLoad()
+    request = RoutedRequest([])
+    fleet[0].in_flight = 3
+    picks = [strategy.rank(request, fleet).replicas[0] for _ in range(4)]
+    assert fleet[0] not in picks
+    assert {p.address for p in picks} == {fleet[1].address, fleet[2].address}
+    fleet[1].in_flight = 1
+    assert strategy.rank(request, fleet).replicas[0] is fleet[2]
+
+
+def test_round_robin_takes_turns_whatever_the_load() -> None:
+    fleet = replicas(3)
+    fleet[0].in_flight = 100
+    strategy = RoundRobin()
+    picks = [strategy.rank(RoutedRequest([]), fleet).replicas[0] for _ in range(6)]
+    assert [p.address for p in picks] == [r.address for r in fleet] * 2
+
+
+def test_block_hashes_are_chained_and_block_aligned() -> None:
+    text = "x" * 64 + "y" * 64 + "z" * 10
+    hashes = block_hashes({"prompt": text}, chat=False, block_chars=64)
+    assert len(hashes) == 2  # the 10 trailing characters are not a full block
+    longer = block_hashes({"prompt": text + "w" * 200}, chat=False, block_chars=64)
+    assert longer[:2] == hashes
+    other = block_hashes({"prompt": "q" + text[1:]}, chat=False, block_chars=64)
+    assert other[1] != hashes[1]  # a different first block changes every later hash
+    tokens = block_hashes({"prompt": list(range(40))}, chat=False, block_chars=64)
+    assert len(tokens) == 2  # 16 token ids per block
+    assert block_hashes({"prompt": 5}, chat=False, block_chars=64) == []
+    assert block_hashes({"messages": "nope"}, chat=True, block_chars=64) == []
