@@ -110,6 +110,7 @@ class KubernetesDiscovery:
         except config.ConfigException:
             await config.load_kube_config()
         async with client.ApiClient() as api_client:
+            list_func: Any  # the list call of EndpointSlices or of Pods, watched alike
             if self._source == "endpointslices":
                 list_func = client.DiscoveryV1Api(api_client).list_namespaced_endpoint_slice
             else:
