@@ -220,7 +220,7 @@ def _create_nodes(
 ) -> None:
     try:
         for index in indices:
-            kubectl.apply(render_node(index, config.gpu_product))
+            kubectl.apply(render_node(index, config.gpu_product, config.pod_cidr))
             kubectl(
                 "patch", "node", node_name(index), "--subresource=status", "--type=merge",
                 "-p", json.dumps(render_node_status()),
