@@ -21,7 +21,7 @@ import httpx
 from kubernetes_asyncio.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from kvfleet_operator import api
+from kvfleet_operator import api, metrics
 from kvfleet_operator.apply import Cluster
 from kvfleet_operator.autoscaling.actuators import EXTERNAL_KINDS
 from kvfleet_operator.autoscaling.decision import (
@@ -111,6 +111,7 @@ async def autoscale_once(
     status = body.get("status") or {}
     state = ScalerState.from_dict((status.get("autoscaling") or {}).get("state"))
     decision = decide(spec, observation, state)
+    metrics.record(namespace, name, decision, observation)
 
     await _mark_victims(cluster, namespace, pods, decision.victims)
     if decision.desired_replicas != observation.replicas:
