@@ -34,7 +34,7 @@ test-fast: venv
 	$(PY) -m pytest tests -q
 
 test: lint cluster-bin
-	$(PY) -m pytest -q --ignore=tests/kernels
+	KVFLEET_REQUIRE_HELM=1 $(PY) -m pytest -q --ignore=tests/kernels
 	# The kernel tests switch Triton to its interpreter, which is process-wide: kernels imported
 	# natively by earlier tests in the same process would not run there, so they get their own.
 	$(PY) -m pytest -q tests/kernels
