@@ -117,7 +117,10 @@ async def autoscale_once(
     if decision.desired_replicas != observation.replicas:
         await cluster.scale(namespace, name, decision.desired_replicas)
         verb = "ScaledUp" if decision.desired_replicas > observation.replicas else "ScaledDown"
-        message = f"{observation.replicas} -> {decision.desired_replicas}: {decision.reason}"
+        message = (
+            f"{observation.replicas} -> {decision.desired_replicas} replicas ({decision.mode}): "
+            f"{decision.reason}"
+        )
         log.info("%s/%s %s %s", namespace, name, verb, message)
         await cluster.post_event(body, "Normal", verb, message)
     written = await cluster.patch_status(
