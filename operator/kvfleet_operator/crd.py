@@ -143,10 +143,8 @@ _TYPE_META: dict[str, Any] = {
         "description": "The versioned schema of this object: kvfleet.io/v1alpha1.",
     },
     "kind": {"type": "string", "description": "The REST resource this object represents."},
-    "metadata": {
-        "type": "object",
-        "description": "Standard object metadata: name, namespace, labels, annotations.",
-    },
+    # The API server refuses anything but the type here (it documents ObjectMeta itself).
+    "metadata": {"type": "object"},
 }
 
 
