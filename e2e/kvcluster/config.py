@@ -42,6 +42,7 @@ class Ports:
     scheduler: int = 10259  # kube-scheduler /healthz (HTTPS)
     kwok: int = 10247  # kwok's fake kubelet server
     prometheus: int = 9090  # Prometheus's HTTP API (integration tests)
+    operator_metrics: int = 8481  # `kvfleet operator --metrics-port` in the integration tests
 
     def shifted(self, offset: int) -> Ports:
         """The same layout moved by `offset`, for a second cluster beside the first."""
