@@ -1,6 +1,12 @@
-"""`controller: KEDA` against KEDA's real CRDs (from the pinned module e2e/tools/keda builds):
-the operator renders a ScaledObject that the API server validates against KEDA's own schema, and
-the InferenceDeployment leaves KedaUnavailable once the CRDs exist."""
+"""`controller: KEDA` for real.
+
+Against KEDA's own CRDs (from the pinned module e2e/tools/keda builds; in `make test`): the
+operator renders a ScaledObject that the API server validates against KEDA's schema.
+
+With KEDA running (`make test-integrations`): KEDA's operator and metrics adapter (behind the
+aggregation layer) turn the ScaledObject into an HPA, the HPA controller in
+kube-controller-manager reads its Prometheus triggers through external.metrics.k8s.io from a real
+Prometheus scraping real engines, and scales the InferenceDeployment 1 -> 3 -> 1 under load."""
 
 from __future__ import annotations
 
@@ -14,8 +20,12 @@ from typing import Any
 
 import pytest
 
-from kvcluster.keda import crd_files
+from autoscaling_scenario import MAX_REPLICAS, NAME, inference_deployment, start_load
+from engine_pods import EnginePods
+from kvcluster.binaries import KEDA_SPEC, PROMETHEUS_SPEC, missing_specs
+from kvcluster.keda import Keda, crd_files
 from kvcluster.procs import stop_child, tail
+from kvcluster.prometheus import Prometheus
 from kvcluster.testing import E2ECluster, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -101,3 +111,77 @@ def test_keda_controller_renders_a_scaled_object_keda_s_own_schema_accepts(
         return bool(conditions) and all(c.get("reason") != "KedaUnavailable" for c in conditions)
 
     wait_until(not_stalled_on_keda, 30, "no KedaUnavailable condition")
+
+
+TARGET_TOKENS_PER_SECOND = 40  # per replica, as in test_autoscaling.py
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_keda_scales_through_the_hpa_controller_on_prometheus_data(
+    cluster: E2ECluster, namespace: str, operator: Path, tmp_path: Path
+) -> None:
+    if missing_specs(cluster.config.bin_root, (PROMETHEUS_SPEC, KEDA_SPEC)):
+        pytest.skip("Prometheus or KEDA is not built: `make integrations-bin`")
+    kubectl = cluster.kubectl
+    model = tmp_path / "model"
+    subprocess.run([sys.executable, "-m", "kvfleet_cli", "tiny-model", str(model)],
+                   check=True, capture_output=True)  # fmt: skip
+    with (
+        Prometheus.start(cluster.config, tmp_path / "prometheus") as prom,
+        Keda.start(cluster.config, kubectl, tmp_path / "keda") as keda,
+    ):
+        logs = [operator, prom.log_path, *keda.logs]
+
+        def details() -> str:
+            return "\n".join(f"--- {p.name} ---\n{tail(p, 25)}" for p in logs if p.exists())
+
+        manifest = inference_deployment(namespace, model, TARGET_TOKENS_PER_SECOND)
+        manifest["spec"]["autoscaling"]["controller"] = "KEDA"
+        manifest["spec"]["autoscaling"]["prometheus"] = {"url": prom.url}
+        kubectl("apply", "--server-side", "-f", "-", input=json.dumps(manifest))
+
+        def replicas() -> int:
+            deployment = kubectl.json("get", "deployment", NAME, "-n", namespace)
+            return int(deployment["spec"]["replicas"])
+
+        def hpa() -> dict[str, Any] | None:
+            items = kubectl.json("get", "hpa", "-n", namespace)["items"]
+            return items[0] if items else None
+
+        with EnginePods(kubectl, namespace, NAME, model, tmp_path) as engines:
+            wait_until(lambda: engines.ready_ips(), 240, "the first engine to be ready", details)
+            created = wait_until(hpa, 90, "KEDA's HorizontalPodAutoscaler", details)
+            owner = created["metadata"]["ownerReferences"][0]
+            assert (owner["kind"], owner["name"]) == ("ScaledObject", NAME)
+            assert {m["type"] for m in created["spec"]["metrics"]} == {"External"}
+
+            def metric_read() -> bool:
+                current = (hpa() or {}).get("status", {}).get("currentMetrics") or []
+                return any(m.get("external", {}).get("current") for m in current)
+
+            wait_until(metric_read, 120, "the HPA to read the external metric", details)
+            bench_log = (tmp_path / "bench.log").open("wb")
+            bench = start_load(f"http://{engines.ready_ips()[0]}:8000", bench_log)
+            try:
+                wait_until(lambda: replicas() == MAX_REPLICAS, 240,
+                           "the HPA to scale to maxReplicas", details)  # fmt: skip
+                wait_until(lambda: len(engines.ready_ips()) == MAX_REPLICAS, 300,
+                           "engines on the new pods to serve", details)  # fmt: skip
+            finally:
+                stop_child(bench, signal.SIGINT, 20)
+            wait_until(lambda: replicas() == 1, 240, "the HPA to scale back to 1", details)
+
+        conditions = {c["type"]: c for c in (hpa() or {}).get("status", {}).get("conditions", [])}
+        assert conditions["ScalingActive"]["status"] == "True", conditions
+        events = kubectl(
+            "get",
+            "events",
+            "-n",
+            namespace,
+            "--field-selector",
+            "involvedObject.kind=HorizontalPodAutoscaler,reason=SuccessfulRescale",
+        )
+        assert "New size: 3" in events and "New size: 1" in events, events
+        obj = kubectl.json("get", "infd", NAME, "-n", namespace)
+        assert "autoscaling" not in (obj.get("status") or {})  # the Builtin autoscaler stayed out

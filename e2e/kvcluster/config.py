@@ -43,6 +43,11 @@ class Ports:
     kwok: int = 10247  # kwok's fake kubelet server
     prometheus: int = 9090  # Prometheus's HTTP API (integration tests)
     operator_metrics: int = 8481  # `kvfleet operator --metrics-port` in the integration tests
+    keda_grpc: int = 9666  # KEDA operator's metrics service (gRPC), read by its adapter
+    keda_health: int = 8681  # KEDA operator's /healthz and /readyz
+    keda_metrics: int = 8682  # KEDA operator's own Prometheus metrics
+    keda_adapter: int = 6543  # KEDA's external metrics API (HTTPS, on the host address)
+    keda_adapter_metrics: int = 8683  # KEDA adapter's own Prometheus metrics
 
     def shifted(self, offset: int) -> Ports:
         """The same layout moved by `offset`, for a second cluster beside the first."""

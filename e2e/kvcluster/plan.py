@@ -104,6 +104,9 @@ def plan_components(
                 "--requestheader-username-headers=X-Remote-User",
                 "--requestheader-group-headers=X-Remote-Group",
                 "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+                # An APIService's Service has no cluster IP route here (no kube-proxy): send the
+                # aggregated API's requests to its endpoint (KEDA's metrics adapter) directly.
+                "--enable-aggregator-routing=true",
             ),
             ports=(p.apiserver,),
             health_url=f"https://127.0.0.1:{p.apiserver}/readyz",
