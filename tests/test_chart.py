@@ -164,3 +164,14 @@ def test_an_empty_engine_image_is_refused_naming_the_value() -> None:
     result = helm("template", "kvfleet", str(CHART), "--set", "engine.image=", check=False)
     assert result.returncode != 0
     assert "engine.image must name an image" in result.stderr
+
+
+def test_values_outside_the_schema_are_refused_naming_the_value() -> None:
+    for flag, where in (
+        ("watchNamespace=team-a", "additional properties 'watchNamespace' not allowed"),
+        ("metrics.port=80", "/metrics/port"),  # the operator runs as user 1000
+        ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
+    ):
+        result = helm("template", "kvfleet", str(CHART), "--set", flag, check=False)
+        assert result.returncode != 0, flag
+        assert where in result.stderr, result.stderr
