@@ -118,6 +118,7 @@ TARGET_TOKENS_PER_SECOND = 40  # per replica, as in test_autoscaling.py
 
 @pytest.mark.slow
 @pytest.mark.integration
+@pytest.mark.timeout(1800)  # as test_prometheus.py: three CPU engines on a busy 2-core machine
 def test_keda_scales_through_the_hpa_controller_on_prometheus_data(
     cluster: E2ECluster, namespace: str, operator: Path, tmp_path: Path
 ) -> None:

@@ -81,6 +81,9 @@ def dashboard_queries(namespace: str) -> list[tuple[str, str]]:
     return out
 
 
+# Three CPU engines start, self-benchmark and serve on 2 shared cores: up to ~4 min each on a busy
+# machine, so the whole scale-up and stabilized scale-down can take 15-20 min.
+@pytest.mark.timeout(1800)
 def test_prometheus_source_scales_up_and_back_down_and_every_dashboard_query_has_data(
     cluster: E2ECluster, namespace: str, prometheus: Prometheus, operator: Path, tmp_path: Path
 ) -> None:
