@@ -7,11 +7,12 @@ UV := $(VENV)/bin/uv
 export UV_CACHE_DIR ?= $(HOME)/.cache/kvfleet/uv
 export UV_LINK_MODE ?= copy
 
-.PHONY: help venv test test-fast lint demo
+.PHONY: help venv test test-fast test-integrations lint demo
 
 help:
 	@echo "make demo         local cluster with GPU nodes, then an autoscaled InferenceDeployment scaling 1 -> 3 -> 1"
 	@echo "make test         lint, type-check and run every CPU test (unit and e2e)"
+	@echo "make test-integrations  real Prometheus (and KEDA) in the local cluster (builds them first)"
 	@echo "make cluster-up   start the local control plane (prints export KUBECONFIG=...)"
 	@echo "make cluster-down stop it"
 
@@ -34,9 +35,14 @@ test-fast: venv
 	$(PY) -m pytest tests -q
 
 test: lint cluster-bin
-	$(PY) -m pytest -q --ignore=tests/kernels
+	KVFLEET_REQUIRE_HELM=1 $(PY) -m pytest -q --ignore=tests/kernels -m "not gpu and not integration"
 	# The kernel tests switch Triton to its interpreter, which is process-wide: kernels imported
 	# natively by earlier tests in the same process would not run there, so they get their own.
 	$(PY) -m pytest -q tests/kernels
+
+# Real Prometheus (and KEDA) beside the local control plane: their cold builds do not fit in
+# `make test`'s time budget, so they run here (README "Integrations").
+test-integrations: venv cluster-bin integrations-bin
+	$(PY) -m pytest -q -m integration e2e
 
 include e2e/cluster.mk

@@ -1,9 +1,13 @@
 # Local control plane targets; the harness is e2e/cluster.py (see README "Local control plane").
-.PHONY: cluster-up cluster-down cluster-status cluster-bin
+.PHONY: cluster-up cluster-down cluster-status cluster-bin integrations-bin
 
 # Built before pytest runs: a cold build (10-30 min) would exceed a test's timeout.
 cluster-bin: venv
 	@$(PY) e2e/cluster.py build
+
+# Prometheus and KEDA for `make test-integrations` (cold: see README "Integrations").
+integrations-bin: venv
+	@$(PY) e2e/cluster.py build --integrations
 
 cluster-up: venv
 	@$(PY) e2e/cluster.py up

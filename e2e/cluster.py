@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvcluster import controlplane
-from kvcluster.binaries import BuildError, ensure_binaries
+from kvcluster.binaries import INTEGRATION_SPECS, TOOL_SPECS, BuildError, ensure_binaries
 from kvcluster.config import ClusterConfig, default_config
 from kvcluster.kubectl import KubectlError
 
@@ -33,7 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start the control plane (build binaries if needed)")
     up.add_argument("--nodes", type=int, default=2, help="fake GPU nodes to create (default 2)")
-    sub.add_parser("build", help="build the binaries if they are not cached yet")
+    build = sub.add_parser("build", help="build the binaries if they are not cached yet")
+    build.add_argument(
+        "--integrations",
+        action="store_true",
+        help="also Prometheus and KEDA (for `make test-integrations`)",
+    )
     sub.add_parser("down", help="stop every process `up` started")
     sub.add_parser("status", help="show the processes and the nodes")
     sub.add_parser("nodes", help="show the GPU nodes (kubectl get nodes with GPU columns)")
@@ -49,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         return _up(config)
     if args.command == "build":
-        return _build(config)
+        return _build(config, integrations=args.integrations)
     if args.command == "down":
         controlplane.down(config)
         return 0
@@ -69,9 +74,10 @@ def _up(config: ClusterConfig) -> int:
     return 0
 
 
-def _build(config: ClusterConfig) -> int:
+def _build(config: ClusterConfig, integrations: bool) -> int:
+    specs = (*TOOL_SPECS, *INTEGRATION_SPECS) if integrations else TOOL_SPECS
     try:
-        paths = ensure_binaries(config.bin_root)
+        paths = ensure_binaries(config.bin_root, specs)
     except BuildError as exc:
         print(f"build failed: {exc}", file=sys.stderr)
         return 1

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from kvcluster import binaries, controlplane, procs
-from kvcluster.config import GPU_PRODUCT, POD_CIDR, ClusterConfig
+from kvcluster.config import GPU_PRODUCT, ClusterConfig
 from kvcluster.pki import ensure_pki
 from kvcluster.testing import E2ECluster, wait_until
 
@@ -80,7 +80,7 @@ def test_gpu_deployment_is_scheduled_and_runs_with_a_loopback_ip(
     assert pod["spec"]["nodeName"].startswith("kvfleet-gpu-")
     assert pod["spec"]["containers"][0]["resources"]["limits"][GPU] == "4"
     pod_ip = ipaddress.ip_address(pod["status"]["podIP"])
-    assert pod_ip in ipaddress.ip_network(POD_CIDR)
+    assert pod_ip in ipaddress.ip_network(cluster.config.pod_cidr)
     assert pod_ip.is_loopback
 
 

@@ -15,12 +15,20 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvcluster import procs
-from kvcluster.config import ETCD_VERSION, KUBERNETES_VERSION, KWOK_VERSION, TOOLS_DIR
+from kvcluster.config import (
+    ETCD_VERSION,
+    HELM_VERSION,
+    KEDA_VERSION,
+    KUBERNETES_VERSION,
+    KWOK_VERSION,
+    PROMETHEUS_VERSION,
+    TOOLS_DIR,
+)
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +46,7 @@ class BuildSpec:
     packages: tuple[str, ...]  # Go main packages, built together so they share compiled code
     binaries: tuple[str, ...]  # output file names, in the order of `packages`
     ldflags: str  # version stamps (-X) and -s -w
+    tags: tuple[str, ...] = ()  # Go build tags, e.g. to leave out service discoveries
 
 
 def _k8s_ldflags(version: str) -> str:
@@ -82,27 +91,87 @@ BUILD_SPECS = (
 )
 
 
-def binary_paths(bin_root: Path) -> dict[str, Path]:
+def _prometheus_ldflags(module_version: str) -> str:
+    """Prometheus 3.x is tagged v0.3XY.Z as a Go module: v0.316.0 is release 3.16.0."""
+    minor_patch = module_version.removeprefix("v0.3").split(".")
+    release = f"3.{int(minor_patch[0])}.{minor_patch[1]}"
+    pkg = "github.com/prometheus/common/version"
+    return (
+        f"-s -w -X {pkg}.Version={release} -X {pkg}.Branch=HEAD -X {pkg}.Revision={module_version}"
+    )
+
+
+# helm, for the chart tests: built with the control plane (`make cluster-bin`), as `make test`
+# runs `helm lint` / `helm template` / `helm install`.
+HELM_SPEC = BuildSpec(
+    key=f"helm-{HELM_VERSION}",
+    module="helm",
+    packages=("helm.sh/helm/v3/cmd/helm",),
+    binaries=("helm",),
+    ldflags=" ".join(
+        [
+            "-s -w",
+            f"-X helm.sh/helm/v3/internal/version.version={HELM_VERSION}",
+            "-X helm.sh/helm/v3/internal/version.gitTreeState=clean",
+            # the Kubernetes version `helm lint` and `.Capabilities` assume without a cluster
+            "-X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1",
+            "-X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=37",
+            "-X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1",
+            "-X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=37",
+        ]
+    ),
+)
+
+# The integrations (`make integrations-bin`): a real Prometheus (no web UI assets: without the
+# `builtinassets` tag it would read them from disk, and only its API is used) and KEDA's operator
+# and metrics adapter, built together so they share compiled code.
+PROMETHEUS_SPEC = BuildSpec(
+    key=f"prometheus-{PROMETHEUS_VERSION}",
+    module="prometheus",
+    packages=("github.com/prometheus/prometheus/cmd/prometheus",),
+    binaries=("prometheus",),
+    ldflags=_prometheus_ldflags(PROMETHEUS_VERSION),
+    # Only Kubernetes service discovery (and file/http, always in): no cloud SDKs to compile.
+    tags=("remove_all_sd", "enable_kubernetes_sd"),
+)
+KEDA_SPEC = BuildSpec(
+    key=f"keda-{KEDA_VERSION}",
+    module="keda",
+    packages=(
+        "github.com/kedacore/keda/v2/cmd/operator",
+        "github.com/kedacore/keda/v2/cmd/adapter",
+    ),
+    binaries=("keda-operator", "keda-adapter"),
+    ldflags=(
+        f"-s -w -X github.com/kedacore/keda/v2/version.Version={KEDA_VERSION.lstrip('v')}"
+        f" -X github.com/kedacore/keda/v2/version.GitCommit={KEDA_VERSION}"
+    ),
+)
+TOOL_SPECS = (*BUILD_SPECS, HELM_SPEC)  # what `make cluster-bin` builds
+INTEGRATION_SPECS = (PROMETHEUS_SPEC, KEDA_SPEC)
+
+
+def binary_paths(bin_root: Path, specs: Sequence[BuildSpec] = BUILD_SPECS) -> dict[str, Path]:
     """Where each binary lives once built: name -> path."""
-    return {name: bin_root / spec.key / name for spec in BUILD_SPECS for name in spec.binaries}
+    return {name: bin_root / spec.key / name for spec in specs for name in spec.binaries}
 
 
-def missing_specs(bin_root: Path) -> list[BuildSpec]:
+def missing_specs(bin_root: Path, specs: Sequence[BuildSpec] = BUILD_SPECS) -> list[BuildSpec]:
     return [
         spec
-        for spec in BUILD_SPECS
+        for spec in specs
         if not all((bin_root / spec.key / name).is_file() for name in spec.binaries)
     ]
 
 
-def ensure_binaries(bin_root: Path) -> dict[str, Path]:
+def ensure_binaries(bin_root: Path, specs: Sequence[BuildSpec] = BUILD_SPECS) -> dict[str, Path]:
     """Build whatever is not cached yet (under a lock, so parallel sessions build once)."""
-    if missing_specs(bin_root):
+    if missing_specs(bin_root, specs):
         bin_root.mkdir(parents=True, exist_ok=True)
         with procs.locked(bin_root / ".build.lock"):
-            for spec in missing_specs(bin_root):
+            for spec in missing_specs(bin_root, specs):
                 build(spec, bin_root)
-    return binary_paths(bin_root)
+    return binary_paths(bin_root, specs)
 
 
 def _go_env() -> dict[str, str]:
@@ -125,9 +194,11 @@ def build(spec: BuildSpec, bin_root: Path) -> None:
     # Several packages go to a directory (named after each command); one goes to its file,
     # because a major-version suffix (…/server/v3) would otherwise name the binary "server".
     out = str(staging) + "/" if len(spec.packages) > 1 else str(staging / spec.binaries[0])
-    cmd = [go, "build", "-v", "-trimpath", "-ldflags", spec.ldflags, "-o", out, *spec.packages]
+    tags = ["-tags", ",".join(spec.tags)] if spec.tags else []
+    cmd = [go, "build", "-v", "-trimpath", *tags, "-ldflags", spec.ldflags, "-o", out,
+           *spec.packages]  # fmt: skip
 
-    total = _count_packages(go, module_dir, spec.packages)
+    total = _count_packages(go, module_dir, spec.packages, spec.tags)
     progress = _Progress(f"{names} ({spec.key})", total)
     with build_log.open("w") as log_file:
         log_file.write(f"$ cd {module_dir} && {shlex.join(cmd)}\n")
@@ -153,13 +224,21 @@ def build(spec: BuildSpec, bin_root: Path) -> None:
             f"building {names} ({spec.key}) failed with exit code {code}.\n"
             f"Last lines:\n{tail}\nFull build log: {build_log}"
         )
+    if len(spec.packages) > 1:  # each command was named after its package: give it its name
+        for package, name in zip(spec.packages, spec.binaries, strict=True):
+            built = staging / package.rsplit("/", 1)[-1]
+            if built.name != name:
+                built.rename(staging / name)
     staging.rename(bin_root / spec.key)
 
 
-def _count_packages(go: str, module_dir: Path, packages: tuple[str, ...]) -> int | None:
+def _count_packages(
+    go: str, module_dir: Path, packages: tuple[str, ...], tags: tuple[str, ...] = ()
+) -> int | None:
     """How many packages the build may compile (for the progress bar); None if unknown."""
+    tag_args = ["-tags", ",".join(tags)] if tags else []
     result = subprocess.run(
-        [go, "list", "-deps", *packages],
+        [go, "list", "-deps", *tag_args, *packages],
         cwd=module_dir,
         env=_go_env(),
         capture_output=True,

@@ -14,9 +14,15 @@ KWOK_STAGES_DIR = E2E_DIR / "kwok-stages"
 KUBERNETES_VERSION = "v1.37.2"
 ETCD_VERSION = "v3.6.16"
 KWOK_VERSION = "v0.8.0"
+# Beside the control plane: helm for the chart tests, Prometheus and KEDA for the integration tests.
+HELM_VERSION = "v3.22.0"
+PROMETHEUS_VERSION = "v0.316.0"  # the Go module's tag of Prometheus 3.16.0
+KEDA_VERSION = "v2.21.0"
 
 # Pod IPs come from here. The whole 127.0.0.0/8 is local on Linux, so a test can bind a real
-# process (an engine) to a pod's IP and anything scraping the pod reaches it.
+# process (an engine) to a pod's IP and anything scraping the pod reaches it. A cluster moved by
+# KVFLEET_PORT_OFFSET also moves its pod range (`pod_cidr_for`), so two clusters on one machine
+# never hand out the same IP (their engines all bind <pod IP>:8000).
 POD_CIDR = "127.1.0.0/16"
 SERVICE_CIDR = "10.96.0.0/16"
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -35,6 +41,13 @@ class Ports:
     controller_manager: int = 10257  # kube-controller-manager /healthz (HTTPS)
     scheduler: int = 10259  # kube-scheduler /healthz (HTTPS)
     kwok: int = 10247  # kwok's fake kubelet server
+    prometheus: int = 9090  # Prometheus's HTTP API (integration tests)
+    operator_metrics: int = 8481  # `kvfleet operator --metrics-port` in the integration tests
+    keda_grpc: int = 9666  # KEDA operator's metrics service (gRPC), read by its adapter
+    keda_health: int = 8681  # KEDA operator's /healthz and /readyz
+    keda_metrics: int = 8682  # KEDA operator's own Prometheus metrics
+    keda_adapter: int = 6543  # KEDA's external metrics API (HTTPS, on the host address)
+    keda_adapter_metrics: int = 8683  # KEDA adapter's own Prometheus metrics
 
     def shifted(self, offset: int) -> Ports:
         """The same layout moved by `offset`, for a second cluster beside the first."""
@@ -51,6 +64,7 @@ class ClusterConfig:
     ports: Ports = field(default_factory=Ports)
     ready_timeout_s: float = 90.0  # per component
     gpu_product: str = GPU_PRODUCT  # nvidia.com/gpu.product label of every node
+    pod_cidr: str = POD_CIDR  # 127.<n>.0.0/16; node i hands out 127.<n>.<i>.0/24
 
     @property
     def logs_dir(self) -> Path:
@@ -86,4 +100,12 @@ def default_config(num_nodes: int = 2) -> ClusterConfig:
         bin_root=cache_root() / "bin",
         num_nodes=num_nodes,
         ports=Ports().shifted(int(raw_offset)),
+        pod_cidr=pod_cidr_for(int(raw_offset)),
     )
+
+
+def pod_cidr_for(port_offset: int) -> str:
+    """127.1.0.0/16 for offset 0; each further 100 of offset moves the second octet by one
+    (offset 4000: 127.41.0.0/16), so clusters whose offsets differ by a multiple of 100 (up to
+    25300) never share a pod IP."""
+    return f"127.{1 + (port_offset // 100) % 254}.0.0/16"

@@ -132,7 +132,7 @@ def _start(config: ClusterConfig, owner: str, report: Report) -> None:
     ssl_context = procs.client_ssl_context(pki.ca_cert, pki.admin_cert, pki.admin_key)
 
     _write_state(config, owner, [])
-    for component in plan_components(config, binaries, pki, _advertise_address()):
+    for component in plan_components(config, binaries, pki, advertise_address()):
         t0 = time.monotonic()
         _launch(config, owner, component)
         _wait_ready(config, component, ssl_context, kubectl)
@@ -220,7 +220,7 @@ def _create_nodes(
 ) -> None:
     try:
         for index in indices:
-            kubectl.apply(render_node(index, config.gpu_product))
+            kubectl.apply(render_node(index, config.gpu_product, config.pod_cidr))
             kubectl(
                 "patch", "node", node_name(index), "--subresource=status", "--type=merge",
                 "-p", json.dumps(render_node_status()),
@@ -254,7 +254,7 @@ def _conditions(obj: dict[str, Any]) -> list[dict[str, Any]]:
     return list(obj.get("status", {}).get("conditions") or [])
 
 
-def _advertise_address() -> str:
+def advertise_address() -> str:
     """The host's address on its default route (the API server refuses loopback);
     a TEST-NET address if there is no route (it is only written into an Endpoints object)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:

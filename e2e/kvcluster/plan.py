@@ -104,6 +104,9 @@ def plan_components(
                 "--requestheader-username-headers=X-Remote-User",
                 "--requestheader-group-headers=X-Remote-Group",
                 "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+                # An APIService's Service has no cluster IP route here (no kube-proxy): send the
+                # aggregated API's requests to its endpoint (KEDA's metrics adapter) directly.
+                "--enable-aggregator-routing=true",
             ),
             ports=(p.apiserver,),
             health_url=f"https://127.0.0.1:{p.apiserver}/readyz",
@@ -141,7 +144,7 @@ def plan_components(
                 "--manage-all-nodes=false",
                 f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION}=fake",
                 "--node-lease-duration-seconds=40",
-                f"--cidr={POD_CIDR}",
+                f"--cidr={config.pod_cidr}",
                 "--node-ip=127.0.0.1",
                 f"--node-port={p.kwok}",
                 f"--server-address=127.0.0.1:{p.kwok}",
@@ -158,12 +161,13 @@ def node_name(index: int) -> str:
     return f"kvfleet-gpu-{index}"
 
 
-def node_pod_cidr(index: int) -> str:
-    """127.1.<index>.0/24: each node hands out its own loopback pod IPs."""
-    return f"127.1.{index}.0/24"
+def node_pod_cidr(index: int, pod_cidr: str = POD_CIDR) -> str:
+    """127.<n>.<index>.0/24 inside `pod_cidr`: each node hands out its own loopback pod IPs."""
+    first, second = pod_cidr.split(".")[:2]
+    return f"{first}.{second}.{index}.0/24"
 
 
-def render_node(index: int, gpu_product: str) -> dict[str, Any]:
+def render_node(index: int, gpu_product: str, pod_cidr: str = POD_CIDR) -> dict[str, Any]:
     """A fake GPU node kwok manages (metadata and spec; status is `render_node_status`)."""
     name = node_name(index)
     return {
@@ -184,7 +188,7 @@ def render_node(index: int, gpu_product: str) -> dict[str, Any]:
                 "nvidia.com/gpu.memory": str(GPU_MEMORY_MIB),
             },
         },
-        "spec": {"providerID": f"kwok://{name}", "podCIDR": node_pod_cidr(index)},
+        "spec": {"providerID": f"kwok://{name}", "podCIDR": node_pod_cidr(index, pod_cidr)},
     }
 
 

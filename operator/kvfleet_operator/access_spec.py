@@ -11,7 +11,9 @@ from kvfleet_operator.wire import Model
 
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
-NamespaceName = Annotated[str, Field(max_length=63, pattern=DNS_LABEL)]
+NamespaceName = Annotated[
+    str, Field(max_length=63, pattern=DNS_LABEL, description="A namespace name (a DNS label).")
+]
 
 
 class SecretKeyReference(Model):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 GROUP = "kvfleet.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -25,6 +27,9 @@ LEADER_WORKER_SET_API = "leaderworkerset.x-k8s.io/v1"
 KEDA_SCALED_OBJECT_CRD = "scaledobjects.keda.sh"
 
 ENGINE_PORT = 8000
-DEFAULT_ENGINE_IMAGE = "ghcr.io/kvfleet/kvfleet-engine:0.1.0"
+# The engine image of InferenceDeployments that set no spec.engine.image: $KVFLEET_ENGINE_IMAGE
+# of the operator's container (the Helm chart's engine.image), else this release's image.
+RELEASE_ENGINE_IMAGE = "ghcr.io/kvfleet/kvfleet-engine:0.1.0"
+DEFAULT_ENGINE_IMAGE = os.environ.get("KVFLEET_ENGINE_IMAGE") or RELEASE_ENGINE_IMAGE
 # Where the operator reads the GGUF headers of hf:// files (`--hf-endpoint`, $HF_ENDPOINT).
 DEFAULT_HF_ENDPOINT = "https://huggingface.co"

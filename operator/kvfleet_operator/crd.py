@@ -136,6 +136,18 @@ def _crd(
     }
 
 
+# Every Kubernetes object's type and object metadata, described as the built-in kinds describe them.
+_TYPE_META: dict[str, Any] = {
+    "apiVersion": {
+        "type": "string",
+        "description": "The versioned schema of this object: kvfleet.io/v1alpha1.",
+    },
+    "kind": {"type": "string", "description": "The REST resource this object represents."},
+    # The API server refuses anything but the type here (it documents ObjectMeta itself).
+    "metadata": {"type": "object"},
+}
+
+
 def _condition(kind: str, field: str) -> str:
     return f'.status.conditions[?(@.type=="{kind}")].{field}'
 
@@ -155,11 +167,9 @@ def inference_deployment_crd() -> dict[str, Any]:
             }
         ],
         "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
-            "metadata": {"type": "object"},
-            "spec": spec,
-            "status": status,
+            **_TYPE_META,
+            "spec": {**spec, "description": "What to serve, on which GPUs, how to scale it."},
+            "status": {**status, "description": "What the operator observed; written by it only."},
         },
     }
     columns: list[dict[str, Any]] = [
@@ -177,7 +187,23 @@ def inference_deployment_crd() -> dict[str, Any]:
             "jsonPath": _condition("Ready", "reason"),
             "priority": 1,
         },
+        # `kubectl get infd -o wide` adds these (priority 1): the endpoint and the memory plan.
         {"name": "URL", "type": "string", "jsonPath": ".status.endpoint.url", "priority": 1},
+        {
+            "name": "GPU-GiB",
+            "type": "number",
+            "description": "GPU memory one GPU needs (weights + KV cache + overhead)",
+            "jsonPath": ".status.memoryPlan.requiredGiB",
+            "priority": 1,
+        },
+        {
+            "name": "Avail-GiB",
+            "type": "number",
+            "description": "GPU memory one GPU offers (x gpuMemoryUtilization)",
+            "jsonPath": ".status.memoryPlan.availableGiB",
+            "priority": 1,
+        },
+        {"name": "Fits", "type": "boolean", "jsonPath": ".status.memoryPlan.fits", "priority": 1},
     ]
     return _crd(
         kind=api.INFERENCE_DEPLOYMENT,
@@ -204,10 +230,11 @@ def accelerator_profile_crd() -> dict[str, Any]:
         "and where such nodes are.",
         "required": ["spec"],
         "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
-            "metadata": {"type": "object"},
-            "spec": structural_schema(AcceleratorProfileSpec),
+            **_TYPE_META,
+            "spec": {
+                **structural_schema(AcceleratorProfileSpec),
+                "description": "The device, its memory and where such nodes are.",
+            },
         },
     }
     columns = [

@@ -33,6 +33,13 @@ def main(argv: list[str]) -> int:
         help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz",
     )
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve the autoscaler's metrics at http://0.0.0.0:PORT/metrics (default: off)",
+    )
+    parser.add_argument(
         "--hf-endpoint",
         default=os.environ.get("HF_ENDPOINT", api.DEFAULT_HF_ENDPOINT),
         metavar="URL",
@@ -50,6 +57,15 @@ def main(argv: list[str]) -> int:
     import kopf
 
     import kvfleet_operator.handlers  # noqa: F401  (registers the handlers)
+
+    if args.metrics_port is not None:
+        from kvfleet_operator import metrics
+
+        try:
+            metrics.serve(args.metrics_port)
+        except (ValueError, OSError) as exc:
+            print(f"kvfleet operator: {exc}", file=sys.stderr)
+            return 2
 
     kopf.configure(verbose=args.verbose)
     kopf.run(

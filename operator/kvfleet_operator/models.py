@@ -8,7 +8,7 @@ one field, or the old object, are CEL rules attached with `cel(...)`; they run i
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
@@ -187,7 +187,7 @@ class EngineSpec(Model):
     max_queued_tokens: int | None = Field(
         default=None, ge=1, description="Prompt tokens that may wait; beyond it, 429."
     )
-    extra_args: list[str] = Field(
+    extra_args: list[Annotated[str, Field(description="One argument, e.g. --seed or 42.")]] = Field(
         default_factory=list,
         max_length=64,
         description="Extra `kvfleet serve` arguments, appended after the generated ones.",
@@ -361,11 +361,19 @@ class InferenceDeploymentSpec(Model):
 
 
 class Toleration(Model):
-    key: str | None = None
-    operator: Literal["Exists", "Equal"] | None = None
-    value: str | None = None
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = None
+    """A pod toleration, as in a Pod spec."""
+
+    key: str | None = Field(default=None, description="Taint key; empty with Exists: any taint.")
+    operator: Literal["Exists", "Equal"] | None = Field(
+        default=None, description="Exists (any value) or Equal (the value below); default Equal."
+    )
+    value: str | None = Field(default=None, description="Taint value to match with Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect to match; empty: every effect."
+    )
+    toleration_seconds: int | None = Field(
+        default=None, description="With NoExecute: seconds the pod stays after the taint appears."
+    )
 
 
 class AcceleratorProfileSpec(Model):
@@ -377,7 +385,7 @@ class AcceleratorProfileSpec(Model):
     compute_capability: str = Field(
         pattern=r"^[0-9]+\.[0-9]+$", description='CUDA compute capability, e.g. "9.0".'
     )
-    node_selector: dict[str, str] = Field(
+    node_selector: dict[str, Annotated[str, Field(description="Label value.")]] = Field(
         default_factory=dict, description="Labels of nodes that carry this device."
     )
     tolerations: list[Toleration] = Field(
@@ -386,12 +394,18 @@ class AcceleratorProfileSpec(Model):
 
 
 class Condition(Model):
-    type: str
-    status: Literal["True", "False", "Unknown"]
-    reason: str
-    message: str = ""
-    observed_generation: int | None = None
-    last_transition_time: str = Field(json_schema_extra={"format": "date-time"})
+    """One condition (Ready, Progressing, Degraded, Stalled, ScalingLimited)."""
+
+    type: str = Field(description="Ready, Progressing, Degraded, Stalled or ScalingLimited.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(description="One CamelCase word, e.g. Available or InsufficientMemory.")
+    message: str = Field(default="", description="What happened and what to do, in words.")
+    observed_generation: int | None = Field(
+        default=None, description="metadata.generation the condition was computed from."
+    )
+    last_transition_time: str = Field(
+        description="When status last changed.", json_schema_extra={"format": "date-time"}
+    )
 
 
 class MemoryPlan(Model):
@@ -406,7 +420,7 @@ class MemoryPlan(Model):
     overhead_gib: float = Field(description="Activations and runtime reserve per GPU.")
     required_gib: float = Field(description="Sum of the above.")
     available_gib: float = Field(description="GPU memory × gpuMemoryUtilization.")
-    fits: bool
+    fits: bool = Field(description="requiredGiB <= availableGiB.")
 
 
 # The workload one replica runs as: one pod (Deployment), or a group of pods, one per node
@@ -415,12 +429,17 @@ WorkloadKind = Literal["Deployment", "LeaderWorkerSet", "StatefulSet"]
 
 
 class Topology(Model):
-    kind: WorkloadKind = Field(description="Workload the replicas run as.")
+    """How each replica is laid out on GPUs and pods."""
+
+    kind: WorkloadKind = Field(
+        description="The child workload: Deployment (one pod per replica), LeaderWorkerSet or "
+        "StatefulSet (one per replica: a group of pods over several nodes)."
+    )
     tensor: int = Field(description="Tensor-parallel size in effect.")
     pipeline: int = Field(description="Pipeline-parallel size in effect.")
-    gpus_per_replica: int
-    pods_per_replica: int
-    gpus_per_pod: int
+    gpus_per_replica: int = Field(description="tensor × pipeline.")
+    pods_per_replica: int = Field(description="Pods that make up one replica.")
+    gpus_per_pod: int = Field(description="GPUs each of those pods requests.")
     # Optional in the schema only so that a status written before the field existed stays valid.
     nodes_per_replica: int | None = Field(
         default=None, description="Nodes one replica spans (one pod per node)."
@@ -428,31 +447,44 @@ class Topology(Model):
 
 
 class Endpoint(Model):
-    url: str
-    served_model_name: str
+    """Where clients reach the model."""
+
+    url: str = Field(description="OpenAI-compatible base URL inside the cluster (the Service).")
+    served_model_name: str = Field(description='The "model" clients send.')
 
 
 class InferenceDeploymentStatus(Model):
     model_config = ConfigDict(extra="allow")
 
-    observed_generation: int | None = None
+    observed_generation: int | None = Field(
+        default=None, description="metadata.generation this status describes."
+    )
     conditions: list[Condition] = Field(
         default_factory=list,
+        description="Ready, Progressing, Degraded, Stalled and ScalingLimited; one per type.",
         json_schema_extra={
             "x-kubernetes-list-type": "map",
             "x-kubernetes-list-map-keys": ["type"],
         },
     )
-    replicas: int | None = None
-    ready_replicas: int | None = None
-    updated_replicas: int | None = None
+    replicas: int | None = Field(default=None, description="Replicas of the child workload.")
+    ready_replicas: int | None = Field(default=None, description="Of those, ready to serve.")
+    updated_replicas: int | None = Field(
+        default=None, description="Of those, running the current spec."
+    )
     replicas_summary: str | None = Field(default=None, description="ready/desired, for kubectl.")
     scaling: str | None = Field(default=None, description="Manual or Auto(min-max).")
     quantization: str | None = Field(default=None, description="Weight format in effect.")
-    selector: str | None = None
-    endpoint: Endpoint | None = None
-    topology: Topology | None = None
-    memory_plan: MemoryPlan | None = None
+    selector: str | None = Field(
+        default=None, description="Label selector of the engine pods (the scale subresource's)."
+    )
+    endpoint: Endpoint | None = Field(default=None, description="Where clients reach the model.")
+    topology: Topology | None = Field(
+        default=None, description="How each replica is laid out on GPUs and pods."
+    )
+    memory_plan: MemoryPlan | None = Field(
+        default=None, description="GPU memory per GPU the operator planned, and whether it fits."
+    )
     autoscaling: dict[str, Any] | None = Field(
         default=None,
         description="Written by the autoscaler.",

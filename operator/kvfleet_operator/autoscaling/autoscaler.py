@@ -26,7 +26,7 @@ import httpx
 from kubernetes_asyncio.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from kvfleet_operator import api
+from kvfleet_operator import api, metrics
 from kvfleet_operator.apply import Cluster
 from kvfleet_operator.autoscaling.actuators import EXTERNAL_KINDS
 from kvfleet_operator.autoscaling.decision import (
@@ -132,6 +132,7 @@ async def autoscale_once(
     status = body.get("status") or {}
     state = ScalerState.from_dict((status.get("autoscaling") or {}).get("state"))
     decision = decide(spec, observation, state)
+    metrics.record(namespace, name, decision, observation)
 
     if workload.kind == "Deployment":  # the groups go from the highest index down
         await _mark_victims(cluster, namespace, pods, decision.victims)
@@ -145,7 +146,10 @@ async def autoscale_once(
                 kind=workload.kind,
             )
         verb = "ScaledUp" if decision.desired_replicas > observation.replicas else "ScaledDown"
-        message = f"{observation.replicas} -> {decision.desired_replicas}: {decision.reason}"
+        message = (
+            f"{observation.replicas} -> {decision.desired_replicas} replicas ({decision.mode}): "
+            f"{decision.reason}"
+        )
         log.info("%s/%s %s %s", namespace, name, verb, message)
         await cluster.post_event(body, "Normal", verb, message)
     written = await cluster.patch_status(

@@ -86,6 +86,13 @@ async def _scrape_router(http: httpx.AsyncClient, pod: PodFacts, port: int) -> R
         return None
 
 
+def _promql_regex(value: str) -> str:
+    """`value` matched literally by a PromQL regex in a double-quoted string. Not re.escape: it
+    writes `\\-` for "-" (every pod name has one), which PromQL's string parser refuses (HTTP 400);
+    RE2's metacharacters get a backslash, doubled for the string literal."""
+    return re.sub(r"([.+*?()|\[\]{}^$\\])", r"\\\\\1", value)
+
+
 async def query_prometheus(
     http: httpx.AsyncClient, base_url: str, namespace: str, pods: list[PodFacts], now: float
 ) -> dict[str, EngineSample | None]:
@@ -94,8 +101,8 @@ async def query_prometheus(
     ready = [pod for pod in pods if pod.ready_since is not None]
     if not ready:
         return {}
-    names = "|".join(re.escape(name) for name in _METRIC_NAMES)
-    pod_names = "|".join(re.escape(pod.name) for pod in ready)
+    names = "|".join(_promql_regex(name) for name in _METRIC_NAMES)
+    pod_names = "|".join(_promql_regex(pod.name) for pod in ready)
     query = f'{{__name__=~"{names}",namespace="{namespace}",pod=~"{pod_names}"}}'
     try:
         response = await http.get(
