@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -136,7 +137,7 @@ def take_turns(
     rates: dict[str, dict[str, list[float]]] = {
         c.system: {DECODE: [], concurrent: []} for c in contestants
     }
-    for _ in range(rounds):
+    for round_number in range(1, rounds + 1):
         for contestant in contestants:
             first = contestant.generate([prompts[0]], 1)
             full = contestant.generate([prompts[0]], output_len)
@@ -144,6 +145,14 @@ def take_turns(
         for contestant in contestants:
             seconds = contestant.generate(prompts, output_len)
             rates[contestant.system][concurrent].append(len(prompts) * output_len / seconds)
+        done = ", ".join(
+            f"{system} {metrics[DECODE][-1]:.2f} / {metrics[concurrent][-1]:.1f}"
+            for system, metrics in rates.items()
+        )
+        print(
+            f"round {round_number}/{rounds} (decode / {concurrent} tokens/s): {done}",
+            file=sys.stderr,
+        )
     return rates
 
 
