@@ -75,3 +75,48 @@ def test_store_then_decode_round_trip_in_bfloat16(backend) -> None:
     )
     assert out.dtype == torch.bfloat16 and not out.isnan().any()
     assert relative_error(out, dense_attention(case)) < 1e-2
+
+
+@pytest.mark.parametrize(
+    ("context_lens", "skip_row"),
+    [([37], None), ([20, 20, 20], None), ([20, 20, 20], 1), ([5, 40, 17], None), ([5, 40], 0)],
+    ids=["batch1", "one-length", "one-length-skip", "lengths", "lengths-skip"],
+)
+def test_sdpa_fused_decode_step_is_rotary_store_then_decode(context_lens, skip_row) -> None:
+    """The CPU backend's one-call decode layer: the same output and the same cache as the
+    reference's rotation, store_kv and paged_decode_attention (slot -1 stores nothing), and the
+    second layer of a step (its shared work reused) as right as the first."""
+    from kvfleet_engine.layers.rotary import RotaryEmbedding
+
+    case = make_paged_case(context_lens, [1] * len(context_lens), 6, 2, 32, block_size=8)
+    rotary = RotaryEmbedding(32, 128, {"rope_theta": 10000.0, "rope_type": "default"})
+    rotary.reset_buffers()
+    positions = case.context_lens.long() - 1
+    slots = torch.stack([seq_slots[-1] for seq_slots in _slots(case)])
+    if skip_row is not None:
+        slots[skip_row] = -1
+    gen = torch.Generator().manual_seed(1)
+    for layer in range(2):  # two layers of one step: the same step tensors, new activations
+        query, key, value = (
+            torch.randn(len(context_lens), h, 32, generator=gen) for h in (6, 2, 2)
+        )
+        k_ref, v_ref = case.k_cache.clone(), case.v_cache.clone()
+        q_rot, k_rot = rotary(positions, query, key)
+        attention_torch.store_kv(k_rot, value, k_ref, v_ref, slots)
+        expected = attention_torch.paged_decode_attention(
+            q_rot, k_ref, v_ref, case.block_tables, case.context_lens, case.scale
+        )
+        k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+        out = attention_sdpa.rotary_decode_attention(
+            positions, query, key, value, rotary.cos_sin, k_cache, v_cache, slots,
+            case.block_tables, case.context_lens, case.scale,
+        )  # fmt: skip
+        assert out.shape == query.shape and not out.isnan().any(), f"layer {layer}"
+        assert relative_error(out, expected) < 1e-5, f"layer {layer}"
+        torch.testing.assert_close(k_cache, k_ref, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(v_cache, v_ref, rtol=0, atol=0, equal_nan=True)
+
+
+def _slots(case) -> list[torch.Tensor]:
+    """Each sequence's slots, split from the case's back-to-back slot mapping."""
+    return list(case.slot_mapping.split(case.context_lens.tolist()))

@@ -8,14 +8,24 @@ the same number of tokens):
 - `--concurrency` chats at once: all output tokens over the wall time of the batch (prefill
   included). transformers runs them as one left-padded `generate` batch.
 
-    kvfleet bench chat --device cpu --concurrency 8 --output-len 128 --output bench/results
+Both models are loaded first, then every measurement takes turns, kvfleet then transformers,
+for `--rounds` rounds: on a shared machine background load hits both alike. Each figure is the
+median over the rounds, and each ratio the median of the rounds' own kvfleet/transformers
+ratios (the two halves of a round ran seconds apart).
+
+    kvfleet bench chat --device cpu --concurrency 8 --output-len 128 --rounds 5 \
+        --output bench/results
 """
 
 from __future__ import annotations
 
 import argparse
 import shlex
+import statistics
+import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +41,17 @@ QUESTIONS = (
     "Summarise the plot of Romeo and Juliet.",
     "What is photosynthesis?",
 )
+KVFLEET, TRANSFORMERS = "kvfleet", "transformers-generate"
+DECODE = "decode_tokens_per_s"
+
+
+@dataclass
+class Contestant:
+    """One system: seconds to answer prompts with n greedy tokens each."""
+
+    system: str
+    # (prompts, num_tokens) -> seconds; every call computes every prompt (no cached prefix).
+    generate: Callable[[list[list[int]], int], float]
 
 
 def main(argv: list[str]) -> int:
@@ -39,6 +60,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     parser.add_argument("--concurrency", type=positive_int, default=8)
     parser.add_argument("--output-len", type=positive_int, default=128)
+    parser.add_argument("--rounds", type=positive_int, default=3, help="turns per measurement")
     parser.add_argument("--no-peer", action="store_true", help="skip transformers")
     parser.add_argument("--output", type=Path, help="write the results JSON in this directory")
     args = parser.parse_args(argv)
@@ -60,26 +82,24 @@ def main(argv: list[str]) -> int:
         )
         for q in (QUESTIONS * args.concurrency)[: args.concurrency]
     ]
-    concurrent = f"c{args.concurrency}_output_tokens_per_s"
-    decode = _kvfleet_decode_rate(llm, prompts[0], args.output_len)
-    batch = _kvfleet_batch_rate(llm, prompts, args.output_len)
-    rows = [
-        Row("kvfleet", "decode_tokens_per_s", decode, "tokens/s"),
-        Row("kvfleet", concurrent, batch, "tokens/s"),
-    ]
-    del llm
+    contestants = [Contestant(KVFLEET, lambda p, n: _kvfleet_generate(llm, p, n))]
     if not args.no_peer:
-        from kvfleet_engine.bench import peers
-
         dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
         hf = _transformers(model, args.device, dtype)
-        decode = peers.generate_decode_rate(hf, prompts[0], args.output_len)
-        batch = _hf_batch_rate(hf, prompts, args.output_len, tokenizer.pad_token_id)
-        rows += [
-            Row("transformers-generate", "decode_tokens_per_s", decode, "tokens/s"),
-            Row("transformers-generate", concurrent, batch, "tokens/s"),
-        ]
+        pad_id = tokenizer.pad_token_id
+        contestants.append(Contestant(TRANSFORMERS, lambda p, n: _hf_generate(hf, p, n, pad_id)))
+
+    concurrent = f"c{args.concurrency}_output_tokens_per_s"
+    per_round = take_turns(contestants, prompts, args.output_len, args.rounds, concurrent)
+    rows = [
+        Row(system, metric, statistics.median(values), "tokens/s")
+        for system, metrics in per_round.items()
+        for metric, values in metrics.items()
+    ]
+    ratios = paired_ratios(per_round)
     print(format_table(rows))
+    for metric, ratio in ratios.items():
+        print(f"kvfleet / transformers, {metric}: {ratio:.2f} (median of {args.rounds} rounds)")
     if args.output is not None:
         workload = {
             "model": Path(model).name,
@@ -89,6 +109,10 @@ def main(argv: list[str]) -> int:
             "prompt_lens": [len(p) for p in prompts],
             "output_len": args.output_len,
             "sampling": "greedy, ignore_eos",
+            "rounds": args.rounds,
+            "order": "each round: every system's decode, then every system's batch",
+            "per_round": per_round,
+            "ratios_kvfleet_over_transformers": ratios,
         }
         command = shlex.join(["kvfleet", "bench", "chat", *argv])
         device = gpu_name(torch.device(args.device))
@@ -98,13 +122,58 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def take_turns(
+    contestants: list[Contestant],
+    prompts: list[list[int]],
+    output_len: int,
+    rounds: int,
+    concurrent: str,
+) -> dict[str, dict[str, list[float]]]:
+    """system -> metric -> the rate of each round. Each contestant warms up once; then every
+    round times each one's batch-1 decode in turn, then each one's concurrent batch in turn."""
+    for contestant in contestants:
+        contestant.generate([prompts[0]], 4)
+        contestant.generate(prompts, 4)
+    rates: dict[str, dict[str, list[float]]] = {
+        c.system: {DECODE: [], concurrent: []} for c in contestants
+    }
+    for round_number in range(1, rounds + 1):
+        for contestant in contestants:
+            first = contestant.generate([prompts[0]], 1)
+            full = contestant.generate([prompts[0]], output_len)
+            rates[contestant.system][DECODE].append((output_len - 1) / (full - first))
+        for contestant in contestants:
+            seconds = contestant.generate(prompts, output_len)
+            rates[contestant.system][concurrent].append(len(prompts) * output_len / seconds)
+        done = ", ".join(
+            f"{system} {metrics[DECODE][-1]:.2f} / {metrics[concurrent][-1]:.1f}"
+            for system, metrics in rates.items()
+        )
+        print(
+            f"round {round_number}/{rounds} (decode / {concurrent} tokens/s): {done}",
+            file=sys.stderr,
+        )
+    return rates
+
+
+def paired_ratios(per_round: dict[str, dict[str, list[float]]]) -> dict[str, float]:
+    """metric -> median over rounds of kvfleet's rate / transformers' (empty without a peer)."""
+    if KVFLEET not in per_round or TRANSFORMERS not in per_round:
+        return {}
+    ours, theirs = per_round[KVFLEET], per_round[TRANSFORMERS]
+    return {
+        metric: statistics.median(a / b for a, b in zip(ours[metric], theirs[metric], strict=True))
+        for metric in ours
+    }
+
+
 def _kvfleet(model: str, device: str) -> Any:
     from kvfleet_engine import LLM
 
     return LLM(model, device=device, max_model_len=1024)
 
 
-def _generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> float:
+def _kvfleet_generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> float:
     """Seconds to answer the prompts, prefix cache emptied first (every prompt is computed)."""
     from kvfleet_engine.sampling import SamplingParams
 
@@ -112,19 +181,9 @@ def _generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> float:
     llm.engine.kv_cache.reset_prefix_cache()
     start = time.perf_counter()
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
     assert all(len(out.outputs[0].token_ids) == max_tokens for out in outputs)
-    return time.perf_counter() - start
-
-
-def _kvfleet_decode_rate(llm: Any, prompt: list[int], output_len: int) -> float:
-    _generate(llm, [prompt], 4)  # warm-up
-    first = _generate(llm, [prompt], 1)
-    return (output_len - 1) / (_generate(llm, [prompt], output_len) - first)
-
-
-def _kvfleet_batch_rate(llm: Any, prompts: list[list[int]], output_len: int) -> float:
-    _generate(llm, prompts, 4)  # warm-up
-    return len(prompts) * output_len / _generate(llm, prompts, output_len)
+    return elapsed
 
 
 def _transformers(model: str, device: str, dtype: Any) -> Any:
@@ -140,22 +199,29 @@ def _transformers(model: str, device: str, dtype: Any) -> Any:
     return hf.to(device).eval()  # type: ignore[arg-type]
 
 
-def _hf_batch_rate(hf: Any, prompts: list[list[int]], output_len: int, pad_id: int) -> float:
+def _hf_generate(hf: Any, prompts: list[list[int]], num_tokens: int, pad_id: int | None) -> float:
+    """Seconds for one `generate` call over the prompts, left-padded into one batch."""
     import torch
 
+    pad = 0 if pad_id is None else pad_id
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=hf.device)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=hf.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=hf.device)
+    _sync(hf.device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = hf.generate(
+            ids, attention_mask=mask, max_new_tokens=num_tokens, min_new_tokens=num_tokens,
+            do_sample=False, pad_token_id=pad,
+        )  # fmt: skip
+    _sync(hf.device)
+    elapsed = time.perf_counter() - start
+    assert out.shape[1] == width + num_tokens
+    return elapsed
 
-    def run(num_tokens: int) -> float:
-        start = time.perf_counter()
-        with torch.inference_mode():
-            out = hf.generate(
-                ids, attention_mask=mask, max_new_tokens=num_tokens, min_new_tokens=num_tokens,
-                do_sample=False, pad_token_id=pad_id,
-            )  # fmt: skip
-        assert out.shape[1] == width + num_tokens
-        return time.perf_counter() - start
 
-    run(4)  # warm-up
-    return len(prompts) * output_len / run(output_len)
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
