@@ -71,7 +71,8 @@ def test_token_outside_the_vocabulary_and_duplicate_ids(make_llm: Callable[..., 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 is not supported yet"),
+        ({"tensor_parallel_size": 3}, "tensor_parallel_size=3 does not divide the model's"),
+        ({"pipeline_parallel_size": 2}, r"pipeline_parallel_size must be 1 \(pipeline parallelism"),
         ({"quantization": "int3"}, "quantization must be auto"),
         ({"block_size": 12}, "block_size must be a power of two"),
         ({"max_num_batched_tokens": 8, "max_num_seqs": 16}, "max_num_batched_tokens must be >="),
@@ -114,7 +115,7 @@ def test_cli_flags_round_trip(checkpoints: Checkpoints) -> None:
     assert config.cache.num_blocks == 40 and config.model.max_model_len == 256
     assert config.model.architecture == "LlamaForCausalLM" and config.model.dtype == "float32"
     bad = parser.parse_args(
-        ["--model", str(checkpoints.path("llama3")), "--tensor-parallel-size", "4"]
+        ["--model", str(checkpoints.path("llama3")), "--tensor-parallel-size", "3"]
     )
-    with pytest.raises(ValueError, match="tensor_parallel_size=4"):
+    with pytest.raises(ValueError, match="tensor_parallel_size=3"):
         EngineConfig.from_cli_args(bad)
