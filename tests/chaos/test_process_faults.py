@@ -59,7 +59,7 @@ def test_sigkill_then_restart_then_the_core_killed(tiny_model_dir: Path, tmp_pat
             result = read_stream(_Lines(lines))
         assert result.error is not None and result.error["type"] == "service_unavailable"
         health = httpx.get(f"{second.url}/health", timeout=10)
-        assert health.status_code == 503 and health.json()["status"] == "dead"
+        assert health.status_code == 503 and health.json()["status"] == "unhealthy"
         assert second.proc.wait(timeout=30) == 1
         exited_s = time.monotonic() - core_killed
         TALLY.add("core_killed", f"stream error {result.error['type']}")
