@@ -144,19 +144,6 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg["hidden_size"], cfg["vocab_size"])
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight  # type: ignore[assignment]
-        # [hidden, vocab]: the CPU's copy of the lm_head for one-row logits (None elsewhere).
-        self.lm_head_columns: torch.Tensor | None = None
-
-    def finish_loading(self) -> None:
-        """On the CPU in float32, keep the lm_head also as [hidden, vocab]: MKL multiplies one row
-        (a batch-1 decode step's logits, the step's largest product) by it 1.7x faster than by
-        the [vocab, hidden] weight (SmolLM2 on 2 AVX2 cores: 9.8 against 17.1 ms), while batches
-        of a few rows are faster with the original (Linear's W·xᵀ). Costs one more copy of the
-        lm_head in memory."""
-        weight = self.lm_head.weight
-        if type(self.lm_head) is Linear and weight.device.type == "cpu":
-            if weight.dtype == torch.float32:
-                self.lm_head_columns = weight.detach().t().contiguous()
 
     def forward(
         self,
@@ -167,6 +154,4 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, vocab]
-        if self.lm_head_columns is not None and hidden.shape[0] == 1:
-            return torch.mm(hidden, self.lm_head_columns)  # [1, vocab]
         return self.lm_head(hidden)
