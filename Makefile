@@ -35,10 +35,10 @@ test-fast: venv
 	$(PY) -m pytest tests -q
 
 test: lint cluster-bin
-	KVFLEET_REQUIRE_HELM=1 $(PY) -m pytest -q --ignore=tests/kernels -m "not gpu and not integration"
+	KVFLEET_REQUIRE_HELM=1 $(PY) -m pytest -q --durations=40 --ignore=tests/kernels -m "not gpu and not integration"
 	# The kernel tests switch Triton to its interpreter, which is process-wide: kernels imported
 	# natively by earlier tests in the same process would not run there, so they get their own.
-	$(PY) -m pytest -q tests/kernels
+	$(PY) -m pytest -q --durations=10 tests/kernels
 
 # Real Prometheus (and KEDA) beside the local control plane: their cold builds do not fit in
 # `make test`'s time budget, so they run here (README "Integrations").

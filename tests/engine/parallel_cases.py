@@ -25,23 +25,25 @@ def free_port_pair() -> int:
     raise RuntimeError("no two consecutive free ports")
 
 
-def assert_same_greedy(outputs: list[Any], references: list[Any], label: str) -> None:
+def assert_same_greedy(
+    outputs: list[Any], references: list[Any], label: str, atol: float = LOGIT_ATOL
+) -> None:
     """Token for token; at the first difference both tokens must be a tie of the reference
-    (logprobs within LOGIT_ATOL), and the comparison of that sequence stops there. Every
-    compared step's logprobs agree within LOGIT_ATOL."""
+    (logprobs within 10 * atol), and the comparison of that sequence stops there. Every
+    compared step's logprobs agree within atol."""
     for index, (out, ref) in enumerate(zip(outputs, references, strict=True)):
         got, want = out.outputs[0], ref.outputs[0]
         for step, (token, expected) in enumerate(zip(got.token_ids, want.token_ids, strict=True)):
             ours, theirs = got.logprobs[step], want.logprobs[step]
             if token != expected:
                 assert (
-                    token in theirs and abs(theirs[token] - theirs[expected]) < LOGIT_ATOL * 10
+                    token in theirs and abs(theirs[token] - theirs[expected]) < atol * 10
                 ), (
                     f"{label} prompt {index} step {step}: {token} vs {expected}, "
                     f"not a tie ({theirs})"
                 )
                 break
-            assert abs(ours[token] - theirs[token]) < LOGIT_ATOL, (
+            assert abs(ours[token] - theirs[token]) < atol, (
                 f"{label} prompt {index} step {step}: logprob {ours[token]} vs {theirs[token]}"
             )
         else:

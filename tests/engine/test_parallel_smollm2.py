@@ -1,7 +1,8 @@
 """SmolLM2-135M-Instruct (the real embedded model: 9 attention heads, 3 KV heads, tied
 embeddings) gives the same greedy chat answers at tensor parallel 3 (3 heads and 1 KV head per
 rank, gloo, float32 on the CPU) as on one rank: the same text, token for token, and every
-step's logprobs within 1e-5."""
+step's logprobs within 1e-4 (30 layers of float32 sums in another order: CI saw 1.0e-5 at step 12,
+where the tiny two-layer models hold 1e-5)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ QUESTIONS = [
     "How do I reverse a list in Python?",
 ]
 NEW_TOKENS = 16
+SMOLLM2_ATOL = 1e-4
 SETTINGS = dict(device="cpu", max_model_len=256, kv_cache_blocks=64, max_num_seqs=4)
 
 
@@ -50,4 +52,4 @@ def test_tp3_answers_as_one_rank(smollm2: Path) -> None:
         llm.engine.model_runner.shutdown()
     assert single[0].outputs[0].text.startswith("The capital of France is Paris")
     assert [o.outputs[0].text for o in split] == [o.outputs[0].text for o in single]
-    assert_same_greedy(split, single, "smollm2 tp3")
+    assert_same_greedy(split, single, "smollm2 tp3", atol=SMOLLM2_ATOL)

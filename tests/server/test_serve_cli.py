@@ -13,7 +13,10 @@ import pytest
     ("flags", "message"),
     [
         (["--max-queued-requests", "0"], "--max-queued-requests: expected a positive integer"),
-        (["--tensor-parallel-size", "2"], "tensor_parallel_size=2 is not supported yet"),
+        (
+            ["--tensor-parallel-size", "3"],
+            "tensor_parallel_size=3 does not divide the model's num_attention_heads",
+        ),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(
