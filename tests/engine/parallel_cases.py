@@ -36,9 +36,7 @@ def assert_same_greedy(
         for step, (token, expected) in enumerate(zip(got.token_ids, want.token_ids, strict=True)):
             ours, theirs = got.logprobs[step], want.logprobs[step]
             if token != expected:
-                assert (
-                    token in theirs and abs(theirs[token] - theirs[expected]) < atol * 10
-                ), (
+                assert token in theirs and abs(theirs[token] - theirs[expected]) < atol * 10, (
                     f"{label} prompt {index} step {step}: {token} vs {expected}, "
                     f"not a tie ({theirs})"
                 )
