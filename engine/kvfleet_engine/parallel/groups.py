@@ -66,7 +66,9 @@ class Groups:
     def join(cls, parallel: ParallelConfig, place: RankPlace, device: torch.device) -> Groups:
         """Join torch.distributed (blocks until every rank has) and build the groups."""
         backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cpu":  # the host's cores shared by its ranks, not each rank all of them
+        if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # The host's cores shared by its ranks, not each rank all of them (an explicit
+            # OMP_NUM_THREADS wins: hosts that share one machine's cores set it).
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.ranks_per_node))
         timeout = datetime.timedelta(seconds=parallel.join_timeout_s)
         dist.init_process_group(
