@@ -2,10 +2,15 @@
 tokens (tied embeddings on the last stage, q/k/v bias, q/k norms, a single KV head), through
 prefix hits, preemption, chunked prefill and async scheduling on or off; two micro-batches
 really are in flight at once; seeded sampling with penalties on the last stage gives TP 1's
-tokens; the layer split and the bad sizes. Each world is spawned once per test."""
+tokens; the layer split and the bad sizes; a dead last stage fails the call with its reason.
+Each world is spawned once per test."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,6 +26,7 @@ from parallel_cases import (
 from kvfleet_engine import SamplingParams
 from kvfleet_engine.config import SchedulerConfig
 from kvfleet_engine.kv_cache import KVCacheManager
+from kvfleet_engine.model_runner import RankFailed
 from kvfleet_engine.outputs import ModelRunnerOutput
 from kvfleet_engine.parallel.pipeline import stage_layers
 from kvfleet_engine.request import Request
@@ -154,3 +160,18 @@ def test_micro_batches_hold_disjoint_requests_until_their_tokens_come_back() -> 
         ("r0", [7]),
         ("r1", [8]),
     ]
+
+
+@pytest.mark.slow
+def test_a_dead_last_stage_fails_the_call(world: Any) -> None:
+    llm = world("llama3", 1, 2, max_model_len=512, kv_cache_blocks=64, max_num_batched_tokens=64)
+    (pid,) = llm.engine.model_runner.workers.pids.values()
+    params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+    threading.Timer(0.5, os.kill, args=(pid, signal.SIGKILL)).start()  # while it generates
+    began = time.monotonic()
+    with pytest.raises(RankFailed, match=rf"rank 1 \(pid {pid}\) exited with code -9"):
+        while time.monotonic() - began < 30:
+            llm.generate(
+                prompt_token_ids=[[1, 2, 3], [4, 5]], sampling_params=params, use_tqdm=False
+            )
+    assert time.monotonic() - began < 30
