@@ -10,7 +10,8 @@ plane, with the operator under the ServiceAccount and RBAC of manifests/.
 - With real engines (`kvfleet serve --nnodes`, skipped while the engine lacks it): a TP 2 replica
   (one pod, the engine starts both ranks) and a TP 2 replica over two one-GPU kwok nodes (one
   engine per pod, bound at the pod's IP, talking gloo) serve completions through the
-  InferenceDeployment's Service (the ready pods its selector picks: no kube-proxy runs here);
+  InferenceDeployment's Service (the ready pods its selector picks: no kube-proxy runs here),
+  and so does a PP 2 replica over two one-GPU kwok nodes (one stage per pod);
   killing one rank's process makes the replica not ready and the group is recreated.
   `RankEngines` plays the kubelet: it starts each pod's engine from the pod's own arguments,
   reports /ready as the pod's Ready condition and a process that exits as a container restart.
@@ -276,7 +277,8 @@ def test_leader_worker_set_is_accepted_as_rendered(
 @needs_engine_groups
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("parallelism", "profile", "pods"), [({"tensor": 2}, "builtin", 1), ({"tensor": 2}, "one", 2)]
+    ("parallelism", "profile", "pods"),
+    [({"tensor": 2}, "builtin", 1), ({"tensor": 2}, "one", 2), ({"pipeline": 2}, "one", 2)],
 )
 def test_parallel_replica_serves_through_its_service_and_recovers(
     installed: E2ECluster,

@@ -305,13 +305,6 @@ class EngineConfig:
             model, dtype=dtype, max_model_len=max_model_len, quantization=quantization
         )
         check_model_split(model_config, parallel)
-        # Not built yet (issue 14 item 5): refused rather than run wrong.
-        _check(
-            pipeline_parallel_size == 1,
-            "pipeline_parallel_size",
-            pipeline_parallel_size,
-            "1 (pipeline parallelism is not implemented yet)",
-        )
         return cls(
             model=model_config,
             cache=CacheConfig(

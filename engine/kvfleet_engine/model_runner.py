@@ -8,7 +8,13 @@ broadcasts the tokens on the device, so every rank's next step can take them as 
 A step is launched (inputs, forward, sampling and the copy of the samples to the host, all
 queued on the device) and collected later (wait for the samples): between the two the engine
 schedules and launches the next step, whose PENDING_TOKEN inputs are this step's samples,
-gathered on the device."""
+gathered on the device.
+
+Under pipeline parallelism the driver is the first stage's first rank: launching a step runs
+the first stage's layers, starts sending their output to the next stage and starts receiving
+the step's samples from the last stage, which samples; collecting it waits for them. The
+engine keeps one step per stage in flight (micro-batches of disjoint requests, so no step
+waits for a token another has not sampled yet)."""
 
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,6 +34,7 @@ from kvfleet_engine.layers.attention_torch import FP8_DTYPE
 from kvfleet_engine.outputs import ModelRunnerOutput
 from kvfleet_engine.parallel.groups import Groups, RankPlace
 from kvfleet_engine.parallel.messages import Allocate, Loaded, Measure, Measured, Ready
+from kvfleet_engine.parallel.pipeline import StageLayers
 from kvfleet_engine.parallel.step_diff import StepEncoder
 from kvfleet_engine.parallel.workers import RankFailed, WorkerGroup
 from kvfleet_engine.runner.executor import (
@@ -70,6 +78,8 @@ class LaunchedStep:
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     # Recorded after the copies to the host (None on the CPU: already there).
     done: torch.cuda.Event | None
+    # Pipeline parallelism: the receives of the samples from the last stage, to wait for.
+    receiving: tuple[Any, ...] = ()
 
 
 class ModelRunner:
@@ -109,7 +119,12 @@ class ModelRunner:
         self.kv_cache_dtype = executor.kv_cache_dtype
         self.sampler = executor.sampler
         self.sampling_inputs = SamplingInputs(self.device, config.model.vocab_size)
-        self.step_encoder = StepEncoder() if self.workers is not None else None
+        # This rank's pipeline stage (None: one stage); its last send and what it reads.
+        self.stage: StageLayers | None = executor.stage
+        self._sending: tuple[Any, torch.Tensor] | None = None
+        self.step_encoder = (
+            StepEncoder(with_sampling=self.stage is not None) if self.workers is not None else None
+        )
         log.info(
             "model %s on %s (%s, attention %s), %d KV blocks of %d tokens, KV cache %s%s%s",
             config.model.architecture,
@@ -120,7 +135,8 @@ class ModelRunner:
             self.block_size,
             self.kv_cache_dtype,
             " with bfloat16 scales per token and kv head" if self._fp8_cache else "",
-            f", {parallel.world_size} ranks (tensor parallel {parallel.tensor_parallel_size})"
+            f", {parallel.world_size} ranks (tensor parallel {parallel.tensor_parallel_size}, "
+            f"pipeline parallel {parallel.pipeline_parallel_size})"
             if self.workers is not None
             else "",
         )
@@ -197,6 +213,8 @@ class ModelRunner:
         try:
             if scheduled.requests:
                 self.workers.send(self.step_encoder.encode(scheduled))
+            if self.stage is not None:
+                return self._launch_stage(scheduled)
             return self._launch(scheduled)
         except RankFailed:
             self._raised()
@@ -237,10 +255,48 @@ class ModelRunner:
             inputs.sampling_request_ids, inputs.num_logprobs, token_ids, logprobs, done
         )
 
+    def _launch_stage(self, scheduled: SchedulerOutput) -> LaunchedStep:
+        """The first pipeline stage's part of a step; the samples come from the last stage."""
+        if not scheduled.requests:
+            return LaunchedStep([], [], None, None, None)
+        assert self.groups is not None
+        executor = self.executor
+        inputs = build_inputs(scheduled.requests, self.block_size, self.device, {})
+        out = executor.forward_stage(inputs, None)  # [2, num_tokens, hidden]
+        self._wait_sent()
+        self._sending = (self.groups.send_next_stage(out), out)
+        num_logprobs = [item.params.logprobs for item in scheduled.requests if item.sample]
+        rows = len(num_logprobs)
+        if not rows:
+            return LaunchedStep([], [], None, None, None)
+        token_ids = torch.empty(rows, dtype=torch.int64, device=self.device)  # [rows]
+        buffers = [token_ids]
+        logprobs = None
+        wanted = [num for num in num_logprobs if num is not None]
+        if wanted:  # as the sampler returns them: top max(n, 1) per row
+            top = max(max(wanted), 1)
+            logprobs = (
+                torch.empty(rows, dtype=torch.float32, device=self.device),  # [rows]
+                torch.empty((rows, top), dtype=torch.int64, device=self.device),  # [rows, top]
+                torch.empty((rows, top), dtype=torch.float32, device=self.device),
+            )
+            buffers += logprobs
+        receiving = tuple(self.groups.recv_sampling_rank(buffers))
+        return LaunchedStep(
+            inputs.sampling_request_ids, num_logprobs, token_ids, logprobs, None, receiving
+        )
+
+    def _wait_sent(self) -> None:
+        if self._sending is not None:
+            self._sending[0].wait()
+            self._sending = None
+
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step's samples and hand them over as Python values."""
         if step.token_ids is None:
             return ModelRunnerOutput(sampled_token_ids={}, logprobs={})
+        if step.receiving:
+            self._receive(step)
         if step.done is not None:
             step.done.synchronize()
         token_ids = step.token_ids.tolist()
@@ -278,6 +334,21 @@ class ModelRunner:
         return inputs
 
     # ---- the other ranks ----------------------------------------------------------------------
+
+    def _receive(self, step: LaunchedStep) -> None:
+        """Wait for the last pipeline stage's samples of `step`."""
+        assert self.workers is not None
+        self._check_ranks()
+        self._in_step = True
+        try:
+            for work in step.receiving:
+                work.wait()
+        except RuntimeError as error:  # the last stage died
+            reason = self.workers.wait_for_failure() or f"a receive failed: {error}"
+            self._raised()
+            raise RankFailed(reason) from error
+        finally:
+            self._in_step = False
 
     def _check_ranks(self) -> None:
         assert self.workers is not None

@@ -11,6 +11,12 @@ A scheduled step counts as computed at once (steps run in order on one device st
 async scheduling the engine schedules step n+1 before step n's tokens reach the host: a request
 sampled at step n has one pending token, which step n+1 takes as its input on the device
 (PENDING_TOKEN in token_ids), and update() fills it in afterwards.
+
+Under pipeline parallelism (`num_micro_batches` P > 1) the engine keeps up to P steps in flight,
+one per stage. A request whose token is on the way is not scheduled again until update() has it
+(its next step's input would be a token the last stage has not sampled yet); a prompt's next
+chunk may be (each stage runs the steps in order, so the chunk before it is in the cache). Each
+step takes at most 1/P of the unfinished requests, so the micro-batches stay even.
 """
 
 from __future__ import annotations
@@ -71,9 +77,16 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        max_model_len: int,
+        num_micro_batches: int = 1,
     ) -> None:
         self.config = config
+        # Steps in flight at once (pipeline parallelism's stages; 1: a step's requests may be
+        # scheduled again, with a pending token, before its tokens reach the host).
+        self.num_micro_batches = num_micro_batches
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
@@ -146,11 +159,17 @@ class Scheduler:
             self.running.sort(key=Request.sort_key)
             self._running_sorted = True
         index = 0
-        while index < len(self.running) and budget > 0:
+        micro_batches = self.num_micro_batches
+        max_seqs = self.config.max_num_seqs
+        if micro_batches > 1:  # this step's share of the unfinished requests
+            max_seqs = min(max_seqs, -(-len(self.requests) // micro_batches))
+        while index < len(self.running) and budget > 0 and len(scheduled) < max_seqs:
             request = self.running[index]
-            if request.num_pending_tokens and request.reaches_limit(self.max_model_len):
-                index += 1  # its last token is on the way; update() finishes it
-                continue
+            if request.num_pending_tokens and (
+                request.reaches_limit(self.max_model_len) or micro_batches > 1
+            ):
+                index += 1  # its last token is on the way (update() may finish it), or in a
+                continue  # step still in flight through the pipeline's stages
             num_new_tokens = min(request.num_scheduled_tokens - request.num_computed_tokens, budget)
             while self.kv_cache.allocate_slots(request, num_new_tokens) is None:
                 victim = self.running.pop()  # lowest priority, newest
@@ -168,6 +187,7 @@ class Scheduler:
             and self.waiting
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
+            and len(scheduled) < max_seqs
         ):
             request = self.waiting[0][1]
             if request.is_finished:  # aborted while waiting

@@ -2,11 +2,10 @@
 `kvfleet serve` command line (tests/operator/test_engine_contract.py parses every rendered
 argument list with the engine's own parser); these sets say which spec values the operator may
 hand it: `--tensor-parallel-size` 1, 2, 4 or 8, on one node or several (`--nnodes`: a replica
-whose ranks outgrow a node's devices); `--pipeline-parallel-size` 1 only (the engine refuses
-other sizes until pipeline parallelism lands; topology.py and render_group.py already plan and
-render pipeline stages, so widening PIPELINE_PARALLEL_SIZES is all the operator will need);
-`--quantization` int8, fp8, awq and gptq (render.py maps the CRD's names onto the engine's),
-none of them for a GGUF file; `--kv-cache-dtype` auto or fp8.
+whose ranks outgrow a node's devices); `--pipeline-parallel-size` any size (the plan refuses
+one larger than the model's layers, and the engine checks it again); `--quantization` int8,
+fp8, awq and gptq (render.py maps the CRD's names onto the engine's), none of them for a GGUF
+file; `--kv-cache-dtype` auto or fp8.
 
 The CRD accepts the full API so that plans for larger topologies are computed and reported; an
 InferenceDeployment that needs a value outside these sets is reported as Stalled with reason
@@ -18,7 +17,6 @@ from __future__ import annotations
 from kvfleet_operator.models import InferenceDeploymentSpec
 
 TENSOR_PARALLEL_SIZES = frozenset({1, 2, 4, 8})
-PIPELINE_PARALLEL_SIZES = frozenset({1})
 WEIGHT_QUANTIZATIONS = frozenset({"none", "int8", "fp8", "int4-awq", "int4-gptq"})
 KV_CACHE_QUANTIZATIONS = frozenset({"auto", "fp8"})
 # Whether a GGUF file's weights stay in their quantized blocks in GPU memory: the engine keeps
@@ -44,12 +42,6 @@ def unavailable_features(spec: InferenceDeploymentSpec) -> list[str]:
         missing.append(
             f"parallelism.tensor={spec.parallelism.tensor}: the engine serves tensor parallel "
             f"size {_one_of(TENSOR_PARALLEL_SIZES)} only for now"
-        )
-    if spec.parallelism.pipeline not in PIPELINE_PARALLEL_SIZES:
-        missing.append(
-            f"parallelism.pipeline={spec.parallelism.pipeline}: the engine serves pipeline "
-            f"parallel size {_one_of(PIPELINE_PARALLEL_SIZES)} only for now (split a replica "
-            "over several nodes with parallelism.tensor instead)"
         )
     if spec.quantization.weights not in WEIGHT_QUANTIZATIONS:
         missing.append(

@@ -72,7 +72,7 @@ def test_token_outside_the_vocabulary_and_duplicate_ids(make_llm: Callable[..., 
     ("kwargs", "message"),
     [
         ({"tensor_parallel_size": 3}, "tensor_parallel_size=3 does not divide the model's"),
-        ({"pipeline_parallel_size": 2}, r"pipeline_parallel_size must be 1 \(pipeline parallelism"),
+        ({"pipeline_parallel_size": 3}, "pipeline_parallel_size=3 is larger than the model.s 2"),
         ({"quantization": "int3"}, "quantization must be auto"),
         ({"block_size": 12}, "block_size must be a power of two"),
         ({"max_num_batched_tokens": 8, "max_num_seqs": 16}, "max_num_batched_tokens must be >="),

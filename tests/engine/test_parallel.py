@@ -14,35 +14,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from engine_cases import random_prompts
-from parallel_cases import assert_same_greedy, free_port_pair
+from parallel_cases import SETTINGS, assert_same_greedy, free_port_pair, generate_twice
 
-from kvfleet_engine import LLM, SamplingParams
+from kvfleet_engine import SamplingParams
 from kvfleet_engine.model_runner import RankFailed
-
-NEW_TOKENS = 12
-# Small enough that the first call's 3 prompts are preempted (they need 14 blocks of 8 tokens,
-# the cache has 8) and chunked (16 tokens per step), and the second call's 2 prompts start
-# with prompt 1's first blocks (prefix hits).
-SETTINGS: dict[str, Any] = dict(
-    block_size=8, kv_cache_blocks=8, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64
-)
-
-
-def _prompts() -> list[list[int]]:
-    base = random_prompts([5, 37, 20, 4, 2], seed=3)
-    base[3] = base[1][:16] + base[3]
-    base[4] = base[1][:24] + base[4]
-    return base
-
-
-def _generate(llm: LLM) -> list[Any]:
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
-    first = llm.generate(prompt_token_ids=_prompts()[:3], sampling_params=params, use_tqdm=False)
-    # The second call finds the first call's blocks in the prefix cache.
-    return first + llm.generate(
-        prompt_token_ids=_prompts()[3:], sampling_params=params, use_tqdm=False
-    )
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +43,9 @@ def world(make_llm: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
 def _check_equal(
     world: Callable[..., Any], make_llm: Callable[..., Any], name: str, tp: int
 ) -> None:
-    reference = _generate(make_llm(name, **SETTINGS))
+    reference = generate_twice(make_llm(name, **SETTINGS))
     llm = world(name, tp)
-    outputs = _generate(llm)
+    outputs = generate_twice(llm)
     stats = llm.engine.stats()
     assert stats.num_preemptions_total > 0, "the test meant to preempt"
     assert stats.prefix_cache_hits_total > 0, "the test meant to hit the prefix cache"

@@ -35,16 +35,6 @@ GOLDEN = Path(__file__).parent / "golden"
 
 
 @pytest.fixture
-def engine_serves_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Widens the engine feature gate to every pipeline size: pipeline stages are planned and
-    rendered (topology.py, render_group.py) before the engine serves them, and these tests pin
-    that planning; test_plan checks that the real gate refuses them today."""
-    from kvfleet_operator import engine_features
-
-    monkeypatch.setattr(engine_features, "PIPELINE_PARALLEL_SIZES", frozenset(range(1, 65)))
-
-
-@pytest.fixture
 def check_golden():
     """check_golden(name, objects): the objects as YAML equal golden/NAME.yaml (rewritten with
     UPDATE_GOLDEN=1 after a deliberate change)."""

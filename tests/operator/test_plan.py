@@ -176,7 +176,6 @@ def test_gpus_per_replica_is_tensor_times_pipeline(make_spec) -> None:
     assert p.memory.weights_gib == pytest.approx(14.96 / 8, abs=0.01)
 
 
-@pytest.mark.usefixtures("engine_serves_pipeline")
 def test_replica_larger_than_a_node_is_a_group_of_pods(make_spec) -> None:
     spec = make_spec(
         model={"uri": "hf://meta-llama/Llama-3.1-405B-Instruct"},
@@ -195,7 +194,6 @@ def test_replica_larger_than_a_node_is_a_group_of_pods(make_spec) -> None:
     assert with_lws.topology.pods_per_replica == 2
 
 
-@pytest.mark.usefixtures("engine_serves_pipeline")
 @pytest.mark.parametrize(
     ("tensor", "pipeline", "per_node", "kind", "pods", "gpus_per_pod"),
     [
@@ -225,7 +223,6 @@ def test_ranks_split_evenly_over_the_fewest_nodes(
     assert topology.gpus_per_replica == tensor * pipeline == pods * gpus_per_pod
 
 
-@pytest.mark.usefixtures("engine_serves_pipeline")
 def test_a_world_that_does_not_split_evenly_over_nodes_names_the_numbers(make_spec) -> None:
     profile = BUILTIN_ACCELERATORS["h100-80gb"].model_copy(update={"devices_per_node": 4})
     p = plan(make_spec(parallelism={"tensor": 2, "pipeline": 5}), profiles={"h100-80gb": profile})
@@ -237,7 +234,6 @@ def test_a_world_that_does_not_split_evenly_over_nodes_names_the_numbers(make_sp
     )
 
 
-@pytest.mark.usefixtures("engine_serves_pipeline")
 def test_pipeline_larger_than_the_layers_is_refused(make_spec) -> None:
     # Llama 3.2 1B: 16 layers.
     spec = make_spec(model={"uri": "hf://meta-llama/Llama-3.2-1B"}, parallelism={"pipeline": 16})
@@ -271,7 +267,6 @@ def test_tensor_size_against_gguf_header_heads(make_spec, write_gguf) -> None:
     assert p.ok, p.problems
 
 
-@pytest.mark.usefixtures("engine_serves_pipeline")
 def test_external_autoscalers_cannot_scale_statefulset_groups(make_spec) -> None:
     autoscaling = {
         "controller": "HPA", "maxReplicas": 4, "targets": {"kvCacheUtilization": 0.7},
@@ -295,13 +290,10 @@ def test_unsupported_tensor_size_is_feature_unavailable(make_spec) -> None:
     )
 
 
-def test_pipeline_stages_are_feature_unavailable_until_the_engine_serves_them(make_spec) -> None:
+def test_pipeline_stages_are_served(make_spec) -> None:
     p = plan(make_spec(parallelism={"tensor": 4, "pipeline": 2}))
-    assert reasons(p) == ["FeatureUnavailable"]
-    assert p.problems[0].message == (
-        "parallelism.pipeline=2: the engine serves pipeline parallel size 1 only for now (split "
-        "a replica over several nodes with parallelism.tensor instead)"
-    )
+    assert p.ok, p.problems
+    assert (p.topology.tensor, p.topology.pipeline, p.topology.gpus_per_replica) == (4, 2, 8)
 
 
 def test_engine_feature_gate_names_each_field(make_spec, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,7 +8,6 @@ import re
 from typing import Any
 
 import httpx
-import pytest
 
 from kvfleet_operator import api
 from kvfleet_operator.apply import secret_key_digest, with_owner
@@ -16,7 +15,6 @@ from kvfleet_operator.header_cache import HeaderCache
 from kvfleet_operator.reconcile import reconcile
 
 # Pipeline stages are planned and rendered before the engine serves them (conftest).
-pytestmark = pytest.mark.usefixtures("engine_serves_pipeline")
 
 
 class MemoryCluster:

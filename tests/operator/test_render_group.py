@@ -11,7 +11,6 @@ from kvfleet_operator.plan import ClusterFeatures, plan_deployment
 from kvfleet_operator.render import render_children
 
 # Pipeline stages are planned and rendered before the engine serves them (conftest).
-pytestmark = pytest.mark.usefixtures("engine_serves_pipeline")
 
 NATIVE = ClusterFeatures(leader_worker_set=False, service_monitor=True)
 LWS = ClusterFeatures(leader_worker_set=True, service_monitor=True)

@@ -3,7 +3,8 @@ worker it starts, gloo) serve a chat request; the metrics report the world size;
 killed turns /health 503 with the reason and the server exits non-zero within the bound.
 The same over two "nodes" on 127.0.0.1 (`--nnodes 2`, one rank each): the compute-only node
 answers /health and /ready only, the leader serves, and killing the compute node's process
-ends its rank too, so the leader reports it and exits."""
+ends its rank too, so the leader reports it and exits. Two pipeline stages
+(`--pipeline-parallel-size 2`) answer concurrent completions with one rank's text."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -216,3 +218,37 @@ def test_a_node_that_cannot_reach_the_leader_exits_with_the_reason(
         f"node 1 exits with code 1: rank 1: could not reach the leader's step channel at "
         f"127.0.0.1:{master_port + 1} within 2 s" in done.stderr
     ), done.stderr[-2000:]
+
+
+def test_pp2_serves_completions_with_one_rank_s_text(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`--pipeline-parallel-size 2`: two stages (the engine core and one worker) answer three
+    concurrent completions (micro-batches in flight) with the text one rank gives."""
+    from kvfleet_engine import LLM, SamplingParams
+
+    port, master_port = free_port(), _free_port_pair()
+    command = _serve_command(
+        tiny_model_dir, port, "--pipeline-parallel-size", "2", "--master-port", str(master_port)
+    )
+    prompts = ["hello", "a longer prompt than the first", "third"]
+    reference = LLM(str(tiny_model_dir), device="cpu", max_model_len=256, kv_cache_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = [out.outputs[0].text for out in reference.generate(prompts, params, use_tqdm=False)]
+    url = f"http://127.0.0.1:{port}"
+    with (tmp_path / "serve.log").open("wb") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_ready(url, timeout_s=480)
+
+            def complete(prompt: str) -> httpx.Response:
+                body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 8}
+                body |= {"temperature": 0, "ignore_eos": True}
+                return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                responses = list(pool.map(complete, prompts))
+            assert [r.status_code for r in responses] == [200] * 3, responses[0].text
+            assert [r.json()["choices"][0]["text"] for r in responses] == want
+            assert metric(scrape(url), "kvfleet_parallel_world_size") == 2
+        finally:
+            proc.kill()
+            proc.wait()

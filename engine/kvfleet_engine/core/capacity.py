@@ -93,7 +93,9 @@ def measure_capacity(
         times = []
         while engine.has_unfinished_requests():
             t0 = time.perf_counter()
-            progressed = engine.advance()
+            progressed = []
+            for _ in range(engine.num_micro_batches):  # pipeline stages: one call per batch
+                progressed += engine.advance()
             elapsed = time.perf_counter() - t0
             if len(progressed) == batch and not any(r.is_finished for r in progressed):
                 times.append(elapsed)

@@ -3,13 +3,15 @@
 It is what runs in the engine-core process (`core.process`), and the base of the in-process
 `LLMEngine`, which adds text. A step advances every running request by one token
 (`advance`); `step_outputs` packs what it produced into the record that crosses to the API
-process: per request, only the tokens it got in this step.
+process: per request, only the tokens it got in this step. Under pipeline parallelism a step
+advances the requests of the oldest of the micro-batches in flight (one per stage).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
 
 from kvfleet_engine.config import EngineConfig, ModelConfig
@@ -39,9 +41,16 @@ class EngineCore:
         self.kv_cache = KVCacheManager(
             runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, config.model.max_model_len)
+        self.num_micro_batches = config.parallel.pipeline_parallel_size
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv_cache, config.model.max_model_len, self.num_micro_batches
+        )
         # The step launched but not collected yet (async scheduling).
         self.in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        # Pipeline parallelism: the micro-batches in flight, oldest first (at most one per
+        # stage), and the most there were at once.
+        self.micro_batches: deque[tuple[SchedulerOutput, LaunchedStep]] = deque()
+        self.max_micro_batches_in_flight = 0
         # request id -> output tokens already reported by step_outputs().
         self._num_reported: dict[str, int] = {}
         # request id -> when add_request ran (time.time()), until its first token is reported.
@@ -89,6 +98,8 @@ class EngineCore:
             # Every request of the step in flight has gone: drop its tokens now, or the next
             # request's first step would collect them and report nothing (an extra round).
             self._collect_in_flight()
+        if self.micro_batches and not self.scheduler.has_unfinished_requests():
+            self._drop_micro_batches()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -101,6 +112,8 @@ class EngineCore:
     def advance(self) -> list[Request]:
         """Advance every running request by one step. Returns the requests that got a token
         (finished or not); with async scheduling, those of the step launched last time."""
+        if self.num_micro_batches > 1:
+            return self._advance_micro_batches()
         if self.in_flight is None:
             self.in_flight = self._launch_next()
         progressed = []
@@ -112,6 +125,30 @@ class EngineCore:
         if launched is not None and not self.scheduler.has_unfinished_requests():
             self._collect_in_flight()  # every request it ran has ended: drop its tokens
         return progressed
+
+    def _advance_micro_batches(self) -> list[Request]:
+        """Pipeline parallelism: launch steps until one per stage is in flight (or nothing more
+        can be scheduled: every other request waits for its token), then collect the oldest."""
+        batches = self.micro_batches
+        while len(batches) < self.num_micro_batches:
+            launched = self._launch_next()
+            if launched is None:
+                break
+            batches.append(launched)
+        self.max_micro_batches_in_flight = max(self.max_micro_batches_in_flight, len(batches))
+        if not batches:
+            return []
+        self.in_flight = batches.popleft()
+        progressed = self._collect_in_flight()
+        if batches and not self.scheduler.has_unfinished_requests():
+            self._drop_micro_batches()
+        return progressed
+
+    def _drop_micro_batches(self) -> None:
+        """Every request has ended: wait for the steps still in flight, drop their tokens."""
+        while self.micro_batches:
+            self.in_flight = self.micro_batches.popleft()
+            self._collect_in_flight()
 
     def step_outputs(self) -> StepOutputs:
         """One step, as the record the API process receives: each request's new tokens."""

@@ -4,7 +4,7 @@ names mirror the Hugging Face checkpoints so weights load by name."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +14,9 @@ from kvfleet_engine.layers.attention import Attention, AttentionMetadata
 from kvfleet_engine.layers.linear import Linear, MergedLinear
 from kvfleet_engine.layers.norm import RMSNorm
 from kvfleet_engine.layers.rotary import RotaryEmbedding, rope_parameters
+
+if TYPE_CHECKING:
+    from kvfleet_engine.parallel.pipeline import StageLayers
 
 
 class LlamaAttention(nn.Module):
@@ -114,6 +117,8 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(
             head_dim, cfg.get("max_position_embeddings", 2048), rope_parameters(cfg)
         )
+        # The layers this rank runs under pipeline parallelism (None: all of them).
+        self.stage: StageLayers | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -124,6 +129,31 @@ class LlamaModel(nn.Module):
             hidden, residual = layer(hidden, residual, positions, self.rotary, meta)
         if residual is None:  # no layers
             return self.norm(hidden)
+        return self.norm.add_forward(hidden, residual)[0]
+
+    def forward_stage(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]: read by the first stage only
+        positions: torch.Tensor,  # [num_tokens]
+        meta: AttentionMetadata,
+        intermediate: torch.Tensor | None,  # [2, num_tokens, hidden]: the previous stage's
+    ) -> torch.Tensor:
+        """One pipeline stage's layers (`self.stage`, set by parallel.pipeline): from the input
+        ids (the first stage) or the previous stage's hidden state and residual; returns them
+        for the next stage [2, num_tokens, hidden], or on the last stage the final norm's
+        output [num_tokens, hidden]."""
+        stage = self.stage
+        assert stage is not None, "forward_stage() runs a pipeline stage; forward() the model"
+        if stage.is_first:
+            hidden, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
+        else:
+            assert intermediate is not None
+            hidden, residual = intermediate[0], intermediate[1]
+        for layer in self.layers[stage.start : stage.end]:
+            hidden, residual = layer(hidden, residual, positions, self.rotary, meta)
+        assert residual is not None  # every stage owns a layer
+        if not stage.is_last:
+            return torch.stack((hidden, residual))  # [2, num_tokens, hidden]
         return self.norm.add_forward(hidden, residual)[0]
 
 
@@ -152,6 +182,15 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         return self.model(input_ids, positions, meta)
+
+    def forward_stage(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        intermediate: torch.Tensor | None,
+    ) -> torch.Tensor:  # [2, num_tokens, hidden], or on the last stage [num_tokens, hidden]
+        return self.model.forward_stage(input_ids, positions, meta, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, vocab]
         return self.lm_head(hidden)

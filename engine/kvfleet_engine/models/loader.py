@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -15,6 +15,12 @@ from kvfleet_engine.config import ModelConfig
 from kvfleet_engine.layers.attention import AttentionMetadata
 from kvfleet_engine.models.registry import model_class
 from kvfleet_engine.parallel.groups import Groups
+from kvfleet_engine.parallel.pipeline import (
+    MissingLayer,
+    apply_pipeline_stage,
+    is_missing,
+    missing_prefixes,
+)
 from kvfleet_engine.parallel.tensor import apply_tensor_parallel
 from kvfleet_engine.quant.linear import QuantLinear
 from kvfleet_engine.quant.swap import check_device, checkpoint_names, quantize_linears
@@ -31,7 +37,18 @@ class CausalLM(Protocol):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor: ...  # [num_tokens, hidden]
 
+    def forward_stage(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        intermediate: torch.Tensor | None,
+    ) -> torch.Tensor: ...  # [2, num_tokens, hidden], or on the last stage [num_tokens, hidden]
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [rows, vocab]
+
+    @property
+    def model(self) -> Any: ...  # the decoder stack (its `stage`: pipeline parallelism)
 
     def modules(self) -> Iterator[nn.Module]: ...
 
@@ -48,8 +65,9 @@ def load_model(
     config: ModelConfig, device: torch.device, dtype: torch.dtype, groups: Groups | None = None
 ) -> CausalLM:
     """Build on meta -> swap quantized linears -> split for this rank (tensor parallelism) ->
-    materialise -> load (each split layer cuts the checkpoint's tensors to its part) -> convert
-    the loaded checkpoint layouts to the kernels' (finish_loading)."""
+    keep this rank's pipeline stage -> materialise -> load (each split layer cuts the
+    checkpoint's tensors to its part) -> convert the loaded checkpoint layouts to the kernels'
+    (finish_loading)."""
     quant = config.quantization
     if quant is not None and quant.cuda_only and device.type != "cuda":
         quant = None  # a GGUF file on the CPU: dequantized at load (faster there, and exact)
@@ -68,10 +86,11 @@ def load_model(
                 log.info("%s: %d linear layers quantized", quant.method, len(replaced))
             if groups is not None:
                 apply_tensor_parallel(model, groups)
+                apply_pipeline_stage(model, groups.place)
     finally:
         torch.set_default_dtype(default_dtype)
     model = model.to_empty(device=device)
-    if getattr(model, "tie_word_embeddings", False):
+    if getattr(model, "tie_word_embeddings", False) and not isinstance(model.lm_head, MissingLayer):
         model.lm_head.weight = model.model.embed_tokens.weight  # to_empty unties parameters
     for module in model.modules():
         for hook in ("reset_buffers", "attach_weight_loaders"):  # what to_empty dropped
@@ -118,8 +137,10 @@ def load_weights(
 ) -> None:
     """Hand each checkpoint tensor to its parameter's own `weight_loader(param, tensor, shard)`
     (fused q/k/v and gate/up shards, packed quantized tensors: the layer knows its layout);
-    every parameter must be filled, each shard of a fused one by its own tensor."""
+    every parameter must be filled, each shard of a fused one by its own tensor. Tensors of
+    the modules another pipeline stage owns are skipped."""
     params = dict(model.named_parameters())
+    elsewhere = missing_prefixes(model)
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
     modules = dict(model.named_modules())
     unloaded = {  # (parameter, shard)
@@ -136,6 +157,8 @@ def load_weights(
                 break
         param = params.get(target)
         if param is None:
+            if is_missing(target, elsewhere):
+                continue
             if name == "lm_head.weight" and "lm_head.weight" not in params:
                 continue
             raise ValueError(f"checkpoint tensor {name!r} has no place in the model")

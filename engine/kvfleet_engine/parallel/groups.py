@@ -66,7 +66,9 @@ class Groups:
     def join(cls, parallel: ParallelConfig, place: RankPlace, device: torch.device) -> Groups:
         """Join torch.distributed (blocks until every rank has) and build the groups."""
         backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cpu":  # the host's cores shared by its ranks, not each rank all of them
+        if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # The host's cores shared by its ranks, not each rank all of them (an explicit
+            # OMP_NUM_THREADS wins: hosts that share one machine's cores set it).
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.ranks_per_node))
         timeout = datetime.timedelta(seconds=parallel.join_timeout_s)
         dist.init_process_group(
@@ -116,6 +118,43 @@ class Groups:
         src = self.stage_ranks[self.place.pp_rank][0]
         dist.broadcast(tensor, src=src, group=self.tp_group)
         return tensor
+
+    # ---- point to point between pipeline stages (on the world group) -------------------------
+
+    @property
+    def next_stage_rank(self) -> int:
+        """The rank of the same tp_rank in the next stage."""
+        return self.place.rank + self.place.tp_size
+
+    @property
+    def previous_stage_rank(self) -> int:
+        return self.place.rank - self.place.tp_size
+
+    @property
+    def sampling_rank(self) -> int:
+        """The last stage's first rank: it samples and sends the tokens to the driver."""
+        return (self.place.pp_size - 1) * self.place.tp_size
+
+    def send_next_stage(self, tensor: torch.Tensor) -> dist.Work:
+        """Start sending to the next stage; keep `tensor` until the returned work is done."""
+        work = dist.isend(tensor, dst=self.next_stage_rank)
+        assert work is not None
+        return work
+
+    def recv_previous_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Fill `tensor` from the previous stage (blocks until it came)."""
+        dist.recv(tensor, src=self.previous_stage_rank)
+        return tensor
+
+    def send_driver(self, tensors: list[torch.Tensor]) -> list[dist.Work]:
+        """Start sending the samples to the driver, in order."""
+        works = [dist.isend(tensor, dst=0) for tensor in tensors]
+        return [work for work in works if work is not None]
+
+    def recv_sampling_rank(self, tensors: list[torch.Tensor]) -> list[dist.Work]:
+        """Start receiving the last stage's samples into `tensors`, in order (the driver)."""
+        works = [dist.irecv(tensor, src=self.sampling_rank) for tensor in tensors]
+        return [work for work in works if work is not None]
 
     def leave(self) -> None:
         if dist.is_initialized():

@@ -53,6 +53,22 @@ class Allocate(msgspec.Struct, tag="allocate"):
     num_blocks: int
 
 
+class SamplingRow(msgspec.Struct, array_like=True, gc=False):
+    """A request's sampling settings, sent once to a pipeline's last stage (which samples)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    logprobs: int | None
+    # The prompt, for penalties (empty without them).
+    prompt_token_ids: list[int]
+
+
 class Step(msgspec.Struct, tag="step", gc=False):
     """One step's diff: what changed since the previous one. A request's block table is sent
     whole once (and again only if it changed other than by growing), then only its new
@@ -72,6 +88,10 @@ class Step(msgspec.Struct, tag="step", gc=False):
     sample_rows: list[int]
     # Requests that ended since the previous step: their tables are dropped.
     finished_request_ids: list[str]
+    # Pipeline parallelism only (the last stage samples): row -> the settings of a request the
+    # workers have not seen yet, and row -> the output tokens so far of a row with penalties.
+    new_sampling: dict[int, SamplingRow] = {}
+    penalty_output_ids: dict[int, list[int]] = {}
 
 
 class Stop(msgspec.Struct, tag="stop"):

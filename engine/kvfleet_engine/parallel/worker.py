@@ -1,10 +1,12 @@
 """A worker rank's process: join the replica, load its part of the model, then compute every
 step the driver sends (`messages.Step`) until `Stop` or the driver goes away.
 
-A worker never schedules or samples: it rebuilds each step's batch from the diff, runs the
-forward pass with its collectives, and receives the driver's sampled tokens (a broadcast on the
-device), which the next step's pending inputs read. Started by the engine itself (the driver
-for its host's ranks, `kvfleet serve --node-rank R` on other hosts), never by torchrun."""
+A worker never schedules: it rebuilds each step's batch from the diff, runs the forward pass
+with its collectives, and receives the driver's sampled tokens (a broadcast on the device),
+which the next step's pending inputs read. Under pipeline parallelism it runs its stage
+(`StageWorker`): the last stage's first rank samples and sends the tokens to the driver.
+Started by the engine itself (the driver for its host's ranks, `kvfleet serve --node-rank R`
+on other hosts), never by torchrun."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from multiprocessing.connection import Connection
 from typing import TypeVar
 
 import torch
+import torch.distributed as dist
 
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.parallel import messages
@@ -33,9 +36,11 @@ from kvfleet_engine.parallel.messages import (
     Step,
     Stop,
 )
+from kvfleet_engine.parallel.pipeline import intermediate_shape
+from kvfleet_engine.parallel.stage_sampling import StageSampling
 from kvfleet_engine.parallel.step_diff import StepDecoder
 from kvfleet_engine.runner.executor import ModelExecutor, resolve_device
-from kvfleet_engine.runner.inputs import build_inputs
+from kvfleet_engine.runner.inputs import ModelInputs, build_inputs
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +116,7 @@ class Worker:
         self.conn = conn
         self.status = status
         self.decoder = StepDecoder()
+        self.stage: StageWorker | None = None  # pipeline parallelism: this rank's stage
 
     def run(self) -> None:
         parallel = self.config.parallel
@@ -120,6 +126,8 @@ class Worker:
         )
         self.groups = Groups.join(parallel, place, device)
         self.executor = ModelExecutor(self.config, self.groups)
+        if self.executor.stage is not None:
+            self.stage = StageWorker(self.executor, self.groups, self.config.model.vocab_size)
         self._send(Loaded(self.rank))
         self._expect(Measure)
         self._send(Measured(self.rank, self.executor.measure_num_blocks()))
@@ -143,6 +151,9 @@ class Worker:
         inputs = build_inputs(
             items, executor.block_size, executor.device, executor.last_sample_rows
         )
+        if self.stage is not None:
+            self.stage.step(step, inputs)
+            return
         executor.forward(inputs)
         samples = torch.empty(len(step.sample_rows), dtype=torch.int64, device=executor.device)
         self.groups.broadcast_from_driver(samples)  # [rows]: the driver's sampled tokens
@@ -158,3 +169,52 @@ class Worker:
         if not isinstance(record, kind):
             raise RuntimeError(f"expected {kind.__name__} from the driver, got {record!r}")
         return record
+
+
+class StageWorker:
+    """A pipeline stage's step on one rank: the previous stage's hidden state and residual in
+    (blocking: stages run the steps in order), this stage's layers, then out to the next stage
+    or, on the last stage, the logits sampled (by its first rank) and the tokens sent to the
+    driver. A send is waited for just before the next one, so the step after it overlaps."""
+
+    def __init__(self, executor: ModelExecutor, groups: Groups, vocab_size: int) -> None:
+        assert executor.stage is not None
+        self.executor = executor
+        self.groups = groups
+        self.stage = executor.stage
+        self.samples = self.stage.is_last and groups.place.tp_rank == 0
+        self.sampling = StageSampling(executor.device, vocab_size) if self.samples else None
+        # The last send and the tensors it reads (kept until it is done).
+        self.sending: tuple[list[dist.Work], list[torch.Tensor]] = ([], [])
+
+    def step(self, step: Step, inputs: ModelInputs) -> None:
+        executor = self.executor
+        previous = None
+        if not self.stage.is_first:
+            shape = intermediate_shape(inputs.input_ids.shape[0], executor.hidden_size)
+            previous = torch.empty(shape, dtype=executor.dtype, device=executor.device)
+            self.groups.recv_previous_stage(previous)
+        out = executor.forward_stage(inputs, previous)
+        if not self.stage.is_last:
+            self._wait_sent()
+            self.sending = ([self.groups.send_next_stage(out)], [out])
+            return
+        if self.sampling is None:
+            return
+        metadata = self.sampling.metadata(step)
+        if not step.sample_rows:
+            return
+        sampled = executor.sampler(out, metadata, None)
+        tensors = [sampled.token_ids]
+        if metadata.max_num_logprobs is not None:
+            assert sampled.sampled_logprobs is not None
+            assert sampled.top_token_ids is not None and sampled.top_logprobs is not None
+            tensors += [sampled.sampled_logprobs, sampled.top_token_ids, sampled.top_logprobs]
+        tensors = [tensor.contiguous() for tensor in tensors]
+        self._wait_sent()
+        self.sending = (self.groups.send_driver(tensors), tensors)
+
+    def _wait_sent(self) -> None:
+        for work in self.sending[0]:
+            work.wait()
+        self.sending = ([], [])

@@ -1,5 +1,7 @@
-"""One rank's model: its weights (its part of them under tensor parallelism), its KV cache, its
-decode CUDA graphs and the forward pass to logits. Every rank has one; only the driver samples."""
+"""One rank's model: its weights (its part of them under tensor parallelism, its stage's layers
+under pipeline parallelism), its KV cache (its own layers only), its decode CUDA graphs and the
+forward pass to logits. Every rank has one; the driver samples, or under pipeline parallelism
+the last stage's first rank. Pipeline stages run eagerly (no decode graphs yet)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from kvfleet_engine.layers.attention_torch import FP8_DTYPE
 from kvfleet_engine.layers.sampler import Sampler, SamplingMetadata
 from kvfleet_engine.models.loader import load_model, serving_dtype
 from kvfleet_engine.parallel.groups import Groups
+from kvfleet_engine.parallel.pipeline import StageLayers, intermediate_shape
 from kvfleet_engine.runner import kv_memory
 from kvfleet_engine.runner.inputs import ModelInputs
 from kvfleet_engine.runner.kv_memory import (
@@ -90,6 +93,9 @@ class ModelExecutor:
         torch.manual_seed(config.runner.seed)
         self.model = load_model(config.model, self.device, self.dtype, groups)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # This rank's pipeline stage (None: one stage, the whole model).
+        self.stage: StageLayers | None = self.model.model.stage
+        self.hidden_size = int(config.model.hf_config["hidden_size"])
         self.sampler = Sampler()
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
@@ -112,7 +118,11 @@ class ModelExecutor:
         check_holds_a_sequence(num_blocks, self.block_size, self.config.model.max_model_len)
         self.num_blocks = num_blocks
         self.kv_caches = self._allocate(num_blocks)
-        if self.device.type == "cuda" and not self.config.runner.enforce_eager:
+        if (
+            self.device.type == "cuda"
+            and not self.config.runner.enforce_eager
+            and self.stage is None
+        ):
             max_blocks = -(-self.config.model.max_model_len // self.block_size)
             self.decode_graphs = DecodeGraphs(
                 self.model, self.config.scheduler.max_num_seqs, max_blocks, self.device
@@ -190,7 +200,15 @@ class ModelExecutor:
             is_decode=False,
         )
         input_ids = torch.zeros(len(positions), dtype=torch.int64, device=self.device)
-        hidden = self.model(input_ids, self._tensor(positions, torch.int64), meta)
+        positions_tensor = self._tensor(positions, torch.int64)
+        if self.stage is None:
+            hidden = self.model(input_ids, positions_tensor, meta)
+        else:  # this stage alone, on zeros for the previous stage's output
+            shape = intermediate_shape(len(positions), self.hidden_size)
+            previous = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            hidden = self.model.forward_stage(input_ids, positions_tensor, meta, previous)
+            if not self.stage.is_last:
+                return
         logits = self.model.compute_logits(hidden[torch.tensor(cu[1:], device=self.device) - 1])
         self.sampler.forward(
             logits,
@@ -235,6 +253,19 @@ class ModelExecutor:
             input_ids = torch.where(sources >= 0, sampled, input_ids)
         hidden = self.model(input_ids, inputs.positions, inputs.attention)
         return self.model.compute_logits(hidden[inputs.logits_indices]).float(), None
+
+    @torch.inference_mode()
+    def forward_stage(self, inputs: ModelInputs, previous: torch.Tensor | None) -> torch.Tensor:
+        """This pipeline stage's part of the step, from the previous stage's output [2,
+        num_tokens, hidden] (None on the first stage, which embeds the input ids): the output
+        for the next stage, or on the last stage the [num_sampling_rows, vocab] float32 logits."""
+        out = self.model.forward_stage(
+            inputs.input_ids, inputs.positions, inputs.attention, previous
+        )
+        assert self.stage is not None
+        if not self.stage.is_last:
+            return out
+        return self.model.compute_logits(out[inputs.logits_indices]).float()
 
     def keep_samples(self, token_ids: torch.Tensor, request_ids: list[str]) -> None:
         """This step's samples [rows] on the device: the next step's pending inputs."""

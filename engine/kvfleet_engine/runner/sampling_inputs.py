@@ -3,13 +3,26 @@ generator (kept from its first step to its last)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from kvfleet_engine.layers.sampler import Penalties, SamplingMetadata
-from kvfleet_engine.scheduler import ScheduledRequest
+from kvfleet_engine.sampling import SamplingParams
+
+
+class SamplingRequest(Protocol):
+    """What the settings need of one sampling row (a ScheduledRequest has it)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def params(self) -> SamplingParams: ...
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+    @property
+    def output_token_ids(self) -> list[int]: ...
 
 
 class SamplingInputs:
@@ -24,7 +37,7 @@ class SamplingInputs:
         for request_id in request_ids:
             self.generators.pop(request_id, None)
 
-    def metadata(self, requests: list[ScheduledRequest]) -> SamplingMetadata:
+    def metadata(self, requests: Sequence[SamplingRequest]) -> SamplingMetadata:
         """The settings of each sampling row (`requests` in row order)."""
         params = [item.params for item in requests]
         vocab_size = self.vocab_size
@@ -64,7 +77,7 @@ class SamplingInputs:
             return torch.tensor(data, dtype=dtype)
         return torch.tensor(data, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
 
-    def _penalties(self, requests: list[ScheduledRequest]) -> Penalties:
+    def _penalties(self, requests: Sequence[SamplingRequest]) -> Penalties:
         num_rows = len(requests)
         prompt_mask = torch.zeros(num_rows, self.vocab_size, dtype=torch.bool)
         output_counts = torch.zeros(num_rows, self.vocab_size, dtype=torch.int32)
