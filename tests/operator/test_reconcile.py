@@ -325,9 +325,15 @@ async def test_rotating_the_api_key_secret_rolls_the_pods() -> None:
     await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
     assert template() == first, "an unchanged Secret must not roll the pods"
 
+    def router_digest() -> str:
+        router = cluster.objects[("Deployment", "ns", "llama-router")]["spec"]["template"]
+        return str(router["metadata"]["annotations"]["kvfleet.io/api-key-digest"])
+
+    assert router_digest() == digest
     cluster.add({**secret, "data": {"api": "c2stbmV3"}})  # rotated
     await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
     assert template()["metadata"]["annotations"]["kvfleet.io/api-key-digest"] != digest
+    assert router_digest() == template()["metadata"]["annotations"]["kvfleet.io/api-key-digest"]
 
 
 async def test_a_rollout_is_told_even_when_a_later_child_fails_to_apply() -> None:
