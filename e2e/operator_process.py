@@ -1,7 +1,7 @@
 """What the e2e tests that run the operator share: the CRDs installed, `kvfleet operator` as a
-subprocess (started, killed, restarted), the tiny random model written, and waits that show the
-logs' last lines when they time out. The `operator` and `tiny_model` fixtures of conftest.py are
-built from these."""
+subprocess (started, killed, restarted), the tiny random model written, a Llama manifest, and
+waits that show the logs' last lines when they time out. The `operator` and `tiny_model`
+fixtures of conftest.py are built from these."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvcluster.procs import stop_child, tail
 from kvcluster.testing import E2ECluster, wait_until
@@ -38,6 +38,21 @@ def write_tiny_model(directory: Path) -> Path:
         capture_output=True,
     )
     return directory
+
+
+def llama_manifest(namespace: str, name: str, **spec: Any) -> dict[str, Any]:
+    """An InferenceDeployment of Llama 3.1 8B on the fake H100s, `spec` added (no engine
+    process runs it: kwok marks its pods ready)."""
+    return {
+        "apiVersion": "kvfleet.io/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "model": {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct", "maxModelLen": 8192},
+            "resources": {"accelerator": "h100-80gb"},
+            **spec,
+        },
+    }
 
 
 def wait_logged(

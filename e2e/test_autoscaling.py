@@ -28,7 +28,7 @@ from autoscaling_scenario import (
 from engine_pods import EnginePods
 from kvcluster.procs import stop_child
 from kvcluster.testing import E2ECluster
-from operator_process import OperatorProcess
+from operator_process import OperatorProcess, llama_manifest
 from operator_process import wait_logged as wait
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -131,16 +131,7 @@ def test_controller_hpa_renders_an_hpa_the_api_server_accepts(
         "targets": {"kvCacheUtilization": 0.75, "waitingRequestsPerReplica": 4},
         "behavior": {"scaleDown": {"stabilizationWindowSeconds": 120}},
     }
-    manifest = {
-        "apiVersion": "kvfleet.io/v1alpha1",
-        "kind": "InferenceDeployment",
-        "metadata": {"name": "viahpa", "namespace": namespace},
-        "spec": {
-            "model": {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct", "maxModelLen": 8192},
-            "resources": {"accelerator": "h100-80gb"},
-            "autoscaling": autoscaling,
-        },
-    }
+    manifest = llama_manifest(namespace, "viahpa", autoscaling=autoscaling)
     kubectl("apply", "--server-side", "-f", "-", input=json.dumps(manifest))
 
     def hpa() -> dict[str, Any] | None:

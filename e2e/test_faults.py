@@ -3,7 +3,8 @@ what a user sees recovered:
 
 1. An engine pod's process SIGKILLed mid-stream: the client's stream breaks, the pod turns
    unready with one restart (the kubelet's view, played by EnginePods), the InferenceDeployment
-   says 0/1 until the engine serves again, and the autoscaler holds at one replica throughout.
+   says 0/1 ReplicasNotReady until the engine serves again, and the autoscaler holds at one
+   replica throughout.
 2. The operator SIGKILLed while a rollout it started is under way, and started again: the
    rollout finishes (Ready at the new generation), no object is duplicated, no event repeated.
 3. The kube-apiserver restarted: the operator's watches recover (a spec change is handled by
@@ -34,7 +35,13 @@ from engine_pods import EnginePods
 from kvcluster import controlplane
 from kvcluster.kubectl import Kubectl, KubectlError
 from kvcluster.testing import SUMMARY, E2ECluster, in_background
-from operator_process import OperatorProcess, install_crds, running_operator, wait_logged
+from operator_process import (
+    OperatorProcess,
+    install_crds,
+    llama_manifest,
+    running_operator,
+    wait_logged,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -106,7 +113,8 @@ def test_engine_killed_mid_stream_comes_back_and_the_autoscaler_holds(
             time.sleep(10)  # the autoscaler's next ticks see the restarted engine's counters
     # What kubectl showed: the one pod, unready with a restart, the status 0/1, then 1/1.
     assert sampler.pod_names == {pod}, sampler.pod_names
-    assert "0/1" in sampler.summaries and back["status"]["replicasSummary"] == "1/1"
+    assert "0/1 ReplicasNotReady" in sampler.summaries, sampler.summary_changes()
+    assert back["status"]["replicasSummary"] == "1/1"
     restarts = kubectl.json("get", "pod", pod, "-n", namespace)["status"]["containerStatuses"]
     assert restarts[0]["restartCount"] == 1 and restarts[0]["ready"] is True
     # The autoscaler did not react: one replica all along, no scale event in its history.
@@ -127,7 +135,7 @@ def test_operator_restarted_during_a_rollout_finishes_it_without_duplicates(
 ) -> None:
     kubectl = cluster.kubectl
     roll_out(
-        kubectl, operator, infd_manifest(namespace, "roll", replicas=3, rollout={"maxSurge": 1})
+        kubectl, operator, llama_manifest(namespace, "roll", replicas=3, rollout={"maxSurge": 1})
     )
     before = objects(kubectl, namespace)
     deployment = get(kubectl, namespace, "deployment", "roll")
@@ -184,7 +192,7 @@ def test_api_server_restarted_watches_recover_without_a_reconcile_storm(
     cluster: E2ECluster, operator: OperatorProcess, namespace: str
 ) -> None:
     kubectl = cluster.kubectl
-    roll_out(kubectl, operator, infd_manifest(namespace, "watched", replicas=1))
+    roll_out(kubectl, operator, llama_manifest(namespace, "watched", replicas=1))
     baseline = requests_during(kubectl, QUIET_S)
 
     began = time.monotonic()
@@ -227,7 +235,7 @@ def test_node_deleted_its_replicas_are_rescheduled(
     cluster: E2ECluster, operator: OperatorProcess, namespace: str
 ) -> None:
     kubectl = cluster.kubectl
-    roll_out(kubectl, operator, infd_manifest(namespace, "spread", replicas=2))
+    roll_out(kubectl, operator, llama_manifest(namespace, "spread", replicas=2))
     pods = engine_pods(kubectl, namespace, "spread")
     victim = pods[0]["spec"]["nodeName"]
     lost = {p["metadata"]["name"] for p in pods if p["spec"]["nodeName"] == victim}
@@ -274,7 +282,7 @@ class Sampler:
         self.kubectl, self.namespace, self.name = kubectl, namespace, name
         self.replicas: set[int] = set()
         self.pod_names: set[str] = set()
-        self.summaries: list[str] = []
+        self.summaries: list[str] = []  # "replicasSummary Ready's reason", e.g. "1/2 RollingOut"
         self.samples = 0
 
     def summary_changes(self) -> list[str]:
@@ -294,9 +302,10 @@ class Sampler:
         if deployment is not None:
             self.replicas.add(int(deployment["spec"].get("replicas", 1)))
         self.pod_names |= {p["metadata"]["name"] for p in pods}
-        summary = ((obj or {}).get("status") or {}).get("replicasSummary")
-        if summary:
-            self.summaries.append(summary)
+        status = (obj or {}).get("status") or {}
+        ready = next((c for c in status.get("conditions", []) if c["type"] == "Ready"), None)
+        if status.get("replicasSummary") and ready is not None:
+            self.summaries.append(f"{status['replicasSummary']} {ready['reason']}")
         self.samples += 1
 
 
@@ -317,28 +326,8 @@ def roll_out(kubectl: Kubectl, operator: OperatorProcess, manifest: dict[str, An
     )
 
 
-def infd_manifest(namespace: str, name: str, **spec: Any) -> dict[str, Any]:
-    """An InferenceDeployment of Llama 3.1 8B on the fake H100s (no engine process: kwok marks
-    its pods ready)."""
-    return {
-        "apiVersion": "kvfleet.io/v1alpha1",
-        "kind": "InferenceDeployment",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {
-            "model": {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct", "maxModelLen": 8192},
-            "resources": {"accelerator": "h100-80gb"},
-            **spec,
-        },
-    }
-
-
 def get(kubectl: Kubectl, namespace: str, kind: str, name: str) -> dict[str, Any] | None:
-    try:
-        return dict(kubectl.json("get", kind, name, "-n", namespace))
-    except KubectlError as exc:
-        if "NotFound" in str(exc):
-            return None
-        raise
+    return kubectl.find(kind, name, namespace)
 
 
 def infd(kubectl: Kubectl, namespace: str, name: str) -> dict[str, Any] | None:

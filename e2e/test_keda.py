@@ -25,7 +25,7 @@ from kvcluster.keda import Keda, crd_files
 from kvcluster.procs import stop_child, tail
 from kvcluster.prometheus import Prometheus
 from kvcluster.testing import E2ECluster, wait_until
-from operator_process import OperatorProcess
+from operator_process import OperatorProcess, llama_manifest
 
 pytestmark = pytest.mark.e2e
 
@@ -48,26 +48,18 @@ def test_keda_controller_renders_a_scaled_object_keda_s_own_schema_accepts(
     cluster: E2ECluster, keda_crds: None, namespace: str, operator: OperatorProcess
 ) -> None:
     kubectl = cluster.kubectl
-    manifest = {
-        "apiVersion": "kvfleet.io/v1alpha1",
-        "kind": "InferenceDeployment",
-        "metadata": {"name": "viakeda", "namespace": namespace},
-        "spec": {
-            "model": {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct", "maxModelLen": 8192},
-            "resources": {"accelerator": "h100-80gb"},
-            "autoscaling": {
-                "minReplicas": 1,
-                "maxReplicas": 4,
-                "controller": "KEDA",
-                "prometheus": {"url": "http://prometheus.monitoring:9090"},
-                "targets": {
-                    "generationTokenRate": {"tokensPerSecond": 400},
-                    "kvCacheUtilization": 0.8,
-                    "ttft": {"seconds": 0.5, "quantile": 0.9},
-                },
-            },
+    autoscaling = {
+        "minReplicas": 1,
+        "maxReplicas": 4,
+        "controller": "KEDA",
+        "prometheus": {"url": "http://prometheus.monitoring:9090"},
+        "targets": {
+            "generationTokenRate": {"tokensPerSecond": 400},
+            "kvCacheUtilization": 0.8,
+            "ttft": {"seconds": 0.5, "quantile": 0.9},
         },
     }
+    manifest = llama_manifest(namespace, "viakeda", autoscaling=autoscaling)
     kubectl("apply", "--server-side", "-f", "-", input=json.dumps(manifest))
 
     def scaled_object() -> dict[str, Any] | None:
