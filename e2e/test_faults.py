@@ -259,7 +259,6 @@ def test_node_deleted_its_replicas_are_rescheduled(
     finally:
         controlplane.restore_nodes(cluster.config, report=lambda _: None)
     now = engine_pods(kubectl, namespace, "spread")
-    assert {p["spec"]["nodeName"] for p in now} != {victim}
     assert victim not in {p["spec"]["nodeName"] for p in now}
     obj = infd(kubectl, namespace, "spread")
     assert obj is not None and obj["status"]["replicasSummary"] == "2/2"
