@@ -19,6 +19,9 @@ no other pytest session is still using it. A cluster started with `make cluster-
 and left running. Set KVFLEET_KEEP_CLUSTER=1 to leave a cluster this session started running.
 
 `namespace` (function scope) is a fresh namespace, deleted (without waiting) after the test.
+`operator` (function scope): the CRDs installed and `kvfleet operator` watching `namespace`
+(an operator_process.OperatorProcess; its log is `operator.log_path`). `tiny_model`: the tiny
+random model written to the test's tmp_path (a module may define its own of either).
 
 Nodes: `kvfleet-gpu-0..N-1`, each with `nvidia.com/gpu: 8` allocatable and the label
 `nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3`. kwok marks scheduled pods Running and gives them
@@ -31,7 +34,6 @@ from __future__ import annotations
 import fcntl
 import os
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvcluster import controlplane
 from kvcluster.config import default_config
-from kvcluster.testing import E2ECluster
+from kvcluster.testing import SUMMARY, E2ECluster
+from operator_process import OperatorProcess, install_crds, running_operator, write_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -71,10 +74,27 @@ def cluster() -> Iterator[E2ECluster]:
 
 @pytest.fixture
 def namespace(cluster: E2ECluster) -> Iterator[str]:
-    name = f"e2e-{uuid.uuid4().hex[:8]}"
-    cluster.kubectl("create", "namespace", name)
-    yield name
-    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    with cluster.temporary_namespace("e2e-") as name:
+        yield name
+
+
+@pytest.fixture
+def operator(cluster: E2ECluster, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
+    install_crds(cluster)
+    with running_operator(cluster.env, [namespace], tmp_path / "operator.log") as started:
+        yield started
+
+
+@pytest.fixture
+def tiny_model(tmp_path: Path) -> Path:
+    return write_tiny_model(tmp_path / "model")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for title, lines in SUMMARY.items():
+        terminalreporter.section(title)
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 def _report(line: str) -> None:

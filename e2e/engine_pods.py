@@ -5,11 +5,13 @@ test (tiny random model) and `make demo` (SmolLM2, a GGUF file)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -38,17 +40,22 @@ class EnginePods:
         logs: Path,
         served_model_name: str | None = None,
         extra_args: Sequence[str] = (),
+        restart: bool = False,
     ) -> None:
         """`model`: a model directory or GGUF file, served as `served_model_name` (default: the
         Deployment's name, as the operator does) with `extra_args` appended to each command
         line (e.g. the operator's `--quantization`); each engine logs to
-        `logs`/engine-POD.log."""
+        `logs`/engine-POD.log. `restart`: an engine that exits while its pod stays is started
+        again, as the kubelet restarts a container: the pod turns unready with its restart
+        count raised until the new engine's /ready answers."""
         self.kubectl, self.namespace, self.deployment = kubectl, namespace, deployment
         self.model, self.logs = model, logs
         self.extra_args = list(extra_args)
         self.served_model_name = served_model_name or deployment
+        self.restart = restart
         self.procs: dict[str, tuple[str, subprocess.Popen[bytes]]] = {}
         self.started: list[str] = []  # pod names, in start order
+        self.restarting: set[str] = set()  # pods whose engine was started again, not ready yet
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -70,16 +77,9 @@ class EnginePods:
         return [p for p in items if not p["metadata"].get("deletionTimestamp")]
 
     def ready_ips(self) -> list[str]:
-        ready = []
         with self._lock:
             ips = [ip for ip, _ in self.procs.values()]
-        for ip in ips:
-            try:
-                if httpx.get(f"http://{ip}:8000/ready", timeout=1).status_code == 200:
-                    ready.append(ip)
-            except httpx.HTTPError:
-                pass
-        return ready
+        return [ip for ip in ips if _answers_ready(ip)]
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -97,7 +97,46 @@ class EnginePods:
                         self._start(name, ip)
                 for name in set(self.procs) - set(pods):  # pod gone: its engine drains
                     self._terminate(name)
+                if self.restart:
+                    self._restart_exited()
             self._stop.wait(0.5)
+
+    def _restart_exited(self) -> None:
+        for name, (ip, proc) in list(self.procs.items()):
+            if proc.poll() is not None:
+                self._set_pod_ready(name, ready=False)
+                with self._lock:
+                    del self.procs[name]
+                self._start(name, ip)
+                self.restarting.add(name)
+            elif name in self.restarting and _answers_ready(ip):
+                self._set_pod_ready(name, ready=True)
+                self.restarting.discard(name)
+
+    def _set_pod_ready(self, name: str, ready: bool) -> None:
+        """The pod's Ready and ContainersReady conditions and its container's readiness, as the
+        kubelet reports them; a container that exited also counts one more restart."""
+        try:
+            pod = self.kubectl.json("get", "pod", name, "-n", self.namespace)
+        except Exception:  # gone meanwhile, or the API server is busy: the next pass sees
+            return
+        status = pod["status"]
+        word = "True" if ready else "False"
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        for condition in status.get("conditions", []):
+            if condition["type"] in ("Ready", "ContainersReady"):
+                condition.update(status=word, lastTransitionTime=now)
+        for container in status.get("containerStatuses", []):
+            container["ready"] = ready
+            if not ready:
+                container["restartCount"] = container.get("restartCount", 0) + 1
+        patch = {
+            "status": {k: status[k] for k in ("conditions", "containerStatuses") if k in status}
+        }
+        self.kubectl(
+            "patch", "pod", name, "-n", self.namespace, "--subresource=status",
+            "--type=merge", "-p", json.dumps(patch), check=False,
+        )  # fmt: skip
 
     def _start(self, name: str, ip: str) -> None:
         # 256 tokens a step, not 512: the start-up self-benchmark's prefill (3 x 256 tokens) then
@@ -120,3 +159,10 @@ class EnginePods:
         with self._lock:
             _, proc = self.procs.pop(name)
         stop_child(proc, signal.SIGTERM, 15)
+
+
+def _answers_ready(ip: str) -> bool:
+    try:
+        return httpx.get(f"http://{ip}:8000/ready", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -29,53 +26,28 @@ from autoscaling_scenario import (
     start_load,
 )
 from engine_pods import EnginePods
-from kvcluster.procs import stop_child, tail
-from kvcluster.testing import E2ECluster, wait_until
+from kvcluster.procs import stop_child
+from kvcluster.testing import E2ECluster
+from operator_process import OperatorProcess, llama_manifest
+from operator_process import wait_logged as wait
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[1]
 TARGET_TOKENS_PER_SECOND = (
     40  # per replica; one CPU engine under bench load does several times that
 )
-T = TypeVar("T")
-
-
-def wait(check: Callable[[], T | None], timeout: float, what: str, logs: list[Path]) -> T:
-    def tails() -> str:
-        return "\n".join(f"--- {p.name} ---\n{tail(p, 25)}" for p in logs if p.exists())
-
-    return wait_until(check, timeout, what, tails)
-
-
-@pytest.fixture
-def operator(cluster: E2ECluster, namespace: str, tmp_path: Path) -> Iterator[Path]:
-    cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
-    cluster.wait_established("inferencedeployments.kvfleet.io")
-    log_path = tmp_path / "operator.log"
-    with log_path.open("ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvfleet_cli", "operator", "--namespace", namespace],
-            env=cluster.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    yield log_path
-    stop_child(proc, signal.SIGTERM, 20)
 
 
 def test_token_rate_scales_up_and_back_down(
-    cluster: E2ECluster, namespace: str, operator: Path, tmp_path: Path
+    cluster: E2ECluster,
+    namespace: str,
+    operator: OperatorProcess,
+    tiny_model: Path,
+    tmp_path: Path,
 ) -> None:
     kubectl = cluster.kubectl
-    model = tmp_path / "model"
-    subprocess.run(
-        [sys.executable, "-m", "kvfleet_cli", "tiny-model", str(model)],
-        check=True,
-        capture_output=True,
-    )
-    logs = [operator]
-    manifest = inference_deployment(namespace, model, TARGET_TOKENS_PER_SECOND)
+    logs = [operator.log_path]
+    manifest = inference_deployment(namespace, tiny_model, TARGET_TOKENS_PER_SECOND)
     kubectl("apply", "--server-side", "-f", "-", input=json.dumps(manifest))
 
     def infd() -> dict[str, Any]:
@@ -85,7 +57,7 @@ def test_token_rate_scales_up_and_back_down(
         deployment = kubectl.json("get", "deployment", NAME, "-n", namespace)
         return int(deployment["spec"].get("replicas", 1))
 
-    with EnginePods(cluster.kubectl, namespace, NAME, model, tmp_path) as engines:
+    with EnginePods(cluster.kubectl, namespace, NAME, tiny_model, tmp_path) as engines:
         wait(lambda: engines.ready_ips(), 240, "the first engine to be ready", logs)
         before = infd()
         first_ip = engines.ready_ips()[0]
@@ -149,7 +121,7 @@ def test_token_rate_scales_up_and_back_down(
 
 
 def test_controller_hpa_renders_an_hpa_the_api_server_accepts(
-    cluster: E2ECluster, namespace: str, operator: Path
+    cluster: E2ECluster, namespace: str, operator: OperatorProcess
 ) -> None:
     kubectl = cluster.kubectl
     autoscaling = {
@@ -159,23 +131,14 @@ def test_controller_hpa_renders_an_hpa_the_api_server_accepts(
         "targets": {"kvCacheUtilization": 0.75, "waitingRequestsPerReplica": 4},
         "behavior": {"scaleDown": {"stabilizationWindowSeconds": 120}},
     }
-    manifest = {
-        "apiVersion": "kvfleet.io/v1alpha1",
-        "kind": "InferenceDeployment",
-        "metadata": {"name": "viahpa", "namespace": namespace},
-        "spec": {
-            "model": {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct", "maxModelLen": 8192},
-            "resources": {"accelerator": "h100-80gb"},
-            "autoscaling": autoscaling,
-        },
-    }
+    manifest = llama_manifest(namespace, "viahpa", autoscaling=autoscaling)
     kubectl("apply", "--server-side", "-f", "-", input=json.dumps(manifest))
 
     def hpa() -> dict[str, Any] | None:
         found = kubectl.json("get", "hpa", "-n", namespace)["items"]
         return found[0] if found else None
 
-    created = wait(hpa, 60, "the HorizontalPodAutoscaler", [operator])
+    created = wait(hpa, 60, "the HorizontalPodAutoscaler", [operator.log_path])
     assert created["spec"]["scaleTargetRef"] == {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -198,7 +161,7 @@ def test_controller_hpa_renders_an_hpa_the_api_server_accepts(
         ),
         90,
         "the HPA to raise the Deployment to minReplicas",
-        [operator],
+        [operator.log_path],
     )
     obj = kubectl.json("get", "infd", "viahpa", "-n", namespace)
     assert "autoscaling" not in (obj.get("status") or {})

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,10 +25,10 @@ from kvcluster.keda import Keda, crd_files
 from kvcluster.procs import stop_child, tail
 from kvcluster.prometheus import Prometheus
 from kvcluster.testing import E2ECluster, wait_until
+from operator_process import OperatorProcess, llama_manifest
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[1]
 SCALED_OBJECT_CRD = "scaledobjects.keda.sh"
 
 
@@ -46,52 +44,29 @@ def keda_crds(cluster: E2ECluster) -> Iterator[None]:
             cluster.kubectl("delete", "-f", str(path), "--wait=false", check=False)
 
 
-@pytest.fixture
-def operator(cluster: E2ECluster, namespace: str, tmp_path: Path) -> Iterator[Path]:
-    cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
-    cluster.wait_established("inferencedeployments.kvfleet.io")
-    log_path = tmp_path / "operator.log"
-    with log_path.open("ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvfleet_cli", "operator", "--namespace", namespace],
-            env=cluster.env, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    yield log_path
-    stop_child(proc, signal.SIGTERM, 20)
-
-
 def test_keda_controller_renders_a_scaled_object_keda_s_own_schema_accepts(
-    cluster: E2ECluster, keda_crds: None, namespace: str, operator: Path
+    cluster: E2ECluster, keda_crds: None, namespace: str, operator: OperatorProcess
 ) -> None:
     kubectl = cluster.kubectl
-    manifest = {
-        "apiVersion": "kvfleet.io/v1alpha1",
-        "kind": "InferenceDeployment",
-        "metadata": {"name": "viakeda", "namespace": namespace},
-        "spec": {
-            "model": {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct", "maxModelLen": 8192},
-            "resources": {"accelerator": "h100-80gb"},
-            "autoscaling": {
-                "minReplicas": 1,
-                "maxReplicas": 4,
-                "controller": "KEDA",
-                "prometheus": {"url": "http://prometheus.monitoring:9090"},
-                "targets": {
-                    "generationTokenRate": {"tokensPerSecond": 400},
-                    "kvCacheUtilization": 0.8,
-                    "ttft": {"seconds": 0.5, "quantile": 0.9},
-                },
-            },
+    autoscaling = {
+        "minReplicas": 1,
+        "maxReplicas": 4,
+        "controller": "KEDA",
+        "prometheus": {"url": "http://prometheus.monitoring:9090"},
+        "targets": {
+            "generationTokenRate": {"tokensPerSecond": 400},
+            "kvCacheUtilization": 0.8,
+            "ttft": {"seconds": 0.5, "quantile": 0.9},
         },
     }
+    manifest = llama_manifest(namespace, "viakeda", autoscaling=autoscaling)
     kubectl("apply", "--server-side", "-f", "-", input=json.dumps(manifest))
 
     def scaled_object() -> dict[str, Any] | None:
         items = kubectl.json("get", "scaledobjects.keda.sh", "-n", namespace)["items"]
         return items[0] if items else None
 
-    found = wait_until(scaled_object, 60, "the ScaledObject",
-                       lambda: f"--- operator log ---\n{tail(operator, 40)}")  # fmt: skip
+    found = wait_until(scaled_object, 60, "the ScaledObject", operator.tail)
     spec = found["spec"]
     assert spec["scaleTargetRef"]["name"] == "viakeda"
     assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (1, 4)
@@ -120,24 +95,25 @@ TARGET_TOKENS_PER_SECOND = 40  # per replica, as in test_autoscaling.py
 @pytest.mark.integration
 @pytest.mark.timeout(1800)  # as test_prometheus.py: three CPU engines on a busy 2-core machine
 def test_keda_scales_through_the_hpa_controller_on_prometheus_data(
-    cluster: E2ECluster, namespace: str, operator: Path, tmp_path: Path
+    cluster: E2ECluster,
+    namespace: str,
+    operator: OperatorProcess,
+    tiny_model: Path,
+    tmp_path: Path,
 ) -> None:
     if missing_specs(cluster.config.bin_root, (PROMETHEUS_SPEC, KEDA_SPEC)):
         pytest.skip("Prometheus or KEDA is not built: `make integrations-bin`")
     kubectl = cluster.kubectl
-    model = tmp_path / "model"
-    subprocess.run([sys.executable, "-m", "kvfleet_cli", "tiny-model", str(model)],
-                   check=True, capture_output=True)  # fmt: skip
     with (
         Prometheus.start(cluster.config, tmp_path / "prometheus") as prom,
         Keda.start(cluster.config, kubectl, tmp_path / "keda") as keda,
     ):
-        logs = [operator, prom.log_path, *keda.logs]
+        logs = [operator.log_path, prom.log_path, *keda.logs]
 
         def details() -> str:
             return "\n".join(f"--- {p.name} ---\n{tail(p, 25)}" for p in logs if p.exists())
 
-        manifest = inference_deployment(namespace, model, TARGET_TOKENS_PER_SECOND)
+        manifest = inference_deployment(namespace, tiny_model, TARGET_TOKENS_PER_SECOND)
         manifest["spec"]["autoscaling"]["controller"] = "KEDA"
         manifest["spec"]["autoscaling"]["prometheus"] = {"url": prom.url}
         kubectl("apply", "--server-side", "-f", "-", input=json.dumps(manifest))
@@ -150,7 +126,7 @@ def test_keda_scales_through_the_hpa_controller_on_prometheus_data(
             items = kubectl.json("get", "hpa", "-n", namespace)["items"]
             return items[0] if items else None
 
-        with EnginePods(kubectl, namespace, NAME, model, tmp_path) as engines:
+        with EnginePods(kubectl, namespace, NAME, tiny_model, tmp_path) as engines:
             wait_until(lambda: engines.ready_ips(), 240, "the first engine to be ready", details)
             created = wait_until(hpa, 90, "KEDA's HorizontalPodAutoscaler", details)
             owner = created["metadata"]["ownerReferences"][0]

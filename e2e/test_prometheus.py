@@ -10,21 +10,21 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
 from autoscaling_scenario import NAME, SCALE_DOWN_STABILIZATION_S, inference_deployment, start_load
 from engine_pods import EnginePods
 from kvcluster.binaries import PROMETHEUS_SPEC, missing_specs
-from kvcluster.procs import stop_child, tail
+from kvcluster.procs import stop_child
 from kvcluster.prometheus import Prometheus
-from kvcluster.testing import E2ECluster, wait_until
+from kvcluster.testing import E2ECluster
+from operator_process import OperatorProcess, install_crds, running_operator
+from operator_process import wait_logged as wait
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.integration]
 
@@ -33,14 +33,6 @@ DASHBOARD = ROOT / "manifests" / "dashboards" / "kvfleet.json"
 TARGET_TOKENS_PER_SECOND = 40  # per replica, as in test_autoscaling.py
 RATE_WINDOW = "20s"  # $__rate_interval: ten scrapes at 2 s
 ENGINE_START_S = 600  # a CPU engine's start and self-benchmark on a busy 2-core machine
-T = TypeVar("T")
-
-
-def wait(check: Callable[[], T | None], timeout: float, what: str, logs: list[Path]) -> T:
-    def tails() -> str:
-        return "\n".join(f"--- {p.name} ---\n{tail(p, 25)}" for p in logs if p.exists())
-
-    return wait_until(check, timeout, what, tails)
 
 
 @pytest.fixture
@@ -53,19 +45,12 @@ def prometheus(cluster: E2ECluster, tmp_path: Path) -> Iterator[Prometheus]:
 
 
 @pytest.fixture
-def operator(cluster: E2ECluster, namespace: str, tmp_path: Path) -> Iterator[Path]:
-    cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
-    cluster.wait_established("inferencedeployments.kvfleet.io")
-    log_path = tmp_path / "operator.log"
+def operator(cluster: E2ECluster, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
+    install_crds(cluster)
     port = str(cluster.config.ports.operator_metrics)
-    with log_path.open("ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvfleet_cli", "operator", "--namespace", namespace,
-             "--metrics-port", port],
-            env=cluster.env, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    yield log_path
-    stop_child(proc, signal.SIGTERM, 20)
+    log_path = tmp_path / "operator.log"
+    with running_operator(cluster.env, [namespace], log_path, ["--metrics-port", port]) as started:
+        yield started
 
 
 def dashboard_queries(namespace: str) -> list[tuple[str, str]]:
@@ -86,14 +71,16 @@ def dashboard_queries(namespace: str) -> list[tuple[str, str]]:
 # machine (load 15-19 measured), so the whole scale-up and stabilized scale-down can take 25 min.
 @pytest.mark.timeout(2400)
 def test_prometheus_source_scales_up_and_back_down_and_every_dashboard_query_has_data(
-    cluster: E2ECluster, namespace: str, prometheus: Prometheus, operator: Path, tmp_path: Path
+    cluster: E2ECluster,
+    namespace: str,
+    prometheus: Prometheus,
+    operator: OperatorProcess,
+    tiny_model: Path,
+    tmp_path: Path,
 ) -> None:
     kubectl = cluster.kubectl
-    model = tmp_path / "model"
-    subprocess.run([sys.executable, "-m", "kvfleet_cli", "tiny-model", str(model)],
-                   check=True, capture_output=True)  # fmt: skip
-    logs = [operator, prometheus.log_path]
-    manifest = inference_deployment(namespace, model, TARGET_TOKENS_PER_SECOND)
+    logs = [operator.log_path, prometheus.log_path]
+    manifest = inference_deployment(namespace, tiny_model, TARGET_TOKENS_PER_SECOND)
     manifest["spec"]["autoscaling"]["source"] = "Prometheus"
     manifest["spec"]["autoscaling"]["prometheus"] = {"url": prometheus.url}
     kubectl("apply", "--server-side", "-f", "-", input=json.dumps(manifest))
@@ -108,7 +95,7 @@ def test_prometheus_source_scales_up_and_back_down_and_every_dashboard_query_has
         series = prometheus.query(f'up{{namespace="{namespace}", service="{NAME}"}} == 1')
         return len(series)
 
-    with EnginePods(cluster.kubectl, namespace, NAME, model, tmp_path) as engines:
+    with EnginePods(cluster.kubectl, namespace, NAME, tiny_model, tmp_path) as engines:
         wait(lambda: engines.ready_ips(), ENGINE_START_S, "the first engine to be ready", logs)
         wait(lambda: engine_targets_up() == 1, 60, "Prometheus to scrape the first engine", logs)
         target = next(t for t in prometheus.targets() if t["labels"].get("service") == NAME)

@@ -24,7 +24,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,51 +35,12 @@ from engine_pods import EnginePods
 from kvcluster.kubectl import Kubectl
 from kvcluster.procs import stop_child, tail
 from kvcluster.testing import E2ECluster, wait_until
+from operator_process import OperatorProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny"
 REPLICA_HEADER = "x-kvfleet-replica"
-
-
-@pytest.fixture
-def operator(cluster: E2ECluster, namespace: str, tmp_path: Path) -> Iterator[Path]:
-    cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
-    cluster.wait_established("inferencedeployments.kvfleet.io")
-    log_path = tmp_path / "operator.log"
-    # On a loaded machine its 30 s start-up check of the API server can time out: start again.
-    for _ in range(3):
-        with log_path.open("ab") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "kvfleet_cli", "operator", "--namespace", namespace],
-                env=cluster.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        wait_until(
-            lambda proc=proc: (
-                proc.poll() is not None or "'configure' succeeded" in log_path.read_text()
-            ),
-            180,
-            "the operator to start",
-            lambda: tail(log_path, 20),
-        )
-        if proc.poll() is None:
-            break
-    yield log_path
-    stop_child(proc, signal.SIGTERM, 20)
-
-
-@pytest.fixture
-def model(tmp_path: Path) -> Path:
-    path = tmp_path / "model"
-    subprocess.run(
-        [sys.executable, "-m", "kvfleet_cli", "tiny-model", str(path)],
-        check=True,
-        capture_output=True,
-    )
-    return path
 
 
 class RouterProcess:
@@ -244,8 +204,13 @@ def _free_port() -> int:
 
 
 def test_conversations_stick_to_a_replica_and_a_killed_engine_loses_only_its_streams(
-    cluster: E2ECluster, namespace: str, operator: Path, model: Path, tmp_path: Path
+    cluster: E2ECluster,
+    namespace: str,
+    operator: OperatorProcess,
+    tiny_model: Path,
+    tmp_path: Path,
 ) -> None:
+    model = tiny_model
     cluster.kubectl("apply", "--server-side", "-f", "-",
                     input=json.dumps(infd(namespace, MODEL, model, replicas=3)))  # fmt: skip
     router_log = tmp_path / "router.log"
@@ -253,7 +218,7 @@ def test_conversations_stick_to_a_replica_and_a_killed_engine_loses_only_its_str
         EnginePods(cluster.kubectl, namespace, MODEL, model, tmp_path) as engines,
         RouterProcess(cluster, namespace, MODEL, router_log) as router,
     ):
-        logs = [operator, router_log]
+        logs = [operator.log_path, router_log]
         three = lambda: len(engines.ready_ips()) == 3  # noqa: E731
         wait_until(three, 420, "three engines", lambda: _tails(logs))
         wait_until(
@@ -349,8 +314,13 @@ def _stream_forever(url: str, tenant: int, records: list[Record], stop: threadin
 
 
 def test_zero_replicas_a_request_waits_scales_to_one_and_completes(
-    cluster: E2ECluster, namespace: str, operator: Path, model: Path, tmp_path: Path
+    cluster: E2ECluster,
+    namespace: str,
+    operator: OperatorProcess,
+    tiny_model: Path,
+    tmp_path: Path,
 ) -> None:
+    model = tiny_model
     kubectl = cluster.kubectl
     autoscaling = {
         "minReplicas": 0,
@@ -372,7 +342,7 @@ def test_zero_replicas_a_request_waits_scales_to_one_and_completes(
         EnginePods(kubectl, namespace, "zero", model, tmp_path, served_model_name=MODEL) as engines,
         RouterProcess(cluster, namespace, "zero", router_log) as router,
     ):
-        logs = [operator, router_log]
+        logs = [operator.log_path, router_log]
         # Idle for routing.scaleToZeroAfterSeconds: the autoscaler takes it to zero.
         wait_until(lambda: engines.procs, 60, "the first pod's engine", lambda: _tails(logs))
         old_ips = [ip for ip, _ in engines.procs.values()]

@@ -301,3 +301,39 @@ def _stop_all(config: ClusterConfig) -> list[str]:
     _state_file(config).unlink(missing_ok=True)
     shutil.rmtree(config.state_dir / "etcd", ignore_errors=True)
     return stopped
+
+
+# --- faults ---------------------------------------------------------------------------------
+
+
+def restart(config: ClusterConfig, component: str, report: Report = print) -> float:
+    """Stop one running component (SIGTERM, as a rolling restart of a static pod does) and start
+    it again with the same command line; returns once it is ready again, the seconds that took.
+    etcd is refused: starting it wipes its data."""
+    if component == "etcd":
+        raise ValueError("component: etcd cannot be restarted (its start wipes the data)")
+    with procs.locked(config.state_dir / ".lock"):
+        states = _read_state(config)
+        names = [state.name for state in states]
+        if component not in names:
+            raise ValueError(f"component: must be one of {', '.join(names)}, got {component!r}")
+        pki = Pki.under(config.state_dir / "pki")
+        planned = plan_components(config, binary_paths(config.bin_root), pki, advertise_address())
+        spec = next(c for c in planned if c.name == component)
+        began = time.monotonic()
+        old = next(state for state in states if state.name == component)
+        procs.stop(old.pid, old.binary)
+        pid = procs.spawn(spec.argv, config.log_path(component))
+        new = ComponentState(component, pid, spec.argv[0], alive=True)
+        _write_state(config, owner(config) or "cli", [new if s is old else s for s in states])
+        ssl_context = procs.client_ssl_context(pki.ca_cert, pki.admin_cert, pki.admin_key)
+        _wait_ready(config, spec, ssl_context, kubectl_for(config))
+    took = time.monotonic() - began
+    report(f"  {component} restarted ({took:.1f}s)")
+    return took
+
+
+def restore_nodes(config: ClusterConfig, report: Report = print) -> None:
+    """Create the fake GPU nodes that are missing (a test deleted one) and wait until Ready."""
+    with procs.locked(config.state_dir / ".lock"):
+        _add_missing_nodes(config, report)

@@ -32,5 +32,14 @@ class Kubectl:
         """Run kubectl with `-o json` and parse the output."""
         return json.loads(self(*args, "-o", "json"))
 
+    def find(self, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+        """`kubectl get KIND NAME -n NAMESPACE -o json`, parsed; None when it is not found."""
+        try:
+            return dict(self.json("get", kind, name, "-n", namespace))
+        except KubectlError as exc:
+            if "NotFound" in str(exc):
+                return None
+            raise
+
     def apply(self, manifest: dict[str, Any]) -> str:
         return self("apply", "-f", "-", input=json.dumps(manifest))

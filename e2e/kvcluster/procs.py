@@ -12,7 +12,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -120,6 +120,57 @@ def stop_child(proc: subprocess.Popen[bytes], sig: signal.Signals, grace_s: floa
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+ENGINE_CORE = b"spawn_main"  # in `kvfleet serve`'s engine core's command line (spawned)
+
+
+def children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def child_running(pid: int, marker: bytes) -> int:
+    """The child of `pid` whose command line contains `marker` (ENGINE_CORE: kvfleet serve's
+    engine core); LookupError if there is none."""
+    for child in children(pid):
+        try:
+            if marker in Path(f"/proc/{child}/cmdline").read_bytes():
+                return child
+        except OSError:
+            continue
+    raise LookupError(f"no child of {pid} runs {marker!r}")
+
+
+def wait_gone(pids: Sequence[int], timeout_s: float) -> list[int]:
+    """The pids still running (not zombies) after up to `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        running = [pid for pid in pids if is_alive(pid)]
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.05)
+
+
+def kill_tree(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    """SIGKILL a process we started, then its children that outlive it by `grace_s` (they watch
+    their parent and normally go on their own)."""
+    kids = children(proc.pid)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for pid in wait_gone(kids, grace_s):
+        os.kill(pid, signal.SIGKILL)
 
 
 @contextmanager

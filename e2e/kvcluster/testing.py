@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import base64
 import os
+import threading
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -16,6 +19,9 @@ from kvcluster.config import ClusterConfig
 from kvcluster.kubectl import Kubectl
 
 T = TypeVar("T")
+# Tables a test module leaves for the end of the session: title -> lines (e2e/conftest.py's
+# pytest_terminal_summary prints them; output from a test or fixture is captured).
+SUMMARY: dict[str, list[str]] = {}
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,17 @@ class E2ECluster:
         path.write_text(yaml.safe_dump(config))
         return path
 
+    @contextmanager
+    def temporary_namespace(self, prefix: str = "e2e-") -> Iterator[str]:
+        """A fresh namespace PREFIX<8 hex digits> for the block, deleted (without waiting) after
+        it."""
+        name = f"{prefix}{uuid.uuid4().hex[:8]}"
+        self.kubectl("create", "namespace", name)
+        try:
+            yield name
+        finally:
+            self.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
     def wait_established(self, *crd_names: str, timeout_s: float = 30) -> None:
         """Wait until each CustomResourceDefinition is Established.
 
@@ -71,6 +88,26 @@ class E2ECluster:
                 timeout_s,
                 f"CRD {name} to be Established",
             )
+
+
+@contextmanager
+def in_background(step: Callable[[], None], period_s: float) -> Iterator[None]:
+    """Call `step` every `period_s` in a daemon thread for the block (and once more is not
+    promised: the thread stops at the next period after the block)."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.is_set():
+            step()
+            stop.wait(period_s)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=30)
 
 
 def wait_until(

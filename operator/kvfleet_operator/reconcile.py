@@ -93,8 +93,15 @@ async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any
         before = found.main(planned)
         if before is not None and spec.effective_replicas() is None and planned != "StatefulSet":
             await _hand_replicas_to_autoscaler(cluster, before)
+        main = _main_child(children, planned, name)
         for child in children:
-            await cluster.apply(child, owner=body)
+            applied = await cluster.apply(child, owner=body)
+            if child is main:
+                # Told at once: a crash or a failed apply later in this pass must not lose it
+                # (the next pass sees the workload already changed and would not tell it).
+                event = rollout_event(before, applied, planned)
+                if event is not None:
+                    await cluster.post_event(body, event.type, event.reason, event.message)
         await prune(cluster, namespace, children, found, meta["uid"])
         found = await read_workloads(
             cluster, namespace, name, leader_worker_set=features.leader_worker_set
@@ -107,9 +114,6 @@ async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any
                 message = f"replacing the pods {', '.join(replaced)} (broken or outdated groups)"
                 log.info("%s/%s: %s", namespace, name, message)
                 await cluster.post_event(body, "Normal", "GroupsReplaced", message)
-        event = rollout_event(before, found.main(planned), planned)
-        if event is not None:
-            await cluster.post_event(body, event.type, event.reason, event.message)
     else:
         log.debug("%s/%s not rolled out: %s", namespace, name, plan.problems[0].message)
 
@@ -124,6 +128,21 @@ async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any
         now=now,
     )
     await _write_status(cluster, body, old_status, status)
+
+
+def _main_child(children: list[dict[str, Any]], planned: str, name: str) -> dict[str, Any] | None:
+    """The rendered object whose creation or generation tells a rollout (as
+    `Workloads.main`): the engine Deployment (not the router's), the LeaderWorkerSet, or the
+    first StatefulSet group."""
+    return next(
+        (
+            child
+            for child in children
+            if child["kind"] == planned
+            and (planned != "Deployment" or child["metadata"]["name"] == name)
+        ),
+        None,
+    )
 
 
 async def read_model_architecture(

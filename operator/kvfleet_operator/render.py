@@ -83,9 +83,10 @@ def render_children(
             render_rank_service(name, namespace, labels(name)),
             *render_statefulsets(name, namespace, labels(name), spec, plan, profile, count),
         ]
-    if api_key_digest is not None:
+    digest = {API_KEY_DIGEST_ANNOTATION: api_key_digest} if api_key_digest is not None else {}
+    if digest:
         for workload in workloads:
-            annotate_pod_templates(workload, {API_KEY_DIGEST_ANNOTATION: api_key_digest})
+            annotate_pod_templates(workload, digest)
     children = [
         *workloads,
         render_service(name, namespace, leader_selector(kind)),
@@ -113,7 +114,7 @@ def render_children(
             )
         )
     if spec.routing.enabled:
-        children += render_router(name, namespace, spec, plan)
+        children += render_router(name, namespace, spec, plan, pod_annotations=digest)
     return children
 
 

@@ -7,7 +7,9 @@
     PodDisruptionBudget                maxUnavailable 1
 
 The router's pods carry `kvfleet.io/router`, never `kvfleet.io/deployment`: the engine
-Deployment's selector, its Service and the autoscaler's pod list must not match them.
+Deployment's selector, its Service and the autoscaler's pod list must not match them. With
+spec.auth the router gets the engines' API key from the same Secret ($KVFLEET_API_KEY): it
+requires the key from clients and sends it to the engines.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 from kvfleet_operator import api
 from kvfleet_operator.models import InferenceDeploymentSpec
 from kvfleet_operator.plan import Plan
+from kvfleet_operator.render_pod import API_KEY_ENV
 
 ROUTER_LABEL = f"{api.GROUP}/router"
 ROUTER_PORT = api.ENGINE_PORT  # clients change only the host when the router fronts them
@@ -53,9 +56,14 @@ def router_url(name: str, namespace: str) -> str:
 
 
 def render_router(
-    name: str, namespace: str, spec: InferenceDeploymentSpec, plan: Plan
+    name: str,
+    namespace: str,
+    spec: InferenceDeploymentSpec,
+    plan: Plan,
+    pod_annotations: dict[str, str] | None = None,
 ) -> list[Manifest]:
-    """The router's objects, in apply order (RBAC before the pod that uses it)."""
+    """The router's objects, in apply order (RBAC before the pod that uses it).
+    `pod_annotations` go on its pod template (the API key's digest: a rotation rolls it)."""
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(name, namespace)},
         {
@@ -83,7 +91,7 @@ def render_router(
                 {"kind": "ServiceAccount", "name": router_name(name), "namespace": namespace}
             ],
         },
-        render_router_deployment(name, namespace, spec, plan),
+        render_router_deployment(name, namespace, spec, plan, pod_annotations),
         {
             "apiVersion": "v1",
             "kind": "Service",
@@ -125,15 +133,27 @@ def router_args(name: str, namespace: str, spec: InferenceDeploymentSpec, plan: 
 
 
 def render_router_deployment(
-    name: str, namespace: str, spec: InferenceDeploymentSpec, plan: Plan
+    name: str,
+    namespace: str,
+    spec: InferenceDeploymentSpec,
+    plan: Plan,
+    pod_annotations: dict[str, str] | None = None,
 ) -> Manifest:
+    env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}]
+    ref = spec.auth.api_key_secret_ref
+    if ref is not None:
+        secret = {"secretKeyRef": {"name": ref.name, "key": ref.key}}
+        env.append({"name": API_KEY_ENV, "valueFrom": secret})
+    template_metadata: dict[str, Any] = {"labels": router_labels(name)}
+    if pod_annotations:
+        template_metadata["annotations"] = dict(pod_annotations)
     container = {
         "name": "router",
         "image": spec.routing.image or DEFAULT_ROUTER_IMAGE,
         "command": ["kvfleet", "router"],
         "args": router_args(name, namespace, spec, plan),
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
-        "env": [{"name": "HOME", "value": "/tmp"}],
+        "env": env,
         "resources": {
             "requests": {"cpu": "250m", "memory": "128Mi"},
             "limits": {"memory": "512Mi"},  # no CPU limit: throttling would add latency
@@ -169,7 +189,7 @@ def render_router_deployment(
             },
             "revisionHistoryLimit": 3,
             "template": {
-                "metadata": {"labels": router_labels(name)},
+                "metadata": template_metadata,
                 "spec": {
                     "serviceAccountName": router_name(name),
                     "securityContext": {

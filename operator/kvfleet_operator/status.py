@@ -226,10 +226,14 @@ def _rollout_conditions(
     message = f"{workload.ready}/{desired} replicas ready, {workload.updated}/{desired} updated" + (
         f"; unschedulable: {workload.unschedulable}" if workload.unschedulable else ""
     )
+    # Every replica runs the current template but not all are ready: nothing rolls out, a
+    # replica is starting or restarting (an engine that died comes back in the same pod).
+    rolled_out = workload.current and workload.updated >= desired and workload.replicas == desired
+    reason = "ReplicasNotReady" if rolled_out else "RollingOut"
     return {
         "Stalled": ("False", "Progressing", message),
-        "Reconciling": ("True", "RollingOut", message),
-        "Ready": ("False", "RollingOut", message),
+        "Reconciling": ("True", reason, message),
+        "Ready": ("False", reason, message),
     }
 
 

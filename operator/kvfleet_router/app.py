@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
+from kvfleet_router.auth import api_key_middleware
 from kvfleet_router.discovery import KubernetesDiscovery, StaticDiscovery
 from kvfleet_router.load import LoadScraper
 from kvfleet_router.metrics import RouterMetrics
@@ -46,7 +47,9 @@ class Router:
         self.proxy: Proxy | None = None  # made at start-up, with the client session
 
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        key = self.settings.api_key
+        middlewares = [api_key_middleware(key)] if key is not None else []
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
         app.cleanup_ctx.append(self._lifecycle)
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
+from kvfleet_router.auth import API_KEY_ENV
 from kvfleet_router.settings import ENGINE_PORT, STRATEGY_NAMES, RouterSettings
 
 DEFAULTS = RouterSettings(backends=("http://localhost",))  # only to show the defaults
@@ -79,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
         "connection a request waits for another replica until --queue-timeout)",
     )
     parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health, /ready and "
+        "/metrics, and send it to the engines (default: the "
+        f"{API_KEY_ENV} environment variable; unset: no authentication)",
+    )
+    parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     return parser
@@ -104,6 +113,7 @@ def main(argv: list[str]) -> int:
             queue_timeout_s=args.queue_timeout,
             scrape_interval_s=args.scrape_interval,
             max_attempts=args.max_attempts,
+            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         )
     except ValueError as exc:
         parser.error(_flag_message(str(exc)))

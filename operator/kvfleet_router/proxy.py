@@ -26,6 +26,7 @@ import aiohttp
 from aiohttp import web
 
 from kvfleet_router import metrics as m
+from kvfleet_router.auth import bearer
 from kvfleet_router.metrics import RouterMetrics
 from kvfleet_router.prefix import block_hashes
 from kvfleet_router.replicas import Replica, ReplicaPool
@@ -136,6 +137,9 @@ class Proxy:
             block_hashes(body, request.path == CHAT_PATH, self._settings.block_chars)
         )
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        if self._settings.api_key is not None:  # the client's key was checked: send ours
+            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+            headers["Authorization"] = bearer(self._settings.api_key)
         return await self._send(request, raw, headers, routed, arrived, result)
 
     async def _send(

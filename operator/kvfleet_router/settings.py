@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
@@ -33,6 +33,8 @@ class RouterSettings:
     connect_timeout_s: float = 2.0  # TCP connect to a replica
     block_chars: int = 64  # characters per prefix block (about 16 tokens of English text)
     load_factor: float = 1.25  # bounded load: no replica above this x the mean load (prefix)
+    # Clients must send it, and the router sends it to the engines; None: no authentication.
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if (self.deployment is None) == (not self.backends):
@@ -59,9 +61,11 @@ class RouterSettings:
             ("block_chars", self.block_chars >= 1, ">= 1"),
             ("load_factor", self.load_factor > 1, "> 1"),
         )
-        for field, ok, allowed in checks:
+        for name, ok, allowed in checks:
             if not ok:
-                raise ValueError(f"{field}: must be {allowed}, got {getattr(self, field)!r}")
+                raise ValueError(f"{name}: must be {allowed}, got {getattr(self, name)!r}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key: must be a non-empty string (or leave it unset)")
 
     @property
     def retry_after_s(self) -> int:

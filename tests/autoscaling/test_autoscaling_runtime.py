@@ -343,3 +343,54 @@ async def test_statefulset_groups_scale_by_their_leaders_metrics() -> None:
     status = cluster.infd["status"]["autoscaling"]
     assert (status["currentReplicas"], status["desiredReplicas"]) == (1, 2)
     assert ("event", "ScaledUp") in cluster.writes
+
+
+class _FailingCluster(FakeCluster):
+    """Its first read fails as given; the stop flag is set on the second."""
+
+    def __init__(self, error: Exception, stop: Any) -> None:
+        super().__init__(SPEC, 1, [pod("p1", "127.1.0.2")])
+        self.error, self.stop, self.reads = error, stop, 0
+
+    async def get(self, api_version: str, kind: str, name: str, namespace: str | None = None):
+        self.reads += 1
+        if self.reads == 1:
+            raise self.error
+        self.stop.set()
+        return await super().get(api_version, kind, name, namespace)
+
+
+async def test_a_failed_tick_is_one_warning_line_and_the_next_tick_runs(caplog) -> None:
+    from kvfleet_operator.autoscaling.autoscaler import run_autoscaler
+    from kvfleet_operator.loops import Flag
+
+    body = '{"kind": "Status", "message": "etcdserver: leader changed"}'
+    error = ApiException(status=503, reason="Service Unavailable")
+    error.body, error.headers = body, {"Audit-Id": "x" * 200}
+    stop = Flag()
+    cluster = _FailingCluster(error, stop)
+    # The idle period (5 s) until the retry, cut short: the flag's wait returns at once.
+    stop.wait = _no_wait  # type: ignore[method-assign]
+    await run_autoscaler(cluster, NS, NAME, stop)  # type: ignore[arg-type]
+    assert cluster.reads >= 2, "the tick after the failure did not run"
+    (record,) = [r for r in caplog.records if r.name.endswith("autoscaler")]
+    assert record.levelname == "WARNING" and record.exc_info is None
+    assert record.getMessage() == (
+        f"autoscaling {NS}/{NAME} failed (503 Service Unavailable: etcdserver: leader changed); "
+        "retrying in 5 s"
+    )
+
+
+async def test_an_unexpected_error_keeps_its_traceback(caplog) -> None:
+    from kvfleet_operator.autoscaling.autoscaler import run_autoscaler
+    from kvfleet_operator.loops import Flag
+
+    stop = Flag()
+    stop.wait = _no_wait  # type: ignore[method-assign]
+    await run_autoscaler(_FailingCluster(KeyError("spec"), stop), NS, NAME, stop)  # type: ignore[arg-type]
+    (record,) = [r for r in caplog.records if r.name.endswith("autoscaler")]
+    assert record.levelname == "ERROR" and record.exc_info is not None
+
+
+async def _no_wait(timeout: float | None = None) -> bool:
+    return True

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,6 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e"))  # the process helpers
+from kvcluster.procs import ENGINE_CORE, child_running, kill_tree
+from kvcluster.procs import wait_gone as wait_gone  # the chaos tests use it
 
 MODEL_NAME = "kvfleet-tiny"
 API_KEY = "sk-chaos-0123456789abcdef"  # every chaos server requires it
@@ -91,56 +94,11 @@ class Serve:
 
     @property
     def core_pid(self) -> int:
-        for pid in children(self.proc.pid):
-            try:
-                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    return pid
-            except OSError:
-                continue
-        raise AssertionError(f"no engine-core child of {self.proc.pid}")
+        return child_running(self.proc.pid, ENGINE_CORE)
 
     def stop(self) -> None:
-        kids = children(self.proc.pid)
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-        for pid in wait_gone(kids, 30):
-            os.kill(pid, signal.SIGKILL)
+        kill_tree(self.proc)
         self._log.close()
-
-
-def children(pid: int) -> list[int]:
-    """Processes whose parent is `pid` (from /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
-            found.append(int(entry.name))
-    return found
-
-
-def is_running(pid: int) -> bool:
-    """Alive and not a zombie waiting to be reaped."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
-
-
-def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
-    """The pids still running after up to `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        running = [pid for pid in pids if is_running(pid)]
-        if not running or time.monotonic() > deadline:
-            return running
-        time.sleep(0.05)
 
 
 def rss_bytes(pid: int) -> int:

@@ -323,6 +323,37 @@ async def test_rotating_the_api_key_secret_rolls_the_pods() -> None:
     await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
     assert template() == first, "an unchanged Secret must not roll the pods"
 
+    def router_digest() -> str:
+        router = cluster.objects[("Deployment", "ns", "llama-router")]["spec"]["template"]
+        return str(router["metadata"]["annotations"]["kvfleet.io/api-key-digest"])
+
+    assert router_digest() == digest
     cluster.add({**secret, "data": {"api": "c2stbmV3"}})  # rotated
     await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
     assert template()["metadata"]["annotations"]["kvfleet.io/api-key-digest"] != digest
+    assert router_digest() == template()["metadata"]["annotations"]["kvfleet.io/api-key-digest"]
+
+
+async def test_a_rollout_is_told_even_when_a_later_child_fails_to_apply() -> None:
+    """The operator dying (or an API error) after the Deployment's new template was applied:
+    the next pass finds the template already changed, so the event must be out already."""
+    cluster = MemoryCluster()
+    cluster.add(infd(replicas=2))
+    await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
+    obj = cluster.objects[("InferenceDeployment", "ns", "llama")]
+    obj["spec"]["engine"] = {"maxNumSeqs": 64}
+    obj["metadata"]["generation"] = 2
+    apply = cluster.apply
+
+    async def service_fails(manifest: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        if manifest["kind"] == "Service":
+            raise ConnectionResetError("the operator's connection went away")
+        return await apply(manifest, **kwargs)
+
+    cluster.apply = service_fails  # type: ignore[method-assign]
+    with pytest.raises(ConnectionResetError):
+        await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
+    assert cluster.events == ["Created", "RolloutStarted"]
+    cluster.apply = apply  # type: ignore[method-assign]
+    await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
+    assert cluster.events == ["Created", "RolloutStarted"], "told once, not again"

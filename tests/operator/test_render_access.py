@@ -51,12 +51,35 @@ def test_network_policy_and_api_key_secret(check_golden, make_spec) -> None:
     ]
 
 
-def test_a_rotated_key_changes_the_pod_template_and_nothing_else(make_spec) -> None:
+def _router_deployment(objects: list[dict]) -> dict:
+    return next(
+        o for o in objects if o["kind"] == "Deployment" and "router" in o["metadata"]["name"]
+    )
+
+
+def test_the_router_gets_the_key_from_the_same_secret(make_spec) -> None:
+    spec = make_spec(auth={"apiKeySecretRef": {"name": "llama-api-key", "key": "api-key"}})
+    router = _router_deployment(children(spec, api_key_digest="c" * 32))
+    template = router["spec"]["template"]
+    assert template["metadata"]["annotations"] == {API_KEY_DIGEST_ANNOTATION: "c" * 32}
+    env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
+    assert env["KVFLEET_API_KEY"]["valueFrom"] == {
+        "secretKeyRef": {"name": "llama-api-key", "key": "api-key"}
+    }
+    assert "api-key" not in " ".join(template["spec"]["containers"][0]["args"])
+
+
+def test_a_rotated_key_rolls_the_engine_and_router_pods_and_nothing_else(make_spec) -> None:
     spec = make_spec(auth={"apiKeySecretRef": {"name": "k", "key": "v"}})
     before = children(spec, api_key_digest="a" * 32)
     after = children(spec, api_key_digest="b" * 32)
-    assert before[1:] == after[1:]
-    assert before[0]["spec"]["template"] != after[0]["spec"]["template"]
+    changed = [
+        f"{b['kind']}/{b['metadata']['name']}" for b, a in zip(before, after, strict=True) if b != a
+    ]
+    assert changed == ["Deployment/llama", "Deployment/llama-router"]
+    for b, a in zip(before, after, strict=True):
+        if b != a:  # only the pod template's annotation moved
+            assert {**b["spec"], "template": None} == {**a["spec"], "template": None}
 
 
 def test_network_policy_off_and_no_auth(make_spec) -> None:
@@ -66,4 +89,7 @@ def test_network_policy_off_and_no_auth(make_spec) -> None:
     assert "annotations" not in template["metadata"]
     env = [e["name"] for e in template["spec"]["containers"][0]["env"]]
     assert "KVFLEET_API_KEY" not in env
+    router = _router_deployment(objects)["spec"]["template"]
+    assert "annotations" not in router["metadata"]
+    assert "KVFLEET_API_KEY" not in [e["name"] for e in router["spec"]["containers"][0]["env"]]
     assert "NetworkPolicy" in _kinds(children(make_spec()))  # on by default

@@ -72,6 +72,18 @@ def test_rollout_in_progress_is_reconciling(make_spec) -> None:
     assert conditions(status)["Available"][0] == "True"
 
 
+def test_a_replica_restarting_on_the_current_template_is_not_a_rollout(make_spec) -> None:
+    """An engine process died and its container restarts: the pod is unready, every replica
+    still runs the current template."""
+    status = status_for(make_spec(), workload(ready=1))
+    assert conditions(status)["Ready"] == ("False", "ReplicasNotReady")
+    assert conditions(status)["Reconciling"] == ("True", "ReplicasNotReady")
+    assert conditions(status)["Available"] == ("True", "MinimumReplicasAvailable")
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert ready["message"] == "1/2 replicas ready, 2/2 updated"
+    assert status["replicasSummary"] == "1/2"
+
+
 def test_crash_looping_pods_are_never_ready(make_spec) -> None:
     failing = workload(ready=0, failing_pods=("llama-abc: CrashLoopBackOff",))
     status = status_for(make_spec(), failing)

@@ -31,6 +31,7 @@ class FakeEngine:
         self.die_mid_stream = False  # drop the connection after the first chunk
         self.disconnected = asyncio.Event()
         self.bodies: list[dict[str, Any]] = []  # completion bodies received, in order
+        self.authorizations: list[str | None] = []  # their Authorization headers
         self.metrics_reads = 0
         self.server: TestServer | None = None
 
@@ -70,6 +71,7 @@ class FakeEngine:
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        self.authorizations.append(request.headers.get("Authorization"))
         if self.status is not None:
             headers = {"Retry-After": self.retry_after} if self.retry_after else {}
             error = {"error": {"message": "busy", "type": "x", "param": None, "code": None}}

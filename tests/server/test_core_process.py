@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,52 +15,10 @@ import httpx
 import pytest
 from serverutil import MODEL_NAME, free_port, wait_ready
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e"))  # the process helpers
+from kvcluster.procs import ENGINE_CORE, child_running, children, kill_tree, wait_gone
+
 pytestmark = pytest.mark.slow
-
-
-def _children(pid: int) -> list[int]:
-    """Processes whose parent is `pid` (from /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[1]) == pid:
-            found.append(int(entry.name))
-    return found
-
-
-def _is_running(pid: int) -> bool:
-    """Alive and not a zombie waiting to be reaped."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
-
-
-def _engine_core_pid(api_pid: int) -> int:
-    for pid in _children(api_pid):
-        try:
-            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return pid
-        except OSError:
-            continue
-    raise AssertionError(f"no engine-core child of {api_pid}")
-
-
-def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
-    """The pids still running after up to `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        running = [pid for pid in pids if _is_running(pid)]
-        if not running or time.monotonic() > deadline:
-            return running
-        time.sleep(0.1)
 
 
 @pytest.fixture
@@ -78,12 +35,7 @@ def serve(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[str, subproces
         wait_ready(url)
         yield url, proc
     finally:
-        children = _children(proc.pid)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for pid in _wait_gone(children, 30):
-            os.kill(pid, signal.SIGKILL)
+        kill_tree(proc)
         log.close()
 
 
@@ -91,8 +43,8 @@ def test_core_death_fails_requests_turns_health_503_and_exits_non_zero(
     serve: tuple[str, subprocess.Popen[bytes]],
 ) -> None:
     url, proc = serve
-    children = _children(proc.pid)
-    core = _engine_core_pid(proc.pid)
+    kids = children(proc.pid)
+    core = child_running(proc.pid, ENGINE_CORE)
     body = {"model": MODEL_NAME, "prompt": "die", "max_tokens": 400, "ignore_eos": True}
     events = []
     with httpx.stream(
@@ -118,15 +70,15 @@ def test_core_death_fails_requests_turns_health_503_and_exits_non_zero(
     assert health is not None and health.status_code == 503
     assert health.json()["status"] == "unhealthy"
     assert proc.wait(timeout=30) == 1
-    assert _wait_gone(children, 30) == []  # no orphans: the resource tracker went too
+    assert wait_gone(kids, 30) == []  # no orphans: the resource tracker went too
 
 
 def test_sigkill_of_the_api_process_ends_the_core(
     serve: tuple[str, subprocess.Popen[bytes]],
 ) -> None:
     url, proc = serve
-    children = _children(proc.pid)
-    core = _engine_core_pid(proc.pid)
+    kids = children(proc.pid)
+    core = child_running(proc.pid, ENGINE_CORE)
     body = {"model": MODEL_NAME, "prompt": "orphan", "max_tokens": 400, "ignore_eos": True}
     with httpx.stream(
         "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60
@@ -136,5 +88,5 @@ def test_sigkill_of_the_api_process_ends_the_core(
                 break
         proc.kill()
         proc.wait()
-    assert _wait_gone([core], 30) == [], "engine core outlived its API process"
-    assert _wait_gone(children, 30) == []
+    assert wait_gone([core], 30) == [], "engine core outlived its API process"
+    assert wait_gone(kids, 30) == []

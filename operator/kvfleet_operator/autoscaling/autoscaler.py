@@ -22,12 +22,13 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import aiohttp
 import httpx
 from kubernetes_asyncio.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from kvfleet_operator import api, metrics
-from kvfleet_operator.apply import Cluster
+from kvfleet_operator.apply import Cluster, api_error_summary
 from kvfleet_operator.autoscaling.actuators import EXTERNAL_KINDS
 from kvfleet_operator.autoscaling.decision import (
     DESIRED_ABOVE_MAX,
@@ -52,6 +53,9 @@ VICTIM_DELETION_COST = (
 )
 CONDITION = "ScalingLimited"
 IDLE_PERIOD_SECONDS = 5.0  # next look when there is nothing to scale yet
+# What a tick meets in a working cluster and retries: the API server answering an error,
+# restarting or slow (kubernetes_asyncio over aiohttp), an engine or Prometheus unreachable.
+EXPECTED_ERRORS = (ApiException, aiohttp.ClientError, httpx.HTTPError, OSError, TimeoutError)
 
 
 class Stopped(Protocol):
@@ -74,7 +78,15 @@ async def run_autoscaler(cluster: Cluster, namespace: str, name: str, stopped: S
             period = IDLE_PERIOD_SECONDS
             try:
                 _, period = await autoscale_once(cluster, http, namespace, name, time.time())
-            except Exception:
+            except EXPECTED_ERRORS as exc:  # one line: an API error's text is its headers and body
+                log.warning(
+                    "autoscaling %s/%s failed (%s); retrying in %.0f s",
+                    namespace,
+                    name,
+                    api_error_summary(exc),
+                    period,
+                )
+            except Exception:  # a bug: the traceback is worth its lines
                 log.exception("autoscaling %s/%s failed; retrying", namespace, name)
             await stopped.wait(period)
 

@@ -1,0 +1,93 @@
+"""The router with an API key (spec.auth): clients without it get the engine's 401 from the router
+itself, clients with it are served, and the router sends the key to the engines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fake_engine import MODEL
+
+from conftest import StartEngines, StartRouter
+from kvfleet_router.cli import build_parser
+from kvfleet_router.cli import main as router_main
+from kvfleet_router.settings import RouterSettings
+
+KEY = "sk-router-0123456789abcdef"
+COMPLETION = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 4}).encode()
+
+
+async def test_a_client_without_the_key_gets_401_and_reaches_no_engine(
+    start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    (engine,) = await start_engines(1)
+    router = await start_router([engine.url], api_key=KEY)
+    for headers, message in (
+        ({}, "missing API key: send it as the header 'Authorization: Bearer <key>'"),
+        ({"Authorization": "Bearer sk-wrong"}, "incorrect API key provided"),
+        ({"Authorization": KEY}, "incorrect API key provided"),  # no "Bearer "
+    ):
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            response = await router.post(path, COMPLETION, headers=headers)
+            assert response.status == 401, (path, headers)
+            assert response.headers["WWW-Authenticate"] == "Bearer"
+            assert await response.json() == {
+                "error": {
+                    "message": message,
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "invalid_api_key",
+                }
+            }
+        models = await router.http.get(router.url + "/v1/models", headers=headers)
+        assert models.status == 401
+    assert engine.bodies == []
+    assert KEY not in json.dumps(engine.authorizations)
+
+
+async def test_a_client_with_the_key_is_served_and_the_key_goes_upstream(
+    start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    (engine,) = await start_engines(1)
+    router = await start_router([engine.url], api_key=KEY)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    response = await router.post("/v1/completions", COMPLETION, headers=auth)
+    assert response.status == 200 and (await response.json())["id"] == "cmpl-1"
+    models = await router.http.get(router.url + "/v1/models", headers=auth)
+    assert [m["id"] for m in (await models.json())["data"]] == [MODEL]
+    assert engine.authorizations == [f"Bearer {KEY}"]
+
+
+async def test_probes_and_metrics_need_no_key(
+    start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    (engine,) = await start_engines(1)
+    router = await start_router([engine.url], api_key=KEY)
+    for path in ("/health", "/ready", "/metrics"):
+        assert (await router.http.get(router.url + path)).status == 200, path
+
+
+async def test_without_a_key_the_client_s_header_passes_through(
+    start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    (engine,) = await start_engines(1)
+    router = await start_router([engine.url])
+    await router.post("/v1/completions", COMPLETION, headers={"Authorization": "Bearer theirs"})
+    response = await router.post("/v1/completions", COMPLETION)
+    assert response.status == 200
+    assert engine.authorizations == ["Bearer theirs", None]
+
+
+def test_the_key_comes_from_the_environment_and_is_never_shown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[RouterSettings] = []
+    monkeypatch.setattr("kvfleet_router.app.run", seen.append)
+    monkeypatch.setenv("KVFLEET_API_KEY", KEY)
+    assert router_main(["--backend", "http://127.0.0.1:1"]) == 0
+    (settings,) = seen
+    assert settings.api_key == KEY
+    assert KEY not in repr(settings)
+    assert "KVFLEET_API_KEY" in build_parser().format_help()
+    with pytest.raises(ValueError, match="api_key: must be a non-empty string"):
+        RouterSettings(backends=("http://127.0.0.1:1",), api_key="")
