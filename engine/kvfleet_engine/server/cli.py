@@ -25,8 +25,10 @@ import logging
 import os
 import signal
 import sys
+import threading
+from collections.abc import Callable
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -145,13 +147,16 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
         return node.serve(config, args.host, args.port, args.log_level)
     client = CoreClient(config, log_level=args.log_level)
+    # The tokenizer (transformers, and the torch it imports: most of this process's start-up)
+    # loads while the core loads the model, instead of after it.
+    tokenizer_loader = _Background(load_tokenizer, config.model)
     try:
         client.start()
     except CoreStartError as exc:  # user error: a checkpoint that does not match its config
         print(f"kvfleet serve: {exc}", file=sys.stderr)
         return 2 if exc.user_error else 1
     try:
-        tokenizer = load_tokenizer(config.model)
+        tokenizer = tokenizer_loader.result()
     except BaseException:
         client.shutdown()
         raise
@@ -262,3 +267,28 @@ class DrainingServer(uvicorn.Server):
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+class _Background:
+    """`function(*args)` on a daemon thread; `result()` waits for it and returns its value or
+    raises its exception. Daemon, so a start-up that fails elsewhere does not wait for it."""
+
+    def __init__(self, function: Callable[..., Any], *args: Any) -> None:
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(function, args), name="kvfleet-start-up", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, function: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            self._value = function(*args)
+        except BaseException as exc:  # re-raised in result(), on the caller's thread
+            self._error = exc
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
