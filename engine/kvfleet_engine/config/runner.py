@@ -1,0 +1,20 @@
+"""The model runner's settings: device, attention kernels, CUDA graphs, seed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    # "auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N".
+    device: str = "auto"
+    # Paged attention implementation: auto (triton on cuda, sdpa on cpu) | sdpa | torch
+    # (the plain reference) | triton.
+    attention_backend: str = "auto"
+    # Never capture CUDA graphs.
+    enforce_eager: bool = False
+    # Seed of the global generator (requests without their own seed).
+    seed: int = 0

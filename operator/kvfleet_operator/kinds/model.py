@@ -1,0 +1,135 @@
+"""spec.model and spec.quantization: what to serve and in which formats."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import ConfigDict, Field, field_validator
+
+from kvfleet_operator.kinds.cel import cel
+from kvfleet_operator.wire import Model
+
+MODEL_URI_PATTERN = r"^(hf|pvc|s3|file)://.+"
+
+# A URI ending in .gguf names one GGUF file inside its source; any other URI names a directory.
+GGUF_SUFFIX = ".gguf"
+
+GGUF_URI_PATTERN = r"^(hf://[^/]+/[^/]+|pvc://[^/]+|s3://[^/]+|file://)/.+[.]gguf$"
+
+GGUF_URI_MESSAGE = (
+    "model.uri: a .gguf file is named hf://ORG/REPO/FILE.gguf, pvc://CLAIM/PATH/FILE.gguf, "
+    "s3://BUCKET/KEY.gguf or file:///PATH/FILE.gguf"
+)
+
+WeightQuantization = Literal["none", "int8", "fp8", "int4-awq", "int4-gptq"]
+
+KVCacheQuantization = Literal["auto", "fp8"]
+
+
+class SecretReference(Model):
+    name: str = Field(max_length=253, description="Name of a Secret in the same namespace.")
+
+
+class ModelHints(Model):
+    """Architecture numbers for models that are not in the built-in catalog; used to plan memory
+    and to check tensor parallelism."""
+
+    num_parameters: int = Field(ge=1, description="Total parameter count, e.g. 8030261248.")
+    num_layers: int = Field(ge=1, description="Transformer layers (num_hidden_layers).")
+    num_attention_heads: int = Field(ge=1, description="Query heads (num_attention_heads).")
+    num_key_value_heads: int = Field(ge=1, description="KV heads (num_key_value_heads).")
+    head_dim: int = Field(ge=1, description="Dimension of one attention head.")
+    max_position_embeddings: int | None = Field(
+        default=None, ge=1, description="Longest context the model supports."
+    )
+    hidden_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="Hidden size (hidden_size); numAttentionHeads × headDim when unset.",
+    )
+    intermediate_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="MLP width (intermediate_size). With it, quantized plans count the linear "
+        "layers' weights apart from the embeddings and norms, which stay 16-bit; without it, "
+        "every parameter counts as quantized.",
+    )
+
+    @property
+    def hidden(self) -> int:
+        return self.hidden_size or self.num_attention_heads * self.head_dim
+
+
+class ModelSpec(Model):
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            (
+                "has(self.servedModelName) == has(oldSelf.servedModelName) && "
+                "(!has(self.servedModelName) || self.servedModelName == oldSelf.servedModelName)",
+                "model.servedModelName is immutable: it cannot be added, removed or changed "
+                "after creation (clients address the model by it)",
+            ),
+        )
+    )
+
+    uri: str = Field(
+        max_length=2048,
+        pattern=MODEL_URI_PATTERN,
+        description="Where the weights are: a directory, hf://ORG/NAME, pvc://CLAIM/PATH, "
+        "s3://BUCKET/PREFIX or file:///PATH (on the node); or, ending in .gguf, one GGUF file: "
+        "hf://ORG/REPO/FILE.gguf, pvc://CLAIM/PATH/FILE.gguf, s3://BUCKET/KEY.gguf or "
+        "file:///PATH/FILE.gguf.",
+        json_schema_extra=cel(
+            (
+                f"!self.endsWith('{GGUF_SUFFIX}') || self.matches('{GGUF_URI_PATTERN}')",
+                GGUF_URI_MESSAGE,
+            )
+        ),
+    )
+    revision: str | None = Field(
+        default=None, max_length=128, description="hf:// only: branch, tag or commit to download."
+    )
+    served_model_name: str | None = Field(
+        default=None,
+        max_length=253,
+        description="Name clients pass as `model`; defaults to metadata.name. Immutable.",
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=16, description="Longest prompt + output per sequence, in tokens."
+    )
+    credentials_secret: SecretReference | None = Field(
+        default=None,
+        description="Secret whose keys become environment variables of the download init "
+        "container (HF_TOKEN for hf://, AWS_* for s3://).",
+    )
+    hints: ModelHints | None = Field(
+        default=None, description="Architecture numbers for a model not in the built-in catalog."
+    )
+
+    @field_validator("uri")
+    @classmethod
+    def _gguf_names_a_file(cls, uri: str) -> str:
+        # The same rule as the CEL one above, for objects stored before it existed.
+        if uri.endswith(GGUF_SUFFIX) and not re.match(GGUF_URI_PATTERN, uri):
+            raise ValueError(GGUF_URI_MESSAGE)
+        return uri
+
+    @property
+    def is_gguf(self) -> bool:
+        """Whether the URI names one GGUF file (else a directory of weights)."""
+        return self.uri.endswith(GGUF_SUFFIX)
+
+    def hf_file(self) -> tuple[str, str]:
+        """(ORG/REPO, path of the file in the repository) of an hf:// GGUF URI."""
+        org, repo, path = self.uri.removeprefix("hf://").split("/", 2)
+        return f"{org}/{repo}", path
+
+
+class QuantizationSpec(Model):
+    weights: WeightQuantization = Field(
+        default="none", description="Weight format: none (bf16), int8, fp8, int4-awq, int4-gptq."
+    )
+    kv_cache: KVCacheQuantization = Field(
+        default="auto", description="KV-cache format: auto (model dtype) or fp8."
+    )

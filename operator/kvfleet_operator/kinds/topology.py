@@ -1,0 +1,36 @@
+"""spec.parallelism and spec.resources: how one replica is split across GPUs, and on which."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from kvfleet_operator.kinds.cel import cel
+from kvfleet_operator.wire import Model
+
+TENSOR_PARALLEL_SIZES = (1, 2, 4, 8, 16)
+_SIZES = ", ".join(map(str, TENSOR_PARALLEL_SIZES))  # "1, 2, 4, 8, 16"
+_SIZES_IN_WORDS = _SIZES.rsplit(", ", 1)[0] + " or " + str(TENSOR_PARALLEL_SIZES[-1])
+
+
+class ParallelismSpec(Model):
+    tensor: int = Field(
+        default=1,
+        ge=min(TENSOR_PARALLEL_SIZES),
+        le=max(TENSOR_PARALLEL_SIZES),
+        description=f"Tensor-parallel size: {_SIZES_IN_WORDS} GPUs per model shard group.",
+        json_schema_extra=cel(
+            (f"self in [{_SIZES}]", f"parallelism.tensor must be one of {_SIZES}")
+        ),
+    )
+    pipeline: int = Field(default=1, ge=1, le=16, description="Pipeline-parallel stages.")
+
+
+class ResourcesSpec(Model):
+    accelerator: str = Field(
+        max_length=63,
+        description="Accelerator profile: a built-in name (a100-40gb, a100-80gb, h100-80gb, "
+        "h200-141gb, l4, l40s, b200) or an AcceleratorProfile object.",
+    )
+    cpu: str | None = Field(default=None, max_length=32, description="CPU request and limit.")
+    memory: str | None = Field(default=None, max_length=32, description="Memory request and limit.")
+    shared_memory: str = Field(default="8Gi", max_length=32, description="Size of /dev/shm.")
