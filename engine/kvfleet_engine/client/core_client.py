@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import os
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -144,6 +145,12 @@ class CoreClient:
 
         fd = conn.fileno()
         loop.add_reader(fd, on_readable)
+        # uvloop's add_reader (libuv's uv_poll_init) turns the descriptor non-blocking. Then a
+        # record still arriving raised BlockingIOError in recv_bytes, read above as the core's
+        # exit (at 1,024 streams the server declared a live core dead), and a send into a full
+        # pipe wrote part of a record or none. Blocking, a read that began on readable waits
+        # for the rest of its record (the core writes each whole) and a send waits for room.
+        os.set_blocking(fd, True)
 
     async def _reap(self, on_exit: Callable[[int | None], None]) -> None:
         """The core closed its end: wait for its exit code (off the loop), then report."""
