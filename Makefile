@@ -34,8 +34,12 @@ lint: venv
 test-fast: venv
 	$(PY) -m pytest tests -q
 
+# Two pytest workers: most tests wait on engine processes starting, so two share the CI machine's
+# two cores well. Each test module stays whole on one worker (its module-scoped servers start once);
+# every e2e test shares the worker that owns the local control plane (tests/conftest.py,
+# e2e/conftest.py).
 test: lint cluster-bin
-	KVFLEET_REQUIRE_HELM=1 $(PY) -m pytest -q --durations=40 --ignore=tests/kernels -m "not gpu and not integration"
+	KVFLEET_REQUIRE_HELM=1 $(PY) -m pytest -q -n 2 --dist loadgroup --durations=40 --ignore=tests/kernels -m "not gpu and not integration"
 	# The kernel tests switch Triton to its interpreter, which is process-wide: kernels imported
 	# natively by earlier tests in the same process would not run there, so they get their own.
 	$(PY) -m pytest -q --durations=10 tests/kernels

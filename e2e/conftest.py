@@ -99,3 +99,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 def _report(line: str) -> None:
     print(line, file=sys.stderr)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every e2e test on one pytest-xdist worker (`make test` runs two): they share the one local
+    control plane, which a second worker would start again on the same ports."""
+    for item in items:
+        if item.nodeid.startswith("e2e/"):
+            item.add_marker(pytest.mark.xdist_group("cluster"))

@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 import httpx
+import pytest
 
 from kvfleet_operator import api
 from kvfleet_operator.apply import secret_key_digest, with_owner
