@@ -27,13 +27,14 @@ def prompts(num: int, input_len: int, shared: int = 0) -> list[list[int]]:
     ]
 
 
-def main() -> None:
-    ckpt, out_path = sys.argv[1:3]
+def served_settings_llm(ckpt: str, max_model_len: int = 4096) -> tuple[LLM, dict[str, object]]:
+    """The offline engine with the served runs' settings, GC frozen as the engine core does once
+    its model is loaded; the result record started with its start-up time."""
     t0 = time.perf_counter()
     llm = LLM(
         model=ckpt,
         dtype="bfloat16",
-        max_model_len=4096,
+        max_model_len=max_model_len,
         gpu_memory_utilization=0.9,
         seed=0,
         max_num_seqs=256,
@@ -44,9 +45,15 @@ def main() -> None:
         "startup_s": round(time.perf_counter() - t0, 1),
     }
     gc.collect()
-    gc.freeze()  # as the engine core does once its model is loaded
+    gc.freeze()
+    llm.engine.profile.track_gc()
+    return llm, res
+
+
+def main() -> None:
+    ckpt, out_path = sys.argv[1:3]
+    llm, res = served_settings_llm(ckpt)
     profile = llm.engine.profile
-    profile.track_gc()
 
     def phases(before, name: str) -> None:  # type: ignore[no-untyped-def]
         """The step phases since `before`: ms per step for each, and GC pauses."""

@@ -10,14 +10,15 @@ host's launch cost of one small CUDA kernel (µs; the prompt step launches ~20 p
 It uses only what the engine had at 4ef429d too (run it with PYTHONPATH at either tree).
 Usage: python bench/serve_offline_bs1.py CKPT OUT.json; prints the JSON."""
 
-import gc
 import json
 import os
 import random
 import sys
 import time
 
-from kvfleet_engine import LLM, SamplingParams
+from offline_serve_requests import served_settings_llm
+
+from kvfleet_engine import SamplingParams
 from kvfleet_engine.core.profile import interval
 
 
@@ -63,24 +64,8 @@ def host_launch_us() -> float | None:
 
 def main() -> None:
     ckpt, out_path = sys.argv[1:3]
-    t0 = time.perf_counter()
-    llm = LLM(
-        model=ckpt,
-        dtype="bfloat16",
-        max_model_len=int(os.environ.get("MAX_MODEL_LEN", "4096")),
-        gpu_memory_utilization=0.9,
-        seed=0,
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
-    )
-    res: dict[str, object] = {
-        "system": "kvfleet-offline",
-        "startup_s": round(time.perf_counter() - t0, 1),
-    }
-    gc.collect()
-    gc.freeze()  # as the engine core does once its model is loaded
+    llm, res = served_settings_llm(ckpt, int(os.environ.get("MAX_MODEL_LEN", "4096")))
     profile = llm.engine.profile
-    profile.track_gc()
 
     def gen(token_lists: list[list[int]], max_tokens: int) -> float:
         llm.engine.kv_cache.reset_prefix_cache()  # every run computes its prompt
