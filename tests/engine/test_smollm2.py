@@ -120,6 +120,7 @@ def reference_greedy_batch(model: Any, prompts: list[list[int]], pad_id: int) ->
     ]
 
 
+@pytest.mark.timeout(1800)  # transformers' reference batches: > 600 s beside another worker
 def test_greedy_tokens_match_transformers(smollm2: Path, reference: Any) -> None:
     # 128 blocks of 16 = one 2,048-token sequence: the waves need more, so requests are
     # preempted and recomputed.
