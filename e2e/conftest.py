@@ -101,6 +101,7 @@ def _report(line: str) -> None:
     print(line, file=sys.stderr)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every e2e test on one pytest-xdist worker (`make test` runs two): they share the one local
     control plane, which a second worker would start again on the same ports."""
