@@ -138,14 +138,14 @@ def test_operator_restarted_during_a_rollout_finishes_it_without_duplicates(
         kubectl, operator, llama_manifest(namespace, "roll", replicas=3, rollout={"maxSurge": 1})
     )
     before = objects(kubectl, namespace)
-    deployment = get(kubectl, namespace, "deployment", "roll")
+    deployment = kubectl.find("deployment", "roll", namespace)
     assert deployment is not None
 
     patch = {"spec": {"engine": {"maxNumSeqs": 64}}}
     kubectl("patch", "infd", "roll", "-n", namespace, "--type=merge", "-p", json.dumps(patch))
     wait_logged(
         lambda: (
-            (d := get(kubectl, namespace, "deployment", "roll"))
+            (d := kubectl.find("deployment", "roll", namespace))
             and d["metadata"]["generation"] > deployment["metadata"]["generation"]
         ),
         30,
@@ -154,7 +154,7 @@ def test_operator_restarted_during_a_rollout_finishes_it_without_duplicates(
     )
     operator.stop(signal.SIGKILL)  # mid-rollout: the Deployment is replacing its pods
     killed = time.monotonic()
-    at_kill = (get(kubectl, namespace, "deployment", "roll") or {}).get("status", {})
+    at_kill = (kubectl.find("deployment", "roll", namespace) or {}).get("status", {})
     start_s = operator.start()
     done = wait_logged(
         lambda: (o := infd(kubectl, namespace, "roll")) and ready_at(o, 2) and o,
@@ -171,7 +171,7 @@ def test_operator_restarted_during_a_rollout_finishes_it_without_duplicates(
     assert after["deployments"] == ["roll", "roll-router"]
     engine_sets = [rs for rs in after["replicasets"] if not rs.startswith("roll-router-")]
     assert len(engine_sets) == 2, after["replicasets"]  # the old template's and the new one's
-    final = get(kubectl, namespace, "deployment", "roll")
+    final = kubectl.find("deployment", "roll", namespace)
     assert final is not None and final["metadata"]["uid"] == deployment["metadata"]["uid"]
     args = final["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--max-num-seqs") + 1] == "64"
@@ -293,7 +293,7 @@ class Sampler:
 
     def sample(self) -> None:
         try:
-            deployment = get(self.kubectl, self.namespace, "deployment", self.name)
+            deployment = self.kubectl.find("deployment", self.name, self.namespace)
             pods = engine_pods(self.kubectl, self.namespace, self.name)
             obj = infd(self.kubectl, self.namespace, self.name)
         except KubectlError:  # the API server restarting
@@ -325,12 +325,8 @@ def roll_out(kubectl: Kubectl, operator: OperatorProcess, manifest: dict[str, An
     )
 
 
-def get(kubectl: Kubectl, namespace: str, kind: str, name: str) -> dict[str, Any] | None:
-    return kubectl.find(kind, name, namespace)
-
-
 def infd(kubectl: Kubectl, namespace: str, name: str) -> dict[str, Any] | None:
-    return get(kubectl, namespace, "infd", name)
+    return kubectl.find("infd", name, namespace)
 
 
 def ready_at(obj: dict[str, Any] | None, generation: int) -> dict[str, Any] | None:

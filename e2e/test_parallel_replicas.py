@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
-from kvcluster.kubectl import Kubectl, KubectlError
+from kvcluster.kubectl import Kubectl
 from kvcluster.procs import stop_child, tail
 from kvcluster.testing import E2ECluster, wait_until
 
@@ -243,7 +243,7 @@ def test_leader_worker_set_is_accepted_as_rendered(
         }
         kubectl.apply(manifest(namespace, "lws", spec))
         stored = wait(
-            lambda: get(kubectl, namespace, "leaderworkerset", "lws-group"), 60, "the LWS", logs
+            lambda: kubectl.find("leaderworkerset", "lws-group", namespace), 60, "the LWS", logs
         )
         typed = InferenceDeploymentSpec.model_validate(spec)
         one_gpu = kubectl.json("get", "acceleratorprofile", one_gpu_nodes)["spec"]
@@ -259,7 +259,7 @@ def test_leader_worker_set_is_accepted_as_rendered(
         assert service["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
 
         def topology() -> dict[str, Any] | None:
-            obj = get(kubectl, namespace, "infd", "lws") or {}
+            obj = kubectl.find("infd", "lws", namespace) or {}
             return (obj.get("status") or {}).get("topology")
 
         found = wait(topology, 30, "status.topology", logs)
@@ -344,15 +344,6 @@ def infd(
     return manifest(namespace, name, spec)
 
 
-def get(kubectl: Kubectl, namespace: str, kind: str, name: str) -> dict[str, Any] | None:
-    try:
-        return dict(kubectl.json("get", kind, name, "-n", namespace))
-    except KubectlError as exc:
-        if "NotFound" in str(exc):
-            return None
-        raise
-
-
 def flag(args: list[str], name: str) -> str:
     return args[args.index(name) + 1]
 
@@ -388,7 +379,7 @@ def service_ips(kubectl: Kubectl, namespace: str, name: str) -> list[str]:
     """The addresses the Service `name` sends to: its selector's Running, Ready pods, sorted.
     (What its EndpointSlice would hold; here the EndpointSlice controller cannot write one:
     the API refuses the loopback pod IPs kwok hands out, and no kube-proxy would route them.)"""
-    service = get(kubectl, namespace, "service", name)
+    service = kubectl.find("service", name, namespace)
     if service is None:  # not created yet
         return []
     selector = ",".join(f"{k}={v}" for k, v in service["spec"]["selector"].items())
@@ -411,7 +402,7 @@ def condition(obj: dict[str, Any] | None, kind: str) -> dict[str, Any] | None:
 
 
 def ready(kubectl: Kubectl, namespace: str, name: str, generation: int) -> dict[str, Any] | None:
-    obj = get(kubectl, namespace, "infd", name)
+    obj = kubectl.find("infd", name, namespace)
     cond = condition(obj, "Ready")
     if obj and cond and cond["status"] == "True" and cond["observedGeneration"] == generation:
         return obj
@@ -419,7 +410,7 @@ def ready(kubectl: Kubectl, namespace: str, name: str, generation: int) -> dict[
 
 
 def not_ready(kubectl: Kubectl, namespace: str, name: str) -> bool:
-    cond = condition(get(kubectl, namespace, "infd", name), "Ready")
+    cond = condition(kubectl.find("infd", name, namespace), "Ready")
     return bool(cond and cond["status"] == "False")
 
 

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from engine_cases import Reference, reference_greedy, write_checkpoint
+from parallel_cases import SETTINGS as PARALLEL_SETTINGS
+from parallel_cases import free_port_pair
 from quant_fixtures import quantized_checkpoints  # noqa: F401 (session fixture)
 
 
@@ -49,3 +51,28 @@ def make_llm(checkpoints: Checkpoints) -> Callable[..., Any]:
         return LLM(str(checkpoints.path(name)), **kwargs)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def world(make_llm: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
+    """make(name, tp, pp=1) -> an LLM over tp x pp ranks with the parallel tests' settings. One
+    world at a time: the driver (rank 0) is this process, so making one shuts the previous one
+    down."""
+    made: list[Any] = []
+
+    def make(name: str, tp: int, pp: int = 1, **kwargs: Any) -> Any:
+        while made:
+            made.pop().engine.model_runner.shutdown()
+        llm = make_llm(
+            name,
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+            master_port=free_port_pair(),
+            **{**PARALLEL_SETTINGS, **kwargs},
+        )
+        made.append(llm)
+        return llm
+
+    yield make
+    while made:
+        made.pop().engine.model_runner.shutdown()

@@ -55,3 +55,21 @@ def test_the_readme_table_shows_the_code_defaults() -> None:
     assert len(rows) >= 15 and set(rows) <= set(defaults), sorted(set(rows) - set(defaults))
     shown = {name: rows[name] for name in rows if defaults[name] is not None}
     assert shown == {name: _spelled(defaults[name]) for name in shown}
+
+
+def test_the_crds_engine_defaults_are_the_engines() -> None:
+    """spec.engine of an InferenceDeployment (what `kubectl explain` shows) defaults to what
+    `kvfleet serve` does without the flag; the operator cannot import the engine, so this holds
+    the two spellings together."""
+    from kvfleet_operator.kinds.serving import EngineSpec
+
+    engine = EngineConfig.keyword_defaults()
+    crd = {name: f.default for name, f in EngineSpec.model_fields.items() if name in engine}
+    assert set(crd) == {
+        "block_size",
+        "gpu_memory_utilization",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "enable_prefix_caching",
+    }
+    assert crd == {name: engine[name] for name in crd}

@@ -10,34 +10,14 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-from parallel_cases import SETTINGS, assert_same_greedy, free_port_pair, generate_twice
+from parallel_cases import SETTINGS, assert_same_greedy, generate_twice
 
 from kvfleet_engine import SamplingParams
 from kvfleet_engine.model_runner import RankFailed
-
-
-@pytest.fixture(scope="module")
-def world(make_llm: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
-    """make(name, tp) -> an LLM with tensor_parallel_size tp. One world at a time: the driver
-    (rank 0) is this process, so making one shuts the previous one down."""
-    made: list[Any] = []
-
-    def make(name: str, tp: int, **kwargs: Any) -> Any:
-        while made:
-            made.pop().engine.model_runner.shutdown()
-        llm = make_llm(
-            name, tensor_parallel_size=tp, master_port=free_port_pair(), **{**SETTINGS, **kwargs}
-        )
-        made.append(llm)
-        return llm
-
-    yield make
-    while made:
-        made.pop().engine.model_runner.shutdown()
 
 
 def _check_equal(

@@ -11,14 +11,13 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from parallel_cases import (
     SETTINGS,
     assert_same_greedy,
-    free_port_pair,
     generate_twice,
     parallel_prompts,
 )
@@ -31,29 +30,6 @@ from kvfleet_engine.outputs import ModelRunnerOutput
 from kvfleet_engine.parallel.pipeline import stage_layers
 from kvfleet_engine.request import Request
 from kvfleet_engine.scheduler import Scheduler
-
-
-@pytest.fixture(scope="module")
-def world(make_llm: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
-    """make(name, tp, pp) -> an LLM over tp x pp ranks; making one shuts the previous down."""
-    made: list[Any] = []
-
-    def make(name: str, tp: int, pp: int, **kwargs: Any) -> Any:
-        while made:
-            made.pop().engine.model_runner.shutdown()
-        llm = make_llm(
-            name,
-            tensor_parallel_size=tp,
-            pipeline_parallel_size=pp,
-            master_port=free_port_pair(),
-            **{**SETTINGS, **kwargs},
-        )
-        made.append(llm)
-        return llm
-
-    yield make
-    while made:
-        made.pop().engine.model_runner.shutdown()
 
 
 def _check_equal(

@@ -9,7 +9,7 @@ from pydantic import Field
 from kvfleet_operator.wire import Model
 
 
-class EngineSpec(Model):
+class EngineSpec(Model):  # defaults: the engine's (tests/engine/test_config_defaults.py)
     image: str | None = Field(
         default=None, max_length=512, description="Engine image; defaults to the operator's."
     )
