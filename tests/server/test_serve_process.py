@@ -1,12 +1,15 @@
-"""`kvfleet serve` as a real process: 429 under overload, and a SIGTERM drain that loses nothing."""
+"""`kvfleet serve` as a real process: 429 under overload, idle connections kept for
+--keep-alive-timeout, and a SIGTERM drain that loses nothing."""
 
 from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,7 +31,7 @@ def served(
     command += ["--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port)]
     command += ["--device", "cpu", "--kv-cache-blocks", "256", "--max-model-len", "512"]
     command += ["--max-num-seqs", "8", "--max-num-batched-tokens", "512"]
-    command += ["--max-queued-requests", "1", "--drain-timeout", "60"]
+    command += ["--max-queued-requests", "1", "--drain-timeout", "60", "--keep-alive-timeout", "8"]
     command += ["--ttft-slo-ms", "60000", "--tpot-slo-ms", "1000"]  # SLA mode, loose targets
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -65,6 +68,38 @@ def test_overload_is_refused_with_429_and_retry_after(
         text, 'kvfleet_requests_rejected_total{model_name="kvfleet-tiny",reason="queue_full"}'
     )
     assert rejected == statuses.count(429)
+
+
+def test_an_idle_connection_stays_open_for_the_keep_alive_timeout_then_closes(
+    served: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    url, _ = served
+    host, port = url.removeprefix("http://").split(":")
+    request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(request)
+        assert _read_response(conn).startswith(b"HTTP/1.1 200")
+        time.sleep(6)  # idle past uvicorn's default 5 s, within --keep-alive-timeout 8
+        conn.sendall(request)
+        assert _read_response(conn).startswith(b"HTTP/1.1 200")
+        time.sleep(10)  # idle past it: the server has closed the connection
+        assert conn.recv(65536) == b""
+
+
+def _read_response(conn: socket.socket) -> bytes:
+    """One whole HTTP/1.1 response with a Content-Length (headers and body may arrive apart)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += conn.recv(65536)
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(body) < length:
+        body += conn.recv(65536)
+    return head + b"\r\n\r\n" + body
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_0(

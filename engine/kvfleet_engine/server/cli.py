@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 API_KEY_ENV = "KVFLEET_API_KEY"  # the API key, when --api-key is not given
+# uvicorn's own default is 5 s: a load balancer or ingress (AWS ALB, nginx: 60 s idle) would reuse
+# connections the server is closing, and its clients would see resets.
+DEFAULT_KEEP_ALIVE_TIMEOUT_S = 75
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="seconds in-flight requests may take to finish after SIGTERM",
+    )
+    server.add_argument(
+        "--keep-alive-timeout",
+        type=positive_int,
+        default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+        help="seconds an idle client connection stays open; keep it above the idle timeout of "
+        "the proxies in front (60 s for most), or one may reuse a connection as it closes",
     )
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     server.add_argument(
@@ -196,7 +206,14 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     gc.freeze()  # start-up objects (tokenizer, app, imports) stay out of every collection
     engine.profile.track_gc()
     server = DrainingServer(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level), state
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_keep_alive=args.keep_alive_timeout,
+        ),
+        state,
     )
     try:
         server.run()
