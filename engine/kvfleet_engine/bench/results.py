@@ -55,11 +55,17 @@ def write_results(
     rows: list[Row],
 ) -> Path:
     """bench/results/<date>-<gpu>-<what>.json with the keys gpu, date, command, shape,
-    workload, results."""
+    workload, results; `-run2`, `-run3`... before `.json` when an earlier run of the day wrote
+    that name (a result is never overwritten)."""
     now = datetime.datetime.now(datetime.UTC)
     slug = re.sub(r"[^a-z0-9.]+", "-", gpu.lower()).strip("-")
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{now:%Y-%m-%d}-{slug}-{what}.json"
+    stem = f"{now:%Y-%m-%d}-{slug}-{what}"
+    path = directory / f"{stem}.json"
+    run = 2
+    while path.exists():
+        path = directory / f"{stem}-run{run}.json"
+        run += 1
     document = {
         "gpu": gpu,
         "date": now.isoformat(timespec="seconds"),
