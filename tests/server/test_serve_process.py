@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -75,31 +75,22 @@ def test_an_idle_connection_stays_open_for_the_keep_alive_timeout_then_closes(
 ) -> None:
     url, _ = served
     host, port = url.removeprefix("http://").split(":")
-    request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
-    with socket.create_connection((host, int(port)), timeout=30) as conn:
-        conn.sendall(request)
-        assert _read_response(conn).startswith(b"HTTP/1.1 200")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request("GET", "/health")
+        first = conn.getresponse()
+        first.read()
+        assert first.status == 200
+        sock = conn.sock
         time.sleep(6)  # idle past uvicorn's default 5 s, within --keep-alive-timeout 8
-        conn.sendall(request)
-        assert _read_response(conn).startswith(b"HTTP/1.1 200")
+        conn.request("GET", "/health")
+        second = conn.getresponse()
+        second.read()
+        assert second.status == 200 and conn.sock is sock  # the same connection
         time.sleep(10)  # idle past it: the server has closed the connection
-        assert conn.recv(65536) == b""
-
-
-def _read_response(conn: socket.socket) -> bytes:
-    """One whole HTTP/1.1 response with a Content-Length (headers and body may arrive apart)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += conn.recv(65536)
-    head, body = data.split(b"\r\n\r\n", 1)
-    length = next(
-        int(line.split(b":", 1)[1])
-        for line in head.split(b"\r\n")
-        if line.lower().startswith(b"content-length:")
-    )
-    while len(body) < length:
-        body += conn.recv(65536)
-    return head + b"\r\n\r\n" + body
+        assert sock.recv(1) == b""
+    finally:
+        conn.close()
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_0(
