@@ -3,6 +3,8 @@
 # `tests kernels`; pass a subset or add the offline 1k/1k pair (each run ~4 min, one call each):
 #   bench/gpu_kv_fp8.sh tests kernels
 #   bench/gpu_kv_fp8.sh throughput-1k-bf16      then      bench/gpu_kv_fp8.sh throughput-1k-fp8
+# throughput-1k-fp8 runs the weights in QUANTS (default none; QUANTS=none,fp8 adds fp8 weights
+# over the fp8 cache in the same process, the TensorRT-LLM comparison).
 # tests: the gpu-marked tests of tests/kernels/test_kv_fp8.py (store, decode, prefill, fused
 # kernels at Llama sizes against the dequantized reference) and tests/engine/test_kv_cache_fp8.py
 # (the fp8 cache in the decode CUDA graphs). kernels: the attention microbenchmark over a bf16 and an
@@ -28,7 +30,7 @@ for step in $STEPS; do
     throughput-1k-bf16) $PY $THROUGHPUT_1K --max-num-seqs "${MAX_SEQS_BF16:-384}" \
         --output-dir "$OUT/1k-bf16" 2>&1 | tee "$OUT/throughput-1k-bf16.log" \
         | grep -v 'it/s\]\|req/s\]' | tail -20 ;;
-    throughput-1k-fp8) $PY $THROUGHPUT_1K --kv-cache-dtype fp8 --max-num-seqs "${MAX_SEQS_FP8:-768}" \
+    throughput-1k-fp8) $PY $THROUGHPUT_1K --kv-cache-dtype fp8 --quantization "${QUANTS:-none}" --max-num-seqs "${MAX_SEQS_FP8:-768}" \
         --output-dir "$OUT/1k-fp8" 2>&1 | tee "$OUT/throughput-1k-fp8.log" \
         | grep -v 'it/s\]\|req/s\]' | tail -20 ;;
     *) echo "unknown step $step" ;;

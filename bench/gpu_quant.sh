@@ -6,6 +6,8 @@
 #   bench/gpu_quant.sh tests latency
 # STEP_TIMEOUT (seconds, default 420) caps each step; QUANTS the configurations (default
 # none,fp8,int8,awq,gptq); LATENCY_ARGS adds arguments (e.g. "--kv-cache-dtype fp8").
+# `prompt`: prompt throughput, 64 prompts of 3968 tokens and one output token each, for the
+# weights in PROMPT_QUANTS (default none,fp8) in one `kvfleet bench throughput` process.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvfleet-gpu-quant}
 mkdir -p "$OUT"
@@ -40,6 +42,10 @@ for q in ("none", "fp8", "int8", "awq", "gptq"):
     print(f"{'bf16' if q == 'none' else q:<8} {got:>8.1f} {ratio:>8} {roof:>9.1f} {got / roof:>8.1%} {gb:>8.2f}")
 PY
       ;;
+    prompt) $PY -m kvfleet_cli.main bench throughput --shape "$SHAPE" --num-prompts 64 \
+        --input-len 3968 --output-len 1 --max-num-seqs 64 --max-num-batched-tokens 16384 \
+        --quantization "${PROMPT_QUANTS:-none,fp8}" --output-dir "$OUT/prompt" 2>&1 \
+        | tee "$OUT/prompt.log" | grep -v 'it/s\]\|req/s\]' | tail -30 ;;
     *) echo "unknown step $step" ;;
   esac
 done
