@@ -26,6 +26,18 @@ def test_throughput_writes_results_with_kvfleet_and_roofline_rows(tmp_path, caps
 
 
 @pytest.mark.slow
+def test_throughput_times_prompts_the_warm_up_did_not_cache(tmp_path) -> None:
+    # Four 64-token prompts, at most 64 prompt tokens per step: four prompt steps, unless the
+    # warm-up had left the same prompts in the prefix cache (then one step did it all).
+    argv = ["--shape", "tiny", "--num-prompts", "4", "--input-len", "64", "--output-len", "1"]
+    argv += ["--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--output-dir", str(tmp_path)]
+    assert main(["bench", "throughput", *argv]) == 0
+    [path] = tmp_path.glob("*-cpu-throughput-tiny.json")
+    rows = {(r["system"], r["metric"]): r["value"] for r in json.loads(path.read_text())["results"]}
+    assert rows[("kvfleet", "engine_steps")] >= 4
+
+
+@pytest.mark.slow
 def test_latency_reports_decode_rate_against_transformers(tmp_path) -> None:
     argv = ["--shape", "tiny", "--input-len", "5", "--output-len", "4", "--peer", "transformers"]
     assert main(["bench", "latency", *argv, "--output-dir", str(tmp_path)]) == 0
