@@ -6,7 +6,10 @@ Starts a fast fake engine (aiohttp on uvloop: /metrics and a small JSON completi
 `kvfleet router --backend` in front of it, each its own process, then runs a closed-loop client
 (another process) against the engine directly and through the router:
 
-- latency: 1 request in flight; added p50/p90 = through-router minus direct, same run;
+- latency: 1 request in flight; added p50/p90 = through-router minus direct, same run; and the
+  same for a minimal aiohttp reverse proxy (read the body, POST it upstream on a pooled
+  session, return the answer: no parsing, routing or metrics), the floor any aiohttp proxy pays
+  on this machine for the extra hop;
 - throughput: 64 requests in flight through the router; requests/s, the router's CPU share and
   its CPU time per request (so its rate per CPU second, whatever else runs on the machine).
 
@@ -31,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -40,6 +44,7 @@ BODY = json.dumps({"model": "fake", "prompt": "Hello, how are you?", "max_tokens
 ANSWER = json.dumps(
     {"id": "cmpl-0", "object": "text_completion", "model": "fake", "choices": [{"text": "!"}]}
 ).encode()
+JSON = {"Content-Type": "application/json"}
 METRICS = (
     'kvfleet_requests_waiting{model_name="fake"} 0.0\n'
     'kvfleet_requests_running{model_name="fake"} 0.0\n'
@@ -67,6 +72,33 @@ def serve_fake_engine(port: int) -> None:
     app = web.Application()
     app.router.add_post("/v1/completions", complete)
     app.router.add_get("/metrics", metrics)
+    loop = uvloop.new_event_loop()
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, loop=loop)
+
+
+def serve_minimal_proxy(port: int, upstream: str) -> None:
+    """The baseline proxy's process: the least an aiohttp reverse proxy does per request."""
+    import uvloop
+
+    async def forward(request: web.Request) -> web.Response:
+        body = await request.read()
+        session: aiohttp.ClientSession = request.app["session"]
+        async with session.post(upstream + request.path, data=body, headers=JSON) as answer:
+            data = await answer.read()
+            return web.Response(body=data, status=answer.status, content_type=answer.content_type)
+
+    async def session_context(app: web.Application) -> AsyncIterator[None]:
+        app["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        yield
+        await app["session"].close()
+
+    async def ready(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.cleanup_ctx.append(session_context)
+    app.router.add_post("/v1/completions", forward)
+    app.router.add_get("/ready", ready)
     loop = uvloop.new_event_loop()
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, loop=loop)
 
@@ -137,14 +169,22 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=64, help="for the throughput run")
     parser.add_argument("--out", type=Path, default=None, help="write the results JSON here")
     parser.add_argument("--fake-engine", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--minimal-proxy", nargs=2, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.fake_engine is not None:
         serve_fake_engine(args.fake_engine)
         return 0
+    if args.minimal_proxy is not None:
+        serve_minimal_proxy(int(args.minimal_proxy[0]), args.minimal_proxy[1])
+        return 0
 
     load_at_start = os.getloadavg()[0]  # the machine is shared: say how busy it was
-    engine_port, router_port = free_port(), free_port()
+    engine_port, router_port, minimal_port = free_port(), free_port(), free_port()
     engine = subprocess.Popen([sys.executable, __file__, "--fake-engine", str(engine_port)])
+    upstream = f"http://127.0.0.1:{engine_port}"
+    minimal = subprocess.Popen(
+        [sys.executable, __file__, "--minimal-proxy", str(minimal_port), upstream]
+    )
     router = subprocess.Popen(
         [
             sys.executable, "-m", "kvfleet_cli", "router", "--backend",
@@ -155,13 +195,16 @@ def main() -> int:
     try:
         wait_ready(f"http://127.0.0.1:{engine_port}/metrics")
         wait_ready(f"http://127.0.0.1:{router_port}/ready")
+        wait_ready(f"http://127.0.0.1:{minimal_port}/ready")
         time.sleep(0.5)  # the first scrape makes the backend available
         direct_url = f"http://127.0.0.1:{engine_port}/v1/completions"
         routed_url = f"http://127.0.0.1:{router_port}/v1/completions"
-        asyncio.run(closed_loop(routed_url, 4, 1.0))  # warm up both paths
-        asyncio.run(closed_loop(direct_url, 4, 1.0))
+        minimal_url = f"http://127.0.0.1:{minimal_port}/v1/completions"
+        for url in (routed_url, direct_url, minimal_url):  # warm up every path
+            asyncio.run(closed_loop(url, 4, 1.0))
         direct = asyncio.run(closed_loop(direct_url, 1, args.seconds))
         routed = asyncio.run(closed_loop(routed_url, 1, args.seconds))
+        baseline = asyncio.run(closed_loop(minimal_url, 1, args.seconds))
         cpu_before, wall_before = cpu_seconds(router.pid), time.perf_counter()
         loaded = asyncio.run(closed_loop(routed_url, args.concurrency, args.seconds))
         wall = time.perf_counter() - wall_before
@@ -169,7 +212,7 @@ def main() -> int:
         direct_loaded = asyncio.run(closed_loop(direct_url, args.concurrency, args.seconds))
         in_router_p50 = histogram_p50(f"http://127.0.0.1:{router_port}/metrics")
     finally:
-        for proc in (router, engine):
+        for proc in (router, minimal, engine):
             proc.terminate()
             proc.wait(10)
 
@@ -184,6 +227,8 @@ def main() -> int:
         "routed_p50_ms": statistics.median(routed) * 1e3,
         "added_p50_ms": (statistics.median(routed) - statistics.median(direct)) * 1e3,
         "added_p90_ms": (pct(routed, 0.9) - pct(direct, 0.9)) * 1e3,
+        "minimal_proxy_added_p50_ms": (statistics.median(baseline) - statistics.median(direct))
+        * 1e3,
         "in_router_p50_ms_at_most": in_router_p50 * 1e3,  # histogram bucket bound
         "concurrency": args.concurrency,
         "routed_requests_per_s": len(loaded) / wall,
@@ -199,6 +244,7 @@ def main() -> int:
     print(f"{'':28}{'value':>10}  target")
     print(f"{'added p50 (ms)':28}{result['added_p50_ms']:>10.3f}  <= 2")
     print(f"{'added p90 (ms)':28}{result['added_p90_ms']:>10.3f}")
+    print(f"{'minimal proxy added p50 (ms)':28}{result['minimal_proxy_added_p50_ms']:>10.3f}")
     print(f"{'in-router p50 (ms, <=)':28}{result['in_router_p50_ms_at_most']:>10.3f}")
     print(f"{'direct p50 (ms)':28}{result['direct_p50_ms']:>10.3f}")
     print(
