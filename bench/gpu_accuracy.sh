@@ -27,7 +27,8 @@ GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 stage() { mkdir -p "$STAGE" && cp .xfer/acc/p/part.* "$STAGE"/ 2>/dev/null; ls -la "$STAGE"; }
 case "${1:-run}" in
   pack)
-    WHEELS=${WHEELS:?WHEELS: a folder holding the gguf, accelerate and pyyaml wheels}
+    # the gguf and accelerate wheels, and pyyaml and psutil (accelerate's) for Python 3.12
+    WHEELS=${WHEELS:?WHEELS: a folder holding the wheels to install on the device}
     work=$(mktemp -d) && mkdir -p "$work/models/smollm2-gptq-w4a16" "$work/wheels" || exit 1
     cp "$WHEELS"/*.whl "$work/wheels/" && ln -s "$MODELS/$GGUF" "$work/models/$GGUF" || exit 1
     src="$MODELS/smollm2-gptq-w4a16"
@@ -79,7 +80,7 @@ CONFIGS=(--config "bf16=$B" --config "fp8kv=$B:kv_cache_dtype=fp8"
 BOUNDS=(--bound fp8kv=0.5 --bound fp8=1.5 --bound int8=1.5 --bound gptq=8)
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 echo "=== bench accuracy ($(date +%T))"
-timeout -k 5 "${STEP_TIMEOUT:-480}" python3 -m kvfleet_cli.main bench accuracy --device "${ACC_DEVICE:-cuda}" \
-  "${CONFIGS[@]}" "${BOUNDS[@]}" ${ACCURACY_ARGS:-} --output "$OUT" 2>&1 \
+timeout -k 5 "${STEP_TIMEOUT:-480}" python3 -m kvfleet_cli.main bench accuracy \
+  --device "${ACC_DEVICE:-cuda}" "${CONFIGS[@]}" "${BOUNDS[@]}" ${ACCURACY_ARGS:-} --output "$OUT" 2>&1 \
   | tee "$OUT/accuracy.log" | grep -v -i 'warn\|it/s\]' | tail -30
 echo "=== done ($(date +%T))"

@@ -30,7 +30,8 @@ for step in $STEPS; do
     throughput-1k-bf16) $PY $THROUGHPUT_1K --max-num-seqs "${MAX_SEQS_BF16:-384}" \
         --output-dir "$OUT/1k-bf16" 2>&1 | tee "$OUT/throughput-1k-bf16.log" \
         | grep -v 'it/s\]\|req/s\]' | tail -20 ;;
-    throughput-1k-fp8) $PY $THROUGHPUT_1K --kv-cache-dtype fp8 --quantization "${QUANTS:-none}" --max-num-seqs "${MAX_SEQS_FP8:-768}" \
+    throughput-1k-fp8) $PY $THROUGHPUT_1K --kv-cache-dtype fp8 --quantization "${QUANTS:-none}" \
+        --max-num-seqs "${MAX_SEQS_FP8:-768}" \
         --output-dir "$OUT/1k-fp8" 2>&1 | tee "$OUT/throughput-1k-fp8.log" \
         | grep -v 'it/s\]\|req/s\]' | tail -20 ;;
     *) echo "unknown step $step" ;;
