@@ -18,8 +18,8 @@
 #              int8    bf16 quantized to int8 W8A16 at load     (bound +1.5%)
 #              gptq    llm-compressor GPTQ W4A16 group 64       (bound +8%)
 #              q4_1    the GGUF itself, kept int4 group 32 on the GPU (what bf16 was made from)
-# ACCURACY_ARGS adds arguments (e.g. "--max-tokens 8192" for a quick run); ACC_DEVICE=cpu runs the
-# same comparison on this machine (a dry run of the script). JSON and log to $OUT.
+# ACCURACY_ARGS adds arguments (e.g. "--max-tokens 8192" for a quick run); ACC_DEVICE (default
+# cuda) is the bench's --device. JSON and log to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvfleet-gpu-accuracy}
 STAGE=/root/kvfleet-acc
