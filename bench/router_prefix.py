@@ -1,7 +1,7 @@
 """Prefix-aware against round-robin routing on the same real engines, in one run.
 
     python bench/router_prefix.py [--engines 3] [--tenants 12] [--system-chars 3200]
-        [--users 3] [--turns 3] [--concurrency 6] [--out bench/results/router-prefix.json]
+        [--users 6] [--turns 3] [--concurrency 6] [--out bench/results/router-prefix.json]
 
 Starts `--engines` CPU engines (`kvfleet serve --device cpu`, one thread each; SmolLM2 by
 default, `--model` for another) and two routers in front of all of them, `--strategy prefix`
@@ -223,7 +223,7 @@ def main() -> int:
     parser.add_argument("--engines", type=int, default=3)
     parser.add_argument("--tenants", type=int, default=12)
     parser.add_argument("--system-chars", type=int, default=3200)
-    parser.add_argument("--users", type=int, default=3)
+    parser.add_argument("--users", type=int, default=6)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=6)
     parser.add_argument("--kv-cache-blocks", type=int, default=320, help="per engine")
