@@ -1,10 +1,19 @@
 """Keeps each test module on one pytest-xdist worker (`make test` runs two, `--dist loadgroup`):
 module-scoped fixtures, such as a served engine, then start once per module, not once per worker.
-The e2e tests are grouped by e2e/conftest.py (all on the worker that owns the local cluster)."""
+The e2e tests are grouped by e2e/conftest.py (all on the worker that owns the local cluster).
+It also prints, on the xdist controller, the chaos suite's tally that the workers hand back."""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
 import pytest
+
+_CHAOS = Path(__file__).parent / "chaos"
+_worker_tallies: list[dict[str, Any]] = []
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
@@ -28,3 +37,29 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                 f"pytest {pytest.__version__} with pytest-xdist: --dist loadgroup did not group "
                 f"{item.nodeid}; use a pytest that pyproject.toml allows"
             )
+
+
+def _chaosutil() -> Any:
+    """tests/chaos/chaosutil (its tally and report), imported at the end of a run."""
+    sys.path.insert(0, str(_CHAOS))
+    import chaosutil
+
+    return chaosutil
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook, called on the controller
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """A worker finished: keep the chaos tally it handed back (tests/chaos/conftest.py)."""
+    text = getattr(node, "workeroutput", {}).get(_chaosutil().WORKER_OUTPUT_KEY)
+    if text is not None:
+        _worker_tallies.append(json.loads(text))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _worker_tallies:
+        return
+    chaosutil = _chaosutil()
+    tally = chaosutil.Tally()
+    for summary in _worker_tallies:
+        tally.merge(summary)
+    chaosutil.report(terminalreporter, tally)

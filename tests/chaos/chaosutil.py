@@ -48,8 +48,34 @@ class Tally:
             "faults": self.notes,
         }
 
+    def merge(self, summary: dict[str, Any]) -> None:
+        """Add another process's `as_dict()` (a pytest-xdist worker's) to this tally."""
+        for name, seen in summary["categories"].items():
+            self.statuses[name].update(seen["statuses"])
+        self.notes.update(summary["faults"])
+
 
 TALLY = Tally()
+# Where an xdist worker hands its tally to the controller (tests/conftest.py prints it there).
+WORKER_OUTPUT_KEY = "kvfleet_chaos_tally"
+
+
+def report(terminalreporter: Any, tally: Tally) -> None:
+    """The suite's end-of-run section (and $KVFLEET_CHAOS_SUMMARY), if anything was tallied."""
+    summary = tally.as_dict()
+    if not summary["categories"] and not summary["faults"]:
+        return
+    write = terminalreporter.write_line
+    terminalreporter.section("chaos suite: cases per category, statuses seen")
+    for name, seen in summary["categories"].items():
+        statuses = ", ".join(f"{status} x{count}" for status, count in seen["statuses"].items())
+        write(f"{name:<28} {seen['cases']:>5}  {statuses}")
+    for fault, text in summary["faults"].items():
+        write(f"{fault:<28} {text}")
+    path = os.environ.get("KVFLEET_CHAOS_SUMMARY")
+    if path:
+        Path(path).write_text(json.dumps(summary, indent=2) + "\n")
+        write(f"written to {path}")
 
 
 def free_port() -> int:
