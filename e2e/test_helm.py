@@ -110,6 +110,7 @@ def test_helm_install_runs_the_sample_to_ready_and_uninstalls(
     (tmp_path / "helm-install.txt").write_text(transcript)
     assert "STATUS: deployed" in transcript
     assert f"the operator watches\n{release.watched}." in transcript  # NOTES.txt
+    assert f"kubectl apply -n {release.watched} -f manifests/samples/small.yaml" in transcript
     cluster.wait_established("inferencedeployments.kvfleet.io", "acceleratorprofiles.kvfleet.io")
     listed = yaml.safe_load(release.helm("list", "-n", release.name, "-o", "yaml"))
     assert [(r["name"], r["status"]) for r in listed] == [(release.name, "deployed")]
