@@ -5,7 +5,6 @@ It also prints, on the xdist controller, the chaos suite's tally that the worker
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -50,9 +49,9 @@ def _chaosutil() -> Any:
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook, called on the controller
 def pytest_testnodedown(node: Any, error: object) -> None:
     """A worker finished: keep the chaos tally it handed back (tests/chaos/conftest.py)."""
-    text = getattr(node, "workeroutput", {}).get(_chaosutil().WORKER_OUTPUT_KEY)
-    if text is not None:
-        _worker_tallies.append(json.loads(text))
+    summary = getattr(node, "workeroutput", {}).get(_chaosutil().WORKER_OUTPUT_KEY)
+    if summary is not None:
+        _worker_tallies.append(summary)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

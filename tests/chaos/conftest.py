@@ -5,7 +5,6 @@ controller (tests/conftest.py), which prints the sum."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     """In a pytest-xdist worker: hand the tally to the controller, which prints it."""
     output = getattr(session.config, "workeroutput", None)
     if output is not None:
-        output[WORKER_OUTPUT_KEY] = json.dumps(TALLY.as_dict())
+        output[WORKER_OUTPUT_KEY] = TALLY.as_dict()  # plain dicts: execnet carries them
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
