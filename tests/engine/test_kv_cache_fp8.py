@@ -21,6 +21,7 @@ from engine_cases import random_prompts
 from conftest import Checkpoints
 from kvfleet_engine import SamplingParams, model_runner, sampling
 from kvfleet_engine.config import EngineConfig
+from kvfleet_engine.kernels.checks import token_major
 from kvfleet_engine.runner import kv_memory
 
 
@@ -62,6 +63,25 @@ def test_fp8_cache_holds_about_twice_the_blocks_of_bf16(
     assert layer.k_cache.dtype == torch.float8_e4m3fn and layer.k_scales is not None
     assert layer.k_scales.shape == (_num_blocks(fp8), 2, 16)  # [blocks, kv heads, block size]
     assert bf16.engine.model_runner.attention_layers[0].k_scales is None
+    assert not token_major(layer.v_cache)  # sdpa reads V in K's row layout
+
+
+def test_fp8_cache_for_the_triton_kernels_lays_v_out_token_major(
+    make_llm: Callable[..., Any],
+) -> None:
+    """For the Triton backend an fp8 cache's V is token major in memory (each dimension's values
+    of a block's tokens contiguous: `kv_fp8` says why), a view with K's shape; K keeps its rows."""
+    import kvfleet_engine.kernels as triton_backend
+
+    layers = make_llm("qwen3", kv_cache_dtype="fp8").engine.model_runner.attention_layers
+    caches = kv_memory.allocate_kv_cache(
+        layers, 3, 16, torch.float8_e4m3fn, triton_backend, torch.device("cpu")
+    )
+    k_cache, v_cache, _, _ = caches[0]
+    assert v_cache.shape == k_cache.shape == (3, 16, 2, 32)
+    assert v_cache.stride() == (2 * 32 * 16, 1, 32 * 16, 16) and token_major(v_cache)
+    assert k_cache.is_contiguous() and not token_major(k_cache)
+    assert layers[0].v_cache is v_cache
 
 
 def test_fp8_greedy_tokens_follow_the_exact_cache(make_llm: Callable[..., Any]) -> None:

@@ -18,6 +18,7 @@ import torch
 from paged_cases import PagedCase, dense_attention, make_paged_case, relative_error
 from test_triton_kernels import ON_GPU  # TRITON_INTERPRET and the interpreter's scalar patch
 
+from kvfleet_engine.kernels.checks import to_token_major, token_major
 from kvfleet_engine.layers import attention_sdpa
 from kvfleet_engine.layers import attention_torch as ref
 from kvfleet_engine.layers.attention_torch import FP8_DTYPE, dequantize_kv, quantize_kv
@@ -77,6 +78,12 @@ TARGETS = [
 # 0.027-0.038 up to 4k tokens of context (e4m3 rounds each element by at most 2^-4).
 FP8_ATTENTION_ERROR = 0.05
 BACKENDS = pytest.mark.parametrize("backend", [ref, attention_sdpa], ids=["torch", "sdpa"])
+# The V cache token major (what the engine allocates for the Triton backend) or in K's row layout.
+V_LAYOUTS = pytest.mark.parametrize("v_layout", ["tokens", "rows"])
+
+
+def _laid_out(cache: torch.Tensor, v_layout: str) -> torch.Tensor:
+    return to_token_major(cache) if v_layout == "tokens" else cache
 
 
 def _skip_if_unavailable(device: str) -> None:
@@ -98,8 +105,9 @@ class Fp8Case:
         return {"k_scales": self.k_scales, "v_scales": self.v_scales}
 
 
-def _fp8_case(exact: PagedCase) -> Fp8Case:
-    """The case's cache quantized slot by slot (unused NaN slots stay NaN in codes and scales)."""
+def _fp8_case(exact: PagedCase, v_layout: str = "tokens") -> Fp8Case:
+    """The case's cache quantized slot by slot (unused NaN slots stay NaN in codes and scales),
+    V laid out as v_layout says."""
     k_cache, k_scales = quantize_kv(exact.k_cache)
     v_cache, v_scales = quantize_kv(exact.v_cache)
     case = dataclasses.replace(
@@ -111,7 +119,7 @@ def _fp8_case(exact: PagedCase) -> Fp8Case:
         case,
         exact,
         k_cache,
-        v_cache,
+        _laid_out(v_cache, v_layout),
         k_scales.transpose(1, 2).contiguous(),
         v_scales.transpose(1, 2).contiguous(),
     )
@@ -173,7 +181,7 @@ def test_quantize_kv_scale_is_the_correctly_rounded_quotient_on_every_device(dev
 # ---- the store kernels ------------------------------------------------------------------------
 
 
-def _empty_fp8_cache(case: PagedCase) -> dict[str, torch.Tensor]:
+def _empty_fp8_cache(case: PagedCase, v_layout: str = "tokens") -> dict[str, torch.Tensor]:
     """Codes and scales filled with NaN, so a skipped or missing store shows."""
     num_blocks, block_size, num_kv_heads, _ = case.k_cache.shape
     device = case.k_cache.device
@@ -181,21 +189,25 @@ def _empty_fp8_cache(case: PagedCase) -> dict[str, torch.Tensor]:
     scales = torch.full((num_blocks, num_kv_heads, block_size), float("nan"), device=device)
     return {
         "k_cache": codes,
-        "v_cache": codes.clone(),
+        "v_cache": _laid_out(codes.clone(), v_layout),
         "k_scales": scales.to(torch.bfloat16),
         "v_scales": scales.to(torch.bfloat16),
     }
 
 
 @pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
-def test_store_kv_writes_the_reference_codes_and_scales(device, dtype, tol, sizes) -> None:
+@V_LAYOUTS
+def test_store_kv_writes_the_reference_codes_and_scales(
+    device, dtype, tol, sizes, v_layout
+) -> None:
     _skip_if_unavailable(device)
     case = make_paged_case([23, 9], [23, 9], **sizes, dtype=dtype, device=device, seed=1)
     key, value = torch.cat(case.keys).to(device), torch.cat(case.values).to(device)
     key[3, 1, 5] = 300.0  # an outlier in one row
     slots = case.slot_mapping.clone()
     slots[::5] = -1
-    want, got = _empty_fp8_cache(case), _empty_fp8_cache(case)
+    want, got = _empty_fp8_cache(case, "rows"), _empty_fp8_cache(case, v_layout)
+    assert token_major(got["v_cache"]) == (v_layout == "tokens")
     ref.store_kv(key, value, want["k_cache"], want["v_cache"], slots,
                  k_scales=want["k_scales"], v_scales=want["v_scales"])  # fmt: skip
     kv_store.store_kv(key, value, got["k_cache"], got["v_cache"], slots,
@@ -208,8 +220,9 @@ def test_store_kv_writes_the_reference_codes_and_scales(device, dtype, tol, size
 
 @pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
 @pytest.mark.parametrize(("group", "head_dim_scale"), [(None, 1), (3, 1.5)])
+@V_LAYOUTS
 def test_rotary_store_kv_quantizes_the_rotated_key(
-    device, dtype, tol, sizes, group, head_dim_scale
+    device, dtype, tol, sizes, group, head_dim_scale, v_layout
 ) -> None:
     _skip_if_unavailable(device)
     kv_heads = sizes["num_kv_heads"]
@@ -227,10 +240,10 @@ def test_rotary_store_kv_quantizes_the_rotated_key(
     angles = torch.rand(100, dim // 2, generator=gen, dtype=torch.float64) * 6.3
     cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).float().to(device)
     positions = torch.randint(0, 100, (num_tokens,), generator=gen).to(device)
-    got = _empty_fp8_cache(case)
+    got = _empty_fp8_cache(case, v_layout)
     fused.rotary_store_kv(positions, q, k, v, cos_sin, got["k_cache"], got["v_cache"], slots,
                           k_scales=got["k_scales"], v_scales=got["v_scales"])  # fmt: skip
-    want = _empty_fp8_cache(case)  # what store_kv writes for the key as rotated in place
+    want = _empty_fp8_cache(case, "rows")  # what store_kv writes for the key as rotated
     ref.store_kv(k, v, want["k_cache"], want["v_cache"], slots,
                  k_scales=want["k_scales"], v_scales=want["v_scales"])  # fmt: skip
     for name in want:
@@ -242,10 +255,12 @@ def test_rotary_store_kv_quantizes_the_rotated_key(
 
 @pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
 @pytest.mark.parametrize("num_splits", [None, 1, 5])
-def test_decode_reads_the_fp8_cache(device, dtype, tol, sizes, num_splits) -> None:
+@V_LAYOUTS
+def test_decode_reads_the_fp8_cache(device, dtype, tol, sizes, num_splits, v_layout) -> None:
     _skip_if_unavailable(device)
     lens = [1, 17, 64, 130] if device == "cpu" else [1, 17, 300, 2049, 4096]
-    fp8 = _fp8_case(make_paged_case(lens, [1] * len(lens), **sizes, dtype=dtype, device=device))
+    exact = make_paged_case(lens, [1] * len(lens), **sizes, dtype=dtype, device=device)
+    fp8 = _fp8_case(exact, v_layout)
     case = fp8.case
     out = decode.paged_decode_attention(
         case.query, fp8.k_cache, fp8.v_cache, case.block_tables, case.context_lens, case.scale,
@@ -270,7 +285,8 @@ def test_decode_launch_variants_read_the_fp8_cache_alike(
     columns swapped in pairs and swapped back at the store; scales loaded a tile ahead or
     where used) give the same attention."""
     lens = [1, 17, 64, 130]
-    fp8 = _fp8_case(make_paged_case(lens, [1] * len(lens), **SMALL, dtype=dtype, device="cpu"))
+    exact = make_paged_case(lens, [1] * len(lens), **SMALL, dtype=dtype, device="cpu")
+    fp8 = _fp8_case(exact, "rows" if early_v else "tokens")
     case = fp8.case
     big = 1e5 if dtype == torch.bfloat16 else 1.0
     out = decode.paged_decode_attention(
@@ -298,7 +314,7 @@ def test_prefill_launch_variants_read_the_fp8_cache_alike(dtype, tol, variant) -
     fill. (f16_dots=False, bf16 dots over e4m3, is left to the GPU: the interpreter's e4m3 ->
     bfloat16 conversion returns garbage.)"""
     exact = make_paged_case([40, 70, 9], [8, 3, 9], **SMALL, dtype=dtype, device="cpu")
-    fp8 = _fp8_case(exact)
+    fp8 = _fp8_case(exact, "rows" if variant.get("early_v") else "tokens")
     case = fp8.case
     out = prefill.prefill_attention(
         case.query, fp8.k_cache, fp8.v_cache, case.block_tables, case.cu_query_lens,
@@ -347,8 +363,9 @@ def test_fp16_attention_over_small_values_keeps_fp16_precision(device, sizes) ->
         ([50, 7], [30, 7], 32, 3),  # an odd group size, block size 32
     ],
 )
+@V_LAYOUTS
 def test_prefill_reads_the_fp8_cache(
-    device, dtype, tol, sizes, context_lens, query_lens, block_size, group
+    device, dtype, tol, sizes, context_lens, query_lens, block_size, group, v_layout
 ) -> None:
     _skip_if_unavailable(device)
     if device == "cuda":  # long prompts and prefixes on the GPU
@@ -359,7 +376,7 @@ def test_prefill_reads_the_fp8_cache(
     exact = make_paged_case(
         context_lens, query_lens, **sizes, block_size=block_size, dtype=dtype, device=device
     )
-    fp8 = _fp8_case(exact)
+    fp8 = _fp8_case(exact, v_layout)
     case = fp8.case
     out = prefill.prefill_attention(
         case.query, fp8.k_cache, fp8.v_cache, case.block_tables, case.cu_query_lens,
@@ -371,15 +388,17 @@ def test_prefill_reads_the_fp8_cache(
 
 @pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
+@V_LAYOUTS
 def test_rotary_decode_attention_equals_rotary_store_then_decode(
-    device, dtype, tol, sizes, num_splits
+    device, dtype, tol, sizes, num_splits, v_layout
 ) -> None:
     """One launch stores the new token's codes and scales and attends, as rotary_store_kv then
     paged_decode_attention do, a padding row (length 0, slot -1) included."""
     _skip_if_unavailable(device)
     heads, kv_heads, dim = sizes["num_q_heads"], sizes["num_kv_heads"], sizes["head_dim"]
     lens = [1, 17, 64, 130, 1] if device == "cpu" else [1, 17, 300, 2049, 4096, 1]
-    fp8 = _fp8_case(make_paged_case(lens, [1] * len(lens), **sizes, dtype=dtype, device=device))
+    exact = make_paged_case(lens, [1] * len(lens), **sizes, dtype=dtype, device=device)
+    fp8 = _fp8_case(exact, v_layout)
     case = fp8.case
     cu = torch.tensor([0, *lens]).cumsum(0)
     slots = case.slot_mapping[cu[1:] - 1].clone()  # each sequence's newest position
@@ -523,13 +542,14 @@ def test_prefill_of_fresh_prompts_reads_the_fp8_cache_at_the_engine_shapes(
 
 @BACKENDS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backend_stores_then_attends_over_the_fp8_cache(backend, dtype) -> None:
+@V_LAYOUTS
+def test_backend_stores_then_attends_over_the_fp8_cache(backend, dtype, v_layout) -> None:
     """The reference and CPU backends: store_kv quantizes, decode and prefill read the codes and
-    scales; slots past each sequence hold NaN and never count."""
+    scales (V in either layout); slots past each sequence hold NaN and never count."""
     exact = make_paged_case([30, 7, 64], [5, 1, 64], dtype=dtype, seed=21)
-    fp8 = _fp8_case(exact)
+    fp8 = _fp8_case(exact, v_layout)
     case = fp8.case
-    cache = _empty_fp8_cache(case)
+    cache = _empty_fp8_cache(case, v_layout)
     key, value = torch.cat(exact.keys), torch.cat(exact.values)
     backend.store_kv(key, value, cache["k_cache"], cache["v_cache"], case.slot_mapping,
                      k_scales=cache["k_scales"], v_scales=cache["v_scales"])  # fmt: skip

@@ -41,6 +41,13 @@ def _paged_kv(
     return k_cache, v_cache, block_tables, context_lens, scales
 
 
+def _split_layout(variant: dict, fp8: bool) -> tuple[dict, str]:
+    """A variant's launch arguments, and its "v_layout": the V cache in K's row layout or token
+    major (the same values). Default: the engine's (token major for fp8 since 2026-12-02)."""
+    launch = {key: value for key, value in variant.items() if key != "v_layout"}
+    return launch, variant.get("v_layout", "tokens" if fp8 else "rows")
+
+
 def _kv_bytes(num_tokens: int, num_kv_heads: int, head_dim: int, fp8: bool) -> int:
     """K and V of num_tokens tokens: bf16 rows, or e4m3 rows and a 2-byte scale each."""
     row = head_dim + 2 if fp8 else 2 * head_dim
@@ -54,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvfleet_engine.bench.results import Row, format_table, gpu_name, write_results
     from kvfleet_engine.bench.roofline import measure_ceilings
     from kvfleet_engine.kernels import paged_decode_attention, prefill_attention
+    from kvfleet_engine.kernels.checks import to_token_major
 
     parser = argparse.ArgumentParser(prog="python -m kvfleet_engine.bench.kernels")
     parser.add_argument("--output-dir", type=Path, default=Path("bench/results"))
@@ -86,12 +94,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         query = torch.randn(num_seqs, num_q_heads, head_dim, device="cuda", dtype=torch.bfloat16)
         kv_bytes = _kv_bytes(num_seqs * context, num_kv_heads, head_dim, fp8)
+        v_caches = {"rows": v_cache, "tokens": to_token_major(v_cache)}
         best = None
         for variant in variants:
+            launch, v_layout = _split_layout(variant, fp8)
             try:
                 ms = triton.testing.do_bench(
-                    lambda v=variant: paged_decode_attention(
-                        query, k_cache, v_cache, block_tables, context_lens, scale, **scales, **v
+                    lambda v=launch, values=v_caches[v_layout]: paged_decode_attention(
+                        query, k_cache, values, block_tables, context_lens, scale, **scales, **v
                     ),
                     warmup=25,
                     rep=100,
@@ -108,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
             if variant == {}:  # what the engine launches
                 rows.append(
                     Row("kvfleet", f"{label}_default_bandwidth_fraction", fraction, "fraction")
+                )
+            elif variant == {"v_layout": "rows"}:  # the A/B of the V layout, same run
+                rows.append(
+                    Row("kvfleet", f"{label}_v_rows_bandwidth_fraction", fraction, "fraction")
                 )
             if best is None or ms < best[0]:
                 best = (ms, variant, fraction)
@@ -130,12 +144,14 @@ def main(argv: list[str] | None = None) -> int:
         cu = torch.arange(0, (num_seqs + 1) * q_len, q_len, device="cuda", dtype=torch.int32)
         lens = torch.full((num_seqs,), q_len, device="cuda", dtype=torch.int32)
         flops = num_seqs * num_q_heads * 4 * head_dim * q_len * q_len / 2
+        v_caches = {"rows": v_cache, "tokens": to_token_major(v_cache)}
         best_ms, best = float("inf"), {}
         for variant in variants:
+            launch, v_layout = _split_layout(variant, fp8)
             try:
                 ms = triton.testing.do_bench(
-                    lambda v=variant: prefill_attention(
-                        query, k_cache, v_cache, block_tables, cu, lens, scale, **scales, **v
+                    lambda v=launch, values=v_caches[v_layout]: prefill_attention(
+                        query, k_cache, values, block_tables, cu, lens, scale, **scales, **v
                     ),
                     return_mode="median",
                 )
@@ -166,25 +182,29 @@ def main(argv: list[str] | None = None) -> int:
         {"block_n": 64, "num_stages": 3},
         {"block_n": 16, "num_warps": 2},
     ]
-    # fp8: the engine's default loads the next tile's scales during this one (prefetch_scales),
-    # converts V to float16 before shared memory (early_v) and takes scores as q @ K^T; the
-    # sweep measures the scales loaded where used (the previous kernel), deeper pipelines and
-    # longer tiles now that the scale loads no longer stall each tile, and the other orders.
+    # fp8: the engine's default reads a token-major V cache (its codes go through shared memory
+    # as K's do), loads the next tile's scales during this one (prefetch_scales) and takes scores
+    # as q @ K^T; the sweep measures the V cache in K's row layout (converted to float16 before
+    # shared memory, early_v), the scales loaded where used, other tiles, pipelines and warps
+    # (fewer warps: fewer cross-warp reductions of the softmax), and the other order.
     fp8_sweep: list[dict] = [
         {},
+        {"v_layout": "rows"},  # the engine's V cache before 2026-12-02 (with early_v)
+        {"v_layout": "rows", "block_n": 128},
         {"prefetch_scales": False},
         {"block_n": 32},
         {"block_n": 128},
         {"num_splits": 2},
-        {"num_splits": 4},
         {"num_stages": 3},
         {"num_stages": 4},
         {"block_n": 32, "num_stages": 4},
         {"block_n": 128, "num_stages": 3},
         {"block_n": 128, "num_warps": 8},
-        {"block_n": 64, "num_warps": 2},
-        {"early_v": False},
-        {"transpose_scores": True, "early_v": False},
+        {"num_warps": 2},
+        {"num_warps": 1},
+        {"block_n": 32, "num_warps": 1},
+        {"block_n": 128, "num_warps": 2},
+        {"transpose_scores": True},
     ]
     prefill_sweep: list[dict] = [
         {},
@@ -193,13 +213,13 @@ def main(argv: list[str] | None = None) -> int:
         {"block_n": 32},
         {"block_m": 128, "block_n": 32, "num_warps": 8},
     ]
-    # fp8 prefill, bound by tensor-core work: the default (float16 dots, V converted after
-    # shared memory, scales a tile ahead) against the decode kernel's early V (the last round's
-    # prefill), dots in the query dtype, and the scales loaded where used.
+    # fp8 prefill, bound by tensor-core work: the default (token-major V, float16 dots, scales a
+    # tile ahead) against V in K's row layout (converted after shared memory, or before it:
+    # early_v), dots in the query dtype, and the scales loaded where used.
     fp8_prefill_sweep: list[dict] = [
         *prefill_sweep,
-        {"early_v": True},
-        {"early_v": True, "prefetch_scales": False},
+        {"v_layout": "rows"},
+        {"v_layout": "rows", "early_v": True},
         {"f16_dots": False},
         {"f16_dots": False, "prefetch_scales": False},
         {"prefetch_scales": False},

@@ -5,6 +5,9 @@ reference (`kvfleet_engine.layers.attention_torch`, whose docstring gives the ca
 `rotary_store_kv` is the optional fused op the attention layer uses in place of rotary +
 `store_kv` (one launch, not two), and `rotary_decode_attention` the one a decode step uses in
 place of all three.
+
+`FP8_V_TOKEN_MAJOR`: the cache allocator lays an fp8 cache's V out token major for this backend
+(`checks.token_major`; `kv_fp8` says why). The kernels read and write either layout.
 """
 
 from kvfleet_engine.kernels.decode_attention import paged_decode_attention, rotary_decode_attention
@@ -12,7 +15,10 @@ from kvfleet_engine.kernels.fused import rotary_store_kv
 from kvfleet_engine.kernels.kv_store import store_kv
 from kvfleet_engine.kernels.prefill_attention import prefill_attention
 
+FP8_V_TOKEN_MAJOR = True
+
 __all__ = [
+    "FP8_V_TOKEN_MAJOR",
     "paged_decode_attention",
     "prefill_attention",
     "rotary_decode_attention",

@@ -12,6 +12,18 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LOG2E = 1.4426950408889634  # the attention kernels compute exp2(x * scale * LOG2E) = e^(x * scale)
 
 
+def token_major(v_cache: torch.Tensor) -> bool:
+    """A V cache laid out [num_blocks, num_kv_heads, head_dim, block_size] in memory (a permuted
+    view of that, so its shape is the K cache's): each dimension's values of one block's tokens
+    are one contiguous run (`kv_memory` allocates an fp8 cache's V so, `kv_fp8` says why)."""
+    return v_cache.stride(1) == 1 and v_cache.stride(-1) != 1
+
+
+def to_token_major(cache: torch.Tensor) -> torch.Tensor:
+    """A copy of the cache's values laid out token major (`token_major`), as a view of its shape."""
+    return cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+
+
 def require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -26,13 +38,16 @@ def check_cache(
     """A float cache without scales, or an fp8 cache with its scales."""
     require(k_cache.dim() == 4, "k_cache must be [num_blocks, block_size, num_kv_heads, head_dim]")
     require(v_cache.shape == k_cache.shape, "v_cache must have the shape of k_cache")
-    require(v_cache.stride() == k_cache.stride(), "v_cache must have the strides of k_cache")
     require(k_cache.dtype == v_cache.dtype, "k_cache and v_cache must share a dtype")
     require(
         k_cache.dtype in (*FLOAT_DTYPES, FP8_DTYPE),
         f"cache dtype must be one of {(*FLOAT_DTYPES, FP8_DTYPE)}",
     )
-    require(k_cache.stride(-1) == 1, "k_cache/v_cache must be contiguous in head_dim")
+    require(k_cache.stride(-1) == 1, "k_cache must be contiguous in head_dim")
+    require(
+        v_cache.stride() == k_cache.stride() or v_cache.stride(1) == 1,
+        "v_cache must have the strides of k_cache, or be contiguous in block_size (token major)",
+    )
     block_size = k_cache.shape[1]
     require(block_size & (block_size - 1) == 0, "block_size must be a power of two")
     if k_cache.dtype != FP8_DTYPE:

@@ -29,6 +29,7 @@ from kvfleet_engine.kernels.checks import (
     dot_precision,
     next_power_of_2,
     require,
+    token_major,
 )
 from kvfleet_engine.kernels.decode_kernels import decode_merge_kernel, decode_split_kernel
 from kvfleet_engine.layers.attention_torch import KVCache
@@ -70,8 +71,9 @@ class _Launch:
     num_warps: int
     num_stages: int
     # fp8 cache only (kv_fp8): scores as K @ q^T (K the first tl.dot operand) instead of q @ K^T;
-    # V converted to float16 before its trip through shared memory (`swapped_pairs`); the next
-    # tile's scales loaded during this one (`prefetched_scales`).
+    # V converted to float16 before its trip through shared memory (`swapped_pairs`; a V cache
+    # in K's row layout only: a token-major one goes through shared memory as codes, as K does);
+    # the next tile's scales loaded during this one (`prefetched_scales`).
     transpose_scores: bool
     early_v: bool
     prefetch_scales: bool
@@ -197,6 +199,7 @@ def _decode(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        *v_cache.stride(),
         block_tables.stride(0),
         rotary.key.stride(0) if new is not None else 0,
         rotary.key.stride(1) if new is not None else 0,
@@ -217,7 +220,7 @@ def _decode(
         FP8=k_scales is not None,
         F16_DOTS=query.dtype in (torch.float16, torch.bfloat16),
         TRANSPOSE_SCORES=launch.transpose_scores,
-        EARLY_V=launch.early_v,
+        EARLY_V=launch.early_v and not token_major(v_cache),
         PREFETCH_SCALES=launch.prefetch_scales,
         DOT_PRECISION=dot_precision(query.dtype),
         num_warps=launch.num_warps,

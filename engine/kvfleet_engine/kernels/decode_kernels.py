@@ -66,6 +66,10 @@ def decode_split_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
+    stride_cvb,  # the V cache's own strides: its rows (K's layout) or token major (`checks`)
+    stride_cvs,
+    stride_cvh,
+    stride_cvd,
     stride_bt,
     stride_ks,
     stride_kh,
@@ -107,6 +111,7 @@ def decode_split_kernel(
     q_mask = row_mask[:, None] & dim_mask[None, :]
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_offset = kv_head * stride_ch + dims[None, :]
+    v_offset = kv_head * stride_cvh + dims[None, :] * stride_cvd
     if ROTARY:
         # Rotate this group's query heads in registers; the split holding the newest position
         # rotates the new key and stores it and the value in the cache before reading it back.
@@ -125,6 +130,7 @@ def decode_split_kernel(
         slot = tl.maximum(slot, 0)
         block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
         dst = block * stride_cb + offset * stride_cs + kv_offset
+        v_dst = block * stride_cvb + offset * stride_cvs + v_offset
         if FP8:
             k_new, k_new_scale = quantize_rows(k_new)  # [1, BLOCK_D] codes, [1] scale
             v_new, v_new_scale = quantize_rows(v_new)
@@ -132,7 +138,7 @@ def decode_split_kernel(
             tl.store(k_scales_ptr + scale_dst, k_new_scale, mask=store)
             tl.store(v_scales_ptr + scale_dst, v_new_scale, mask=store)
         tl.store(k_cache_ptr + dst, k_new, mask=new_mask)
-        tl.store(v_cache_ptr + dst, v_new, mask=new_mask)
+        tl.store(v_cache_ptr + v_dst, v_new, mask=new_mask)
         tl.debug_barrier()  # the stores above are visible to this program's loads below
     else:
         q = tl.load(q_rows, mask=q_mask, other=0.0)
@@ -165,10 +171,12 @@ def decode_split_kernel(
         positions = tile_start + tl.arange(0, BLOCK_N)
         valid = positions < end
         block_ids = tl.load(block_table + positions // BLOCK_SIZE, mask=valid, other=0)
-        rows_off = block_ids.to(tl.int64) * stride_cb + (positions % BLOCK_SIZE) * stride_cs
+        in_block = positions % BLOCK_SIZE
+        rows_off = block_ids.to(tl.int64) * stride_cb + in_block * stride_cs
+        v_rows_off = block_ids.to(tl.int64) * stride_cvb + in_block * stride_cvs
         kv_mask = valid[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + rows_off[:, None] + kv_offset, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + rows_off[:, None] + kv_offset, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + v_rows_off[:, None] + v_offset, mask=kv_mask, other=0.0)
         if FP8:
             if PREFETCH_SCALES:
                 k_scale, v_scale = k_scale_next, v_scale_next

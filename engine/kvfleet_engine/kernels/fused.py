@@ -183,6 +183,10 @@ def _rotary_store_kv_kernel(
     stride_cb,
     stride_cslot,
     stride_ch,
+    stride_cvb,  # the V cache's own strides: its rows (K's layout) or token major (`checks`)
+    stride_cvs,
+    stride_cvh,
+    stride_cvd,
     stride_sb,
     stride_sh,
     num_q_heads,
@@ -210,6 +214,7 @@ def _rotary_store_kv_kernel(
     slot = tl.maximum(slot, 0)
     block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     dst = block * stride_cb + offset * stride_cslot + heads * stride_ch
+    v_dst = block * stride_cvb + offset * stride_cvs + heads * stride_cvh
     v_first = value_ptr + token * stride_vt + heads * stride_vh + cols
     v1 = tl.load(v_first, mask=mask, other=0.0)
     v2 = tl.load(v_first + HALF, mask=mask, other=0.0)
@@ -223,8 +228,8 @@ def _rotary_store_kv_kernel(
         v1, v2 = to_fp8(v1, v_inverse[:, None]), to_fp8(v2, v_inverse[:, None])
     tl.store(k_cache_ptr + dst + cols, k1, mask=mask)
     tl.store(k_cache_ptr + dst + HALF + cols, k2, mask=mask)
-    tl.store(v_cache_ptr + dst + cols, v1, mask=mask)
-    tl.store(v_cache_ptr + dst + HALF + cols, v2, mask=mask)
+    tl.store(v_cache_ptr + v_dst + cols * stride_cvd, v1, mask=mask)
+    tl.store(v_cache_ptr + v_dst + (HALF + cols) * stride_cvd, v2, mask=mask)
 
 
 def rotary_embedding_(
@@ -299,6 +304,7 @@ def rotary_store_kv(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        *v_cache.stride(),
         k_scales.stride(0) if k_scales is not None else 0,
         k_scales.stride(1) if k_scales is not None else 0,
         num_q_heads,

@@ -29,9 +29,17 @@ Why:
   kernels at 42% of copy bandwidth); bfloat16 queries are rescaled by a power of two per row into
   float16's range first (exact), undone on the scores. The weighted values must stay below
   65504: values up to ~57000 in magnitude. fp32 queries keep fp32 dots.
-- V tiles are converted before their trip through shared memory (`swapped_pairs`): tensor cores
-  take V with the context as the reduction axis, which in float16 the operand loads transpose
-  (ldmatrix.trans) and in e4m3 they cannot (the compiler then reads the codes byte by byte).
+- V is token major in memory for the Triton kernels (`checks.token_major`: [num_blocks,
+  kv_heads, head_dim, block_size] under a view of K's shape; the allocator does it where the
+  backend sets `FP8_V_TOKEN_MAJOR`). Tensor cores take V with the context as the reduction axis,
+  so each thread needs consecutive tokens of one dimension: in float16 the operand loads
+  transpose rows on the way (ldmatrix.trans), in e4m3 they cannot. With V in K's row layout the
+  kernels converted each tile to float16 and sent it through shared memory again to transpose
+  it (`swapped_pairs`, the early_v variant): Nsight Compute on the H200 (512 x 1.5k decode) saw
+  shared memory as the limit (L1 81% busy against DRAM 47%; 4-way bank conflicts on those
+  transposing loads). Token major, V's codes take K's path: one asynchronous copy into shared
+  memory, loaded as operands and converted in registers. The kernels read and write either
+  layout (strides), so a row-layout V (the torch and sdpa backends') still works.
 
 Hardware: Triton has an e4m3 type (float8e4nv) only on compute capability >= 8.9 (Ada, Hopper) and
 refuses to compile it below (A100), so the engine refuses kv_cache_dtype=fp8 with the triton

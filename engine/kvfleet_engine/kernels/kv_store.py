@@ -27,6 +27,10 @@ def _store_kv_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
+    stride_cvb,  # the V cache's own strides: its rows (K's layout) or token major (`checks`)
+    stride_cvs,
+    stride_cvh,
+    stride_cvd,
     stride_sb,
     stride_sh,
     num_kv_heads,
@@ -45,6 +49,7 @@ def _store_kv_kernel(
     slot = tl.maximum(slot, 0)
     block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     dst = block * stride_cb + offset * stride_cs + heads * stride_ch
+    v_dst = block * stride_cvb + offset * stride_cvs + heads * stride_cvh
     key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask, other=0.0)
     value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask, other=0.0)
     if FP8:
@@ -54,7 +59,7 @@ def _store_kv_kernel(
         tl.store(k_scales_ptr + scale_dst, k_scale[:, None], mask=row_mask)
         tl.store(v_scales_ptr + scale_dst, v_scale[:, None], mask=row_mask)
     tl.store(k_cache_ptr + dst + dims, key, mask=mask)
-    tl.store(v_cache_ptr + dst + dims, value, mask=mask)
+    tl.store(v_cache_ptr + v_dst + dims * stride_cvd, value, mask=mask)
 
 
 def store_kv(
@@ -94,6 +99,7 @@ def store_kv(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        *v_cache.stride(),
         k_scales.stride(0) if k_scales is not None else 0,
         k_scales.stride(1) if k_scales is not None else 0,
         num_kv_heads,

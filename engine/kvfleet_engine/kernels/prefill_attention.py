@@ -21,6 +21,7 @@ from kvfleet_engine.kernels.checks import (
     dot_precision,
     next_power_of_2,
     require,
+    token_major,
 )
 from kvfleet_engine.kernels.kv_fp8 import (
     V_SCALE_BOOST,
@@ -53,6 +54,10 @@ def _prefill_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
+    stride_cvb,  # the V cache's own strides: its rows (K's layout) or token major (`checks`)
+    stride_cvs,
+    stride_cvh,
+    stride_cvd,
     stride_bt,
     stride_sb,
     stride_sh,
@@ -105,6 +110,7 @@ def _prefill_kernel(
         end = tl.minimum(context_len, prefix_len + first_token + BLOCK_Q)
         block_table = block_tables_ptr + seq * stride_bt
         kv_offset = kv_head * stride_ch + dims[None, :]
+        v_offset = kv_head * stride_cvh + dims[None, :] * stride_cvd
 
         if FP8:
             if F16_DOTS:  # 16-bit queries: float16 dots (`decode_attention`)
@@ -133,10 +139,12 @@ def _prefill_kernel(
             positions = tile_start + tl.arange(0, BLOCK_N)
             valid = positions < end
             block_ids = tl.load(block_table + positions // BLOCK_SIZE, mask=valid, other=0)
-            rows_off = block_ids.to(tl.int64) * stride_cb + (positions % BLOCK_SIZE) * stride_cs
+            in_block = positions % BLOCK_SIZE
+            rows_off = block_ids.to(tl.int64) * stride_cb + in_block * stride_cs
+            v_rows_off = block_ids.to(tl.int64) * stride_cvb + in_block * stride_cvs
             kv_mask = valid[:, None] & dim_mask[None, :]
             k = tl.load(k_cache_ptr + rows_off[:, None] + kv_offset, mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + rows_off[:, None] + kv_offset, mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + v_rows_off[:, None] + v_offset, mask=kv_mask, other=0.0)
             if FP8 and PREFETCH_SCALES:
                 k_scale, v_scale = k_scale_next, v_scale_next
                 k_scale_next, v_scale_next, ids_next = prefetched_scales(
@@ -254,6 +262,7 @@ def prefill_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        *v_cache.stride(),
         block_tables.stride(0),
         k_scales.stride(0) if k_scales is not None else 0,
         k_scales.stride(1) if k_scales is not None else 0,
@@ -266,7 +275,7 @@ def prefill_attention(
         BLOCK_SIZE=block_size,
         FP8=k_scales is not None,
         F16_DOTS=f16_dots and query.dtype in (torch.float16, torch.bfloat16),
-        EARLY_V=early_v,
+        EARLY_V=early_v and not token_major(v_cache),
         PREFETCH_SCALES=prefetch_scales,
         DOT_PRECISION=dot_precision(query.dtype),
         num_warps=num_warps,

@@ -34,12 +34,20 @@ def allocate_kv_cache(
     device: torch.device,
 ) -> list[tuple[torch.Tensor, ...]]:
     """Each layer's K and V caches [num_blocks, block_size, kv_heads, head_dim] and, for an
-    fp8 cache, their scales [num_blocks, kv_heads, block_size], bound to the layer."""
+    fp8 cache, their scales [num_blocks, kv_heads, block_size], bound to the layer. An fp8
+    cache's V is token major in memory where the backend asks for it (`FP8_V_TOKEN_MAJOR`):
+    a permuted view of [num_blocks, kv_heads, head_dim, block_size], the same shape as K."""
+    token_major = kv_cache_dtype == FP8_DTYPE and getattr(backend, "FP8_V_TOKEN_MAJOR", False)
     caches: list[tuple[torch.Tensor, ...]] = []
     for layer in layers:
         shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
         k_cache = torch.zeros(shape, dtype=kv_cache_dtype, device=device)
-        v_cache = torch.zeros(shape, dtype=kv_cache_dtype, device=device)
+        if token_major:
+            v_shape = (num_blocks, layer.num_kv_heads, layer.head_dim, block_size)
+            v_cache = torch.zeros(v_shape, dtype=kv_cache_dtype, device=device)
+            v_cache = v_cache.permute(0, 3, 1, 2)
+        else:
+            v_cache = torch.zeros(shape, dtype=kv_cache_dtype, device=device)
         scales: tuple[torch.Tensor, ...] = ()
         if kv_cache_dtype == FP8_DTYPE:
             scales_shape = (num_blocks, layer.num_kv_heads, block_size)
