@@ -7,7 +7,8 @@
 #   <case>-sass.csv    ncu's source page: each SASS instruction with its stall samples
 #   triton-cache.tgz   the kernels' TTGIR, PTX and cubin, to read here
 # CASES (default "bf16 fp8") and DECODE_ARGS (JSON kwargs for paged_decode_attention, e.g.
-# '{"block_n": 128}') pick what is profiled; NUM_SEQS and CONTEXT the size.
+# '{"block_n": 128}') pick what is profiled; NUM_SEQS and CONTEXT the size; V_LAYOUT (tokens,
+# the engine's, or rows) the fp8 cache's V layout.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvfleet-gpu-decode-profile}
 mkdir -p "$OUT"
@@ -20,11 +21,14 @@ import torch
 import triton.testing
 from kvfleet_engine.bench.kernels import _kv_bytes, _paged_kv
 from kvfleet_engine.kernels import paged_decode_attention
+from kvfleet_engine.kernels.checks import to_token_major
 
 fp8 = sys.argv[1] == "fp8"
 num_seqs, context = int(os.environ.get("NUM_SEQS", 512)), int(os.environ.get("CONTEXT", 1536))
 kwargs = json.loads(os.environ.get("DECODE_ARGS") or "{}")
 k, v, tables, lens, scales = _paged_kv(num_seqs, context, 8, 128, 16, fp8)
+if fp8 and os.environ.get("V_LAYOUT", "tokens") == "tokens":  # the engine's fp8 V layout
+    v = to_token_major(v)
 q = torch.randn(num_seqs, 32, 128, device="cuda", dtype=torch.bfloat16)
 run = lambda: paged_decode_attention(q, k, v, tables, lens, 128**-0.5, **scales, **kwargs)
 for _ in range(6):

@@ -221,6 +221,8 @@ def _decode(
         F16_DOTS=query.dtype in (torch.float16, torch.bfloat16),
         TRANSPOSE_SCORES=launch.transpose_scores,
         EARLY_V=launch.early_v and not token_major(v_cache),
+        V_ROWS=v_cache.stride() == k_cache.stride(),
+        V_RUN=min(launch.block_n, block_size),
         PREFETCH_SCALES=launch.prefetch_scales,
         DOT_PRECISION=dot_precision(query.dtype),
         num_warps=launch.num_warps,

@@ -19,6 +19,7 @@ from kvfleet_engine.kernels.kv_fp8 import (
     swapped_pairs,
     tile_block_ids,
     tile_scales,
+    v_offsets,
 )
 
 
@@ -91,6 +92,8 @@ def decode_split_kernel(
     F16_DOTS: tl.constexpr,
     TRANSPOSE_SCORES: tl.constexpr,
     EARLY_V: tl.constexpr,
+    V_ROWS: tl.constexpr,  # V in K's layout (else token major: `kv_fp8.v_offsets`)
+    V_RUN: tl.constexpr,
     PREFETCH_SCALES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -173,10 +176,13 @@ def decode_split_kernel(
         block_ids = tl.load(block_table + positions // BLOCK_SIZE, mask=valid, other=0)
         in_block = positions % BLOCK_SIZE
         rows_off = block_ids.to(tl.int64) * stride_cb + in_block * stride_cs
-        v_rows_off = block_ids.to(tl.int64) * stride_cvb + in_block * stride_cvs
         kv_mask = valid[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + rows_off[:, None] + kv_offset, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + v_rows_off[:, None] + v_offset, mask=kv_mask, other=0.0)
+        v_tile = v_offsets(
+            block_ids, in_block, rows_off, kv_offset, kv_head, dims, stride_cvb, stride_cvh,
+            stride_cvd, V_ROWS, V_RUN,
+        )  # fmt: skip
+        v = tl.load(v_cache_ptr + v_tile, mask=kv_mask, other=0.0)
         if FP8:
             if PREFETCH_SCALES:
                 k_scale, v_scale = k_scale_next, v_scale_next

@@ -30,6 +30,7 @@ from kvfleet_engine.kernels.kv_fp8 import (
     swapped_pairs,
     tile_block_ids,
     tile_scales,
+    v_offsets,
 )
 
 
@@ -71,6 +72,8 @@ def _prefill_kernel(
     FP8: tl.constexpr,
     F16_DOTS: tl.constexpr,
     EARLY_V: tl.constexpr,
+    V_ROWS: tl.constexpr,  # V in K's layout (else token major: `kv_fp8.v_offsets`)
+    V_RUN: tl.constexpr,
     PREFETCH_SCALES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -110,7 +113,6 @@ def _prefill_kernel(
         end = tl.minimum(context_len, prefix_len + first_token + BLOCK_Q)
         block_table = block_tables_ptr + seq * stride_bt
         kv_offset = kv_head * stride_ch + dims[None, :]
-        v_offset = kv_head * stride_cvh + dims[None, :] * stride_cvd
 
         if FP8:
             if F16_DOTS:  # 16-bit queries: float16 dots (`decode_attention`)
@@ -141,10 +143,13 @@ def _prefill_kernel(
             block_ids = tl.load(block_table + positions // BLOCK_SIZE, mask=valid, other=0)
             in_block = positions % BLOCK_SIZE
             rows_off = block_ids.to(tl.int64) * stride_cb + in_block * stride_cs
-            v_rows_off = block_ids.to(tl.int64) * stride_cvb + in_block * stride_cvs
             kv_mask = valid[:, None] & dim_mask[None, :]
             k = tl.load(k_cache_ptr + rows_off[:, None] + kv_offset, mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + v_rows_off[:, None] + v_offset, mask=kv_mask, other=0.0)
+            v_tile = v_offsets(
+                block_ids, in_block, rows_off, kv_offset, kv_head, dims, stride_cvb, stride_cvh,
+                stride_cvd, V_ROWS, V_RUN,
+            )  # fmt: skip
+            v = tl.load(v_cache_ptr + v_tile, mask=kv_mask, other=0.0)
             if FP8 and PREFETCH_SCALES:
                 k_scale, v_scale = k_scale_next, v_scale_next
                 k_scale_next, v_scale_next, ids_next = prefetched_scales(
@@ -276,6 +281,8 @@ def prefill_attention(
         FP8=k_scales is not None,
         F16_DOTS=f16_dots and query.dtype in (torch.float16, torch.bfloat16),
         EARLY_V=early_v and not token_major(v_cache),
+        V_ROWS=v_cache.stride() == k_cache.stride(),
+        V_RUN=min(block_n, block_size),
         PREFETCH_SCALES=prefetch_scales,
         DOT_PRECISION=dot_precision(query.dtype),
         num_warps=num_warps,
