@@ -87,16 +87,19 @@ def pack_int4(
 def unpack_int4_codes(qweight: torch.Tensor) -> torch.Tensor:
     """int32 [K // 8, N] -> int32 codes [K, N] (in the stored column order)."""
     shifts = 4 * torch.arange(INT4_PER_INT32, dtype=torch.int32, device=qweight.device)
-    codes = (qweight[:, None, :] >> shifts[None, :, None]) & 0xF
+    codes = (qweight[:, None, :] >> shifts[None, :, None]).bitwise_and_(0xF)
     return codes.reshape(-1, qweight.shape[1])
 
 
 def dequantize_int4(weight: Int4Weight) -> torch.Tensor:
-    """float32 [K, N] in the stored column order (x[:, perm] @ it is the product)."""
+    """float32 [K, N] in the stored column order (x[:, perm] @ it is the product). The CPU path
+    runs this for every linear at every step, so each group's scales and offsets broadcast over
+    its rows in place instead of being repeated to [K, N] (the same values, element by element)."""
+    num_rows, num_cols = weight.qweight.shape[0] * INT4_PER_INT32, weight.qweight.shape[1]
     codes = unpack_int4_codes(weight.qweight).float()
-    scales = weight.scales.float().repeat_interleave(weight.group_size, dim=0)
-    offsets = weight.offsets.float().repeat_interleave(weight.group_size, dim=0)
-    return codes * scales + offsets
+    grouped = codes.view(num_rows // weight.group_size, weight.group_size, num_cols)
+    grouped.mul_(weight.scales.float()[:, None, :]).add_(weight.offsets.float()[:, None, :])
+    return codes
 
 
 def int4_linear_reference(
