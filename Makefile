@@ -6,6 +6,11 @@ PY := $(VENV)/bin/python
 UV := $(VENV)/bin/uv
 export UV_CACHE_DIR ?= $(HOME)/.cache/kvfleet/uv
 export UV_LINK_MODE ?= copy
+# Every engine, operator and pytest process imports torch: with PYTHONDONTWRITEBYTECODE set (as
+# some CI images do) each compiled ~3,000 modules from source again, and a tiny-model
+# `kvfleet serve` took 50-60 s to /ready on 2 shared cores, 16 s reading bytecode. So the first
+# import of a module writes its bytecode and later ones read it.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: help venv test test-fast test-integrations lint demo
 
@@ -37,9 +42,11 @@ test-fast: venv
 # Two pytest workers: most tests wait on engine processes starting, so two share the CI machine's
 # two cores well. Each test module stays whole on one worker (its module-scoped servers start once);
 # every e2e test shares the worker that owns the local control plane (tests/conftest.py,
-# e2e/conftest.py).
+# e2e/conftest.py). One OpenMP thread a process: two workers and the engines they start share two
+# cores, and torch's default of one thread per core oversubscribes them (its threads then wait
+# on each other: SmolLM2's int4 dequantization took 55 ms a layer with 2 threads, 6 ms with 1).
 test: lint cluster-bin
-	KVFLEET_REQUIRE_HELM=1 $(PY) -m pytest -q -n 2 --dist loadgroup --durations=40 --ignore=tests/kernels -m "not gpu and not integration"
+	OMP_NUM_THREADS=1 KVFLEET_REQUIRE_HELM=1 $(PY) -m pytest -q -n 2 --dist loadgroup --durations=40 --ignore=tests/kernels -m "not gpu and not integration"
 	# The kernel tests switch Triton to its interpreter, which is process-wide: kernels imported
 	# natively by earlier tests in the same process would not run there, so they get their own.
 	$(PY) -m pytest -q --durations=10 tests/kernels
