@@ -19,7 +19,8 @@ from kvfleet_engine.kernels.kv_fp8 import (
     swapped_pairs,
     tile_block_ids,
     tile_scales,
-    v_offsets,
+    v_rows_valid,
+    v_tile,
 )
 
 
@@ -173,16 +174,16 @@ def decode_split_kernel(
     for tile_start in range(start, end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
         valid = positions < end
-        block_ids = tl.load(block_table + positions // BLOCK_SIZE, mask=valid, other=0)
-        in_block = positions % BLOCK_SIZE
-        rows_off = block_ids.to(tl.int64) * stride_cb + in_block * stride_cs
+        used = (positions // BLOCK_SIZE) * BLOCK_SIZE < end  # blocks holding context
+        block_ids = tl.load(block_table + positions // BLOCK_SIZE, mask=used, other=0)
+        rows_off = block_ids.to(tl.int64) * stride_cb + (positions % BLOCK_SIZE) * stride_cs
         kv_mask = valid[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + rows_off[:, None] + kv_offset, mask=kv_mask, other=0.0)
-        v_tile = v_offsets(
-            block_ids, in_block, rows_off, kv_offset, kv_head, dims, stride_cvb, stride_cvh,
-            stride_cvd, V_ROWS, V_RUN,
+        v_offsets, v_mask = v_tile(
+            block_ids, positions, used, rows_off, kv_offset, kv_mask, kv_head, dims, dim_mask,
+            stride_cvb, stride_cvh, stride_cvd, V_ROWS, V_RUN, BLOCK_SIZE,
         )  # fmt: skip
-        v = tl.load(v_cache_ptr + v_tile, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + v_offsets, mask=v_mask, other=0.0)
         if FP8:
             if PREFETCH_SCALES:
                 k_scale, v_scale = k_scale_next, v_scale_next
@@ -214,7 +215,7 @@ def decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if FP8:
             weighted = (p * (v_scale * V_SCALE_BOOST)[None, :]).to(q_dot.dtype)
-            v = v.to(q_dot.dtype)
+            v = v_rows_valid(v.to(q_dot.dtype), valid, V_ROWS)
             if EARLY_V:  # columns swapped in pairs (undone at the store): see swapped_pairs
                 v = swapped_pairs(v)
             pv = tl.dot(weighted, v, input_precision=DOT_PRECISION)

@@ -118,21 +118,38 @@ def swapped_pairs(x):
 
 
 @triton.jit
-def v_offsets(block_ids, in_block, rows_off, kv_offset, kv_head, dims, stride_cvb, stride_cvh,
-              stride_cvd, V_ROWS: tl.constexpr, RUN: tl.constexpr):  # fmt: skip
-    """The offsets [BLOCK_N, BLOCK_D] of a V tile (tokens x dims): K's own (V_ROWS: V in K's
-    layout), or token major: each block's base plus the token's place in it. Token major, the
-    offsets are declared contiguous in runs of RUN = min(tile, block) tokens from multiples of
-    RUN (true: tiles and blocks start at multiples of RUN, a block's stride is a multiple of its
-    size): the block ids come from loads, which hide that from the compiler, and without it each
-    code is loaded alone (measured: 33% of copy bandwidth against 48% in the row layout)."""
+def v_tile(block_ids, positions, used, rows_off, kv_offset, kv_mask, kv_head, dims, dim_mask,
+           stride_cvb, stride_cvh, stride_cvd, V_ROWS: tl.constexpr, RUN: tl.constexpr,
+           BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    """The offsets [BLOCK_N, BLOCK_D] of a V tile (tokens x dims) and the mask to load it with:
+    K's own (V_ROWS: V in K's layout), or token major: each block's base plus the token's place
+    in it, declared contiguous in runs of RUN = min(tile, block) tokens from multiples of RUN
+    (true: tiles and blocks start at multiples of RUN, a block's stride is a multiple of its
+    size), and masked by whole blocks (`used`: the tokens of blocks holding context, the block
+    ids loaded under the same mask). The block ids come from loads, which hide the runs from
+    the compiler, and a mask that changes from token to token splits them too: either way each
+    code was loaded alone (measured: 33% of copy bandwidth against 48% in the row layout). The
+    tokens of a partly used last block past the context are loaded too: `v_rows_valid` zeroes
+    them."""
     if V_ROWS:
         offsets = rows_off[:, None] + kv_offset
+        mask = kv_mask
     else:
-        rows = block_ids.to(tl.int64) * stride_cvb + in_block
+        rows = block_ids.to(tl.int64) * stride_cvb + positions % BLOCK_SIZE
         rows = tl.max_contiguous(tl.multiple_of(rows, RUN), RUN)
         offsets = rows[:, None] + (kv_head * stride_cvh + dims * stride_cvd)[None, :]
-    return offsets
+        mask = used[:, None] & dim_mask[None, :]
+    return offsets, mask
+
+
+@triton.jit
+def v_rows_valid(v, valid, V_ROWS: tl.constexpr):
+    """A converted V tile with the rows past the context zeroed (a token-major tile loads whole
+    blocks: a slot no token of this sequence wrote may hold anything, even NaN, and 0 x NaN in
+    the product would spread it)."""
+    if not V_ROWS:
+        v = tl.where(valid[:, None], v, 0.0)
+    return v
 
 
 @triton.jit
