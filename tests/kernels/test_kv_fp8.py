@@ -588,6 +588,13 @@ def test_wrappers_reject_an_fp8_cache_without_its_scales() -> None:
         decode.paged_decode_attention(
             *args, k_scales=fp8.k_scales.float(), v_scales=fp8.v_scales.float()
         )
+    num_blocks, block_size, heads, dim = fp8.v_cache.shape
+    misaligned = torch.zeros(num_blocks * (block_size * heads * dim + 1), dtype=FP8_DTYPE)
+    misaligned = misaligned.as_strided(  # token major, but blocks 1 + a multiple of 16 apart
+        fp8.v_cache.shape, (block_size * heads * dim + 1, 1, dim * block_size, block_size)
+    )
+    with pytest.raises(ValueError, match="v_cache must have the strides of k_cache, or be token"):
+        decode.paged_decode_attention(*args[:2], misaligned, *args[3:], **fp8.cache)
     with pytest.raises(ValueError, match="only an fp8 cache has k_scales/v_scales"):
         kv_store.store_kv(
             case.keys[0], case.values[0], case.k_cache, case.v_cache, case.slot_mapping,

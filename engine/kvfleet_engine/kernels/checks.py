@@ -44,11 +44,13 @@ def check_cache(
         f"cache dtype must be one of {(*FLOAT_DTYPES, FP8_DTYPE)}",
     )
     require(k_cache.stride(-1) == 1, "k_cache must be contiguous in head_dim")
-    require(
-        v_cache.stride() == k_cache.stride() or v_cache.stride(1) == 1,
-        "v_cache must have the strides of k_cache, or be contiguous in block_size (token major)",
-    )
     block_size = k_cache.shape[1]
+    require(  # token major: the kernels load a block's tokens as runs from aligned offsets
+        v_cache.stride() == k_cache.stride()
+        or (v_cache.stride(1) == 1 and v_cache.stride(0) % block_size == 0),
+        "v_cache must have the strides of k_cache, or be token major (contiguous in block_size, "
+        "blocks a multiple of block_size apart)",
+    )
     require(block_size & (block_size - 1) == 0, "block_size must be a power of two")
     if k_cache.dtype != FP8_DTYPE:
         require(k_scales is None and v_scales is None, "only an fp8 cache has k_scales/v_scales")
