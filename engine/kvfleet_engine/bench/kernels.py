@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         query = torch.randn(num_seqs, num_q_heads, head_dim, device="cuda", dtype=torch.bfloat16)
         kv_bytes = _kv_bytes(num_seqs * context, num_kv_heads, head_dim, fp8)
-        v_caches = {"rows": v_cache, "tokens": to_token_major(v_cache)}
+        v_caches = {"rows": v_cache, **({"tokens": to_token_major(v_cache)} if fp8 else {})}
         best = None
         for variant in variants:
             launch, v_layout = _split_layout(variant, fp8)
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         cu = torch.arange(0, (num_seqs + 1) * q_len, q_len, device="cuda", dtype=torch.int32)
         lens = torch.full((num_seqs,), q_len, device="cuda", dtype=torch.int32)
         flops = num_seqs * num_q_heads * 4 * head_dim * q_len * q_len / 2
-        v_caches = {"rows": v_cache, "tokens": to_token_major(v_cache)}
+        v_caches = {"rows": v_cache, **({"tokens": to_token_major(v_cache)} if fp8 else {})}
         best_ms, best = float("inf"), {}
         for variant in variants:
             launch, v_layout = _split_layout(variant, fp8)

@@ -29,7 +29,6 @@ from kvfleet_engine.kernels.checks import (
     dot_precision,
     next_power_of_2,
     require,
-    token_major,
 )
 from kvfleet_engine.kernels.decode_kernels import decode_merge_kernel, decode_split_kernel
 from kvfleet_engine.layers.attention_torch import KVCache
@@ -176,8 +175,9 @@ def _decode(
         return out
     group = num_q_heads // num_kv_heads
     max_context = block_tables.shape[1] * block_size
+    v_rows = v_cache.stride() == k_cache.stride()  # else token major (`checks.check_cache`)
     default_n, default_warps = (
-        TOKEN_MAJOR_FP8_TILES if k_scales is not None and token_major(v_cache) else DEFAULT_TILES
+        TOKEN_MAJOR_FP8_TILES if k_scales is not None and not v_rows else DEFAULT_TILES
     )
     block_n = launch.block_n or default_n
     num_warps = launch.num_warps or default_warps
@@ -240,8 +240,8 @@ def _decode(
         FP8=k_scales is not None,
         F16_DOTS=query.dtype in (torch.float16, torch.bfloat16),
         TRANSPOSE_SCORES=launch.transpose_scores,
-        EARLY_V=launch.early_v and not token_major(v_cache),
-        V_ROWS=v_cache.stride() == k_cache.stride(),
+        EARLY_V=launch.early_v and v_rows,
+        V_ROWS=v_rows,
         V_RUN=min(block_n, block_size),
         PREFETCH_SCALES=launch.prefetch_scales,
         DOT_PRECISION=dot_precision(query.dtype),

@@ -93,7 +93,7 @@ def decode_split_kernel(
     F16_DOTS: tl.constexpr,
     TRANSPOSE_SCORES: tl.constexpr,
     EARLY_V: tl.constexpr,
-    V_ROWS: tl.constexpr,  # V in K's layout (else token major: `kv_fp8.v_offsets`)
+    V_ROWS: tl.constexpr,  # V in K's layout (else token major: `kv_fp8.v_tile`)
     V_RUN: tl.constexpr,
     PREFETCH_SCALES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,

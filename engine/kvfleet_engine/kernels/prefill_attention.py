@@ -21,7 +21,6 @@ from kvfleet_engine.kernels.checks import (
     dot_precision,
     next_power_of_2,
     require,
-    token_major,
 )
 from kvfleet_engine.kernels.kv_fp8 import (
     V_SCALE_BOOST,
@@ -73,7 +72,7 @@ def _prefill_kernel(
     FP8: tl.constexpr,
     F16_DOTS: tl.constexpr,
     EARLY_V: tl.constexpr,
-    V_ROWS: tl.constexpr,  # V in K's layout (else token major: `kv_fp8.v_offsets`)
+    V_ROWS: tl.constexpr,  # V in K's layout (else token major: `kv_fp8.v_tile`)
     V_RUN: tl.constexpr,
     PREFETCH_SCALES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -249,6 +248,7 @@ def prefill_attention(
     if block_q * group_pad < 16:  # tl.dot needs at least 16 rows
         block_q = 16 // group_pad
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    v_rows = v_cache.stride() == k_cache.stride()  # else token major (`checks.check_cache`)
     _prefill_kernel[grid](
         query,
         k_cache,
@@ -281,8 +281,8 @@ def prefill_attention(
         BLOCK_SIZE=block_size,
         FP8=k_scales is not None,
         F16_DOTS=f16_dots and query.dtype in (torch.float16, torch.bfloat16),
-        EARLY_V=early_v and not token_major(v_cache),
-        V_ROWS=v_cache.stride() == k_cache.stride(),
+        EARLY_V=early_v and v_rows,
+        V_ROWS=v_rows,
         V_RUN=min(block_n, block_size),
         PREFETCH_SCALES=prefetch_scales,
         DOT_PRECISION=dot_precision(query.dtype),
