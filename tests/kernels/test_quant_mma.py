@@ -166,11 +166,13 @@ def test_baked_plans_pick_the_h200_sweep_winners_unless_the_environment_says_non
     assert int_plan.load_env_plans() > 0
     cpu = torch.device("cpu")
     # H200 sweep3 (bench/results/2026-12-01-...-quant-sweep-llama-3.1-8b-run3.json): at 1 row the
-    # lean GEMV wins every int4 / int8 product
+    # lean GEMV wins every int4 / int8 product; the row-1 sweep of 2026-12-02
+    # (...-quant-sweep-llama-3.1-8b-row1-capped.json): gate_up in one-warp programs of 512 columns
     gate_up = int_plan.plan_matmul(1, 28672, 4096, 128, cpu)
     assert (gate_up.kernel, gate_up.block_n, gate_up.block_k, gate_up.split_k) == (
-        "lean", 256, 64, 9,
+        "lean", 512, 32, 18,
     )  # fmt: skip
+    assert gate_up.num_warps == 1
     assert int_plan.plan_matmul(64, 4096, 14336, 128, cpu).kernel == "mma"
     assert int_plan.plan_matmul(300, 4096, 14336, 128, cpu).kernel == "dequantize"  # past 256
     fp8_qkv = fp8_matmul.table_gemv_plan(1, 6144, 4096)

@@ -10,6 +10,10 @@ Each product runs for every layer (distinct weights per layer, so nothing stays 
 CUDA graph, timed by replaying it.
 
     python -m kvfleet_engine.bench.quant_gemv --shape llama-3.1-8b --tokens 1,4,16,256,4096
+
+--variants picks the formats; besides the engine's kernels it can time torch's own weight-only
+ops on the same products (int4-g128-tinygemm: `_weight_int4pack_mm`, gpt-fast's int4 kernel,
+checked against its dequantized weights first; int8-torch: `_weight_int8pack_mm`).
 """
 
 from __future__ import annotations
@@ -50,8 +54,40 @@ def make_weights(fmt: str, n: int, k: int, device: torch.device) -> Weights:
         qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), device=device, dtype=torch.int32)
         scales = torch.rand(k // INT4_GROUP, n, device=device, dtype=torch.float16) * 1e-2
         return qweight, scales, -8 * scales
+    if fmt == "int4-tinygemm":  # torch's own int4 kernel (gpt-fast's): its packed layout
+        codes = torch.randint(0, 16, (n, k), device=device, dtype=torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack(tinygemm_bytes(codes), 8)
+        scales = torch.rand(k // INT4_GROUP, n, 1, device=device, dtype=torch.bfloat16) * 1e-2
+        return packed, torch.cat([scales, torch.zeros_like(scales)], dim=2).contiguous()
+    if fmt == "int8-torch":  # torch's int8 weight-only op: [N, K] codes, a scale per channel
+        codes = torch.randint(-127, 128, (n, k), device=device, dtype=torch.int8)
+        return codes, torch.rand(n, device=device, dtype=torch.bfloat16) * 1e-3
     weight = (torch.randn(n, k, device=device) * 0.02).to(FP8_DTYPE)
     return weight, torch.rand(n, device=device) * 1e-3
+
+
+def tinygemm_bytes(codes: torch.Tensor) -> torch.Tensor:
+    """int4 codes [N, K] (0..15) as the uint8 [N, K // 2] that torch's
+    _convert_weight_to_int4pack takes: column 2 i in the high nibble, 2 i + 1 in the low."""
+    return ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)
+
+
+def check_tinygemm(device: torch.device) -> str:
+    """torch._weight_int4pack_mm against the dequantized weights it should compute with
+    (w = (code - 8) * scale + zero per group of 128 along K): the largest relative error."""
+    n, k, m = 512, 1024, 4
+    codes = torch.randint(0, 16, (n, k), device=device, dtype=torch.int32)
+    scales = torch.rand(k // INT4_GROUP, n, device=device, dtype=torch.bfloat16) * 1e-2 + 1e-3
+    zeros = torch.randn(k // INT4_GROUP, n, device=device, dtype=torch.bfloat16) * 1e-2
+    packed = torch.ops.aten._convert_weight_to_int4pack(tinygemm_bytes(codes), 8)
+    pairs = torch.stack([scales, zeros], dim=2).contiguous()
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    out = torch.ops.aten._weight_int4pack_mm(x, packed, INT4_GROUP, pairs).float()
+    groups = torch.arange(k, device=device) // INT4_GROUP
+    weight = (codes.float() - 8) * scales.float()[groups].t() + zeros.float()[groups].t()
+    ref = x.float() @ weight.t()
+    error = ((out - ref).abs().max() / ref.abs().max()).item()
+    return f"tinygemm check [{m}x{k}] @ [{k}x{n}]: max error {error:.2e} of the largest output"
 
 
 PlanOf = Callable[[int, int, int, int, str], int_plan.MatmulPlan]  # (m, n, k, group, codes) -> plan
@@ -99,6 +135,11 @@ VARIANTS: dict[str, tuple[str, Product]] = {  # name -> (format, product)
     "fp8": ("fp8", fp8_product("auto")),
     "fp8-w8a8-scaled_mm": ("fp8", fp8_product("scaled_mm")),
     "fp8-w8a8-triton": ("fp8", fp8_product("triton")),
+    "int4-g128-tinygemm": (
+        "int4-tinygemm",
+        lambda x, w: torch.ops.aten._weight_int4pack_mm(x, w[0], INT4_GROUP, w[1]),
+    ),
+    "int8-torch": ("int8-torch", lambda x, w: torch.ops.aten._weight_int8pack_mm(x, w[0], w[1])),
 }
 
 
@@ -340,18 +381,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sweep-tokens", default="1,4,16,256", help="rows to sweep plans at ('' none)"
     )
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"comma-separated, of {list(VARIANTS)}"
+    )
     parser.add_argument("--output-dir", type=Path)
     args = parser.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; of {list(VARIANTS)}")
     if not torch.cuda.is_available():
         print("quant_gemv: needs a CUDA GPU", file=sys.stderr)
         return 2
     bandwidth = copy_bandwidth()
     bench = Bench(args.shape, args.layers, bandwidth)
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; {args.layers} layers; per layer:")
+    if "int4-g128-tinygemm" in variants:
+        try:
+            print(check_tinygemm(bench.device))
+        except Exception as error:  # an op this torch build lacks is a result too
+            print(f"tinygemm check failed: {type(error).__name__}: {str(error)[:300]}")
     runs = []
     for m in (int(t) for t in args.tokens.split(",")):
         print(plans_line(m, bench.shapes))
-        for variant, (fmt, product) in VARIANTS.items():
+        for variant in variants:
+            fmt, product = VARIANTS[variant]
             run = safe_run(bench, m, fmt, product, variant)
             runs += [run] if run else []
     sweep_best: dict[str, dict[str, str]] = {}

@@ -76,6 +76,17 @@ def int_configs(kind: str, m: int) -> list[Config]:
                     (512, 32, 8, 8, 3), (256, 16, 2, 16, 3), (1024, 16, 8, 8, 1),
                     (512, 16, 4, 4, 3)]  # fmt: skip
         out += [_int("lean", 1, bn, bk, s, num_warps=w, num_stages=st) for bn, bk, w, s, st in lean]
+        # Nsight Compute (2026-12-02): the lean GEMV at 127 registers runs 4 programs of 4 warps
+        # an SM with no warp eligible half the time; capped registers (some spilled) fit more
+        # programs, and one-warp programs over wide column blocks issue fewer x loads per code
+        capped = [(256, 64, 4, 8, 1, 96), (256, 64, 4, 8, 1, 80), (128, 64, 4, 8, 1, 64),
+                  (512, 32, 1, 8, 1, None), (512, 32, 1, 16, 1, None), (1024, 16, 2, 8, 1, None),
+                  (512, 32, 1, 16, 1, 168)]  # fmt: skip
+        if not four:
+            capped = [(256, 16, 4, 8, 3, 96), (256, 16, 4, 8, 3, 80), (128, 64, 4, 4, 1, 64),
+                      (512, 16, 1, 8, 1, None), (512, 16, 1, 16, 1, None)]  # fmt: skip
+        out += [_int("lean", 1, bn, bk, s, num_warps=w, num_stages=st, max_registers=r)
+                for bn, bk, w, s, st, r in capped]  # fmt: skip
     elif m <= int_plan.ROW_GEMV_MAX_ROWS:
         rows = [(128, 64, 4, 8, 3), (64, 64, 2, 8, 3)] if four else [(128, 16, 4, 4, 3)]
         out += [_int("gemv", m, bn, bk, s, num_warps=w, num_stages=st) for bn, bk, w, s, st in rows]
@@ -164,8 +175,9 @@ def config_name(config: Config) -> str:
     if family == "fp8-w8a8-triton":
         return f"{family} {plan['blocks']}"
     keys = {"block_m": "m", "block_n": "n", "block_k": "k", "num_warps": "w", "num_stages": "s"}
+    keys["max_registers"] = "r"  # a register cap, when the candidate sets one
     parts = [plan.get("kernel", "gemv")]
-    parts += [f"{short}{plan[key]}" for key, short in keys.items() if key in plan]
+    parts += [f"{short}{plan[key]}" for key, short in keys.items() if plan.get(key) is not None]
     parts += [key for key in ("swap_ab", "half_dot", "int8_cast") if plan.get(key)]
     if plan.get("kernel") == "mma" and "unpack" in plan:
         parts.append(plan["unpack"])

@@ -91,6 +91,8 @@ class _Launch:
     transpose_scores: bool
     early_v: bool
     prefetch_scales: bool
+    # ptxas's register cap per thread (None: its own choice); fewer registers, more programs per SM
+    max_registers: int | None = None
 
 
 def paged_decode_attention(
@@ -110,10 +112,18 @@ def paged_decode_attention(
     transpose_scores: bool = False,  # fp8 cache: see _Launch
     early_v: bool = True,
     prefetch_scales: bool = True,
+    max_registers: int | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
     check_paged_attention(query, k_cache, v_cache, block_tables, context_lens, k_scales, v_scales)
     launch = _Launch(
-        num_splits, block_n, num_warps, num_stages, transpose_scores, early_v, prefetch_scales
+        num_splits,
+        block_n,
+        num_warps,
+        num_stages,
+        transpose_scores,
+        early_v,
+        prefetch_scales,
+        max_registers,
     )
     cache = (k_cache, v_cache, k_scales, v_scales)
     return _decode(query, cache, block_tables, context_lens, scale, None, launch)
@@ -141,6 +151,7 @@ def rotary_decode_attention(
     transpose_scores: bool = False,
     early_v: bool = True,
     prefetch_scales: bool = True,
+    max_registers: int | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
     """A decode step's whole attention in one launch: rotary on q and k, the store of the new k
     and v in the cache (`rotary_store_kv`), then `paged_decode_attention` — at batch 1 each of
@@ -149,7 +160,14 @@ def rotary_decode_attention(
     check_rotary_store(positions, query, key, value, cos_sin, k_cache, slot_mapping)
     new = _NewToken(key, value, positions, cos_sin, slot_mapping)
     launch = _Launch(
-        num_splits, block_n, num_warps, num_stages, transpose_scores, early_v, prefetch_scales
+        num_splits,
+        block_n,
+        num_warps,
+        num_stages,
+        transpose_scores,
+        early_v,
+        prefetch_scales,
+        max_registers,
     )
     cache = (k_cache, v_cache, k_scales, v_scales)
     return _decode(query, cache, block_tables, context_lens, scale, new, launch)
@@ -247,6 +265,7 @@ def _decode(
         DOT_PRECISION=dot_precision(query.dtype),
         num_warps=num_warps,
         num_stages=launch.num_stages,
+        maxnreg=launch.max_registers,
     )
     if num_splits == 1:
         return out

@@ -115,7 +115,7 @@ def launch(
             group_size, steps, split_k, MAGIC.value, MAGIC.value | 0x80, MAGIC.value | 0x8000,
             BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, GROUPS=groups, STAGES=plan.num_stages,
             LAST_REDUCES=last_reduces, num_warps=plan.num_warps, num_stages=plan.num_stages,
-            **common,
+            maxnreg=plan.max_registers, **common,
         )  # fmt: skip
     elif plan.kernel == "lean":
         require(m == 1, f"the lean GEMV takes one row of x, got {m}")
@@ -130,7 +130,8 @@ def launch(
             x, words, scales, offsets_arg, out, partial, counters, n, k, group_size, steps,
             split_k, *MAGICS, INT8_FLIP, BLOCK_N=plan.block_n, GROUPS=groups,
             STAGES=plan.num_stages, LAST_REDUCES=last_reduces, USE_PRMT=PRMT,
-            num_warps=plan.num_warps, num_stages=plan.num_stages, **common,
+            num_warps=plan.num_warps, num_stages=plan.num_stages, maxnreg=plan.max_registers,
+            **common,
         )  # fmt: skip
     elif plan.kernel == "mma":
         launch_mma(
@@ -140,7 +141,8 @@ def launch(
     elif plan.kernel == "gemv":
         _gemv_kernel[(n_blocks, split_k)](
             *args, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, LAST_REDUCES=last_reduces,
-            num_warps=plan.num_warps, num_stages=plan.num_stages, **common,
+            num_warps=plan.num_warps, num_stages=plan.num_stages, maxnreg=plan.max_registers,
+            **common,
         )  # fmt: skip
     else:
         planes = plan.int4_planes and codes == "int4"
@@ -150,7 +152,8 @@ def launch(
             *args, bias_bits, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, GROUP_M=8,
             PLANES=planes, SCALE_AFTER_DOT=plan.scale_after_dot, CODE_BIAS=bias,
             LAST_REDUCES=last_reduces, DOT_PRECISION=dot_precision(x.dtype),
-            num_warps=plan.num_warps, num_stages=plan.num_stages, **common,
+            num_warps=plan.num_warps, num_stages=plan.num_stages, maxnreg=plan.max_registers,
+            **common,
         )  # fmt: skip
     if split_k > 1 and not last_reduces:
         block = 1024

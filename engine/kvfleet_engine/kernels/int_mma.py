@@ -275,4 +275,5 @@ def launch_mma(
         SWAP_AB=plan.swap_ab, GROUPS=groups, DOT_DTYPE=TL_DTYPES[dot_dtype], CODE_BIAS=bias,
         INT8_CAST=bias == 0.0, LAST_REDUCES=plan.split_reduce == "last",
         DOT_PRECISION=dot_precision, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        maxnreg=plan.max_registers,
     )  # fmt: skip

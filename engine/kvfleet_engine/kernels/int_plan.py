@@ -44,6 +44,7 @@ class MatmulPlan:
     int8_cast: bool = False  # mma, int8: codes cast to x's dtype (else float16 from their bits)
     num_warps: int = 4
     num_stages: int = 3
+    max_registers: int | None = None  # ptxas's cap per thread (None: its choice); more programs
 
 
 @functools.cache
