@@ -115,16 +115,8 @@ def paged_decode_attention(
     max_registers: int | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
     check_paged_attention(query, k_cache, v_cache, block_tables, context_lens, k_scales, v_scales)
-    launch = _Launch(
-        num_splits,
-        block_n,
-        num_warps,
-        num_stages,
-        transpose_scores,
-        early_v,
-        prefetch_scales,
-        max_registers,
-    )
+    tiles = (num_splits, block_n, num_warps, num_stages)
+    launch = _Launch(*tiles, transpose_scores, early_v, prefetch_scales, max_registers)
     cache = (k_cache, v_cache, k_scales, v_scales)
     return _decode(query, cache, block_tables, context_lens, scale, None, launch)
 
@@ -159,16 +151,8 @@ def rotary_decode_attention(
     check_paged_attention(query, k_cache, v_cache, block_tables, context_lens, k_scales, v_scales)
     check_rotary_store(positions, query, key, value, cos_sin, k_cache, slot_mapping)
     new = _NewToken(key, value, positions, cos_sin, slot_mapping)
-    launch = _Launch(
-        num_splits,
-        block_n,
-        num_warps,
-        num_stages,
-        transpose_scores,
-        early_v,
-        prefetch_scales,
-        max_registers,
-    )
+    tiles = (num_splits, block_n, num_warps, num_stages)
+    launch = _Launch(*tiles, transpose_scores, early_v, prefetch_scales, max_registers)
     cache = (k_cache, v_cache, k_scales, v_scales)
     return _decode(query, cache, block_tables, context_lens, scale, new, launch)
 
