@@ -114,8 +114,7 @@ def launch(
             x, words, scales, offsets_arg, out, partial, counters, m, n, k, x.stride(0),
             group_size, steps, split_k, MAGIC.value, MAGIC.value | 0x80, MAGIC.value | 0x8000,
             BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, GROUPS=groups, STAGES=plan.num_stages,
-            LAST_REDUCES=last_reduces, num_warps=plan.num_warps, num_stages=plan.num_stages,
-            maxnreg=plan.max_registers, **common,
+            LAST_REDUCES=last_reduces, **plan.launch_options(), **common,
         )  # fmt: skip
     elif plan.kernel == "lean":
         require(m == 1, f"the lean GEMV takes one row of x, got {m}")
@@ -130,8 +129,7 @@ def launch(
             x, words, scales, offsets_arg, out, partial, counters, n, k, group_size, steps,
             split_k, *MAGICS, INT8_FLIP, BLOCK_N=plan.block_n, GROUPS=groups,
             STAGES=plan.num_stages, LAST_REDUCES=last_reduces, USE_PRMT=PRMT,
-            num_warps=plan.num_warps, num_stages=plan.num_stages, maxnreg=plan.max_registers,
-            **common,
+            **plan.launch_options(), **common,
         )  # fmt: skip
     elif plan.kernel == "mma":
         launch_mma(
@@ -141,8 +139,7 @@ def launch(
     elif plan.kernel == "gemv":
         _gemv_kernel[(n_blocks, split_k)](
             *args, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, LAST_REDUCES=last_reduces,
-            num_warps=plan.num_warps, num_stages=plan.num_stages, maxnreg=plan.max_registers,
-            **common,
+            **plan.launch_options(), **common,
         )  # fmt: skip
     else:
         planes = plan.int4_planes and codes == "int4"
@@ -152,8 +149,7 @@ def launch(
             *args, bias_bits, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, GROUP_M=8,
             PLANES=planes, SCALE_AFTER_DOT=plan.scale_after_dot, CODE_BIAS=bias,
             LAST_REDUCES=last_reduces, DOT_PRECISION=dot_precision(x.dtype),
-            num_warps=plan.num_warps, num_stages=plan.num_stages, maxnreg=plan.max_registers,
-            **common,
+            **plan.launch_options(), **common,
         )  # fmt: skip
     if split_k > 1 and not last_reduces:
         block = 1024

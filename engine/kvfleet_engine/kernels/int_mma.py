@@ -274,6 +274,5 @@ def launch_mma(
         BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, GROUP_M=8, UNPACK=unpack,
         SWAP_AB=plan.swap_ab, GROUPS=groups, DOT_DTYPE=TL_DTYPES[dot_dtype], CODE_BIAS=bias,
         INT8_CAST=bias == 0.0, LAST_REDUCES=plan.split_reduce == "last",
-        DOT_PRECISION=dot_precision, num_warps=plan.num_warps, num_stages=plan.num_stages,
-        maxnreg=plan.max_registers,
+        DOT_PRECISION=dot_precision, **plan.launch_options(),
     )  # fmt: skip

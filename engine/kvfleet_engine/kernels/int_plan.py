@@ -46,6 +46,11 @@ class MatmulPlan:
     num_stages: int = 3
     max_registers: int | None = None  # ptxas's cap per thread (None: its choice); more programs
 
+    def launch_options(self) -> dict[str, Any]:
+        """The Triton launch options of the plan's kernel."""
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages,
+                "maxnreg": self.max_registers}  # fmt: skip
+
 
 @functools.cache
 def _num_sms(device: torch.device) -> int:
