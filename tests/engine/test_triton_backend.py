@@ -1,5 +1,7 @@
 """The engine on the Triton attention backend, run by the Triton interpreter on CPU: the same
-greedy tokens as transformers, so the runner feeds the kernels what the reference backend takes.
+greedy tokens as transformers, so the runner feeds the kernels what the reference backend takes;
+and a prompt CUDA graph's padded forward (what `cuda_graphs.PromptGraphs` captures) computing
+the logits the eager forward does.
 
 TRITON_INTERPRET must be set before triton is first imported (transformers imports it), so the
 engine runs in a fresh subprocess."""
@@ -23,8 +25,7 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter check"),
 ]
 
-SCRIPT = """
-import json, sys
+PATCH = """
 from triton.runtime import interpreter
 
 original = interpreter._patch_lang_tensor
@@ -35,6 +36,12 @@ def patched(tensor, scope):
     scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
 interpreter._patch_lang_tensor = patched
+"""
+
+SCRIPT = (
+    PATCH
+    + """
+import json, sys
 from kvfleet_engine import LLM, SamplingParams
 
 path, prompts = sys.argv[1], json.loads(sys.argv[2])
@@ -44,6 +51,7 @@ params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
 print(json.dumps([o.outputs[0].token_ids for o in outputs]))
 """
+)
 
 
 def test_triton_backend_matches_transformers(checkpoints: Checkpoints) -> None:
@@ -61,3 +69,69 @@ def test_triton_backend_matches_transformers(checkpoints: Checkpoints) -> None:
     for prompt, engine_tokens in zip(prompts, tokens, strict=True):
         ref = checkpoints.reference("qwen3", prompt, 5)
         assert_greedy_equal(engine_tokens, ref, f"prompt of {len(prompt)}")
+
+
+PADDED_SCRIPT = (
+    PATCH
+    + """
+import json, sys
+from dataclasses import dataclass
+import torch
+from kvfleet_engine import LLM
+from kvfleet_engine.cuda_graphs import PromptGraphs
+from kvfleet_engine.runner.inputs import build_inputs
+from kvfleet_engine.scheduler import PENDING_TOKEN
+
+@dataclass
+class Item:
+    request_id: str
+    token_ids: list
+    start_position: int
+    block_ids: list
+    sample: bool
+
+llm = LLM(sys.argv[1], device="cpu", attention_backend="triton", max_model_len=256,
+          max_num_batched_tokens=64, max_num_seqs=4, kv_cache_blocks=16)
+ex = llm.engine.model_runner.executor
+g = torch.Generator().manual_seed(3)
+def tokens(n):
+    return torch.randint(1, 200, (n,), generator=g).tolist()
+# Step 1 caches a 16-token prompt (blocks 1, 2) and a 30-token one (blocks 3, 4).
+first = [Item("a", tokens(16), 0, [1, 2], False), Item("b", tokens(30), 0, [3, 4], True)]
+ex.forward(build_inputs(first, 16, ex.device, {}))
+# Step 2 mixes a chunk after a's cached prefix, b's decode (its token still a pending sample on
+# the device) and a new 7-token prompt: 17 tokens of 3 sequences, into a 32-token graph of 4.
+second = [
+    Item("a", tokens(9), 16, [1, 2], True),
+    Item("b", [PENDING_TOKEN], 30, [3, 4], True),
+    Item("c", tokens(7), 0, [5], True),
+]
+inputs = build_inputs(second, 16, ex.device, {"b": 1})
+ex.last_samples = torch.tensor([11, 42])
+eager = ex.forward(inputs)[0]
+graphs = PromptGraphs(ex.model, 64, 4, 16, ex.device)
+size = graphs.load(inputs.input_ids, inputs.positions, inputs.attention,
+                   inputs.pending_sources, ex.last_samples)
+hidden = graphs._forward(size)
+padded = ex.model.compute_logits(hidden[inputs.logits_indices]).float()
+# Block 0 is no sequence's: the padding tokens (slot -1) must not have written there.
+untouched = all(bool((cache[0] == 0).all()) for layer in ex.kv_caches for cache in layer[:2])
+print(json.dumps({"size": size, "rows": list(padded.shape), "untouched": untouched,
+                  "max_abs_diff": float((padded - eager).abs().max()),
+                  "scale": float(eager.abs().max())}))
+"""
+)
+
+
+def test_prompt_graph_padded_forward_matches_the_eager_forward(checkpoints: Checkpoints) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", PADDED_SCRIPT, str(checkpoints.path("llama3"))],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["size"] == 32 and result["rows"][0] == 3 and result["untouched"]
+    assert result["max_abs_diff"] <= 1e-5 * max(1.0, result["scale"]), result

@@ -452,11 +452,18 @@ def test_decode_graph_inputs_fill_live_rows_and_pad_the_rest(device, with_pendin
     )
     moved = [t.to(device) for t in (ids, positions, slots, context_lens, tables)]
     out_dev = tuple(t.to(device) for t in out)
-    graph_inputs.fill_decode_graph_inputs(
-        *moved,
+    ids_d, positions_d, slots_d, context_lens_d, tables_d = moved
+    graph_inputs.fill_graph_inputs(
+        ids_d,
+        positions_d,
+        slots_d,
+        context_lens_d,
+        None,  # one token per sequence: the decode graph's cu_query_lens stay as captured
+        tables_d,
         None if sources is None else sources.to(device),
         samples.to(device) if with_pending else None,
         out_dev,
+        size,
         size,
     )
     got = [t.cpu() for t in out_dev]
@@ -472,3 +479,42 @@ def test_decode_graph_inputs_fill_live_rows_and_pad_the_rest(device, with_pendin
     assert got[3][n:size].tolist() == [0] * (size - n)  # ... and attend to nothing
     assert got[2][size:].tolist() == [77] * (graph_rows - size)  # beyond the graph's batch: kept
     assert (got[4][:, width:] == 77).all()  # stale table entries past the width are never read
+
+
+@pytest.mark.parametrize(
+    "device",
+    [pytest.param("cpu", id="interpret"), pytest.param("cuda", id="gpu", marks=pytest.mark.gpu)],
+)
+def test_prompt_graph_inputs_pad_tokens_and_sequences(device) -> None:
+    """A prompt step of 3 sequences (9 tokens, two of them pending samples) into a graph of 16
+    tokens and 5 sequences: the padding tokens store nothing, the padding sequences have context
+    0 and no query tokens (their cu entries repeat the step's token count)."""
+    _skip_if_unavailable(device)
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, 1000, (9,), generator=g)
+    positions = torch.arange(9)
+    slots = torch.randint(0, 1000, (9,), generator=g)
+    context_lens = torch.tensor([4, 12, 1], dtype=torch.int32)
+    cu = torch.tensor([0, 4, 8, 9], dtype=torch.int32)
+    tables = torch.randint(0, 1000, (3, 2), generator=g, dtype=torch.int32)
+    samples = torch.tensor([500, 600])
+    sources = torch.tensor([-1, -1, -1, -1, -1, -1, -1, 1, 0])
+    out = (
+        torch.full((20,), 77),
+        torch.full((20,), 77),
+        torch.full((20,), 77),
+        torch.full((6,), 77, dtype=torch.int32),
+        torch.full((6, 4), 77, dtype=torch.int32),
+        torch.full((7,), 77, dtype=torch.int32),
+    )
+    out_dev = tuple(t.to(device) for t in out)
+    args = (ids, positions, slots, context_lens, cu, tables, sources, samples)
+    graph_inputs.fill_graph_inputs(*(t.to(device) for t in args), out_dev, 16, 5)
+    got_ids, got_positions, got_slots, got_context, got_tables, got_cu = (t.cpu() for t in out_dev)
+    assert got_ids[:9].tolist() == [*ids[:7].tolist(), 600, 500]
+    assert got_positions[:9].tolist() == positions.tolist()
+    assert got_slots[:9].tolist() == slots.tolist()
+    assert got_slots[9:16].tolist() == [-1] * 7 and got_slots[16:].tolist() == [77] * 4
+    assert got_context.tolist() == [4, 12, 1, 0, 0, 77]
+    assert torch.equal(got_tables[:3, :2], tables)
+    assert got_cu.tolist() == [0, 4, 8, 9, 9, 9, 77]

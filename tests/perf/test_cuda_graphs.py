@@ -1,11 +1,12 @@
-"""Decode CUDA graphs: bucket sizes, and greedy tokens identical with graphs on and off."""
+"""CUDA graphs (decode steps, short prompt steps): bucket sizes, and greedy tokens identical with
+graphs on and off."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvfleet_engine.cuda_graphs import bucket_sizes
+from kvfleet_engine.cuda_graphs import PROMPT_GRAPH_MAX_TOKENS, bucket_sizes, prompt_bucket_sizes
 
 
 def test_bucket_sizes_cover_every_batch_up_to_max_num_seqs() -> None:
@@ -17,7 +18,19 @@ def test_bucket_sizes_cover_every_batch_up_to_max_num_seqs() -> None:
     assert all(any(s >= n for s in sizes) for n in range(1, 257))
 
 
-def _greedy_tokens(directory, enforce_eager: bool, dtype: str) -> list[list[int]]:
+def test_prompt_bucket_sizes_cover_every_step_up_to_the_limit_with_little_padding() -> None:
+    assert prompt_bucket_sizes(48) == [16, 32, 48]
+    sizes = prompt_bucket_sizes(8192)
+    assert sizes[:5] == [16, 32, 64, 128, 192] and sizes[-1] == PROMPT_GRAPH_MAX_TOKENS
+    assert sorted(sizes) == sizes
+    for n in range(129, PROMPT_GRAPH_MAX_TOKENS + 1):
+        size = next(s for s in sizes if s >= n)
+        assert size - n < (64 if n <= 512 else 128), n
+
+
+def _greedy_tokens(
+    directory, enforce_eager: bool, dtype: str, max_num_batched_tokens: int
+) -> list[list[int]]:
     from kvfleet_engine import LLM, SamplingParams
 
     llm = LLM(
@@ -26,14 +39,19 @@ def _greedy_tokens(directory, enforce_eager: bool, dtype: str) -> list[list[int]
         device="cuda",
         max_num_seqs=8,
         max_model_len=512,
+        max_num_batched_tokens=max_num_batched_tokens,
         enforce_eager=enforce_eager,
     )
+    assert (llm.engine.model_runner.executor.prompt_graphs is None) == enforce_eager
     prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(5 + 37 * i)] for i in range(6)]
     # Different lengths, so the batch shrinks through several graph sizes (with padding).
     params = [
         SamplingParams(temperature=0.0, max_tokens=20 + 9 * i, ignore_eos=True) for i in range(6)
     ]
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    # Again with a shared 64-token head: the cached prefix's blocks, then the rest as prompts.
+    again = [prompts[-1][:64] + p for p in prompts[:4]]
+    outputs += llm.generate(prompt_token_ids=again, sampling_params=params[:4], use_tqdm=False)
     del llm
     torch.cuda.empty_cache()
     return [out.outputs[0].token_ids for out in outputs]
@@ -41,10 +59,15 @@ def _greedy_tokens(directory, enforce_eager: bool, dtype: str) -> list[list[int]
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_greedy_tokens_are_the_same_with_and_without_cuda_graphs(tmp_path, dtype) -> None:
+# 8192: every prompt in the first step; 48: chunks beside decodes (mixed steps, with the async
+# scheduler's pending tokens among them).
+@pytest.mark.parametrize("max_num_batched_tokens", [8192, 48])
+def test_greedy_tokens_are_the_same_with_and_without_cuda_graphs(
+    tmp_path, dtype, max_num_batched_tokens
+) -> None:
     from kvfleet_engine.tiny_model import write_tiny_model
 
     write_tiny_model(tmp_path)
-    eager = _greedy_tokens(tmp_path, enforce_eager=True, dtype=dtype)
-    graphs = _greedy_tokens(tmp_path, enforce_eager=False, dtype=dtype)
+    eager = _greedy_tokens(tmp_path, True, dtype, max_num_batched_tokens)
+    graphs = _greedy_tokens(tmp_path, False, dtype, max_num_batched_tokens)
     assert graphs == eager

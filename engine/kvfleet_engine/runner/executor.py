@@ -1,7 +1,8 @@
 """One rank's model: its weights (its part of them under tensor parallelism, its stage's layers
-under pipeline parallelism), its KV cache (its own layers only), its decode CUDA graphs and the
-forward pass to logits. Every rank has one; the driver samples, or under pipeline parallelism
-the last stage's first rank. Pipeline stages run eagerly (no decode graphs yet)."""
+under pipeline parallelism), its KV cache (its own layers only), its CUDA graphs (decode steps,
+short prompt steps) and the forward pass to logits. Every rank has one; the driver samples, or
+under pipeline parallelism the last stage's first rank. Pipeline stages run eagerly (no graphs
+yet)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import logging
 import torch
 
 from kvfleet_engine.config import EngineConfig
-from kvfleet_engine.cuda_graphs import DecodeGraphs
+from kvfleet_engine.cuda_graphs import DecodeGraphs, PromptGraphs, prompt_bucket_sizes
 from kvfleet_engine.layers.attention import Attention, AttentionMetadata, load_backend
 from kvfleet_engine.layers.attention_torch import FP8_DTYPE
 from kvfleet_engine.layers.sampler import Sampler, SamplingMetadata
@@ -100,6 +101,7 @@ class ModelExecutor:
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
         self.decode_graphs: DecodeGraphs | None = None
+        self.prompt_graphs: PromptGraphs | None = None
         # The last launched step's samples on the device ([rows] int64) and each request's
         # row there: where the next step's PENDING_TOKEN inputs come from.
         self.last_samples = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -118,16 +120,29 @@ class ModelExecutor:
         check_holds_a_sequence(num_blocks, self.block_size, self.config.model.max_model_len)
         self.num_blocks = num_blocks
         self.kv_caches = self._allocate(num_blocks)
-        if (
+        if self.captures_graphs:
+            max_blocks = -(-self.config.model.max_model_len // self.block_size)
+            scheduler = self.config.scheduler
+            self.decode_graphs = DecodeGraphs(
+                self.model, scheduler.max_num_seqs, max_blocks, self.device
+            )
+            self.decode_graphs.capture()
+            self.prompt_graphs = PromptGraphs(
+                self.model,
+                scheduler.max_num_batched_tokens,
+                scheduler.max_num_seqs,
+                max_blocks,
+                self.device,
+            )
+            self.prompt_graphs.capture()
+
+    @property
+    def captures_graphs(self) -> bool:
+        return (
             self.device.type == "cuda"
             and not self.config.runner.enforce_eager
             and self.stage is None
-        ):
-            max_blocks = -(-self.config.model.max_model_len // self.block_size)
-            self.decode_graphs = DecodeGraphs(
-                self.model, self.config.scheduler.max_num_seqs, max_blocks, self.device
-            )
-            self.decode_graphs.capture()
+        )
 
     @property
     def block_bytes(self) -> int:
@@ -165,15 +180,24 @@ class ModelExecutor:
         self.kv_caches = self._allocate(scratch_blocks)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
         self._dummy_prefill(num_seqs, seq_len, tokens)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         scratch_bytes = scratch_blocks * self.block_bytes
+        # The prompt graphs keep the activations of their largest step for good (one pool):
+        # the profiled step's, scaled to its token count (activations grow with the tokens).
+        graph_bytes = 0
+        if self.captures_graphs:
+            graph_tokens = prompt_bucket_sizes(tokens)[-1]
+            graph_bytes = (peak - before) * graph_tokens // tokens
+            log.info("keeping %.0f MiB for the prompt graphs' activations", graph_bytes / 2**20)
         self.kv_caches = []
         unbind_kv_cache(self.attention_layers, self.backend)
         torch.cuda.empty_cache()
         _, total = torch.cuda.mem_get_info(self.device)
-        budget = total * self.config.cache.gpu_memory_utilization - (peak - scratch_bytes)
+        used = peak - scratch_bytes + graph_bytes
+        budget = total * self.config.cache.gpu_memory_utilization - used
         return max(int(budget // self.block_bytes), 0)
 
     @torch.inference_mode()
@@ -246,6 +270,16 @@ class ModelExecutor:
                 if len(inputs.sampling_request_ids) == logits.shape[0]:
                     return logits, greedy  # every row samples (the usual decode step), in order
                 return logits[inputs.logits_indices], greedy[inputs.logits_indices]
+        if self.prompt_graphs is not None and not inputs.attention.is_decode:
+            hidden = self.prompt_graphs.run(
+                inputs.input_ids,
+                inputs.positions,
+                inputs.attention,
+                inputs.pending_sources,
+                self.last_samples,
+            )
+            if hidden is not None:
+                return self.model.compute_logits(hidden[inputs.logits_indices]).float(), None
         input_ids = inputs.input_ids
         if inputs.pending_sources is not None:  # the previous step's samples, on the device
             sources = inputs.pending_sources
