@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (run tool), <= 4 minutes on one H200: every quantized-product kernel variant x
-# config (int4-g128, int8 per channel, fp8; the CUDA-core GEMVs incl. the lean one-row GEMV
-# (one LOP3 / PRMT + one FFMA per code), the split-K dot, the fused
+# config (int4-g128, int8 per channel, fp8; the CUDA-core GEMVs incl. the one-row lean and half2 GEMVs
+# (one LOP3 / PRMT + one FFMA per code; two codes per HFMA2), the split-K dot, the fused
 # tensor-core "mma" kernel with / without swapped operands, planes / reshape, split-K; fp8
 # weight-only GEMV with bf16 / fp16 dots and W8A8) on the Llama-3.1-8B layer products at 1, 2, 4,
 # 8, 16, 64, 256 rows beside bf16. Each config is checked against the float reference (layer 0's

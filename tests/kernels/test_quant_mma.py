@@ -100,6 +100,46 @@ def test_lean_gemv_matches_reference(codes, plan, group_size, dtype) -> None:
     assert relative_error(out, expected) < tolerance
 
 
+HALF2 = [  # (plan, group_size, n, k): the one-row int4 GEMV in float16 pairs (inline PTX)
+    pytest.param(MatmulPlan("half2", 1, 32, 32, 3), 32, 72, 384, id="step-split3"),
+    pytest.param(MatmulPlan("half2", 1, 64, 32, 2, "kernel"), 128, 72, 384, id="any"),
+    pytest.param(MatmulPlan("half2", 1, 32, 64, num_stages=2), 384, 72, 384, id="one-group"),
+    pytest.param(MatmulPlan("half2", 1, 512, 32, 18, num_warps=1), 128, 28672, 4096, id="gate-up"),
+    pytest.param(MatmulPlan("half2", 1, 256, 64, 8, num_warps=2), 128, 4096, 14336, id="down"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("outliers", [False, True])
+@pytest.mark.parametrize(("plan", "group_size", "n", "k"), HALF2)
+def test_half2_gemv_matches_reference(plan, group_size, n, k, outliers, dtype) -> None:
+    """float16 partial sums of at most a group's codes per 8-row column, x / 16: bfloat16-level
+    error, and activations of thousands (a few channels, as LLMs' massive activations) stay
+    finite."""
+    weight = make_int4(n, k, group_size)
+    x = make_x(1, k, dtype=dtype) * 3
+    if outliers:
+        x[0, :: k // 4] = 3000.0
+    expected = layout.int4_linear_reference(x.float(), weight)
+    out = run_int4(x, weight, plan)
+    assert torch.isfinite(out).all()
+    assert relative_error(out, expected) < 8e-3
+
+
+@on_cpu
+def test_half2_gemv_is_refused_by_the_interpreter_and_skipped_by_the_table(
+    empty_plan_table,
+) -> None:
+    weight = make_int4(64, 256, 128)
+    with pytest.raises(ValueError, match="half2 GEMV is inline PTX"):
+        run_int4(make_x(1, 256), weight, MatmulPlan("half2", 1, 32, 64))
+    entry = {"kind": "int4", "group_size": 128, "rows": 1, "n": 64, "k": 256}
+    int_plan.install_plans([entry | {"plan": {"kernel": "half2", "block_m": 1, "block_n": 32,
+                                              "block_k": 64}}])  # fmt: skip
+    assert int_plan.plan_matmul(1, 64, 256, 128, torch.device("cpu")).kernel == "gemv"
+
+
 @on_cpu
 def test_lean_gemv_rejects_more_rows() -> None:
     weight = make_int4(64, 256, 128)
@@ -166,13 +206,18 @@ def test_baked_plans_pick_the_h200_sweep_winners_unless_the_environment_says_non
     assert int_plan.load_env_plans() > 0
     cpu = torch.device("cpu")
     # H200 sweep3 (bench/results/2026-12-01-...-quant-sweep-llama-3.1-8b-run3.json): at 1 row the
-    # lean GEMV wins every int4 / int8 product; the row-1 sweep of 2026-12-02
-    # (...-quant-sweep-llama-3.1-8b-row1-capped.json): gate_up in one-warp programs of 512 columns
-    gate_up = int_plan.plan_matmul(1, 28672, 4096, 128, cpu)
+    # lean GEMV wins every int8 product; the half2 sweep of 2026-12-02
+    # (...-quant-sweep-llama-3.1-8b-row1-half2.json): int4 gate_up in one-warp half2 programs of
+    # 256 columns (a GPU's table entry: the interpreter, which runs no inline PTX, gets the
+    # shape rules instead), o still in the lean GEMV
+    gate_up = dict(int_plan.PLAN_TABLE[("int4", 128, 28672, 4096)])[1]
     assert (gate_up.kernel, gate_up.block_n, gate_up.block_k, gate_up.split_k) == (
-        "lean", 512, 32, 18,
+        "half2", 256, 64, 18,
     )  # fmt: skip
     assert gate_up.num_warps == 1
+    assert int_plan.plan_matmul(1, 28672, 4096, 128, cpu).kernel == "gemv"  # interpreted here
+    assert int_plan.plan_matmul(1, 4096, 4096, 128, cpu).kernel == "lean"
+    assert int_plan.plan_matmul(1, 28672, 4096, 4096, cpu, "int8").kernel == "lean"
     assert int_plan.plan_matmul(64, 4096, 14336, 128, cpu).kernel == "mma"
     assert int_plan.plan_matmul(300, 4096, 14336, 128, cpu).kernel == "dequantize"  # past 256
     fp8_qkv = fp8_matmul.table_gemv_plan(1, 6144, 4096)

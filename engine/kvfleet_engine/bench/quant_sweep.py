@@ -87,6 +87,19 @@ def int_configs(kind: str, m: int) -> list[Config]:
                       (512, 16, 1, 8, 1, None), (512, 16, 1, 16, 1, None)]  # fmt: skip
         out += [_int("lean", 1, bn, bk, s, num_warps=w, num_stages=st, max_registers=r)
                 for bn, bk, w, s, st, r in capped]  # fmt: skip
+        if four:  # int_gemv_half2: two codes per instruction as float16 pairs (~2 per code)
+            half2 = [(512, 32, 1, 8, 1), (512, 32, 1, 16, 1), (256, 64, 2, 8, 1),
+                     (256, 64, 4, 8, 3), (128, 128, 2, 8, 3), (1024, 32, 2, 8, 1),
+                     (512, 64, 2, 8, 1), (256, 32, 1, 16, 1), (128, 64, 1, 16, 1)]  # fmt: skip
+            # the first sweep's winners (gate_up 256/32/1 warp, down 128/128/2 warps) left the
+            # GEMV latency-bound: more loads in flight per SM (programs, rows, stages)
+            half2 += [(256, 64, 1, 16, 1), (256, 64, 1, 24, 2), (256, 32, 1, 24, 1),
+                      (256, 32, 1, 32, 1), (128, 64, 1, 32, 1), (512, 64, 1, 16, 2),
+                      (256, 128, 2, 16, 2), (128, 128, 1, 16, 3), (256, 32, 1, 16, 3),
+                      (128, 128, 2, 16, 3), (64, 128, 1, 16, 3), (64, 64, 1, 32, 2),
+                      (128, 32, 1, 16, 1), (32, 128, 1, 16, 3)]  # fmt: skip
+            out += [_int("half2", 1, bn, bk, s, num_warps=w, num_stages=st)
+                    for bn, bk, w, s, st in half2]  # fmt: skip
     elif m <= int_plan.ROW_GEMV_MAX_ROWS:
         rows = [(128, 64, 4, 8, 3), (64, 64, 2, 8, 3)] if four else [(128, 16, 4, 4, 3)]
         out += [_int("gemv", m, bn, bk, s, num_warps=w, num_stages=st) for bn, bk, w, s, st in rows]
@@ -193,7 +206,7 @@ def resolve(config: Config, m: int, n: int, k: int, group: int) -> Any:
     family, fields, per_sm = config["family"], dict(config["plan"]), config["per_sm"]
     cuda = torch.device("cuda")
     if family == "int":
-        if fields["kernel"] in ("gemv", "lean"):
+        if fields["kernel"] in ("gemv", "lean", "half2"):
             fields["block_m"] = next_power_of_2(m)
             fields["block_k"] = min(fields["block_k"], group & -group)
         tiles = triton.cdiv(n, fields["block_n"])

@@ -24,7 +24,8 @@ Split-K partials are summed by the last program of each output tile (a counter, 
 order) or by a second kernel. Codes become floats through their bits, not through integer-to-float
 conversions, which issue at a fraction of the FMA rate.
 
-Modules: `int_plan` (the shape table, `plan_matmul`), `int_gemv` (the GEMVs), `int_dot` (dot and
+Modules: `int_plan` (the shape table, `plan_matmul`), `int_gemv` (the GEMVs; one-row ones also in
+`int_gemv_lean` and, int4 in float16 pairs, `int_gemv_half2`), `int_dot` (dot and
 dequantize), `int_codes` (codes to floats) and `split_k` (partials and their sums); this one holds
 the wrappers: the operand checks and `launch`, which runs a plan.
 """
@@ -38,9 +39,10 @@ from kvfleet_engine.kernels.checks import FLOAT_DTYPES, dot_precision, require
 from kvfleet_engine.kernels.int_codes import MAGIC
 from kvfleet_engine.kernels.int_dot import CODE_BIAS, _dequantize_kernel, _dot_kernel
 from kvfleet_engine.kernels.int_gemv import _gemv_kernel, _gemv_row_kernel, row_gemv_fits
+from kvfleet_engine.kernels.int_gemv_half2 import X_SHIFT, _gemv_half2_kernel
 from kvfleet_engine.kernels.int_gemv_lean import INT8_FLIP, MAGICS, PRMT, _gemv_lean_kernel
 from kvfleet_engine.kernels.int_mma import launch_mma
-from kvfleet_engine.kernels.int_plan import MatmulPlan, plan_matmul
+from kvfleet_engine.kernels.int_plan import INTERPRETED, MatmulPlan, plan_matmul
 from kvfleet_engine.kernels.split_k import COUNTERS, _sum_splits_kernel, split_k_buffers
 
 
@@ -99,7 +101,7 @@ def launch(
     steps = triton.cdiv(k // plan.block_k, plan.split_k)
     split_k = triton.cdiv(k // plan.block_k, steps)  # no empty slices
     n_blocks = triton.cdiv(n, plan.block_n)
-    m_blocks = 1 if plan.kernel in ("gemv", "lean") else triton.cdiv(m, plan.block_m)
+    m_blocks = 1 if plan.kernel in ("gemv", "lean", "half2") else triton.cdiv(m, plan.block_m)
     require(m_blocks * n_blocks <= COUNTERS, f"at most {COUNTERS} output tiles per product")
     last_reduces = plan.split_reduce == "last"
     split_k, partial, counters = split_k_buffers(split_k, m, n, x.device)
@@ -130,6 +132,20 @@ def launch(
             split_k, *MAGICS, INT8_FLIP, BLOCK_N=plan.block_n, GROUPS=groups,
             STAGES=plan.num_stages, LAST_REDUCES=last_reduces, USE_PRMT=PRMT,
             **plan.launch_options(), **common,
+        )  # fmt: skip
+    elif plan.kernel == "half2":
+        require(not INTERPRETED, "the half2 GEMV is inline PTX: the interpreter cannot run it")
+        require(m == 1 and codes == "int4", f"the half2 GEMV takes one row of int4, got {m}")
+        require(
+            plan.block_k % 8 == 0 and (group_size % plan.block_k == 0 or group_size == k),
+            f"half2 block_k {plan.block_k} must divide group_size ({group_size}) or K be one group",
+        )
+        groups = "step" if group_size == plan.block_k else "all" if group_size == k else "any"
+        _gemv_half2_kernel[(n_blocks, split_k)](
+            x, qweight, scales, offsets_arg, out, partial, counters, n, k, group_size, steps,
+            split_k, HAS_OFFSETS=offsets is not None, BLOCK_N=plan.block_n,
+            BLOCK_K=plan.block_k, GROUPS=groups, STAGES=plan.num_stages,
+            LAST_REDUCES=last_reduces, X_SHIFT=X_SHIFT, **plan.launch_options(),
         )  # fmt: skip
     elif plan.kernel == "mma":
         launch_mma(

@@ -20,17 +20,16 @@ The three powers of two come at run time (in registers, (bits & mask) | magic is
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
+from kvfleet_engine.kernels.int_plan import INTERPRETED
 from kvfleet_engine.kernels.split_k import _finish
 
 MAGICS = (0x47000000, 0x45000000, 0x43000000)  # float32 2^15, 2^11, 2^7: fields at b = 8, 12, 16
 INT8_FLIP = -0x7F7F7F80  # 0x80808080 as int32: flips each byte's sign bit (code + 128)
 INT8_BIAS: tl.constexpr = tl.constexpr(32768.0 + 128.0)  # 2^15 + the flip's 128, per byte
-PRMT = os.environ.get("TRITON_INTERPRET") != "1"  # the interpreter runs no inline PTX
+PRMT = not INTERPRETED  # the interpreter runs no inline PTX
 
 
 @triton.jit

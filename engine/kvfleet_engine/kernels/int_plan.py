@@ -24,8 +24,9 @@ DEQUANTIZE_MIN_ROWS = 17  # from this many rows, dequantize once and use cuBLAS 
 # read the weight once but measured 2x to 5x slower at 64 and 256 rows)
 WIDE_N = 16384  # outputs from which a product counts as wide (gate_up) in the tables
 LONG_K = 8192  # inputs from which a product counts as long (down)
-KERNELS = ("gemv", "lean", "dot", "mma", "dequantize")  # lean: int_gemv_lean, one row
+KERNELS = ("gemv", "lean", "half2", "dot", "mma", "dequantize")  # lean, half2: one row
 SPLIT_REDUCE = ("last", "kernel")  # who sums split-K partials: the last program, or a kernel
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX (half2, PRMT) then
 
 
 @dataclass(frozen=True)
@@ -140,8 +141,11 @@ def load_env_plans() -> int:
 
 
 def table_plan(codes: str, m: int, n: int, k: int, group_size: int) -> MatmulPlan | None:
+    """The table's plan for M rows; a half2 plan (inline PTX) not under the interpreter."""
     load_env_plans()
     for rows, plan in PLAN_TABLE.get((codes, group_size, n, k), []):
+        if rows >= m and plan.kernel == "half2" and INTERPRETED:
+            return None  # the shape rules decide
         if rows >= m:
             return replace(plan, block_m=next_power_of_2(m)) if plan.kernel == "gemv" else plan
     return None
