@@ -96,6 +96,11 @@ class DecodeGraphs(_StepGraphs):
         # [n, max_blocks_per_seq]: rows are overwritten up to each step's width; stale entries
         # past a sequence's context are never read.
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        # What `fill_graph_inputs` writes, in its order.
+        self.buffers = (
+            self.input_ids, self.positions, self.slot_mapping, self.context_lens,
+            self.block_tables,
+        )  # fmt: skip
 
     def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[size, vocab] float32 logits and [size] int64 argmax (greedy rows' tokens without a
@@ -126,13 +131,6 @@ class DecodeGraphs(_StepGraphs):
         size = self._size(num_seqs)
         if size is None or meta.block_tables.shape[1] > self.block_tables.shape[1]:
             return None
-        buffers = (
-            self.input_ids,
-            self.positions,
-            self.slot_mapping,
-            self.context_lens,
-            self.block_tables,
-        )
         fill_graph_inputs(
             input_ids,
             positions,
@@ -142,7 +140,7 @@ class DecodeGraphs(_StepGraphs):
             meta.block_tables,
             pending_sources,
             samples,
-            buffers,
+            self.buffers,
             size,
             size,
         )
@@ -175,6 +173,10 @@ class PromptGraphs(_StepGraphs):
         self.context_lens = torch.zeros(s, dtype=torch.int32, device=device)  # [s]
         self.cu_query_lens = torch.zeros(s + 1, dtype=torch.int32, device=device)  # [s + 1]
         self.block_tables = torch.zeros(s, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.buffers = (
+            self.input_ids, self.positions, self.slot_mapping, self.context_lens,
+            self.block_tables, self.cu_query_lens,
+        )  # fmt: skip
 
     def _forward(self, size: int) -> torch.Tensor:
         """[size, hidden]: the final norm's output of every token row."""
@@ -207,14 +209,6 @@ class PromptGraphs(_StepGraphs):
             or width > self.block_tables.shape[1]
         ):
             return None
-        buffers = (
-            self.input_ids,
-            self.positions,
-            self.slot_mapping,
-            self.context_lens,
-            self.block_tables,
-            self.cu_query_lens,
-        )
         fill_graph_inputs(
             input_ids,
             positions,
@@ -224,7 +218,7 @@ class PromptGraphs(_StepGraphs):
             meta.block_tables,
             pending_sources,
             samples,
-            buffers,
+            self.buffers,
             size,
             self.context_lens.shape[0],
         )

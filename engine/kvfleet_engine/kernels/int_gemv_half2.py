@@ -23,6 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvfleet_engine.kernels.int_gemv_lean import _group_ends
 from kvfleet_engine.kernels.split_k import _finish
 
 X_SHIFT = 4  # x enters float16 as x / 16
@@ -123,13 +124,7 @@ def _gemv_half2_kernel(
         x26 = tl.broadcast_to(_pair(x2 * down, x6 * down)[:, None], (ROWS, BLOCK_N))
         x37 = tl.broadcast_to(_pair(x3 * down, x7 * down)[:, None], (ROWS, BLOCK_N))
         part = _word_step(packed, x04, x15, x26, x37, part)
-        if GROUPS == "step":
-            ends = True
-        elif GROUPS == "all":
-            ends = k0 + BLOCK_K >= k_end
-        else:
-            ends = ((k0 + BLOCK_K) % group_size == 0) | (k0 + BLOCK_K >= k_end)
-        if ends:
+        if _group_ends(k0, k_end, group_size, BLOCK_K, GROUPS):
             group = (k0 // group_size) * N
             scale = tl.load(scales_ptr + group + offs_c, mask=c_mask).to(tl.float32)
             summed = tl.sum(_pair_sum(part), axis=0) * (1 << X_SHIFT)  # [BLOCK_N]

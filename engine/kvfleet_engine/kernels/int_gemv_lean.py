@@ -89,6 +89,19 @@ def _byte(flipped, BYTE: tl.constexpr, one, USE_PRMT: tl.constexpr):
 
 
 @triton.jit
+def _group_ends(k0, k_end, group_size, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr):
+    """Whether the step at row k0 ends a group: GROUPS "step" (BLOCK_K == group_size), "all"
+    (one group of K) or "any"."""
+    if GROUPS == "step":
+        ends = True
+    elif GROUPS == "all":
+        ends = k0 + BLOCK_K >= k_end
+    else:
+        ends = ((k0 + BLOCK_K) % group_size == 0) | (k0 + BLOCK_K >= k_end)
+    return ends
+
+
+@triton.jit
 def _group_end(acc, part, xb, xs, scales_ptr, offsets_ptr, k0, offs, mask, N, group_size,
                BYTE: tl.constexpr, CODES: tl.constexpr, HAS_OFFSETS: tl.constexpr):  # fmt: skip
     """acc + (part - xb) · scale (+ Σx · offset) for the group of row k0 (int8: the scales of
@@ -164,13 +177,7 @@ def _gemv_lean_kernel(
             part2 += x * _byte(flipped, 2, m8, USE_PRMT)
             part3 += x * _byte(flipped, 3, m8, USE_PRMT)
             xb += x * INT8_BIAS
-        if GROUPS == "step":
-            ends = True
-        elif GROUPS == "all":
-            ends = k0 + BLOCK_K >= k_end
-        else:
-            ends = ((k0 + BLOCK_K) % group_size == 0) | (k0 + BLOCK_K >= k_end)
-        if ends:
+        if _group_ends(k0, k_end, group_size, BLOCK_K, GROUPS):
             acc0 = _group_end(acc0, part0, xb, xs, scales_ptr, offsets_ptr, k0, offs_c, c_mask,
                               N, group_size, 0, CODES, HAS_OFFSETS)  # fmt: skip
             part0 = tl.zeros((ROWS, COLS), dtype=tl.float32)
