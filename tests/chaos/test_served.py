@@ -253,8 +253,12 @@ def test_memory_stays_flat_over_thousands_of_requests(served: Serve) -> None:
 
 def test_sigterm_lets_every_stream_in_flight_finish(served: Serve) -> None:
     """Last: ends the server."""
+    # Long enough that the streams are still running when the late request comes (at 120
+    # tokens a fast CPU finished them within the 0.2 s, the server exited, and the late
+    # request met a closed port); the context is 512.
+    tokens = 480
     body = {
-        "model": MODEL_NAME, "prompt": "drain", "max_tokens": 120, "ignore_eos": True,
+        "model": MODEL_NAME, "prompt": "drain", "max_tokens": tokens, "ignore_eos": True,
         "stream": True, "stream_options": {"include_usage": True},
     }  # fmt: skip
     url = served.url + COMPLETIONS
@@ -286,7 +290,7 @@ def test_sigterm_lets_every_stream_in_flight_finish(served: Serve) -> None:
     for result in results:
         TALLY.add("sigterm_drain", "finished" if result and result.finish_reason else "cut")
         assert result is not None and result.error is None
-        assert result.finish_reason == "length" and result.completion_tokens == 120
+        assert result.finish_reason == "length" and result.completion_tokens == tokens
     assert served.proc.wait(timeout=60) == 0
     TALLY.note(
         "SIGTERM",
