@@ -39,7 +39,7 @@ from kvfleet_engine.kernels.checks import FLOAT_DTYPES, dot_precision, require
 from kvfleet_engine.kernels.int_codes import MAGIC
 from kvfleet_engine.kernels.int_dot import CODE_BIAS, _dequantize_kernel, _dot_kernel
 from kvfleet_engine.kernels.int_gemv import _gemv_kernel, _gemv_row_kernel, row_gemv_fits
-from kvfleet_engine.kernels.int_gemv_half2 import X_SHIFT, _gemv_half2_kernel
+from kvfleet_engine.kernels.int_gemv_half2 import _gemv_half2_kernel
 from kvfleet_engine.kernels.int_gemv_lean import INT8_FLIP, MAGICS, PRMT, _gemv_lean_kernel
 from kvfleet_engine.kernels.int_mma import launch_mma
 from kvfleet_engine.kernels.int_plan import INTERPRETED, MatmulPlan, plan_matmul
@@ -75,6 +75,14 @@ def check_operands(
     return m, n, k
 
 
+def _check_one_row_steps(plan: MatmulPlan, group_size: int, k: int) -> None:
+    require(
+        plan.block_k % 8 == 0 and (group_size % plan.block_k == 0 or group_size == k),
+        f"{plan.kernel} block_k {plan.block_k} must divide group_size ({group_size}) or K be "
+        "one group",
+    )
+
+
 def launch(
     x: torch.Tensor,  # [M, K]
     qweight: torch.Tensor,  # int4: int32 [K // 8, N]; int8: int8 [K, N]
@@ -104,6 +112,8 @@ def launch(
     m_blocks = 1 if plan.kernel in ("gemv", "lean", "half2") else triton.cdiv(m, plan.block_m)
     require(m_blocks * n_blocks <= COUNTERS, f"at most {COUNTERS} output tiles per product")
     last_reduces = plan.split_reduce == "last"
+    # One-row kernels: whether each step ends a group, every step, only K's last, or any.
+    groups = "step" if group_size == plan.block_k else "all" if group_size == k else "any"
     split_k, partial, counters = split_k_buffers(split_k, m, n, x.device)
     args = (
         x, qweight, scales, offsets_arg, out, partial, counters,
@@ -111,7 +121,6 @@ def launch(
     )  # fmt: skip
     if plan.kernel == "gemv" and row_gemv_fits(codes, m, n, plan.block_m):
         words = qweight if codes == "int4" else qweight.view(torch.int32)  # int8: [K, N // 4]
-        groups = "step" if group_size == plan.block_k else "all" if group_size == k else "any"
         _gemv_row_kernel[(n_blocks, split_k)](
             x, words, scales, offsets_arg, out, partial, counters, m, n, k, x.stride(0),
             group_size, steps, split_k, MAGIC.value, MAGIC.value | 0x80, MAGIC.value | 0x8000,
@@ -121,12 +130,8 @@ def launch(
     elif plan.kernel == "lean":
         require(m == 1, f"the lean GEMV takes one row of x, got {m}")
         require(codes == "int4" or n % 4 == 0, f"int8 lean GEMV needs N % 4 == 0, got {n}")
-        require(
-            plan.block_k % 8 == 0 and (group_size % plan.block_k == 0 or group_size == k),
-            f"lean block_k {plan.block_k} must divide group_size ({group_size}) or K be one group",
-        )
+        _check_one_row_steps(plan, group_size, k)
         words = qweight if codes == "int4" else qweight.view(torch.int32)  # int8: [K, N // 4]
-        groups = "step" if group_size == plan.block_k else "all" if group_size == k else "any"
         _gemv_lean_kernel[(n_blocks, split_k)](
             x, words, scales, offsets_arg, out, partial, counters, n, k, group_size, steps,
             split_k, *MAGICS, INT8_FLIP, BLOCK_N=plan.block_n, GROUPS=groups,
@@ -136,16 +141,12 @@ def launch(
     elif plan.kernel == "half2":
         require(not INTERPRETED, "the half2 GEMV is inline PTX: the interpreter cannot run it")
         require(m == 1 and codes == "int4", f"the half2 GEMV takes one row of int4, got {m}")
-        require(
-            plan.block_k % 8 == 0 and (group_size % plan.block_k == 0 or group_size == k),
-            f"half2 block_k {plan.block_k} must divide group_size ({group_size}) or K be one group",
-        )
-        groups = "step" if group_size == plan.block_k else "all" if group_size == k else "any"
+        _check_one_row_steps(plan, group_size, k)
         _gemv_half2_kernel[(n_blocks, split_k)](
             x, qweight, scales, offsets_arg, out, partial, counters, n, k, group_size, steps,
             split_k, HAS_OFFSETS=offsets is not None, BLOCK_N=plan.block_n,
             BLOCK_K=plan.block_k, GROUPS=groups, STAGES=plan.num_stages,
-            LAST_REDUCES=last_reduces, X_SHIFT=X_SHIFT, **plan.launch_options(),
+            LAST_REDUCES=last_reduces, **plan.launch_options(),
         )  # fmt: skip
     elif plan.kernel == "mma":
         launch_mma(

@@ -26,7 +26,7 @@ import triton.language as tl
 from kvfleet_engine.kernels.int_gemv_lean import _group_ends
 from kvfleet_engine.kernels.split_k import _finish
 
-X_SHIFT = 4  # x enters float16 as x / 16
+X_SHIFT = tl.constexpr(4)  # x enters float16 as x / 16
 
 # Two float16 1024.0: the magic of the LOP3 and what HSUB2 takes off; 1/16 and -64 undo the
 # x16 of the upper nibble of each byte (1024 + 16 n) / 16 - 64 = n.
@@ -86,7 +86,6 @@ def _gemv_half2_kernel(
     N, K, group_size, steps_per_split, split_k,
     HAS_OFFSETS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUPS: tl.constexpr, STAGES: tl.constexpr, LAST_REDUCES: tl.constexpr,
-    X_SHIFT: tl.constexpr,
 ):  # fmt: skip
     """x [1, K] @ W (int4, int32 [K // 8, N]) for BLOCK_N columns over one of split_k slices
     of K; tiles of [BLOCK_K // 8 packed rows, BLOCK_N columns]. GROUPS: "step" (BLOCK_K ==
@@ -134,8 +133,7 @@ def _gemv_half2_kernel(
                 acc += tl.sum(xs, axis=0) * offset
             part = tl.zeros((ROWS, BLOCK_N), dtype=tl.int32)
             xs = tl.zeros((ROWS, 1), dtype=tl.float32)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     _finish(
         acc[None, :], out_ptr, partial_ptr, counter_ptr, pid_n, pid_k, split_k, tl.arange(0, 1),
-        offs_n, 1, N, LAST_REDUCES,
+        offs_c, 1, N, LAST_REDUCES,
     )  # fmt: skip

@@ -144,9 +144,9 @@ def table_plan(codes: str, m: int, n: int, k: int, group_size: int) -> MatmulPla
     """The table's plan for M rows; a half2 plan (inline PTX) not under the interpreter."""
     load_env_plans()
     for rows, plan in PLAN_TABLE.get((codes, group_size, n, k), []):
-        if rows >= m and plan.kernel == "half2" and INTERPRETED:
-            return None  # the shape rules decide
         if rows >= m:
+            if plan.kernel == "half2" and INTERPRETED:
+                return None  # the shape rules decide
             return replace(plan, block_m=next_power_of_2(m)) if plan.kernel == "gemv" else plan
     return None
 
