@@ -1,5 +1,5 @@
 """CUDA graphs (decode steps, short prompt steps): bucket sizes, and greedy tokens identical with
-graphs on and off."""
+graphs on and off, and with programmatic dependent launch on and off."""
 
 from __future__ import annotations
 
@@ -29,7 +29,11 @@ def test_prompt_bucket_sizes_cover_every_step_up_to_the_limit_with_little_paddin
 
 
 def _greedy_tokens(
-    directory, enforce_eager: bool, dtype: str, max_num_batched_tokens: int
+    directory,
+    enforce_eager: bool,
+    dtype: str,
+    max_num_batched_tokens: int,
+    quantization: str | None = None,
 ) -> list[list[int]]:
     from kvfleet_engine import LLM, SamplingParams
 
@@ -41,6 +45,7 @@ def _greedy_tokens(
         max_model_len=512,
         max_num_batched_tokens=max_num_batched_tokens,
         enforce_eager=enforce_eager,
+        quantization=quantization,
     )
     assert (llm.engine.model_runner.executor.prompt_graphs is None) == enforce_eager
     prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(5 + 37 * i)] for i in range(6)]
@@ -71,3 +76,26 @@ def test_greedy_tokens_are_the_same_with_and_without_cuda_graphs(
     eager = _greedy_tokens(tmp_path, True, dtype, max_num_batched_tokens)
     graphs = _greedy_tokens(tmp_path, False, dtype, max_num_batched_tokens)
     assert graphs == eager
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantization", [None, "fp8", "int8"])
+def test_greedy_tokens_are_the_same_with_and_without_programmatic_dependent_launch(
+    tmp_path, monkeypatch, quantization
+) -> None:
+    """PDL changes when a kernel starts, never what it reads: the tokens of graphs and mixed
+    steps (48 tokens per step) are identical with it off and on."""
+    from kvfleet_engine.kernels import pdl
+    from kvfleet_engine.tiny_model import write_tiny_model
+
+    write_tiny_model(tmp_path)
+    tokens = []
+    for setting in ("0", "1"):
+        monkeypatch.setenv(pdl.PDL_ENV, setting)
+        pdl.enabled.cache_clear()
+        tokens.append(_greedy_tokens(tmp_path, False, "bfloat16", 48, quantization))
+        assert pdl.enabled(torch.device("cuda")) == (
+            setting == "1" and torch.cuda.get_device_capability() >= (9, 0)
+        )
+    pdl.enabled.cache_clear()
+    assert tokens[1] == tokens[0]

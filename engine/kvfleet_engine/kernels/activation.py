@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from kvfleet_engine.kernels.checks import FLOAT_DTYPES, next_power_of_2, require
+from kvfleet_engine.kernels.pdl import _start, launch_options
 
 # Columns per program: a batch-1 row of Llama-3.1-8B (14,336 columns) spreads over 28 programs.
 BLOCK_COLS = 512
@@ -21,7 +22,9 @@ def _silu_and_mul_kernel(
     stride_o,
     inner,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    _start(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inner
@@ -48,6 +51,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, 2 * inner]
         return out
     block = min(BLOCK_COLS, next_power_of_2(inner))
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(inner, block))](
-        x, out, x.stride(0), out.stride(0), inner, BLOCK=block
+        x, out, x.stride(0), out.stride(0), inner, BLOCK=block, **launch_options(x.device)
     )
     return out

@@ -31,6 +31,7 @@ from kvfleet_engine.kernels.checks import (
     require,
 )
 from kvfleet_engine.kernels.decode_kernels import decode_merge_kernel, decode_split_kernel
+from kvfleet_engine.kernels.pdl import launch_options
 from kvfleet_engine.layers.attention_torch import KVCache
 
 
@@ -250,6 +251,7 @@ def _decode(
         num_warps=num_warps,
         num_stages=launch.num_stages,
         maxnreg=launch.max_registers,
+        **launch_options(query.device),
     )
     if num_splits == 1:
         return out
@@ -264,5 +266,6 @@ def _decode(
         BLOCK_D=block_d,
         NUM_SPLITS=num_splits,
         SPLITS_PAD=next_power_of_2(num_splits),
+        **launch_options(query.device),
     )
     return out

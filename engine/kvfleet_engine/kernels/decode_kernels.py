@@ -22,6 +22,7 @@ from kvfleet_engine.kernels.kv_fp8 import (
     v_rows_valid,
     v_tile,
 )
+from kvfleet_engine.kernels.pdl import _start
 
 
 @triton.jit
@@ -97,7 +98,9 @@ def decode_split_kernel(
     V_RUN: tl.constexpr,
     PREFETCH_SCALES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    _start(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -254,7 +257,9 @@ def decode_merge_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    _start(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)

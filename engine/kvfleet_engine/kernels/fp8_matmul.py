@@ -21,6 +21,7 @@ import triton.language as tl
 
 from kvfleet_engine.kernels.checks import dot_precision, next_power_of_2, require
 from kvfleet_engine.kernels.int_plan import load_env_plans, split_for
+from kvfleet_engine.kernels.pdl import _start, launch_options
 from kvfleet_engine.kernels.split_k import COUNTERS, _finish, _sum_splits_kernel, split_k_buffers
 from kvfleet_engine.quant.layout import FP8_DTYPE, FP8_MAX
 
@@ -110,7 +111,7 @@ def _fp8_gemv_kernel(
     M, N, K, stride_xm, steps_per_split, split_k,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
     LAST_REDUCES: tl.constexpr, DOT_PRECISION: tl.constexpr, SWAP_AB: tl.constexpr,
-    HALF_DOT: tl.constexpr,
+    HALF_DOT: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Weight-only: each program owns BLOCK_N weight rows and one of SPLIT_K slices of K; the
     FMA form keeps x·w in a [BLOCK_M, BLOCK_N, BLOCK_K] tile reduced once at the end, the dot
@@ -118,6 +119,7 @@ def _fp8_gemv_kernel(
     HALF_DOT: the dot in float16 instead (x rounded to float16, clamped at ±65504; e4m3 to
     float16 is one convert per two weights on sm_89+, bfloat16 goes through float32); SWAP_AB:
     the weight is the dot's left operand (out^T = W x^T)."""
+    _start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -244,11 +246,13 @@ def fp8_gemv(
         BLOCK_M=max(16, block_m) if use_dot else block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         USE_DOT=use_dot, LAST_REDUCES=reduce == "last", DOT_PRECISION=dot_precision(x.dtype),
         SWAP_AB=plan.swap_ab, HALF_DOT=plan.half_dot and x.dtype != torch.float32,
-        num_warps=num_warps, num_stages=plan.num_stages,
+        num_warps=num_warps, num_stages=plan.num_stages, **launch_options(x.device),
     )  # fmt: skip
     if split_k > 1 and reduce != "last":
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](partial, out, m * n, split_k, BLOCK=block)
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
+            partial, out, m * n, split_k, BLOCK=block, **launch_options(x.device)
+        )
     return out
 
 

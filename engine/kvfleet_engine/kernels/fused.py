@@ -18,6 +18,7 @@ from kvfleet_engine.kernels.checks import (
     require,
 )
 from kvfleet_engine.kernels.kv_fp8 import fp8_scales, row_amax, to_fp8
+from kvfleet_engine.kernels.pdl import _start, launch_options
 
 
 @triton.jit
@@ -35,7 +36,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    _start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
@@ -87,6 +90,7 @@ def rms_norm(
             HAS_RESIDUAL=residual is not None,
             BLOCK=next_power_of_2(dim),
             num_warps=4 if dim <= 4096 else 8,
+            **launch_options(x.device),
         )
     out = out.view(x.shape)
     return out, (residual_out.view(x.shape) if residual_out is not None else None)
@@ -150,7 +154,9 @@ def _rotary_kernel(
     BLOCK_QH: tl.constexpr,
     BLOCK_KVH: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    _start(PDL)
     token = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin(positions_ptr, token, cos_sin_ptr, stride_cs, HALF, BLOCK_HALF)
     _rotate_heads_(
@@ -197,7 +203,9 @@ def _rotary_store_kv_kernel(
     BLOCK_KVH: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     FP8: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    _start(PDL)
     token = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin(positions_ptr, token, cos_sin_ptr, stride_cs, HALF, BLOCK_HALF)
     _rotate_heads_(
@@ -259,6 +267,7 @@ def rotary_embedding_(
         BLOCK_QH=next_power_of_2(num_q_heads),
         BLOCK_KVH=next_power_of_2(key.shape[1]),
         BLOCK_HALF=next_power_of_2(head_dim // 2),
+        **launch_options(query.device),
     )
 
 
@@ -315,4 +324,5 @@ def rotary_store_kv(
         BLOCK_KVH=next_power_of_2(num_kv_heads),
         BLOCK_HALF=next_power_of_2(head_dim // 2),
         FP8=k_scales is not None,
+        **launch_options(query.device),
     )

@@ -43,6 +43,7 @@ from kvfleet_engine.kernels.int_gemv_half2 import _gemv_half2_kernel
 from kvfleet_engine.kernels.int_gemv_lean import INT8_FLIP, MAGICS, PRMT, _gemv_lean_kernel
 from kvfleet_engine.kernels.int_mma import launch_mma
 from kvfleet_engine.kernels.int_plan import INTERPRETED, MatmulPlan, plan_matmul
+from kvfleet_engine.kernels.pdl import launch_options
 from kvfleet_engine.kernels.split_k import COUNTERS, _sum_splits_kernel, split_k_buffers
 
 
@@ -115,6 +116,7 @@ def launch(
     # One-row kernels: whether each step ends a group, every step, only K's last, or any.
     groups = "step" if group_size == plan.block_k else "all" if group_size == k else "any"
     split_k, partial, counters = split_k_buffers(split_k, m, n, x.device)
+    pdl = launch_options(x.device)  # the one-row kernels and the split sum: decode steps
     args = (
         x, qweight, scales, offsets_arg, out, partial, counters,
         m, n, k, x.stride(0), group_size, steps, split_k,
@@ -125,7 +127,7 @@ def launch(
             x, words, scales, offsets_arg, out, partial, counters, m, n, k, x.stride(0),
             group_size, steps, split_k, MAGIC.value, MAGIC.value | 0x80, MAGIC.value | 0x8000,
             BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, GROUPS=groups, STAGES=plan.num_stages,
-            LAST_REDUCES=last_reduces, **plan.launch_options(), **common,
+            LAST_REDUCES=last_reduces, **plan.launch_options(), **pdl, **common,
         )  # fmt: skip
     elif plan.kernel == "lean":
         require(m == 1, f"the lean GEMV takes one row of x, got {m}")
@@ -136,7 +138,7 @@ def launch(
             x, words, scales, offsets_arg, out, partial, counters, n, k, group_size, steps,
             split_k, *MAGICS, INT8_FLIP, BLOCK_N=plan.block_n, GROUPS=groups,
             STAGES=plan.num_stages, LAST_REDUCES=last_reduces, USE_PRMT=PRMT,
-            **plan.launch_options(), **common,
+            **plan.launch_options(), **pdl, **common,
         )  # fmt: skip
     elif plan.kernel == "half2":
         require(not INTERPRETED, "the half2 GEMV is inline PTX: the interpreter cannot run it")
@@ -146,7 +148,7 @@ def launch(
             x, qweight, scales, offsets_arg, out, partial, counters, n, k, group_size, steps,
             split_k, HAS_OFFSETS=offsets is not None, BLOCK_N=plan.block_n,
             BLOCK_K=plan.block_k, GROUPS=groups, STAGES=plan.num_stages,
-            LAST_REDUCES=last_reduces, **plan.launch_options(),
+            LAST_REDUCES=last_reduces, **plan.launch_options(), **pdl,
         )  # fmt: skip
     elif plan.kernel == "mma":
         launch_mma(
@@ -170,7 +172,9 @@ def launch(
         )  # fmt: skip
     if split_k > 1 and not last_reduces:
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](partial, out, m * n, split_k, BLOCK=block)
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
+            partial, out, m * n, split_k, BLOCK=block, **pdl
+        )
     return out
 
 

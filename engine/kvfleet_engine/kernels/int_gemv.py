@@ -10,6 +10,7 @@ import triton.language as tl
 
 from kvfleet_engine.kernels.int_codes import _int8_codes, _nibble_plane, _plane_weight
 from kvfleet_engine.kernels.int_plan import ROW_GEMV_MAX_ROWS
+from kvfleet_engine.kernels.pdl import _start
 from kvfleet_engine.kernels.split_k import _finish
 
 
@@ -72,7 +73,7 @@ def _gemv_row_kernel(
     M, N, K, stride_xm, group_size, steps_per_split, split_k, magic, flip0, flip1,
     CODES: tl.constexpr, HAS_OFFSETS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
-    STAGES: tl.constexpr, LAST_REDUCES: tl.constexpr,
+    STAGES: tl.constexpr, LAST_REDUCES: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """The GEMV of BLOCK_M (int8: 1; int4: 1, 2 or 4) rows of x. Tiles are 2-D [rows, columns],
     so each thread keeps the 16-byte vectors it loads (a tile with a third, row-of-x dimension
@@ -84,6 +85,7 @@ def _gemv_row_kernel(
     two). GROUPS: "step" (BLOCK_K == group_size), "all" (one group: the scales multiply the sums
     once, at the end) or "any". STAGES > 1 software-pipelines the weight loads (cp.async into
     shared memory, STAGES - 1 steps ahead), so loads stay in flight while a step computes."""
+    _start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     ROWS: tl.constexpr = BLOCK_K // 8 if CODES == "int4" else BLOCK_K  # loaded rows per step

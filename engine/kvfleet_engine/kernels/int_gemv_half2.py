@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from kvfleet_engine.kernels.int_gemv_lean import _group_ends
+from kvfleet_engine.kernels.pdl import _start
 from kvfleet_engine.kernels.split_k import _finish
 
 X_SHIFT = tl.constexpr(4)  # x enters float16 as x / 16
@@ -86,10 +87,12 @@ def _gemv_half2_kernel(
     N, K, group_size, steps_per_split, split_k,
     HAS_OFFSETS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUPS: tl.constexpr, STAGES: tl.constexpr, LAST_REDUCES: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """x [1, K] @ W (int4, int32 [K // 8, N]) for BLOCK_N columns over one of split_k slices
     of K; tiles of [BLOCK_K // 8 packed rows, BLOCK_N columns]. GROUPS: "step" (BLOCK_K ==
     group_size), "all" (one group of K) or "any"."""
+    _start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     ROWS: tl.constexpr = BLOCK_K // 8

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from kvfleet_engine.kernels.int_plan import INTERPRETED
+from kvfleet_engine.kernels.pdl import _start
 from kvfleet_engine.kernels.split_k import _finish
 
 MAGICS = (0x47000000, 0x45000000, 0x43000000)  # float32 2^15, 2^11, 2^7: fields at b = 8, 12, 16
@@ -125,7 +126,7 @@ def _gemv_lean_kernel(
     N, K, group_size, steps_per_split, split_k, m8, m12, m16, flip,
     CODES: tl.constexpr, HAS_OFFSETS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUPS: tl.constexpr, STAGES: tl.constexpr,
-    LAST_REDUCES: tl.constexpr, USE_PRMT: tl.constexpr,
+    LAST_REDUCES: tl.constexpr, USE_PRMT: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """x [1, K] @ W for BLOCK_N columns over one of split_k slices of K. Tiles are [rows of the
     weight, int32 columns] (int4: BLOCK_K // 8 packed rows x BLOCK_N columns; int8: BLOCK_K rows x
@@ -133,6 +134,7 @@ def _gemv_lean_kernel(
     bits of 2^15, 2^11, 2^7) and flip come at run time: in a register, (bits & mask) | m8 is one
     LOP3. GROUPS: "step"
     (BLOCK_K == group_size), "all" (one group of K) or "any"."""
+    _start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     ROWS: tl.constexpr = BLOCK_K // 8 if CODES == "int4" else BLOCK_K

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet_engine.kernels.pdl import _start
+
 COUNTERS = 1 << 16  # split-K counters per device (one per output tile)
 
 
@@ -57,7 +59,10 @@ def _finish(
 
 
 @triton.jit
-def _sum_splits_kernel(partial_ptr, out_ptr, numel, split_k, BLOCK: tl.constexpr):
+def _sum_splits_kernel(
+    partial_ptr, out_ptr, numel, split_k, BLOCK: tl.constexpr, PDL: tl.constexpr = False
+):
+    _start(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     acc = tl.zeros((BLOCK,), dtype=tl.float32)

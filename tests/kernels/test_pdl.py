@@ -1,0 +1,85 @@
+"""Programmatic dependent launch: where it is off, and the contract that makes it safe — every
+kernel that can be launched with it waits for the kernels before it before touching memory."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvfleet_engine.kernels import pdl
+
+KERNELS = Path(pdl.__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    pdl.enabled.cache_clear()
+    yield
+    pdl.enabled.cache_clear()
+
+
+def test_pdl_is_off_on_the_cpu_and_when_the_setting_says_so(monkeypatch) -> None:
+    assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setenv(pdl.PDL_ENV, "0")
+    assert pdl.launch_options(torch.device("cuda")) == {"PDL": False}
+
+
+def _kernels_with_pdl() -> dict[str, ast.FunctionDef]:
+    found = {}
+    for path in sorted(KERNELS.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and any(
+                arg.arg == "PDL" for arg in node.args.args
+            ):
+                found[f"{path.name}:{node.name}"] = node
+    return found
+
+
+def _is_start(statement: ast.stmt) -> bool:
+    call = statement.value if isinstance(statement, ast.Expr) else None
+    return (
+        isinstance(call, ast.Call)
+        and getattr(call.func, "id", None) == "_start"
+        and [getattr(a, "id", None) for a in call.args] == ["PDL"]
+    )
+
+
+def _memory_calls(statements: list[ast.stmt]) -> list[str]:
+    """Calls that may read or write memory: tl.load / store / atomics, and helpers."""
+    found = []
+    for statement in statements:
+        for node in ast.walk(statement):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            if isinstance(func, ast.Attribute) and (
+                func.attr in ("load", "store") or func.attr.startswith("atomic")
+            ):
+                found.append(func.attr)
+            elif isinstance(func, ast.Name) and func.id.startswith("_"):
+                found.append(func.id)
+    return found
+
+
+def test_every_kernel_that_takes_pdl_waits_before_touching_memory() -> None:
+    kernels = _kernels_with_pdl()
+    # The decode step's kernels: norms, attention, activation, the one-row products, split sums.
+    for name in (
+        "fused.py:_rms_norm_kernel",
+        "decode_kernels.py:decode_split_kernel",
+        "activation.py:_silu_and_mul_kernel",
+        "int_gemv_half2.py:_gemv_half2_kernel",
+        "fp8_matmul.py:_fp8_gemv_kernel",
+        "split_k.py:_sum_splits_kernel",
+    ):
+        assert name in kernels
+    for name, node in kernels.items():
+        if name.startswith("pdl.py:"):
+            continue
+        starts = [i for i, statement in enumerate(node.body) if _is_start(statement)]
+        assert starts, f"{name} takes PDL but never calls _start(PDL) in its body"
+        before = _memory_calls(node.body[: starts[0]])
+        assert not before, f"{name} calls {before} before _start(PDL)"
