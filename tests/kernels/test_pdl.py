@@ -15,15 +15,23 @@ KERNELS = Path(pdl.__file__).parent
 
 
 @pytest.fixture(autouse=True)
-def _fresh_cache():
-    pdl.enabled.cache_clear()
+def _fresh_cache(monkeypatch):
+    monkeypatch.delenv(pdl.PDL_ENV, raising=False)
+    pdl.set_default(True)
     yield
-    pdl.enabled.cache_clear()
+    pdl.set_default(True)
 
 
 def test_pdl_is_off_on_the_cpu_and_when_the_setting_says_so(monkeypatch) -> None:
     assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
     monkeypatch.setenv(pdl.PDL_ENV, "0")
+    pdl.enabled.cache_clear()
+    assert pdl.launch_options(torch.device("cuda")) == {"PDL": False}
+
+
+def test_float_models_default_to_no_pdl() -> None:
+    """The runner turns it off for float linears (cuBLAS products: slower with PDL)."""
+    pdl.set_default(False)
     assert pdl.launch_options(torch.device("cuda")) == {"PDL": False}
 
 

@@ -99,3 +99,21 @@ def test_greedy_tokens_are_the_same_with_and_without_programmatic_dependent_laun
         )
     pdl.enabled.cache_clear()
     assert tokens[1] == tokens[0]
+
+
+@pytest.mark.gpu
+def test_pdl_is_on_by_default_for_quantized_linears_only(tmp_path, monkeypatch) -> None:
+    """Float linears run cuBLAS products, slower with PDL on the H200; quantized ones ours."""
+    from kvfleet_engine import LLM
+    from kvfleet_engine.kernels import pdl
+    from kvfleet_engine.tiny_model import write_tiny_model
+
+    monkeypatch.delenv(pdl.PDL_ENV, raising=False)
+    write_tiny_model(tmp_path)
+    for quantization, expected in ((None, False), ("fp8", True)):
+        llm = LLM(str(tmp_path), dtype="bfloat16", device="cuda", max_model_len=256,
+                  quantization=quantization)  # fmt: skip
+        capable = torch.cuda.get_device_capability() >= (9, 0)
+        assert pdl.enabled(torch.device("cuda")) == (expected and capable), quantization
+        del llm
+    pdl.set_default(True)

@@ -11,7 +11,12 @@ such kernel waits, so finishing implies its predecessors finished too, and a ker
 without PDL (torch's, cuBLAS) orders as usual. A kernel takes part by calling `_start(PDL)`
 before its first memory access and by being launched with `**launch_options(device)`.
 
-`KVFLEET_PDL=0` turns it off (A/B runs); the interpreter and GPUs below 9.0 never use it.
+Where it is on by default: for models whose linears are quantized (their products are our
+Triton kernels; batch-1 fp8 +3.8%, AWQ +3.4% on the H200), not for float models, whose products
+are cuBLAS's (bf16 measured 227.3 -> 219.7 tok/s with it, three rounds in one call,
+`bench/results/2026-12-03-nvidia-h200-latency-llama-3.1-8b-pdl-bf16-fp8-rounds.json`). The
+model runner says which (`set_default`); `KVFLEET_PDL=0` / `1` overrides it (A/B runs). The
+interpreter and GPUs below 9.0 never use it.
 """
 
 from __future__ import annotations
@@ -27,12 +32,23 @@ import triton.language as tl
 from kvfleet_engine.kernels.int_plan import INTERPRETED
 
 PDL_ENV = "KVFLEET_PDL"
+_default = [True]  # the model runner's choice (`set_default`), where PDL_ENV does not say
+
+
+def set_default(on: bool) -> None:
+    """Whether kernels launch with PDL unless PDL_ENV says otherwise (the model runner: on for
+    quantized linears, off for float ones)."""
+    _default[0] = on
+    enabled.cache_clear()
 
 
 @functools.cache
 def enabled(device: torch.device) -> bool:
     """Whether kernels on this device launch with PDL."""
-    if INTERPRETED or device.type != "cuda" or os.environ.get(PDL_ENV, "1") == "0":
+    setting = os.environ.get(PDL_ENV, "")
+    if INTERPRETED or device.type != "cuda" or setting == "0":
+        return False
+    if setting != "1" and not _default[0]:
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
 

@@ -18,6 +18,7 @@ from kvfleet_engine.layers.sampler import Sampler, SamplingMetadata
 from kvfleet_engine.models.loader import load_model, serving_dtype
 from kvfleet_engine.parallel.groups import Groups
 from kvfleet_engine.parallel.pipeline import StageLayers, intermediate_shape
+from kvfleet_engine.quant.linear import QuantLinear
 from kvfleet_engine.runner import kv_memory
 from kvfleet_engine.runner.inputs import ModelInputs
 from kvfleet_engine.runner.kv_memory import (
@@ -93,6 +94,10 @@ class ModelExecutor:
         )
         torch.manual_seed(config.runner.seed)
         self.model = load_model(config.model, self.device, self.dtype, groups)
+        if self.device.type == "cuda":  # PDL pays where the products are our kernels, not cuBLAS's
+            from kvfleet_engine.kernels import pdl
+
+            pdl.set_default(any(isinstance(m, QuantLinear) for m in self.model.modules()))
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # This rank's pipeline stage (None: one stage, the whole model).
         self.stage: StageLayers | None = self.model.model.stage
