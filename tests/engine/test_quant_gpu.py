@@ -60,7 +60,7 @@ def test_layer_matches_its_reference(kind: str, rows: int) -> None:
         return
     # The kernel module is imported here, not at collection: imported natively before
     # tests/kernels switch Triton to its interpreter, its kernels would not run there.
-    from kvfleet_engine.kernels.fp8_matmul import GEMV_MAX_ROWS
+    from kvfleet_engine.kernels.fp8_gemv import GEMV_MAX_ROWS
 
     # fp8: decode-sized batches multiply x as it is, larger ones quantize it per token (W8A8);
     # W8A8's rounding of x costs ~3% relative error, so the wrong path fails the 1% bound.

@@ -80,7 +80,7 @@ def test_every_kernel_that_takes_pdl_waits_before_touching_memory() -> None:
         "decode_kernels.py:decode_split_kernel",
         "activation.py:_silu_and_mul_kernel",
         "int_gemv_half2.py:_gemv_half2_kernel",
-        "fp8_matmul.py:_fp8_gemv_kernel",
+        "fp8_gemv.py:_fp8_gemv_kernel",
         "split_k.py:_sum_splits_kernel",
     ):
         assert name in kernels

@@ -21,8 +21,8 @@ from kvfleet_engine.quant import layout
 def _kernel_modules():
     """The integer and fp8 product modules, made in this run's mode: a module binds the Triton
     helpers of those it imports, so if any kernel is stale all are reloaded, helpers first."""
-    names = ["int_codes", "split_k", "int_plan", "int_gemv", "int_dot", "int_mma", "int4_matmul"]
-    names += ["int8_matmul", "fp8_matmul"]
+    names = ["pdl", "int_codes", "split_k", "int_plan", "int_gemv", "int_dot", "int_mma"]
+    names += ["int4_matmul", "int8_matmul", "fp8_gemv", "fp8_matmul"]
     modules = [importlib.import_module(f"kvfleet_engine.kernels.{name}") for name in names]
     kernels = [
         value
@@ -35,7 +35,7 @@ def _kernel_modules():
     return modules
 
 
-_, splits, int_plan, _, _, _, int4, int8, fp8 = _kernel_modules()
+_, _, splits, int_plan, _, _, _, int4, int8, fp8_gemv, fp8 = _kernel_modules()
 MatmulPlan = int_plan.MatmulPlan
 
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -270,7 +270,7 @@ def assert_row_quantization(x: torch.Tensor, x_q: torch.Tensor, scale: torch.Ten
 
 
 @on_cpu
-@pytest.mark.parametrize("m", [fp8.GEMV_MAX_ROWS + 1, 40])  # W8A8: rows above the GEMV's
+@pytest.mark.parametrize("m", [fp8_gemv.GEMV_MAX_ROWS + 1, 40])  # W8A8: rows above the GEMV's
 def test_triton_fp8_gemm_matches_reference(m) -> None:
     weight = make_fp8(80, 96)
     x = make_x(m, 96, dtype=torch.float16)
@@ -295,7 +295,7 @@ def test_fp8_weight_only_gemv_matches_reference(blocks, m) -> None:
     BLOCK_K, so the last step is masked)."""
     weight = make_fp8(80, 200)
     x = make_x(m, 200, dtype=torch.float16)
-    out = fp8.fp8_gemv(x, weight.weight, weight.scale, torch.float16, blocks)
+    out = fp8_gemv.fp8_gemv(x, weight.weight, weight.scale, torch.float16, blocks)
     assert out.shape == (m, 80) and out.dtype == torch.float16
     assert relative_error(out, layout.fp8_weight_only_reference(x.float(), weight)) < 1e-3
     if blocks is None:  # what fp8_matmul runs at decode sizes (its checks, then this)
@@ -404,7 +404,7 @@ def test_gpu_int8_llama_products(n, k, group_size, m) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 4, fp8.GEMV_MAX_ROWS, fp8.GEMV_MAX_ROWS + 1, 300])
+@pytest.mark.parametrize("m", [1, 4, fp8_gemv.GEMV_MAX_ROWS, fp8_gemv.GEMV_MAX_ROWS + 1, 300])
 @pytest.mark.parametrize(("n", "k"), LLAMA_8B)
 def test_gpu_fp8_matmul_llama_products(n, k, m, out_dtype) -> None:
     """fp8_matmul against the reference of the path it takes: up to GEMV_MAX_ROWS rows the
@@ -416,7 +416,7 @@ def test_gpu_fp8_matmul_llama_products(n, k, m, out_dtype) -> None:
     x = make_x(m, k, dtype=torch.bfloat16)
     out = fp8.fp8_matmul(x, weight.weight, weight.scale, out_dtype)
     assert out.shape == (m, n) and out.dtype == out_dtype
-    if m <= fp8.GEMV_MAX_ROWS:
+    if m <= fp8_gemv.GEMV_MAX_ROWS:
         assert relative_error(out, layout.fp8_weight_only_reference(x.float(), weight)) < 5e-3
     else:
         assert relative_error(out, layout.fp8_linear_reference(x, weight)) < 1e-2

@@ -199,9 +199,9 @@ def test_plan_table_loads_the_sweep_json_named_by_the_environment(
 def test_baked_plans_pick_the_h200_sweep_winners_unless_the_environment_says_none(
     empty_plan_table, monkeypatch
 ) -> None:
-    from kvfleet_engine.kernels import fp8_matmul
+    from kvfleet_engine.kernels import fp8_gemv
 
-    monkeypatch.setattr(fp8_matmul, "GEMV_TABLE", {})
+    monkeypatch.setattr(fp8_gemv, "GEMV_TABLE", {})
     monkeypatch.delenv(int_plan.PLANS_ENV, raising=False)
     assert int_plan.load_env_plans() > 0
     cpu = torch.device("cpu")
@@ -220,7 +220,7 @@ def test_baked_plans_pick_the_h200_sweep_winners_unless_the_environment_says_non
     assert int_plan.plan_matmul(1, 28672, 4096, 4096, cpu, "int8").kernel == "lean"
     assert int_plan.plan_matmul(64, 4096, 14336, 128, cpu).kernel == "mma"
     assert int_plan.plan_matmul(300, 4096, 14336, 128, cpu).kernel == "dequantize"  # past 256
-    fp8_qkv = fp8_matmul.table_gemv_plan(1, 6144, 4096)
+    fp8_qkv = fp8_gemv.table_gemv_plan(1, 6144, 4096)
     assert fp8_qkv is not None and (fp8_qkv.block_n, fp8_qkv.block_k) == (64, 256)
     int_plan.PLAN_TABLE.clear()
     int_plan.load_env_plans.cache_clear()
@@ -304,22 +304,22 @@ FP8_VARIANTS = [  # (plan fields), rows
 @pytest.mark.parametrize(("fields", "m"), FP8_VARIANTS)
 def test_fp8_gemv_variants_match_reference(fields, m) -> None:
     """The weight-only fp8 GEMV with the weight as the left operand and / or a float16 dot."""
-    from test_quant_matmul import fp8, make_fp8
+    from test_quant_matmul import fp8_gemv, make_fp8
 
     weight = make_fp8(80, 256)
     x = make_x(m, 256, dtype=torch.float16)
-    plan = fp8.Fp8GemvPlan(16, 32, 64, **fields)
-    out = fp8.fp8_gemv(x, weight.weight, weight.scale, torch.float16, plan)
+    plan = fp8_gemv.Fp8GemvPlan(16, 32, 64, **fields)
+    out = fp8_gemv.fp8_gemv(x, weight.weight, weight.scale, torch.float16, plan)
     assert relative_error(out, layout.fp8_weight_only_reference(x.float(), weight)) < 1e-3
 
 
 def test_fp8_plan_table_picks_the_gemv_plan(monkeypatch) -> None:
-    from test_quant_matmul import fp8
+    from test_quant_matmul import fp8_gemv
 
-    monkeypatch.setattr(fp8, "GEMV_TABLE", {})
+    monkeypatch.setattr(fp8_gemv, "GEMV_TABLE", {})
     plan = {"block_m": 16, "block_n": 32, "block_k": 64, "swap_ab": True, "half_dot": True}
     int_plan.install_plans([{"kind": "fp8", "rows": 8, "n": 80, "k": 256, "plan": plan}])
-    assert fp8.table_gemv_plan(5, 80, 256) == fp8.Fp8GemvPlan(**plan)
-    assert fp8.table_gemv_plan(9, 80, 256) is None
+    assert fp8_gemv.table_gemv_plan(5, 80, 256) == fp8_gemv.Fp8GemvPlan(**plan)
+    assert fp8_gemv.table_gemv_plan(9, 80, 256) is None
     with pytest.raises(ValueError, match=r"fp8 plan fields \['tile'\] unknown"):
         int_plan.install_plans([{"kind": "fp8", "rows": 8, "n": 80, "k": 256, "plan": {"tile": 1}}])

@@ -175,9 +175,9 @@ def compile_plan(kind: str, m: int, n: int, k: int, plan: dict[str, Any]) -> lis
     """Compile (for sm_90, nothing runs) the kernels one plan launches for an [m, k] x [k, n]
     product of `kind` ("int4" group 128, "int8", "fp8" weight-only GEMV, "fp8-w8a8" with
     plan {"blocks": [...]}) on CPU tensors of the kernels' layouts."""
+    from kvfleet_engine.kernels import fp8_gemv, int_plan
     from kvfleet_engine.kernels import fp8_matmul as fp8
     from kvfleet_engine.kernels import int4_matmul as ints
-    from kvfleet_engine.kernels import int_plan
 
     x = torch.zeros(m, k, dtype=torch.bfloat16)  # [M, K]
     with sm90_compiles() as compiled:
@@ -192,7 +192,7 @@ def compile_plan(kind: str, m: int, n: int, k: int, plan: dict[str, Any]) -> lis
         elif kind == "fp8":
             weight = torch.zeros(n, k, dtype=fp8.FP8_DTYPE)  # [N, K]
             scale = torch.ones(n, dtype=torch.float32)  # [N]
-            fp8.fp8_gemv(x, weight, scale, torch.bfloat16, fp8.Fp8GemvPlan(**plan))
+            fp8_gemv.fp8_gemv(x, weight, scale, torch.bfloat16, fp8_gemv.Fp8GemvPlan(**plan))
         elif kind == "fp8-w8a8":
             weight = torch.zeros(n, k, dtype=fp8.FP8_DTYPE)  # [N, K]
             x_q = torch.zeros(m, k, dtype=fp8.FP8_DTYPE)  # [M, K]

@@ -4,7 +4,7 @@ fraction of the measured copy bandwidth, and TFLOP/s; then sweeps of the candida
 (decode rows: CUDA-core GEMV blocks, split-K and pipelined weight loads, the split-K
 tensor-core kernel, the fp8 weight-only GEMV; prompt rows: the best dot tiles against
 dequantize + cuBLAS) with each product's fastest candidate (what the shape tables in
-kernels/int_plan.py and fp8_matmul.py should pick).
+kernels/int_plan.py and fp8_gemv.py / fp8_matmul.py should pick).
 
 Each product runs for every layer (distinct weights per layer, so nothing stays in L2) in one
 CUDA graph, timed by replaying it.
@@ -32,9 +32,9 @@ import triton
 from kvfleet_engine.bench.gemv import copy_bandwidth, layer_shapes, replay_seconds
 from kvfleet_engine.bench.results import Row, gpu_name, write_results
 from kvfleet_engine.bench.shapes import SHAPES
+from kvfleet_engine.kernels import fp8_gemv, int_plan
 from kvfleet_engine.kernels import fp8_matmul as fp8
 from kvfleet_engine.kernels import int4_matmul as ints
-from kvfleet_engine.kernels import int_plan
 from kvfleet_engine.kernels.checks import next_power_of_2
 from kvfleet_engine.quant.layout import FP8_DTYPE
 
@@ -119,7 +119,7 @@ def fp8_product(backend: str, blocks: tuple | None = None) -> Product:
         if backend == "auto":
             return fp8.fp8_matmul(x, w[0], w[1], torch.bfloat16)
         if backend == "gemv":
-            return fp8.fp8_gemv(x, w[0], w[1], torch.bfloat16, blocks)
+            return fp8_gemv.fp8_gemv(x, w[0], w[1], torch.bfloat16, blocks)
         x_q, x_scale = fp8.quantize_fp8_rows(x)
         if backend == "scaled_mm":
             return fp8.scaled_mm_fp8(x_q, x_scale, w[0], w[1])
@@ -233,7 +233,7 @@ def fp8_gemv_product(m: int, bn: int, bk: int, warps: int, per_sm: int, dot: boo
         n, k = w[0].shape
         split = int_plan.split_for(triton.cdiv(n, bn), triton.cdiv(k, bk), x.device, per_sm)
         blocks = (next_power_of_2(m), bn, bk, warps, split, dot, "last")
-        return fp8.fp8_gemv(x, w[0], w[1], torch.bfloat16, blocks)
+        return fp8_gemv.fp8_gemv(x, w[0], w[1], torch.bfloat16, blocks)
 
     return product
 

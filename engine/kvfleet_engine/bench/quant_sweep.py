@@ -36,9 +36,9 @@ from kvfleet_engine.bench.gemv import copy_bandwidth, layer_shapes
 from kvfleet_engine.bench.quant_gemv import INT4_GROUP, Weights, graph_seconds, make_weights
 from kvfleet_engine.bench.results import Row, gpu_name, write_results
 from kvfleet_engine.bench.shapes import SHAPES
+from kvfleet_engine.kernels import fp8_gemv, int_plan
 from kvfleet_engine.kernels import fp8_matmul as fp8
 from kvfleet_engine.kernels import int4_matmul as ints
-from kvfleet_engine.kernels import int_plan
 from kvfleet_engine.kernels.checks import next_power_of_2
 
 KINDS = ("bf16", "int4", "int8", "fp8")
@@ -156,7 +156,7 @@ def int_configs(kind: str, m: int) -> list[Config]:
 def fp8_configs(m: int) -> list[Config]:
     """fp8: the weight-only GEMV (tensor cores, x not quantized) up to 16 rows, with its dot in
     x's dtype or float16 and either operand order; W8A8 (_scaled_mm, Triton) above."""
-    if m > fp8.GEMV_MAX_ROWS:
+    if m > fp8_gemv.GEMV_MAX_ROWS:
         out: list[Config] = [{"family": "fp8-scaled_mm", "per_sm": 0, "plan": {}}]
         for blocks in ((64, 128, 128, 4, 4), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3)):
             out.append({"family": "fp8-w8a8-triton", "per_sm": 0, "plan": {"blocks": blocks}})
@@ -220,7 +220,7 @@ def resolve(config: Config, m: int, n: int, k: int, group: int) -> Any:
         fields["split_k"] = int_plan.split_for(
             triton.cdiv(n, fields["block_n"]), steps, cuda, per_sm
         )
-        return fp8.Fp8GemvPlan(**fields)
+        return fp8_gemv.Fp8GemvPlan(**fields)
     return fields
 
 
@@ -238,7 +238,8 @@ def product(config: Config) -> Callable[[torch.Tensor, Weights], torch.Tensor]:
             return ints.launch(x, qweight, scales, w[2] if len(w) == 3 else None, group, plan)
         n, k = w[0].shape
         if family == "fp8-gemv":
-            return fp8.fp8_gemv(x, w[0], w[1], torch.bfloat16, resolve(config, x.shape[0], n, k, k))
+            plan = resolve(config, x.shape[0], n, k, k)
+            return fp8_gemv.fp8_gemv(x, w[0], w[1], torch.bfloat16, plan)
         x_q, x_scale = fp8.quantize_fp8_rows(x)
         if family == "fp8-scaled_mm":
             return fp8.scaled_mm_fp8(x_q, x_scale, w[0], w[1])

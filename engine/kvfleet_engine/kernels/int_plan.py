@@ -1,6 +1,6 @@
 """Planning of the integer-weight products (`int4_matmul`, `int8_matmul`): the shape table
 that picks a kernel (GEMV, dot or dequantize + cuBLAS) and its block sizes per product class, as a
-`MatmulPlan`, and `split_for`, the slices of K that fill the SMs (also used by `fp8_matmul`).
+`MatmulPlan`, and `split_for`, the slices of K that fill the SMs (also used by `fp8_gemv`).
 """
 
 from __future__ import annotations
@@ -107,13 +107,13 @@ def plan_from_dict(plan: dict[str, Any]) -> MatmulPlan:
 
 def install_plans(entries: list[dict[str, Any]]) -> None:
     """Add plan-table entries {"kind": "int4" | "int8" | "fp8", "rows", "n", "k", "plan": {...}}
-    (int kinds also "group_size"; fp8 plans go to fp8_matmul's table)."""
-    from kvfleet_engine.kernels import fp8_matmul  # imports this module
+    (int kinds also "group_size"; fp8 plans go to fp8_gemv's table)."""
+    from kvfleet_engine.kernels import fp8_gemv  # imports this module
 
     for entry in entries:
         kind, rows, n, k = entry["kind"], int(entry["rows"]), int(entry["n"]), int(entry["k"])
         if kind == "fp8":
-            fp8_matmul.install_gemv_plan(rows, n, k, entry["plan"])
+            fp8_gemv.install_gemv_plan(rows, n, k, entry["plan"])
             continue
         if kind not in ("int4", "int8"):
             raise ValueError(f"plan kind {kind!r} unknown; allowed: ['int4', 'int8', 'fp8']")

@@ -1,4 +1,4 @@
-"""Split-K for the quantized products (`int_gemv`, `int_dot`, `fp8_matmul`): the per-device
+"""Split-K for the quantized products (`int_gemv`, `int_dot`, `fp8_gemv`): the per-device
 tile counters and partial buffers, the `_finish` epilogue (the last program of each output tile
 sums the partials in split order) and the second kernel that sums them otherwise.
 """
