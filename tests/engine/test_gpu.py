@@ -147,8 +147,9 @@ def test_mixed_steps_of_any_shape_compile_each_kernel_once(
     """Batches of every size and mix reuse one compiled variant per kernel: a new variant means
     a Triton compile (hundreds of ms) in the middle of serving."""
     from kvfleet_engine.kernels.activation import _silu_and_mul_kernel
-    from kvfleet_engine.kernels.fused import _rms_norm_kernel, _rotary_store_kv_kernel
+    from kvfleet_engine.kernels.fused import _rotary_store_kv_kernel
     from kvfleet_engine.kernels.prefill_attention import _prefill_kernel
+    from kvfleet_engine.kernels.rms_norm import _rms_norm_kernel
 
     kernels = [_prefill_kernel, _rotary_store_kv_kernel, _rms_norm_kernel, _silu_and_mul_kernel]
     llm = LLM(

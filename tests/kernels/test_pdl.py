@@ -76,7 +76,7 @@ def test_every_kernel_that_takes_pdl_waits_before_touching_memory() -> None:
     kernels = _kernels_with_pdl()
     # The decode step's kernels: norms, attention, activation, the one-row products, split sums.
     for name in (
-        "fused.py:_rms_norm_kernel",
+        "rms_norm.py:_rms_norm_kernel",
         "decode_kernels.py:decode_split_kernel",
         "activation.py:_silu_and_mul_kernel",
         "int_gemv_half2.py:_gemv_half2_kernel",

@@ -15,7 +15,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., dim]
         if x.is_cuda:
-            from kvfleet_engine.kernels.fused import rms_norm
+            from kvfleet_engine.kernels.rms_norm import rms_norm
 
             return rms_norm(x, self.weight, self.eps)[0]
         dtype = x.dtype
@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual)."""
         if x.is_cuda:
-            from kvfleet_engine.kernels.fused import rms_norm
+            from kvfleet_engine.kernels.rms_norm import rms_norm
 
             out, summed = rms_norm(x, self.weight, self.eps, residual)
             assert summed is not None
