@@ -11,15 +11,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvfleet_engine.kernels.attention_tile import fp8_pv, softmax_tile
 from kvfleet_engine.kernels.kv_fp8 import (
     V_SCALE_BOOST,
     f16_rows,
     prefetched_scales,
     quantize_rows,
-    swapped_pairs,
     tile_block_ids,
     tile_scales,
-    v_rows_valid,
     v_tile,
 )
 from kvfleet_engine.kernels.pdl import _start
@@ -212,16 +211,9 @@ def decode_split_kernel(
         else:
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_new, alpha, p, l_i = softmax_tile(scores, m_i, l_i)
         if FP8:
-            weighted = (p * (v_scale * V_SCALE_BOOST)[None, :]).to(q_dot.dtype)
-            v = v_rows_valid(v.to(q_dot.dtype), valid, V_ROWS)
-            if EARLY_V:  # columns swapped in pairs (undone at the store): see swapped_pairs
-                v = swapped_pairs(v)
-            pv = tl.dot(weighted, v, input_precision=DOT_PRECISION)
+            pv = fp8_pv(p, v, v_scale, valid, q_dot, V_ROWS, EARLY_V, DOT_PRECISION)
         else:
             pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + pv

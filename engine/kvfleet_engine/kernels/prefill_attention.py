@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet_engine.kernels.attention_tile import fp8_pv, softmax_tile
 from kvfleet_engine.kernels.checks import (
     LOG2E,
     check_index,
@@ -26,10 +27,8 @@ from kvfleet_engine.kernels.kv_fp8 import (
     V_SCALE_BOOST,
     f16_rows,
     prefetched_scales,
-    swapped_pairs,
     tile_block_ids,
     tile_scales,
-    v_rows_valid,
     v_tile,
 )
 
@@ -184,16 +183,9 @@ def _prefill_kernel(
                 scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
             visible = valid[None, :] & (positions[None, :] <= row_positions[:, None])
             scores = tl.where(visible, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(scores - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_new, alpha, p, l_i = softmax_tile(scores, m_i, l_i)
             if FP8:
-                weighted = (p * (v_scale * V_SCALE_BOOST)[None, :]).to(q.dtype)
-                v = v_rows_valid(v.to(q.dtype), valid, V_ROWS)
-                if EARLY_V:  # converted before shared memory (`kv_fp8.swapped_pairs`)
-                    v = swapped_pairs(v)
-                pv = tl.dot(weighted, v, input_precision=DOT_PRECISION)
+                pv = fp8_pv(p, v, v_scale, valid, q, V_ROWS, EARLY_V, DOT_PRECISION)
             else:
                 pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             acc = acc * alpha[:, None] + pv
