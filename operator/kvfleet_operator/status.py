@@ -158,14 +158,14 @@ def _scaling(spec: InferenceDeploymentSpec) -> str:
     return "Manual"
 
 
-Cond = tuple[str, str, str]  # status, reason, message
+ConditionFields = tuple[str, str, str]  # status, reason, message
 _GROUP_WORKLOAD = {"LeaderWorkerSet": "a LeaderWorkerSet", "StatefulSet": "one StatefulSet each"}
 
 
 def _conditions(
     spec: InferenceDeploymentSpec, plan: Plan, workload: WorkloadState | None
-) -> dict[str, Cond]:
-    conditions: dict[str, Cond] = {}
+) -> dict[str, ConditionFields]:
+    conditions: dict[str, ConditionFields] = {}
     if plan.problems:
         reason = plan.problems[0].reason
         message = "; ".join(p.message for p in plan.problems)
@@ -183,7 +183,7 @@ def _conditions(
 
 def _rollout_conditions(
     spec: InferenceDeploymentSpec, workload: WorkloadState | None, kind: str
-) -> dict[str, Cond]:
+) -> dict[str, ConditionFields]:
     if workload is None:
         message = f"creating the {kind}"
         return {
@@ -237,7 +237,7 @@ def _rollout_conditions(
     }
 
 
-def _available(spec: InferenceDeploymentSpec, workload: WorkloadState | None) -> Cond:
+def _available(spec: InferenceDeploymentSpec, workload: WorkloadState | None) -> ConditionFields:
     if spec.suspend:
         return ("False", "Suspended", "spec.suspend is true")
     if workload is not None and workload.ready > 0:
@@ -266,7 +266,7 @@ def _plan_summary(spec: InferenceDeploymentSpec, plan: Plan) -> str:
 
 
 def _merge_conditions(
-    old: list[dict[str, Any]], new: dict[str, Cond], generation: int, now: str
+    old: list[dict[str, Any]], new: dict[str, ConditionFields], generation: int, now: str
 ) -> list[dict[str, Any]]:
     """Our conditions in a fixed order, then others' (e.g. the autoscaler's) untouched.
     lastTransitionTime changes only when a condition's status does."""
@@ -329,7 +329,7 @@ def invalid_spec_status(
     *, generation: int, message: str, old_status: dict[str, Any], now: str
 ) -> dict[str, Any]:
     """Status for a spec the typed model rejects (a rule the CRD schema could not express)."""
-    conditions: dict[str, Cond] = {
+    conditions: dict[str, ConditionFields] = {
         "Ready": ("False", "InvalidSpec", message),
         "Reconciling": ("False", "Stalled", "waiting for a valid spec"),
         "Stalled": ("True", "InvalidSpec", message),
