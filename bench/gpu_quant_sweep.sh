@@ -9,7 +9,7 @@
 # product), the layer's us, fraction of copy bandwidth, ratio to bf16 and the issue-13 target;
 # writes $OUT/<date>-<gpu>-quant-sweep-llama-3.1-8b.json (every timing) and $OUT/quant-plans.json
 # (the winners as plan-table entries: KVFLEET_QUANT_PLANS=$OUT/quant-plans.json uses them).
-#   bench/gpu_quant_sweep.sh            ROWS=1,16 LAYERS=8 WORKERS=12 override the defaults
+#   bench/gpu_quant_sweep.sh            ROWS=1,16 LAYERS=8 WORKERS=12 KINDS=fp8 override the defaults
 set -uo pipefail
 OUT=${OUT:-/tmp/kvfleet-gpu-quant-sweep}
 mkdir -p "$OUT"
@@ -21,5 +21,6 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --form
 echo "=== sweep ($(date +%T))"
 timeout -k 5 "${SWEEP_TIMEOUT:-230}" $PY -m kvfleet_engine.bench.quant_sweep \
   --rows "${ROWS:-1,2,4,8,16,64,256}" --layers "${LAYERS:-8}" --workers "${WORKERS:-12}" \
+  --kinds "${KINDS:-bf16,int4,int8,fp8}" \
   --output-dir "$OUT" 2>&1 | grep -v Warning | tee "$OUT/quant_sweep.log"
 echo "=== done ($(date +%T))"

@@ -282,8 +282,8 @@ def _all_layers(run: Callable, x: torch.Tensor, layers: list[Weights]) -> None:
         run(x, w)
 
 
-def jobs(rows: list[int]) -> list[tuple[str, int, Config]]:
-    return [(kind, m, c) for m in rows for kind in KINDS for c in configs(kind, m)]
+def jobs(rows: list[int], kinds: tuple[str, ...] = KINDS) -> list[tuple[str, int, Config]]:
+    return [(kind, m, c) for m in rows for kind in kinds for c in configs(kind, m)]
 
 
 def _warm(shape: str, part: list[tuple[str, int, Config]]) -> int:
@@ -291,7 +291,8 @@ def _warm(shape: str, part: list[tuple[str, int, Config]]) -> int:
     torch.manual_seed(0)
     device = torch.device("cuda")
     shapes = layer_shapes(shape)
-    weights = {kind: [make_weights(kind, n, k, device) for _, n, k in shapes] for kind in KINDS}
+    kinds = {kind for kind, _, _ in part}
+    weights = {kind: [make_weights(kind, n, k, device) for _, n, k in shapes] for kind in kinds}
     done = 0
     for kind, m, config in part:
         for index, (_, _, k) in enumerate(shapes):
@@ -338,14 +339,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--budget-s", type=float, default=200.0, help="stop timing new jobs after this long"
     )
+    parser.add_argument(
+        "--kinds", default=",".join(KINDS), help=f"comma-separated, of {KINDS} (bf16 always)"
+    )
     parser.add_argument("--output-dir", type=Path)
     args = parser.parse_args(argv)
+    kinds = tuple(k for k in KINDS if k == "bf16" or k in args.kinds.split(","))
+    unknown = sorted(set(args.kinds.split(",")) - set(KINDS))
+    if unknown:
+        parser.error(f"--kinds: {unknown} unknown; choose from {list(KINDS)}")
     if not torch.cuda.is_available():
         print("quant_sweep: needs a CUDA GPU", file=sys.stderr)
         return 2
     rows = [int(r) for r in args.rows.split(",")]
-    todo = jobs(rows)
-    print(f"{len(todo)} (kind, rows, config) jobs over {len(KINDS)} kinds, rows {rows}")
+    todo = jobs(rows, kinds)
+    print(f"{len(todo)} (kind, rows, config) jobs over {len(kinds)} kinds, rows {rows}")
     start = time.time()
     prewarm(args.shape, todo, args.workers, args.compile_budget_s)
     device = torch.device("cuda")
@@ -354,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     weights = {
         kind: [[make_weights(kind, n, k, device) for _, n, k in shapes] for _ in range(args.layers)]
-        for kind in KINDS
+        for kind in kinds
     }
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; {args.layers} layers")
     results: list[dict[str, Any]] = []
@@ -453,8 +461,9 @@ def summarize(
         print("  " + line)
     header = f"{'kind':10}{'rows':>5}{'us/layer':>10}{'of copy':>9}{'x bf16':>8}  {'target':22}"
     print(header + "best config per product (qkv | o | gate_up | down)")
+    kinds = [kind for kind in KINDS if any(r["kind"] == kind for r in results)]
     for m in rows:
-        for kind in KINDS:
+        for kind in kinds:
             mine = [r for r in results if r["kind"] == kind and r["rows"] == m]
             chosen = {}
             for pname, _, _ in shapes:
