@@ -61,11 +61,11 @@ def test_unknown_quantization_is_rejected_naming_the_flag(
 def test_the_sweep_times_only_the_kinds_asked_for_beside_bf16(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from kvfleet_engine.bench import quant_sweep
+    from kvfleet_engine.bench import quant_candidates, quant_sweep
 
     jobs = quant_sweep.jobs([1], ("bf16", "fp8"))
     assert {kind for kind, _, _ in jobs} == {"bf16", "fp8"}
-    assert len(jobs) == 1 + len(quant_sweep.fp8_configs(1))
+    assert len(jobs) == 1 + len(quant_candidates.fp8_configs(1))
     with pytest.raises(SystemExit) as exited:
         quant_sweep.main(["--kinds", "fp8,int3"])
     assert exited.value.code == 2

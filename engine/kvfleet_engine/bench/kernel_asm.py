@@ -213,9 +213,9 @@ def compile_jobs(
     rows: list[int], *, sweep: bool = True
 ) -> list[tuple[str, int, int, int, dict[str, Any]]]:
     """Every distinct compile of the plan tables (kernels/quant_plans.json) and, with `sweep`, of
-    bench.quant_sweep's configs at these rows (the default rules' kernels come with the sweep's):
-    (kind, rows, N, K, plan), split-K fixed at 2 (not a compile-time constant)."""
-    from kvfleet_engine.bench import quant_sweep
+    the sweep's candidates at these rows (`bench.quant_candidates`; the default rules' kernels
+    come with them): (kind, rows, N, K, plan), split-K fixed at 2 (not a compile-time constant)."""
+    from kvfleet_engine.bench import quant_candidates
     from kvfleet_engine.kernels import int_plan
 
     jobs: dict[str, tuple[str, int, int, int, dict[str, Any]]] = {}
@@ -232,7 +232,7 @@ def compile_jobs(
 
     for m in rows if sweep else []:
         for kind in ("int4", "int8", "fp8"):
-            for config in quant_sweep.configs(kind, m):
+            for config in quant_candidates.configs(kind, m):
                 family, plan = config["family"], dict(config["plan"])
                 if family == "int" and plan["kernel"] != "dequantize":
                     add(kind, m, plan)
