@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet_engine.bench.gemv import layer_shapes, replay_seconds
+from kvfleet_engine.bench.gemv import graph_seconds, layer_shapes
 from kvfleet_engine.bench.quant_gemv import make_weights
 from kvfleet_engine.kernels import activation, pdl, quant_matmul
 from kvfleet_engine.kernels.pdl import _start, launch_options
@@ -111,14 +111,7 @@ def layer_us(fmt: str, weights: list, mode: str, mb: int, last: bool) -> float:
             h, residual = rms_norm(h, norm_w, 1e-5, residual)
             h = run(base + 3, activation.silu_and_mul(run(base + 2, h)))
 
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for _ in range(3):
-        graph.replay()
-    return replay_seconds(graph, 21) / LAYERS * 1e6
+    return graph_seconds(step, 21) / LAYERS * 1e6
 
 
 def main() -> int:

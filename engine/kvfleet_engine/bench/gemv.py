@@ -52,6 +52,23 @@ def replay_seconds(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def capture_graph(step: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """`step` run once (compiles outside capture), captured in a CUDA graph, replayed 3 times."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        graph.replay()
+    return graph
+
+
+def graph_seconds(step: Callable[[], None], replays: int = 15) -> float:
+    """Median time of one replay of `step` captured in a CUDA graph."""
+    return replay_seconds(capture_graph(step), replays)
+
+
 def layer_shapes(shape: str) -> list[tuple[str, int, int]]:
     """(name, N, K) of one decoder layer's products: qkv, o, gate_up, down."""
     cfg = SHAPES[shape][1]
@@ -81,13 +98,7 @@ def run_variant(shape: str, name: str, layers: int, tokens: int) -> dict[str, fl
             for (_, _, k), w in zip(shapes, layer, strict=True):
                 product(xs[k], w)
 
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for _ in range(3):
-        graph.replay()
+    graph = capture_graph(step)
     seconds = replay_seconds(graph, 20)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         graph.replay()

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from kvfleet_engine.bench.gemv import copy_bandwidth, layer_shapes, replay_seconds
+from kvfleet_engine.bench.gemv import copy_bandwidth, graph_seconds, layer_shapes
 from kvfleet_engine.bench.results import Row, gpu_name, write_results
 from kvfleet_engine.bench.shapes import SHAPES
 from kvfleet_engine.kernels import fp8_gemv, int_plan
@@ -236,18 +236,6 @@ def fp8_gemv_product(m: int, bn: int, bk: int, warps: int, per_sm: int, dot: boo
         return fp8_gemv.fp8_gemv(x, w[0], w[1], torch.bfloat16, blocks)
 
     return product
-
-
-def graph_seconds(step: Callable[[], None]) -> float:
-    """Median time of one replay of `step` captured in a CUDA graph."""
-    step()  # compiles outside capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for _ in range(3):
-        graph.replay()
-    return replay_seconds(graph, 15)
 
 
 class Bench:

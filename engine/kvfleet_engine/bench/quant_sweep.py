@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from kvfleet_engine.bench.gemv import copy_bandwidth, layer_shapes
+from kvfleet_engine.bench.gemv import copy_bandwidth, graph_seconds, layer_shapes
 from kvfleet_engine.bench.quant_candidates import (
     KINDS,
     LABELS,
@@ -40,7 +40,7 @@ from kvfleet_engine.bench.quant_candidates import (
     product,
     resolve,
 )
-from kvfleet_engine.bench.quant_gemv import INT4_GROUP, Weights, graph_seconds, make_weights
+from kvfleet_engine.bench.quant_gemv import INT4_GROUP, Weights, make_weights
 from kvfleet_engine.bench.results import Row, gpu_name, write_results
 from kvfleet_engine.bench.shapes import SHAPES
 
