@@ -221,6 +221,21 @@ def test_int8_plans_match_reference(plan, m) -> None:
 
 
 @on_cpu
+@pytest.mark.parametrize(
+    "plan",
+    [MatmulPlan("dot", 16, 64, 32, split_k=3), MatmulPlan("dot", 16, 32, 32, 2, "kernel")],
+    ids=["split3", "split2-kernel-sums"],
+)
+def test_int8_per_channel_one_row_dot_matches_reference(plan) -> None:
+    """The split-K dot with one scale per output channel (the shape rules' kernel for int8
+    decode batches of products the plan table does not list): the group ends only where each
+    slice of K does."""
+    weight = make_int8(72, 96, None)
+    x = make_x(1, 96)
+    assert relative_error(run_int8(x, weight, plan), layout.int8_linear_reference(x, weight)) < 1e-5
+
+
+@on_cpu
 @pytest.mark.parametrize("group_size", [None, 32])  # None: per output channel (one group of K)
 @pytest.mark.parametrize("m", [1, 5, 33])
 @pytest.mark.parametrize("n", [200, 198])  # one row: int32 words of 4 columns, or bytes

@@ -168,7 +168,7 @@ def launch(
             *args, bias_bits, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, GROUP_M=8,
             PLANES=planes, SCALE_AFTER_DOT=plan.scale_after_dot, CODE_BIAS=bias,
             LAST_REDUCES=last_reduces, DOT_PRECISION=dot_precision(x.dtype),
-            **plan.launch_options(), **common,
+            **plan.launch_options(), **pdl, **common,
         )  # fmt: skip
     if split_k > 1 and not last_reduces:
         block = 1024

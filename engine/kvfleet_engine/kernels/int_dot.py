@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from kvfleet_engine.kernels.int_codes import _load_codes, _shifted_plane
+from kvfleet_engine.kernels.pdl import _start
 from kvfleet_engine.kernels.split_k import _finish
 
 # x dtype -> (bias, its bits): code | bits is code + bias exactly (the ulp at the bias is 1)
@@ -27,12 +28,13 @@ def _dot_kernel(
     CODES: tl.constexpr, HAS_OFFSETS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PLANES: tl.constexpr,
     SCALE_AFTER_DOT: tl.constexpr, CODE_BIAS: tl.constexpr, LAST_REDUCES: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """CODE_BIAS (int4 planes, scales after the dot, 16-bit x; else 0): each code enters the dot
     as code + CODE_BIAS in x's dtype, made from its bits alone (code | code_bits, the bits of
     CODE_BIAS: 0x4300 = 128 in bfloat16, 0x6400 = 1024 in float16; exact, one LOP3 after the
     shift and no float ops), and the group's CODE_BIAS · Σx comes off with the offsets."""
+    _start(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m, num_pid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
