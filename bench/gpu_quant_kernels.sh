@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One device call (run tool), <= 6 minutes: the gpu-marked quantized-matmul tests (int4/int8/fp8 on
 # the Llama-3.1-8B products, in a CUDA graph), then bench.quant_gemv: per-layer times, GB/s and
-# fraction of copy bandwidth for bf16 / int8 / int4 / fp8 at 1, 4, 16, 256 rows, the plans the shape
-# tables pick, and sweeps (decode: GEMV blocks / split-K, split-K tensor-core kernel, fp8
-# weight-only GEMV; prompts: dot tiles vs dequantize + cuBLAS). Logs and JSON go to $OUT.
+# fraction of copy bandwidth for bf16 / int8 / int4 / fp8 at 1, 4, 16, 256 rows and the plans the
+# shape tables pick (the candidates they choose from: bench/gpu_quant_sweep.sh). Logs and JSON go
+# to $OUT.
 #   bench/gpu_quant_kernels.sh [tests] [bench]
-# TOKENS / SWEEP_TOKENS / LAYERS override the benchmark's rows, swept rows and layer count.
+# TOKENS / LAYERS override the benchmark's rows and layer count.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvfleet-gpu-quant}
 mkdir -p "$OUT"
@@ -19,7 +19,7 @@ for step in $STEPS; do
     tests) timeout -k 5 "${TESTS_TIMEOUT:-150}" $PY -m pytest -m gpu tests/kernels/test_quant_matmul.py \
         -q -p no:cacheprovider --durations=5 2>&1 | tee "$OUT/tests.log" | grep -v Warning | tail -40 ;;
     bench) timeout -k 5 "${BENCH_TIMEOUT:-300}" $PY -m kvfleet_engine.bench.quant_gemv \
-        --tokens "${TOKENS:-1,4,16,256}" --sweep-tokens "${SWEEP_TOKENS:-1,4,16,256}" \
+        --tokens "${TOKENS:-1,4,16,256}" \
         --layers "${LAYERS:-8}" --output-dir "$OUT" 2>&1 | tee "$OUT/quant_gemv.log" | grep -v Warning ;;
     *) echo "unknown step $step" ;;
   esac

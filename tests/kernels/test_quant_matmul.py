@@ -361,7 +361,7 @@ def test_int8_and_fp8_reject_bad_operands_naming_them() -> None:
 INT4_CASES = [(128, 1), (128, 4), (128, 8), (128, 16), (128, 17), (128, 300)]
 INT4_CASES += [(32, 1), (32, 8), (32, 300)]
 INT8_CASES = [(None, 1), (None, 4), (None, 16), (None, 300), (32, 1), (32, 8)]
-SWEPT_PLANS = [  # (plan, rows): what bench.quant_gemv measures besides the table's picks
+SWEPT_PLANS = [  # (plan, rows): candidates bench.quant_sweep times besides the table's picks
     pytest.param(MatmulPlan("gemv", 1, 128, 64, 8, num_stages=3), 1, id="gemv-pipelined"),
     pytest.param(MatmulPlan("gemv", 4, 128, 64, 8, num_stages=3), 4, id="gemv-4-rows"),
     pytest.param(MatmulPlan("dot", 16, 128, 128, 4, int4_planes=False), 16, id="dot-reshape"),

@@ -1,10 +1,7 @@
 """The quantized products of one decoder layer (qkv, o, gate_up, down) against bf16 F.linear: for
 each batch size (rows of x) and format, the time per layer, bytes read, achieved GB/s and its
-fraction of the measured copy bandwidth, and TFLOP/s; then sweeps of the candidates still open
-(decode rows: CUDA-core GEMV blocks, split-K and pipelined weight loads, the split-K
-tensor-core kernel, the fp8 weight-only GEMV; prompt rows: the best dot tiles against
-dequantize + cuBLAS) with each product's fastest candidate (what the shape tables in
-kernels/int_plan.py and fp8_gemv.py / fp8_matmul.py should pick).
+fraction of the measured copy bandwidth, and TFLOP/s, with the plans the engine picks. The
+candidates the plan tables choose from are `bench.quant_sweep`'s (checked, then timed).
 
 Each product runs for every layer (distinct weights per layer, so nothing stays in L2) in one
 CUDA graph, timed by replaying it.
@@ -27,7 +24,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from kvfleet_engine.bench.gemv import copy_bandwidth, graph_seconds, layer_shapes
 from kvfleet_engine.bench.results import Row, gpu_name, write_results
@@ -35,7 +31,6 @@ from kvfleet_engine.bench.shapes import SHAPES
 from kvfleet_engine.kernels import fp8_gemv, int_plan
 from kvfleet_engine.kernels import fp8_matmul as fp8
 from kvfleet_engine.kernels import int4_matmul as ints
-from kvfleet_engine.kernels.checks import next_power_of_2
 from kvfleet_engine.quant.layout import FP8_DTYPE
 
 INT4_GROUP = 128
@@ -143,101 +138,6 @@ VARIANTS: dict[str, tuple[str, Product]] = {  # name -> (format, product)
 }
 
 
-def plan(kernel: str, block_m: int, block_n: int, block_k: int, per_sm: int = 0, **kw) -> PlanOf:
-    """A fixed plan whose split-K gives about `per_sm` programs per SM (0: no split)."""
-
-    def plan_of(m: int, n: int, k: int, group: int, codes: str) -> int_plan.MatmulPlan:
-        bk = min(block_k, group & -group)
-        bm = block_m or next_power_of_2(m)
-        tiles = triton.cdiv(n, block_n) * (1 if kernel == "gemv" else triton.cdiv(m, bm))
-        split = int_plan.split_for(tiles, k // bk, torch.device("cuda"), per_sm) if per_sm else 1
-        return int_plan.MatmulPlan(kernel, bm, block_n, bk, split, **kw)
-
-    return plan_of
-
-
-def gemv_candidates(fmt: str, m: int) -> dict[str, PlanOf]:
-    """Decode rows. One row: the 2-D GEMV's best blocks so far (BLOCK_N, BLOCK_K, warps, programs
-    per SM), weight loads pipelined (s3: cp.async 2 steps ahead) or not (s1). 4 rows: int4's
-    2-D GEMV with a tile per row of x, int8's 3-D GEMV, and the split-K tensor-core kernel;
-    16 rows: that kernel's tiles (int4 nibble planes at K steps of 128, their codes converted
-    or biased, made from their bits; or reshaped codes)."""
-    if m == 1:
-        blocks = [(256, 128, 4, 8), (128, 64, 4, 8), (64, 128, 2, 8)]
-        if fmt == "int8":  # a [BLOCK_K, BLOCK_N] register tile per row: int8 steps are shorter
-            blocks = [(256, 16, 4, 8), (128, 64, 4, 4), (128, 32, 4, 8)]
-        return {
-            f"gemv bn{bn} bk{bk} w{w} {s}/sm s{st}": plan(
-                "gemv", 0, bn, bk, s, num_warps=w, num_stages=st
-            )
-            for bn, bk, w, s in blocks
-            for st in (1, 3)
-        }  # fmt: skip
-    out: dict[str, PlanOf] = {}
-    if m <= int_plan.ROW_GEMV_MAX_ROWS:
-        gemv = [(128, 64, 4, 8, 1), (128, 64, 4, 8, 3), (64, 64, 2, 8, 3)]
-        if fmt == "int8":  # the 3-D GEMV
-            gemv = [(128, 16, 4, 4, 3)]
-        for bn, bk, w, s, st in gemv:
-            out[f"gemv bn{bn} bk{bk} w{w} {s}/sm s{st}"] = plan(
-                "gemv", 0, bn, bk, s, num_warps=w, num_stages=st
-            )
-    # (BLOCK_N, BLOCK_K, per SM, planes, codes + bias made from their bits)
-    dots = [(128, 128, 4, True, False), (256, 128, 4, True, False), (128, 128, 4, True, True)]
-    if m > int_plan.ROW_GEMV_MAX_ROWS:
-        dots += [(128, 128, 4, False, False), (256, 128, 4, True, True)]
-    if fmt == "int8":  # int8 codes load as they are (no planes)
-        dots = [(128, 64, 4, False, False), (128, 128, 4, False, False)]
-    for bn, bk, s, planes, biased in dots:
-        name = f"dot bn{bn} bk{bk}{' planes' if planes and fmt == 'int4' else ''}"
-        name += f"{' biased' if biased else ''} {s}/sm"
-        out[name] = plan("dot", 16, bn, bk, s, int4_planes=planes, biased_codes=biased)
-    return out
-
-
-def prompt_candidates(m: int) -> dict[str, PlanOf]:
-    """The best dot tile so far (scales on the weights for int4, after the dot for int8) against
-    dequantize + cuBLAS, which won every prompt size measured."""
-    out: dict[str, PlanOf] = {
-        "dot 128x128x64 w8 s4 scaled-w": plan(
-            "dot", 128, 128, 64, int4_planes=False, scale_after_dot=False, num_warps=8,
-            num_stages=4,
-        ),
-        "dot 64x128x128 w4 s3 scale-after": plan(
-            "dot", 64, 128, 128, int4_planes=True, scale_after_dot=True, num_warps=4,
-            num_stages=3,
-        ),
-    }  # fmt: skip
-    out["dequantize+cuBLAS"] = lambda m, n, k, g, codes: int_plan.MatmulPlan(
-        "dequantize", 0, 128, 64
-    )
-    return out
-
-
-def fp8_candidates(m: int) -> dict[str, Product]:
-    """The weight-only GEMV's dot form (BLOCK_N, BLOCK_K, warps, programs per SM; its FMA form
-    measured 112 us per 8B layer at one row), and at 16 rows the best W8A8 Triton tile."""
-    out: dict[str, Product] = {}
-    dots = [(64, 128, 4, 4), (32, 128, 4, 4)]
-    dots += [(64, 256, 4, 4)] if m != 4 else []
-    for bn, bk, w, s in dots:
-        out[f"gemv-dot bn{bn} bk{bk} w{w} {s}/sm"] = fp8_gemv_product(m, bn, bk, w, s, True)
-    if m == fp8.DECODE_MAX_ROWS:
-        blocks = (16, 32, 256, 4, 4)
-        out[f"w8a8-triton {blocks}"] = fp8_product("triton", blocks)
-    return out
-
-
-def fp8_gemv_product(m: int, bn: int, bk: int, warps: int, per_sm: int, dot: bool) -> Product:
-    def product(x: torch.Tensor, w: Weights) -> torch.Tensor:
-        n, k = w[0].shape
-        split = int_plan.split_for(triton.cdiv(n, bn), triton.cdiv(k, bk), x.device, per_sm)
-        blocks = (next_power_of_2(m), bn, bk, warps, split, dot, "last")
-        return fp8_gemv.fp8_gemv(x, w[0], w[1], torch.bfloat16, blocks)
-
-    return product
-
-
 class Bench:
     def __init__(self, shape: str, layers: int, bandwidth: float) -> None:
         self.device = torch.device("cuda")
@@ -328,28 +228,6 @@ def safe_run(bench: Bench, m: int, fmt: str, product: Product, variant: str) -> 
     return run
 
 
-def best_per_product(runs: list[dict[str, Any]]) -> dict[str, str]:
-    best: dict[str, tuple[float, str]] = {}
-    for run in runs:
-        for name, p in run["products"].items():
-            if name not in best or p["us"] < best[name][0]:
-                best[name] = (p["us"], run["variant"])
-    return {name: f"{variant} ({us:.1f} us)" for name, (us, variant) in best.items()}
-
-
-def sweep_groups(m: int) -> list[tuple[str, str, dict[str, Product]]]:
-    """(format, label, candidates) swept at m rows."""
-    groups = []
-    for fmt, label in (("int4", f"int4-g{INT4_GROUP}"), ("int8", "int8")):
-        plans = (
-            gemv_candidates(fmt, m) if m <= int_plan.DOT_MAX_SPLIT_ROWS else prompt_candidates(m)
-        )
-        groups.append((fmt, label, {name: int_product(plan) for name, plan in plans.items()}))
-    if m <= fp8.DECODE_MAX_ROWS:
-        groups.append(("fp8", "fp8", fp8_candidates(m)))
-    return groups
-
-
 def result_rows(runs: list[dict[str, Any]], bandwidth: float) -> list[Row]:
     rows = [Row("roofline", "copy_bandwidth", bandwidth / 1e9, "GB/s")]
     for run in runs:
@@ -365,9 +243,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument(
         "--tokens", default="1,4,8,16,64,256,4096", help="comma-separated rows of x"
-    )
-    parser.add_argument(
-        "--sweep-tokens", default="1,4,16,256", help="rows to sweep plans at ('' none)"
     )
     parser.add_argument(
         "--variants", default=",".join(VARIANTS), help=f"comma-separated, of {list(VARIANTS)}"
@@ -396,14 +271,8 @@ def main(argv: list[str] | None = None) -> int:
             fmt, product = VARIANTS[variant]
             run = safe_run(bench, m, fmt, product, variant)
             runs += [run] if run else []
-    sweep_best: dict[str, dict[str, str]] = {}
-    sweep_runs: list[dict[str, Any]] = []
-
-    def save() -> None:  # after each part, so a run cut short keeps what it measured
-        if not args.output_dir:
-            return
+    if args.output_dir:
         workload = {"layers": args.layers, "tokens": args.tokens, "runs": runs}
-        workload |= {"sweep_best": sweep_best, "sweep_runs": sweep_runs}
         path = write_results(
             args.output_dir,
             f"quant-gemv-{args.shape}",
@@ -414,17 +283,6 @@ def main(argv: list[str] | None = None) -> int:
             result_rows(runs, bandwidth),
         )
         print(f"wrote {path}")
-
-    save()
-    for m in (int(t) for t in args.sweep_tokens.split(",") if t):
-        for fmt, label, candidates in sweep_groups(m):
-            print(f"--- sweep {label} at {m} rows")
-            found = [safe_run(bench, m, fmt, p, f"{label} {n}") for n, p in candidates.items()]
-            sweep_runs.extend(run for run in found if run)
-            best = best_per_product([run for run in found if run])
-            sweep_best[f"{label} m{m}"] = best
-            print(f"best {label} m{m}: " + "; ".join(f"{k}: {v}" for k, v in best.items()))
-            save()
     return 0
 
 

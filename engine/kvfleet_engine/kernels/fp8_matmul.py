@@ -22,7 +22,7 @@ BACKENDS = ("scaled_mm", "triton")
 DECODE_MAX_ROWS = 16
 BATCH_MAX_ROWS = 128
 # shape class (rows up to DECODE_MAX_ROWS, BATCH_MAX_ROWS, more) -> W8A8 backend, the faster in
-# bench.quant_gemv on the H200: the Triton GEMM up to 64 rows, cuBLASLt from 256
+# bench.quant_gemv / quant_sweep on the H200: the Triton GEMM up to 64 rows, cuBLASLt from 256
 FP8_BACKENDS = {"decode": "triton", "batch": "triton", "prompt": "scaled_mm"}
 
 

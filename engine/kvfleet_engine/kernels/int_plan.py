@@ -16,7 +16,7 @@ import triton
 
 from kvfleet_engine.kernels.checks import next_power_of_2
 
-# The shape tables below follow bench.quant_gemv's sweeps on the H200 (Llama-3.1-8B products).
+# The shape tables below follow the sweeps on the H200 (bench.quant_sweep; Llama-3.1-8B products).
 GEMV_MAX_ROWS = 1  # up to this many rows the GEMV (2 rows and more: the split-K dot was faster)
 ROW_GEMV_MAX_ROWS = 4  # the 2-D GEMV takes up to this many rows of x (int4; int8 one)
 DOT_MAX_SPLIT_ROWS = 16  # up to this many rows the dot kernel splits K (decode batches)
