@@ -264,11 +264,20 @@ def test_sample_lifecycle(cluster: E2ECluster, operator: Operator, namespace: st
         "Manual",
     ]
 
-    # Applying the same file again changes nothing and starts no reconcile loop.
-    versions = _resource_versions(cluster, namespace)
+    # Applying the same file again changes nothing and starts no reconcile loop (once the
+    # rollout's last child events are handled: Ready can be written before them).
+    versions = _settled_versions(cluster, namespace)
+    before = get(cluster, namespace, "infd", "llama-8b")
     kubectl(*apply_sample)
     for _ in range(15):
-        assert _resource_versions(cluster, namespace) == versions, operator.log_tail()
+        now = _resource_versions(cluster, namespace)
+        if now != versions:
+            after = get(cluster, namespace, "infd", "llama-8b")
+            pytest.fail(
+                f"resource versions {versions} -> {now} after re-applying the same file; "
+                f"status before {before and before.get('status')}, after "
+                f"{after and after.get('status')}\n{operator.log_tail()}"
+            )
         time.sleep(2)
 
     # A spec change rolls the Deployment; observedGeneration follows.
@@ -365,6 +374,22 @@ def _owns_replicas(obj: dict[str, Any], manager: str) -> bool:
         entry["manager"] == manager and "f:replicas" in entry["fieldsV1"].get("f:spec", {})
         for entry in obj["metadata"]["managedFields"]
     )
+
+
+def _settled_versions(
+    cluster: E2ECluster, namespace: str, quiet_s: float = 4.0, timeout_s: float = 60.0
+) -> tuple[str, str, str]:
+    """The resource versions once none has changed for quiet_s seconds."""
+    deadline = time.monotonic() + timeout_s
+    versions, since = _resource_versions(cluster, namespace), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = _resource_versions(cluster, namespace)
+        if now != versions:
+            versions, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return versions
+    raise AssertionError(f"resource versions still changing after {timeout_s:.0f} s: {versions}")
 
 
 def _resource_versions(cluster: E2ECluster, namespace: str) -> tuple[str, str, str]:
