@@ -13,11 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvfleet_engine.client.output_processor import OutputProcessor
+from kvfleet_engine.client.request_stream import EngineDeadError, RequestAbortedError, RequestStream
 from kvfleet_engine.core.profile import PhaseProfile
 from kvfleet_engine.core.records import AbortRequests, AddRequest, CoreFailed, FromCore, StepOutputs
 from kvfleet_engine.core.validation import validate_request
@@ -39,14 +40,6 @@ log = logging.getLogger(__name__)
 API_PHASES = ("parse", "request", "records", "outputs", "dispatch", "chunks", "write")
 
 
-class EngineDeadError(RuntimeError):
-    """The engine core stopped; no request can be served any more."""
-
-
-class RequestAbortedError(RuntimeError):
-    """The server aborted the request (e.g. the drain timeout ran out) before it finished."""
-
-
 @dataclass
 class _Timing:
     """Per-request bookkeeping for latency metrics."""
@@ -55,48 +48,6 @@ class _Timing:
     arrival_time: float
     num_tokens_seen: int = 0
     last_token_time: float | None = None
-
-
-class RequestStream:
-    """Outputs of one engine request, as an async iterator; `close()` aborts it if unfinished."""
-
-    def __init__(
-        self, engine: AsyncEngine, request_id: str, stamps: dict[str, float] | None = None
-    ) -> None:
-        self.request_id = request_id
-        self.finished = False
-        # The way to the first token (`core.profile.FIRST_TOKEN_HOPS`), stamped as it goes.
-        self.stamps = stamps
-        self._engine = engine
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[RequestOutput]:
-        while not self.finished:
-            item = await self._queue.get()
-            if isinstance(item, BaseException):
-                self.finished = True
-                raise item
-            # Coalesce outputs that piled up while the consumer was busy: outputs are
-            # cumulative, so the newest one carries everything.
-            while not item.finished and not self._queue.empty():
-                nxt = self._queue.get_nowait()
-                if isinstance(nxt, BaseException):
-                    self.finished = True
-                    raise nxt
-                item = nxt
-            self.finished = item.finished
-            yield item
-
-    def close(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self._engine.abort([self.request_id])
-
-    def _put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
 
 
 @dataclass
@@ -173,7 +124,7 @@ class AsyncEngine:
         prompt = list(prompt_token_ids)
         validate_request(self.model_config, prompt, params)
         arrival = time.time() if arrival_time is None else arrival_time
-        stream = RequestStream(self, request_id, stamps)
+        stream = RequestStream(request_id, self.abort, stamps)
         self._streams[request_id] = stream
         self._timings[request_id] = _Timing(len(prompt), arrival)
         self._counters.queued[request_id] = len(prompt)
@@ -198,7 +149,7 @@ class AsyncEngine:
                 finished.append(FinishedRequestStats("abort", now - timing.arrival_time, None))
             stream = self._streams.get(rid)
             if stream is not None and not stream.finished:
-                stream._put(RequestAbortedError(f"request {rid} was aborted"))
+                stream.put(RequestAbortedError(f"request {rid} was aborted"))
             self._forget(rid)
         self.client.send(AbortRequests(ids))
         if self.metrics is not None and finished:
@@ -285,7 +236,7 @@ class AsyncEngine:
         for request_id, reason in step.rejected.items():
             stream = self._streams.get(request_id)
             if stream is not None:
-                stream._put(RequestAbortedError(f"the engine refused the request: {reason}"))
+                stream.put(RequestAbortedError(f"the engine refused the request: {reason}"))
             self.processor.remove(request_id)
             self._forget(request_id)
         iteration = IterationStats()
@@ -301,7 +252,7 @@ class AsyncEngine:
             if stream is None:
                 continue  # aborted while this step ran
             self._account(out, iteration)
-            stream._put(out)
+            stream.put(out)
             if out.finished:
                 self._forget(out.request_id)
         if self.metrics is not None:
@@ -367,5 +318,5 @@ class AsyncEngine:
 
     def _fail_all(self, exc: BaseException) -> None:
         for rid, stream in list(self._streams.items()):
-            stream._put(EngineDeadError(f"engine stopped: {exc}"))
+            stream.put(EngineDeadError(f"engine stopped: {exc}"))
             self._forget(rid)

@@ -15,13 +15,13 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kvfleet_engine.async_engine import EngineDeadError, RequestAbortedError
+from kvfleet_engine.client.request_stream import EngineDeadError, RequestAbortedError
 from kvfleet_engine.core.profile import PhaseProfile
 from kvfleet_engine.server.errors import APIError, error_body
 from kvfleet_engine.server.protocol import ChatCompletionChunk, CompletionResponse, UsageInfo
 
 if TYPE_CHECKING:
-    from kvfleet_engine.async_engine import RequestStream
+    from kvfleet_engine.client.request_stream import RequestStream
     from kvfleet_engine.outputs import CompletionOutput, RequestOutput
 
 
