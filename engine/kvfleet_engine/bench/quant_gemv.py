@@ -28,9 +28,8 @@ import torch.nn.functional as F
 from kvfleet_engine.bench.gemv import copy_bandwidth, graph_seconds, layer_shapes
 from kvfleet_engine.bench.results import Row, gpu_name, write_results
 from kvfleet_engine.bench.shapes import SHAPES
-from kvfleet_engine.kernels import fp8_gemv, int_plan
 from kvfleet_engine.kernels import fp8_matmul as fp8
-from kvfleet_engine.kernels import int4_matmul as ints
+from kvfleet_engine.kernels import int_plan, quant_matmul
 from kvfleet_engine.quant.layout import FP8_DTYPE
 
 INT4_GROUP = 128
@@ -85,48 +84,37 @@ def check_tinygemm(device: torch.device) -> str:
     return f"tinygemm check [{m}x{k}] @ [{k}x{n}]: max error {error:.2e} of the largest output"
 
 
-PlanOf = Callable[[int, int, int, int, str], int_plan.MatmulPlan]  # (m, n, k, group, codes) -> plan
-
-
-def int_product(plan_of: PlanOf) -> Product:
-    """An int4 or int8 product run with the plan `plan_of(m, n, k, group_size, codes)`."""
-
-    def product(x: torch.Tensor, w: Weights) -> torch.Tensor:
-        qweight, scales = w[0], w[1]
-        offsets = w[2] if len(w) == 3 else None
-        k, n = x.shape[1], qweight.shape[1]
-        group = k // scales.shape[0]
-        codes = "int8" if qweight.dtype == torch.int8 else "int4"
-        plan_ = plan_of(x.shape[0], n, k, group, codes)
-        return ints.launch(x, qweight, scales, offsets, group, plan_)
-
-    return product
+def int_product(x: torch.Tensor, w: Weights) -> torch.Tensor:
+    """An int4 (codes, scales, offsets) or int8 (codes, scales) product through the engine's own
+    wrappers, so with the plan the table or the shape rules pick."""
+    group = x.shape[1] // w[1].shape[0]
+    if len(w) == 3:
+        return quant_matmul.int4_matmul(x, w[0], w[1], w[2], group)
+    return quant_matmul.int8_matmul(x, w[0], w[1], group)
 
 
 def auto_plan(m: int, n: int, k: int, group: int, codes: str) -> int_plan.MatmulPlan:
     return int_plan.plan_matmul(m, n, k, group, torch.device("cuda"), codes)
 
 
-def fp8_product(backend: str, blocks: tuple | None = None) -> Product:
-    """backend: "auto" (fp8_matmul's choice), "gemv" (weight-only), "scaled_mm" or "triton"."""
+def fp8_product(backend: str) -> Product:
+    """backend: "auto" (fp8_matmul's choice), or W8A8 by "scaled_mm" or "triton"."""
 
     def product(x: torch.Tensor, w: Weights) -> torch.Tensor:
         if backend == "auto":
             return fp8.fp8_matmul(x, w[0], w[1], torch.bfloat16)
-        if backend == "gemv":
-            return fp8_gemv.fp8_gemv(x, w[0], w[1], torch.bfloat16, blocks)
         x_q, x_scale = fp8.quantize_fp8_rows(x)
         if backend == "scaled_mm":
             return fp8.scaled_mm_fp8(x_q, x_scale, w[0], w[1])
-        return fp8.triton_fp8_gemm(x_q, x_scale, w[0], w[1], torch.bfloat16, blocks)
+        return fp8.triton_fp8_gemm(x_q, x_scale, w[0], w[1], torch.bfloat16)
 
     return product
 
 
 VARIANTS: dict[str, tuple[str, Product]] = {  # name -> (format, product)
     "bf16": ("bf16", lambda x, w: F.linear(x, w[0])),
-    "int8": ("int8", int_product(auto_plan)),
-    f"int4-g{INT4_GROUP}": ("int4", int_product(auto_plan)),
+    "int8": ("int8", int_product),
+    f"int4-g{INT4_GROUP}": ("int4", int_product),
     "fp8": ("fp8", fp8_product("auto")),
     "fp8-w8a8-scaled_mm": ("fp8", fp8_product("scaled_mm")),
     "fp8-w8a8-triton": ("fp8", fp8_product("triton")),

@@ -140,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--output-dir", type=Path)
     args = parser.parse_args(argv)
-    kinds = tuple(k for k in KINDS if k == "bf16" or k in args.kinds.split(","))
-    unknown = sorted(set(args.kinds.split(",")) - set(KINDS))
+    asked = set(args.kinds.split(","))
+    kinds = tuple(k for k in KINDS if k == "bf16" or k in asked)
+    unknown = sorted(asked - set(KINDS))
     if unknown:
         parser.error(f"--kinds: {unknown} unknown; choose from {list(KINDS)}")
     if not torch.cuda.is_available():

@@ -116,7 +116,7 @@ def launch(
     # One-row kernels: whether each step ends a group, every step, only K's last, or any.
     groups = "step" if group_size == plan.block_k else "all" if group_size == k else "any"
     split_k, partial, counters = split_k_buffers(split_k, m, n, x.device)
-    pdl = launch_options(x.device)  # the one-row kernels and the split sum: decode steps
+    pdl = launch_options(x.device)  # the GEMVs, the split-K dot and the split sum: decode steps
     args = (
         x, qweight, scales, offsets_arg, out, partial, counters,
         m, n, k, x.stride(0), group_size, steps, split_k,
