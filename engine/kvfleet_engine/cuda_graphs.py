@@ -8,7 +8,9 @@ computes in ~12 ms. Replaying a captured graph launches them all at once. Inputs
 persistent buffers that each step copies into (`kernels.graph_inputs`: padding tokens get slot
 -1, so nothing is stored; padding sequences context 0 and no query tokens, so they attend to
 nothing); the attention kernels read lengths, query offsets and block tables on the device, so
-one capture serves every step of its size.
+one capture serves every step of its size. Decode steps of at least SHARED_PREFIX_MIN_SEQS
+sequences have a second graph per size, for steps whose sequences share a prefix
+(`kernels.shared_prefix`; its length is a device buffer too).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 
 from kvfleet_engine.layers.attention import AttentionMetadata
+from kvfleet_engine.runner.inputs import SHARED_PREFIX_MIN_SEQS
 
 log = logging.getLogger(__name__)
 
@@ -46,47 +49,67 @@ def prompt_bucket_sizes(max_tokens: int) -> list[int]:
 
 
 class _StepGraphs(ABC):
-    """Graphs of one kind of step, one per size, captured largest first into one memory pool
-    (replays never overlap)."""
+    """Graphs of one kind of step, one per key (a size, or a size and a variant), captured
+    largest first into one memory pool (replays never overlap)."""
 
     kind = ""
 
     def __init__(self, sizes: list[int]) -> None:
         self.sizes = sizes
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, Any] = {}
+        self.graphs: dict[Any, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[Any, Any] = {}
+
+    def _keys(self) -> list[Any]:
+        """What `capture` captures, in order: the sizes, largest first."""
+        return list(reversed(self.sizes))
 
     @abstractmethod
-    def _forward(self, size: int) -> Any:
-        """The step's forward pass at `size` on the persistent buffers (what is captured)."""
+    def _forward(self, key: Any) -> Any:
+        """The step's forward pass for `key` on the persistent buffers (what is captured)."""
 
     @torch.inference_mode()
     def capture(self) -> None:
         pool = None
         before = torch.cuda.memory_allocated()
-        for size in reversed(self.sizes):
-            self._forward(size)  # compiles the kernels outside the capture
+        keys = self._keys()
+        for key in keys:
+            self._forward(key)  # compiles the kernels outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._forward(size)
+                self.outputs[key] = self._forward(key)
             pool = graph.pool()
-            self.graphs[size] = graph
+            self.graphs[key] = graph
         held = (torch.cuda.memory_allocated() - before) / 2**20
-        log.info("captured %s CUDA graphs for sizes %s (%.0f MiB)", self.kind, self.sizes, held)
+        log.info(
+            "captured %d %s CUDA graphs for sizes %s (%.0f MiB)",
+            len(keys), self.kind, self.sizes, held,
+        )  # fmt: skip
 
     def _size(self, needed: int) -> int | None:
         return next((s for s in self.sizes if s >= needed), None)
 
 
 class DecodeGraphs(_StepGraphs):
+    """Keyed (size, shared): `shared` graphs read the step's shared prefix from `self.shared`
+    and attend to it once per tile of sequences."""
+
     kind = "decode"
 
     def __init__(
-        self, model: Any, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device
+        self,
+        model: Any,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+        shared_prefix: bool = False,  # capture the shared-prefix variants too
     ) -> None:
         super().__init__(bucket_sizes(max_num_seqs))
         self.model = model
+        self.shared_prefix = shared_prefix
+        # [2 + n]: the shared prefix, as `kernels.shared_prefix` reads it; rows past a step's
+        # sequences keep stale shares, read for padding rows only (context 0: nothing read).
+        self.shared = torch.zeros(2 + max_num_seqs, dtype=torch.int32, device=device)
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)  # [n]
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)  # [n]
@@ -102,15 +125,22 @@ class DecodeGraphs(_StepGraphs):
             self.block_tables,
         )  # fmt: skip
 
-    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _keys(self) -> list[tuple[int, bool]]:
+        shared = [s for s in self.sizes if s >= SHARED_PREFIX_MIN_SEQS and self.shared_prefix]
+        keys = [(s, True) for s in shared] + [(s, False) for s in self.sizes]
+        return sorted(keys, reverse=True)  # largest first, its shared variant before it
+
+    def _forward(self, key: tuple[int, bool]) -> tuple[torch.Tensor, torch.Tensor]:
         """[size, vocab] float32 logits and [size] int64 argmax (greedy rows' tokens without a
         launch of their own)."""
+        size, shared = key
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:size],
             block_tables=self.block_tables[:size],
             context_lens=self.context_lens[:size],
             cu_query_lens=self.cu_query_lens[: size + 1],
             is_decode=True,
+            shared_prefix=self.shared[: 2 + size] if shared else None,
         )
         hidden = self.model(self.input_ids[:size], self.positions[:size], meta)
         logits = self.model.compute_logits(hidden).float()
@@ -144,8 +174,12 @@ class DecodeGraphs(_StepGraphs):
             size,
             size,
         )
-        self.graphs[size].replay()
-        logits, greedy = self.outputs[size]
+        shared = False
+        if meta.shared_prefix is not None and (size, True) in self.graphs:
+            self.shared[: 2 + num_seqs].copy_(meta.shared_prefix)
+            shared = True
+        self.graphs[size, shared].replay()
+        logits, greedy = self.outputs[size, shared]
         return logits[:num_seqs], greedy[:num_seqs]
 
 

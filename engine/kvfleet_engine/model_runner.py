@@ -261,7 +261,9 @@ class ModelRunner:
             return LaunchedStep([], [], None, None, None)
         assert self.groups is not None
         executor = self.executor
-        inputs = build_inputs(scheduled.requests, self.block_size, self.device, {})
+        inputs = build_inputs(
+            scheduled.requests, self.block_size, self.device, {}, executor.shared_prefix_min
+        )
         out = executor.forward_stage(inputs, None)  # [2, num_tokens, hidden]
         self._wait_sent()
         self._sending = (self.groups.send_next_stage(out), out)
@@ -326,7 +328,11 @@ class ModelRunner:
     def prepare_inputs(self, scheduled: SchedulerOutput) -> ModelInputs:
         """The step's batch tensors and the sampling settings of its rows."""
         inputs = build_inputs(
-            scheduled.requests, self.block_size, self.device, self.executor.last_sample_rows
+            scheduled.requests,
+            self.block_size,
+            self.device,
+            self.executor.last_sample_rows,
+            self.executor.shared_prefix_min,
         )
         sampling_requests = [item for item in scheduled.requests if item.sample]
         inputs.sampling = self.sampling_inputs.metadata(sampling_requests)

@@ -1,7 +1,8 @@
 """The engine on the Triton attention backend, run by the Triton interpreter on CPU: the same
 greedy tokens as transformers, so the runner feeds the kernels what the reference backend takes;
-and a prompt CUDA graph's padded forward (what `cuda_graphs.PromptGraphs` captures) computing
-the logits the eager forward does.
+a prompt CUDA graph's padded forward (what `cuda_graphs.PromptGraphs` captures) computing
+the logits the eager forward does; and decode steps over a shared cached prefix giving the
+tokens they give without reading it once for all.
 
 TRITON_INTERPRET must be set before triton is first imported (transformers imports it), so the
 engine runs in a fresh subprocess."""
@@ -135,3 +136,50 @@ def test_prompt_graph_padded_forward_matches_the_eager_forward(checkpoints: Chec
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["size"] == 32 and result["rows"][0] == 3 and result["untouched"]
     assert result["max_abs_diff"] <= 1e-5 * max(1.0, result["scale"]), result
+
+
+SHARED_SCRIPT = (
+    PATCH
+    + """
+import json, sys
+from kvfleet_engine import LLM, SamplingParams
+
+path, prefix, tails = sys.argv[1], *json.loads(sys.argv[2])
+llm = LLM(path, device="cpu", attention_backend="triton", max_model_len=256, max_num_seqs=16)
+ex = llm.engine.model_runner.executor
+assert ex.shared_prefix_min == 512, ex.shared_prefix_min  # the default on this backend
+forward, shared_steps = ex.forward, []
+def counting(inputs):
+    shared_steps.append(inputs.attention.shared_prefix is not None)
+    return forward(inputs)
+ex.forward = counting
+params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+llm.generate(prompt_token_ids=[prefix], sampling_params=params, use_tqdm=False)  # caches it
+prompts = [prefix + tail for tail in tails]
+runs = {}
+for shared_min in (32, 0):  # a 32-token prefix shared (2 blocks), then never
+    ex.shared_prefix_min = shared_min
+    shared_steps.clear()
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    runs[shared_min] = {"tokens": [o.outputs[0].token_ids for o in outputs],
+                        "shared_steps": sum(shared_steps)}
+print(json.dumps(runs))
+"""
+)
+
+
+def test_decode_over_a_shared_cached_prefix_gives_the_same_tokens(checkpoints: Checkpoints) -> None:
+    prefix, *tails = random_prompts([40, *range(3, 19)], seed=33)
+    proc = subprocess.run(
+        [sys.executable, "-c", SHARED_SCRIPT, str(checkpoints.path("llama3")),
+         json.dumps([prefix, tails])],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(proc.stdout.strip().splitlines()[-1])
+    shared, plain = runs["32"], runs["0"]
+    assert shared["shared_steps"] >= 5 and plain["shared_steps"] == 0, runs
+    assert shared["tokens"] == plain["tokens"]

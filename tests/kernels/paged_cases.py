@@ -31,10 +31,12 @@ def make_paged_case(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     seed: int = 0,
+    shared_blocks: int = 0,
 ) -> PagedCase:
     """Scatter random K/V of each sequence into shuffled cache blocks (unused slots hold NaN, so
     a kernel that reads past a context shows it) and draw queries for each sequence's last
-    `query_lens[s]` positions."""
+    `query_lens[s]` positions. `shared_blocks`: every sequence's first blocks are the same
+    blocks, holding the same K/V (a prefix-cache hit)."""
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape: int) -> torch.Tensor:
@@ -43,6 +45,10 @@ def make_paged_case(
     blocks_per_seq = [-(-n // block_size) for n in context_lens]
     num_blocks = sum(blocks_per_seq) + 3
     order = torch.randperm(num_blocks, generator=gen).tolist()
+    shared_ids = [order.pop(0) for _ in range(shared_blocks)]
+    shared_len = shared_blocks * block_size
+    shared_k = randn(shared_len, num_kv_heads, head_dim)
+    shared_v = randn(shared_len, num_kv_heads, head_dim)
     max_blocks = max(blocks_per_seq) + 1
     # Padding entries point at a real (NaN-filled or foreign) block: kernels must not read them.
     block_tables = torch.full((len(context_lens), max_blocks), order[-1], dtype=torch.int32)
@@ -51,11 +57,13 @@ def make_paged_case(
     v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
     keys, values, slots = [], [], []
     for seq, (n, nb) in enumerate(zip(context_lens, blocks_per_seq, strict=True)):
-        ids = [order.pop(0) for _ in range(nb)]
+        assert not shared_blocks or n > shared_len, "each sequence holds the shared blocks, more"
+        ids = shared_ids + [order.pop(0) for _ in range(nb - shared_blocks)]
         block_tables[seq, :nb] = torch.tensor(ids, dtype=torch.int32)
         positions = torch.arange(n)
         seq_slots = torch.tensor(ids)[positions // block_size] * block_size + positions % block_size
         k, v = randn(n, num_kv_heads, head_dim), randn(n, num_kv_heads, head_dim)
+        k[:shared_len], v[:shared_len] = shared_k, shared_v
         k_cache.view(-1, num_kv_heads, head_dim)[seq_slots.to(device)] = k
         v_cache.view(-1, num_kv_heads, head_dim)[seq_slots.to(device)] = v
         keys.append(k)

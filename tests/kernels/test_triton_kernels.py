@@ -524,3 +524,79 @@ def test_prompt_graph_inputs_pad_tokens_and_sequences(device) -> None:
     assert got_context.tolist() == [4, 12, 1, 0, 0, 77]
     assert torch.equal(got_tables[:3, :2], tables)
     assert got_cu.tolist() == [0, 4, 8, 9, 9, 9, 77]
+
+
+@pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_decode_over_a_shared_prefix_matches_dense_attention(
+    device, dtype, tol, sizes, num_splits
+) -> None:
+    """Sequences that share their first blocks: the prefix kernel attends to those once per
+    tile of query rows, the split kernel to the rest; a padding row (context 0) gets zeros, and
+    a prefix length of 0 gives the plain result."""
+    _skip_if_unavailable(device)
+    block = 16
+    shared = 3 if device == "cpu" else 96
+    lens = [49, 50, 64, 97, 130] if device == "cpu" else [1537, 1600, 2049, 4096] * 5
+    case = make_paged_case(
+        lens, [1] * len(lens), **sizes, block_size=block, dtype=dtype, device=device, seed=21,
+        shared_blocks=shared,
+    )  # fmt: skip
+    want = dense_attention(case)
+    everyone = [1] * len(lens)
+    some = [1, 0] * (len(lens) // 2) + [1] * (len(lens) % 2)  # the others read it themselves
+    # All of it, none, a part, by every sequence or some (the holder's row is the second):
+    for prefix, sharers in ((shared * block, everyone), (0, everyone), (block, some)):
+        described = _shared_prefix(prefix, 1, sharers, device)
+        out = decode.paged_decode_attention(
+            case.query, case.k_cache, case.v_cache, case.block_tables, case.context_lens,
+            case.scale, shared_prefix=described, num_splits=num_splits,
+        )  # fmt: skip
+        assert relative_error(out, want) < tol, (prefix, sharers)
+    context_lens = case.context_lens.clone()
+    context_lens[-1] = 0  # a padding row of a captured batch
+    out = decode.paged_decode_attention(
+        case.query, case.k_cache, case.v_cache, case.block_tables, context_lens, case.scale,
+        shared_prefix=_shared_prefix(shared * block, 0, everyone, device), num_splits=num_splits,
+    )  # fmt: skip
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+    assert relative_error(out[:-1], want[:-1]) < tol
+
+
+def _shared_prefix(tokens: int, holder: int, sharers: list[int], device) -> torch.Tensor:
+    """`kernels.shared_prefix`'s description: tokens, holder row, tokens per sequence."""
+    per_seq = [tokens * s for s in sharers]
+    return torch.tensor([tokens, holder, *per_seq], dtype=torch.int32, device=device)
+
+
+@pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
+def test_rotary_decode_attention_over_a_shared_prefix_rotates_the_queries_alike(
+    device, dtype, tol, sizes
+) -> None:
+    """The prefix kernel rotates the query rows as the split kernel does: with and without the
+    shared prefix, the same output and the same cache."""
+    _skip_if_unavailable(device)
+    heads, kv_heads, dim = sizes["num_q_heads"], sizes["num_kv_heads"], sizes["head_dim"]
+    shared = 3 if device == "cpu" else 96
+    lens = [49, 64, 130, 50] if device == "cpu" else [1537, 2049, 4096, 1600] * 4
+    case = make_paged_case(
+        lens, [1] * len(lens), **sizes, dtype=dtype, device=device, seed=22, shared_blocks=shared
+    )
+    cu = torch.tensor([0, *lens]).cumsum(0)
+    slots = case.slot_mapping[cu[1:] - 1].clone()
+    _, q, k, v = _qkv_views(len(lens), heads, kv_heads, dim, dtype, device, seed=23)
+    _, cos_sin = _rotary_table(dim, seed=24, positions=max(lens))
+    cos_sin = cos_sin.float().to(device)
+    positions = (torch.tensor(lens) - 1).to(device)
+    results = []
+    for prefix in (None, _shared_prefix(shared * 16, 2, [1] * len(lens), device)):
+        k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+        out = decode.rotary_decode_attention(
+            positions, q, k, v, cos_sin, k_cache, v_cache, slots, case.block_tables,
+            case.context_lens, case.scale, shared_prefix=prefix,
+        )  # fmt: skip
+        results.append((out, k_cache, v_cache))
+    (want, want_k, want_v), (out, k_cache, v_cache) = results
+    assert torch.equal(k_cache.nan_to_num(3.0), want_k.nan_to_num(3.0))
+    assert torch.equal(v_cache.nan_to_num(3.0), want_v.nan_to_num(3.0))
+    assert relative_error(out, want.double().cpu()) < tol

@@ -248,7 +248,7 @@ def kvfleet_latency(
         from kvfleet_engine.bench.roofline import back_to_back_seconds
 
         # the step's CUDA graph alone, replayed back to back
-        graph = graphs.graphs[next(s for s in graphs.sizes if s >= args.batch_size)]
+        graph = graphs.graphs[next(s for s in graphs.sizes if s >= args.batch_size), False]
         replay_ms = back_to_back_seconds(graph.replay) * 1e3
         rows.append(Row(source, "decode_graph_replay_ms", replay_ms, "ms"))
     return rows

@@ -81,6 +81,11 @@ FLAGS = (
     ),
     Flag("seed", "seed for unseeded sampling", {"type": int}),
     Flag("enforce_eager", "never capture CUDA graphs", {"action": "store_true"}),
+    Flag(
+        "shared_prefix_attention",
+        "decode steps read a prefix all their sequences share once per 16 sequences",
+        _SWITCH,
+    ),
     Flag("async_scheduling", "schedule step n+1 while the GPU computes step n", _SWITCH),
     Flag(
         "tensor_parallel_size",

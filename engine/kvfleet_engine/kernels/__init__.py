@@ -8,6 +8,8 @@ place of all three.
 
 `FP8_V_TOKEN_MAJOR`: the cache allocator lays an fp8 cache's V out token major for this backend
 (`checks.token_major`; `kv_fp8` says why). The kernels read and write either layout.
+`SHARED_PREFIX`: the decode functions take a `shared_prefix` (a float cache), the prefix all
+the batch's sequences share (`shared_prefix`).
 """
 
 from kvfleet_engine.kernels.decode_attention import paged_decode_attention, rotary_decode_attention
@@ -16,9 +18,11 @@ from kvfleet_engine.kernels.kv_store import store_kv
 from kvfleet_engine.kernels.prefill_attention import prefill_attention
 
 FP8_V_TOKEN_MAJOR = True
+SHARED_PREFIX = True
 
 __all__ = [
     "FP8_V_TOKEN_MAJOR",
+    "SHARED_PREFIX",
     "paged_decode_attention",
     "prefill_attention",
     "rotary_decode_attention",

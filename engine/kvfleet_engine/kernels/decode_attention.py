@@ -13,6 +13,10 @@ the new key and stores it and the value in the cache before reading the context.
 
 An fp8 cache (`kv_fp8`) is read as e4m3 tiles converted to float16 for tl.dot (16-bit queries),
 each score column multiplied by its key's scale and each softmax weight by its value's scale.
+
+`shared_prefix` (a float cache): sequences of the batch share their first cache blocks, and
+`kernels.shared_prefix` (which says what the tensor holds) attends to those once per tile of
+query rows; the split kernel reads each sharer's context after them, and the merge combines both.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 
 from kvfleet_engine.kernels.checks import (
     LOG2E,
+    check_index,
     check_paged_attention,
     check_rotary_store,
     dot_precision,
@@ -32,6 +37,7 @@ from kvfleet_engine.kernels.checks import (
 )
 from kvfleet_engine.kernels.decode_kernels import decode_merge_kernel, decode_split_kernel
 from kvfleet_engine.kernels.pdl import launch_options
+from kvfleet_engine.kernels.shared_prefix import BLOCK_Q, choose_prefix_splits, shared_prefix_kernel
 from kvfleet_engine.layers.attention_torch import KVCache
 
 
@@ -106,6 +112,7 @@ def paged_decode_attention(
     *,
     k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: fp8 cache
     v_scales: torch.Tensor | None = None,
+    shared_prefix: torch.Tensor | None = None,  # [2 + num_seqs] int32 (`shared_prefix`)
     num_splits: int | None = None,  # override the heuristic (benchmarks)
     block_n: int | None = None,  # context tokens per tile (None: the cache's default tiles)
     num_warps: int | None = None,
@@ -119,7 +126,7 @@ def paged_decode_attention(
     tiles = (num_splits, block_n, num_warps, num_stages)
     launch = _Launch(*tiles, transpose_scores, early_v, prefetch_scales, max_registers)
     cache = (k_cache, v_cache, k_scales, v_scales)
-    return _decode(query, cache, block_tables, context_lens, scale, None, launch)
+    return _decode(query, cache, block_tables, context_lens, scale, None, launch, shared_prefix)
 
 
 def rotary_decode_attention(
@@ -137,6 +144,7 @@ def rotary_decode_attention(
     *,
     k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: fp8 cache
     v_scales: torch.Tensor | None = None,
+    shared_prefix: torch.Tensor | None = None,  # [2 + num_seqs] int32 (`shared_prefix`)
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -155,7 +163,7 @@ def rotary_decode_attention(
     tiles = (num_splits, block_n, num_warps, num_stages)
     launch = _Launch(*tiles, transpose_scores, early_v, prefetch_scales, max_registers)
     cache = (k_cache, v_cache, k_scales, v_scales)
-    return _decode(query, cache, block_tables, context_lens, scale, new, launch)
+    return _decode(query, cache, block_tables, context_lens, scale, new, launch, shared_prefix)
 
 
 def _decode(
@@ -166,11 +174,19 @@ def _decode(
     scale: float,
     new: _NewToken | None,
     launch: _Launch,
+    shared_prefix: torch.Tensor | None,
 ) -> torch.Tensor:
     k_cache, v_cache, k_scales, v_scales = cache
     require(
         context_lens.shape[0] == query.shape[0], "context_lens must have one entry per query row"
     )
+    if shared_prefix is not None:
+        check_index(shared_prefix, "shared_prefix", 1, torch.int32, k_cache.device)
+        require(
+            shared_prefix.shape[0] >= 2 + query.shape[0],
+            "shared_prefix must be [2 + num_seqs]: tokens, holder row, then tokens per sequence",
+        )
+        require(k_scales is None, "shared_prefix needs a cache in the model's dtype (not fp8)")
     num_seqs, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -189,11 +205,17 @@ def _decode(
         num_splits = choose_num_splits(
             num_seqs, num_kv_heads, max_context, block_n, _num_sms(query.device), num_warps
         )
+    prefix_splits = 0
+    if shared_prefix is not None:
+        prefix_splits = choose_prefix_splits(
+            num_seqs, group, num_kv_heads, max_context, block_n, _num_sms(query.device)
+        )
+    slots = num_splits + prefix_splits
     partial_out = torch.empty(
-        (num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+        (num_seqs, num_q_heads, slots, head_dim), dtype=torch.float32, device=query.device
     )
     partial_lse = torch.empty(
-        (num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=query.device
+        (num_seqs, num_q_heads, slots), dtype=torch.float32, device=query.device
     )
     block_d = next_power_of_2(head_dim)
     # Without the new token, its pointers are the query's and its strides 0: never read.
@@ -204,6 +226,7 @@ def _decode(
         v_cache,
         block_tables,
         context_lens,
+        shared_prefix if shared_prefix is not None else context_lens,  # never read without
         partial_out,
         partial_lse,
         out,
@@ -239,6 +262,8 @@ def _decode(
         BLOCK_N=block_n,
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
+        SLOTS=slots,
+        CASCADE=shared_prefix is not None,
         ROTARY=new is not None,
         FP8=k_scales is not None,
         F16_DOTS=query.dtype in (torch.float16, torch.bfloat16),
@@ -253,7 +278,44 @@ def _decode(
         maxnreg=launch.max_registers,
         **launch_options(query.device),
     )
-    if num_splits == 1:
+    if shared_prefix is not None:
+        shared_prefix_kernel[(num_kv_heads, prefix_splits, -(-num_seqs * group // BLOCK_Q))](
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            shared_prefix,
+            partial_out,
+            partial_lse,
+            rotary.positions,
+            rotary.cos_sin,
+            scale * LOG2E,
+            num_seqs,
+            query.stride(0),
+            query.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            *v_cache.stride(),
+            block_tables.stride(0),
+            rotary.cos_sin.stride(0) if new is not None else 0,
+            num_q_heads,
+            GROUP=group,
+            BLOCK_Q=BLOCK_Q,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_N=block_n,
+            BLOCK_SIZE=block_size,
+            PREFIX_SPLITS=prefix_splits,
+            FIRST_SLOT=num_splits,
+            SLOTS=slots,
+            ROTARY=new is not None,
+            DOT_PRECISION=dot_precision(query.dtype),
+            num_warps=4,
+            **launch_options(query.device),
+        )
+    if slots == 1:
         return out
     decode_merge_kernel[(num_seqs, num_q_heads)](
         partial_out,
@@ -264,8 +326,8 @@ def _decode(
         num_q_heads,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        NUM_SPLITS=num_splits,
-        SPLITS_PAD=next_power_of_2(num_splits),
+        NUM_SPLITS=slots,
+        SPLITS_PAD=next_power_of_2(slots),
         **launch_options(query.device),
     )
     return out

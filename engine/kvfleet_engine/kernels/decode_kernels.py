@@ -3,7 +3,8 @@ and wrappers are `decode_attention`, which says what each program owns.
 
 `decode_split_kernel`: one program per (sequence, kv head, split) walks its share of the context
 with an online softmax (rotating the query and storing the new key and value first in the ROTARY
-variant); `decode_merge_kernel` merges the splits by their log-sum-exp.
+variant; in the CASCADE variant only the context after the batch's shared prefix, which
+`shared_prefix` attends to); `decode_merge_kernel` merges the splits by their log-sum-exp.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from kvfleet_engine.kernels.pdl import _start
 
 
 @triton.jit
-def _rotated(x_ptr, dims, mask, cos_sin_row, HALF: tl.constexpr):
+def rotated(x_ptr, dims, mask, cos_sin_row, HALF: tl.constexpr):
     """Rotate-half rotary of the head rows at x_ptr ([rows, BLOCK_D] pointers to each element;
     `dims` are their [1, BLOCK_D] indices), in float32, rounded back to the input dtype as the
     in-place rotary kernels round."""
@@ -48,9 +49,10 @@ def decode_split_kernel(
     v_cache_ptr,
     block_tables_ptr,
     context_lens_ptr,
-    partial_out_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS, HEAD_DIM] float32
-    partial_lse_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS] float32, log2 domain
-    out_ptr,  # [num_seqs, num_q_heads, HEAD_DIM]: written here instead when NUM_SPLITS == 1
+    shared_prefix_ptr,  # CASCADE only: [2 + num_seqs] int32, what is shared (`shared_prefix`)
+    partial_out_ptr,  # [num_seqs, num_q_heads, SLOTS, HEAD_DIM] float32
+    partial_lse_ptr,  # [num_seqs, num_q_heads, SLOTS] float32, log2 domain
+    out_ptr,  # [num_seqs, num_q_heads, HEAD_DIM]: written here instead when SLOTS == 1
     # ROTARY only: this step's key and value rows, positions, cos | sin table and cache slots.
     key_ptr,
     value_ptr,
@@ -88,6 +90,8 @@ def decode_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    SLOTS: tl.constexpr,  # NUM_SPLITS, and under CASCADE the prefix kernel's splits after them
+    CASCADE: tl.constexpr,
     ROTARY: tl.constexpr,
     FP8: tl.constexpr,
     F16_DOTS: tl.constexpr,
@@ -104,8 +108,11 @@ def decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    tiles_per_split = tl.cdiv(tl.cdiv(context_len, BLOCK_N), NUM_SPLITS)
-    start = split * tiles_per_split * BLOCK_N
+    shared = 0
+    if CASCADE:  # a shared prefix is the prefix kernel's; padding (context 0) reads nothing
+        shared = tl.minimum(tl.load(shared_prefix_ptr + 2 + seq), context_len)
+    tiles_per_split = tl.cdiv(tl.cdiv(context_len - shared, BLOCK_N), NUM_SPLITS)
+    start = shared + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len)
 
     rows = tl.arange(0, GROUP_PAD)
@@ -122,12 +129,12 @@ def decode_split_kernel(
         # Rotate this group's query heads in registers; the split holding the newest position
         # rotates the new key and stores it and the value in the cache before reading it back.
         cos_sin_row = cos_sin_ptr + tl.load(positions_ptr + seq) * stride_rot
-        q = _rotated(q_rows, dims[None, :], q_mask, cos_sin_row, HEAD_DIM // 2)
+        q = rotated(q_rows, dims[None, :], q_mask, cos_sin_row, HEAD_DIM // 2)
         slot = tl.load(slot_mapping_ptr + seq)
         store = (start < end) & (end == context_len) & (slot >= 0)
         new_mask = dim_mask[None, :] & store
         k_row = key_ptr + seq * stride_ks + kv_head * stride_kh + dims[None, :]
-        k_new = _rotated(k_row, dims[None, :], new_mask, cos_sin_row, HEAD_DIM // 2)
+        k_new = rotated(k_row, dims[None, :], new_mask, cos_sin_row, HEAD_DIM // 2)
         v_new = tl.load(
             value_ptr + seq * stride_vs + kv_head * stride_vh + dims[None, :],
             mask=new_mask,
@@ -226,12 +233,12 @@ def decode_split_kernel(
     nonempty = l_i > 0
     out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
     out_mask = row_mask[:, None] & dim_mask[None, :]
-    if NUM_SPLITS == 1:  # the whole context: this is the output (zeros for an empty sequence)
+    if SLOTS == 1:  # the whole context: this is the output (zeros for an empty sequence)
         out_rows = out_ptr + seq * stride_os + heads[:, None] * stride_oh
         tl.store(out_rows + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-        partial_row = (seq * num_q_heads + heads) * NUM_SPLITS + split
+        partial_row = (seq * num_q_heads + heads) * SLOTS + split
         tl.store(partial_lse_ptr + partial_row, lse, mask=row_mask)
         partial_rows = partial_out_ptr + partial_row[:, None] * HEAD_DIM
         tl.store(partial_rows + dims[None, :], out, mask=out_mask)

@@ -3,7 +3,8 @@ with one backend (`attention_torch`, the reference; `attention_sdpa`, the CPU on
 kernels on a GPU), all with the reference's signatures. A backend that offers `rotary_store_kv`
 does the rotation and the store in one launch, and one that offers `rotary_decode_attention` a
 decode step's rotation, store and attention in one. With an fp8 cache every one of them also takes
-the layer's `k_scales` and `v_scales` (keywords; None for a cache in the model's dtype)."""
+the layer's `k_scales` and `v_scales` (keywords; None for a cache in the model's dtype), and a
+backend with `SHARED_PREFIX` its decode functions the step's `shared_prefix` when it has one."""
 
 from __future__ import annotations
 
@@ -56,6 +57,10 @@ class AttentionMetadata:
     cu_query_lens: torch.Tensor
     # Every sequence has exactly one query token (pure decode step).
     is_decode: bool
+    # A decode step in which many sequences start with the same cache blocks: [2 + num_seqs]
+    # int32, the prefix's tokens, a holder's row, each sequence's share (`kernels.shared_prefix`);
+    # None: nothing shared, or a backend without `SHARED_PREFIX`.
+    shared_prefix: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -106,6 +111,9 @@ class Attention(nn.Module):
         scales: dict[str, torch.Tensor | None] = {}
         if self.k_scales is not None:  # an fp8 cache: its scales go to every backend call
             scales = {"k_scales": self.k_scales, "v_scales": self.v_scales}
+        decode_extra = dict(scales)
+        if meta.shared_prefix is not None:
+            decode_extra["shared_prefix"] = meta.shared_prefix
         if meta.is_decode and self.rotary_decode_attention is not None:
             out = self.rotary_decode_attention(
                 *new_tokens,
@@ -113,7 +121,7 @@ class Attention(nn.Module):
                 meta.block_tables,
                 meta.context_lens,
                 self.scale,
-                **scales,
+                **decode_extra,
             )
             return out.reshape(out.shape[0], -1)
         if self.rotary_store_kv is not None:  # rotates query and key in place
@@ -129,7 +137,7 @@ class Attention(nn.Module):
                 meta.block_tables,
                 meta.context_lens,
                 self.scale,
-                **scales,
+                **decode_extra,
             )
         else:
             out = backend.prefill_attention(

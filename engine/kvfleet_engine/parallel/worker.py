@@ -149,7 +149,11 @@ class Worker:
         executor = self.executor
         items = self.decoder.apply(step)
         inputs = build_inputs(
-            items, executor.block_size, executor.device, executor.last_sample_rows
+            items,
+            executor.block_size,
+            executor.device,
+            executor.last_sample_rows,
+            executor.shared_prefix_min,
         )
         if self.stage is not None:
             self.stage.step(step, inputs)

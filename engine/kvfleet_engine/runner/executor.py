@@ -30,6 +30,10 @@ from kvfleet_engine.runner.kv_memory import (
 
 log = logging.getLogger(__name__)
 
+# A shared prefix shorter than this is read per sequence: at 16 sequences, 512 tokens save
+# ~30 MB of an 8B model's KV reads per layer, several times the prefix kernel's own cost.
+SHARED_PREFIX_MIN_TOKENS = 512
+
 # Triton has an e4m3 type (float8e4nv) from this compute capability on (Ada, Hopper).
 FP8_TRITON_MIN_CAPABILITY = (8, 9)
 
@@ -92,6 +96,15 @@ class ModelExecutor:
         self.kv_cache_dtype = resolve_kv_cache_dtype(
             config.cache.kv_cache_dtype, self.dtype, self.device, backend_name
         )
+        # Tokens a decode step's shared prefix needs before the kernels read it once per tile of
+        # sequences (`runner.inputs`); 0: never (the setting, or no kernel for this cache).
+        shares = (
+            config.runner.shared_prefix_attention
+            and config.cache.enable_prefix_caching
+            and getattr(self.backend, "SHARED_PREFIX", False)
+            and self.kv_cache_dtype == self.dtype
+        )
+        self.shared_prefix_min = SHARED_PREFIX_MIN_TOKENS if shares else 0
         torch.manual_seed(config.runner.seed)
         self.model = load_model(config.model, self.device, self.dtype, groups)
         if self.device.type == "cuda":  # PDL pays where the products are our kernels, not cuBLAS's
@@ -129,7 +142,11 @@ class ModelExecutor:
             max_blocks = -(-self.config.model.max_model_len // self.block_size)
             scheduler = self.config.scheduler
             self.decode_graphs = DecodeGraphs(
-                self.model, scheduler.max_num_seqs, max_blocks, self.device
+                self.model,
+                scheduler.max_num_seqs,
+                max_blocks,
+                self.device,
+                shared_prefix=self.shared_prefix_min > 0,
             )
             self.decode_graphs.capture()
             self.prompt_graphs = PromptGraphs(

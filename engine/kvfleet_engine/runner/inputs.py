@@ -1,6 +1,10 @@
 """One step's batch tensors, built with numpy in one host buffer (int64 segments, then int32
 ones) that reaches the device in one copy. The driver builds them from the scheduler's
-ScheduledRequests, a worker from the same fields rebuilt from the step diff."""
+ScheduledRequests, a worker from the same fields rebuilt from the step diff.
+
+A decode step in which at least SHARED_PREFIX_MIN_SEQS sequences start with the same cache blocks
+(`shared_prefix`) says so in its metadata when those hold at least `shared_prefix_min` tokens:
+the attention kernels then read them once per tile of sequences (`kernels.shared_prefix`)."""
 
 from __future__ import annotations
 
@@ -15,6 +19,10 @@ import torch
 from kvfleet_engine.layers.attention import AttentionMetadata
 from kvfleet_engine.layers.sampler import SamplingMetadata
 from kvfleet_engine.scheduler import PENDING_TOKEN
+
+# Fewer sequences than this never share a prefix read: the prefix kernel's launch and the merge
+# of its partial results would cost about what the shared reads save.
+SHARED_PREFIX_MIN_SEQS = 16
 
 
 class BatchItem(Protocol):
@@ -60,6 +68,7 @@ def build_inputs(
     block_size: int,
     device: torch.device,
     last_sample_rows: dict[str, int],  # request id -> its row in the previous step's samples
+    shared_prefix_min: int = 0,  # tokens a decode step's shared prefix needs (0: never)
 ) -> ModelInputs:
     """The batch tensors of `items` (in batch order); sampling settings are left to the caller."""
     num_seqs = len(items)
@@ -74,13 +83,14 @@ def build_inputs(
     # (Triton specialises kernels on pointer alignment: a view whose alignment changed with
     # the batch would compile a new variant mid-run).
     segments64, size64 = _segments([num_tokens] * 3 + [len(sample_rows), num_tokens], 2)
-    segments32, size32 = _segments([num_seqs, num_seqs + 1, num_seqs * width], 4)
+    segments32, size32 = _segments([num_seqs, num_seqs + 1, num_seqs * width, num_seqs + 2], 4)
     size64 += size64 % 2  # the int32 part starts on 16 bytes too
     host, upload = _staging(size64 + -(-size32 // 2), device)
     host_int32 = host[size64:].view(np.int32)
     input_ids, positions, slot_mapping, logits_indices, sources = (host[s] for s in segments64)
     context_lens, cu_query_lens = host_int32[segments32[0]], host_int32[segments32[1]]
     block_tables = host_int32[segments32[2]].reshape(num_seqs, width)
+    prefix = host_int32[segments32[3]]  # [2 + num_seqs] (`kernels.shared_prefix`)
 
     starts = np.fromiter((item.start_position for item in items), np.int64, num_seqs)
     if is_decode:
@@ -105,6 +115,13 @@ def build_inputs(
     slot_mapping[:] = block_tables[rows, positions // block_size]
     slot_mapping *= block_size
     slot_mapping += positions % block_size
+    shared = False
+    if is_decode and shared_prefix_min and num_seqs >= SHARED_PREFIX_MIN_SEQS:
+        blocks, holder, sharers = shared_prefix(block_tables, counts, context_lens, block_size)
+        shared = blocks * block_size >= shared_prefix_min
+        if shared:
+            prefix[:2] = blocks * block_size, holder
+            prefix[2:] = sharers * (blocks * block_size)
     logits_indices[:] = cu_query_lens[1:][sample_rows] - 1
     pending = np.flatnonzero(input_ids == PENDING_TOKEN)
     if pending.size:
@@ -121,6 +138,7 @@ def build_inputs(
         context_lens=dev32[segments32[0]],
         cu_query_lens=dev32[segments32[1]],
         is_decode=is_decode,
+        shared_prefix=dev32[segments32[3]] if shared else None,
     )
     return ModelInputs(
         input_ids=dev64[segments64[0]],
@@ -130,6 +148,31 @@ def build_inputs(
         pending_sources=dev64[segments64[4]] if pending.size else None,
         sampling_request_ids=[items[row].request_id for row in sample_rows],
     )
+
+
+def shared_prefix(
+    block_tables: np.ndarray,  # [num_seqs, width] int32
+    counts: np.ndarray,  # [num_seqs]: each row's blocks
+    context_lens: np.ndarray,  # [num_seqs]: tokens after this step's
+    block_size: int,
+) -> tuple[int, int, np.ndarray]:
+    """(blocks, a holder's row, [num_seqs] 0/1 sharers): the leading cache blocks that the
+    largest group of sequences with the same first block all have, counting only blocks each
+    holds in full before its newest token (the one a decode step writes); (0, 0, zeros) when
+    fewer than SHARED_PREFIX_MIN_SEQS sequences share one."""
+    none = (0, 0, np.zeros(len(counts), np.int32))
+    _, group, sizes = np.unique(block_tables[:, 0], return_inverse=True, return_counts=True)
+    if sizes.max() < SHARED_PREFIX_MIN_SEQS:
+        return none
+    sharers = group == sizes.argmax()
+    rows = np.flatnonzero(sharers)
+    limit = min(int((context_lens[rows].min() - 1) // block_size), int(counts[rows].min()))
+    if limit <= 0:
+        return none
+    tables = block_tables[rows, :limit]
+    same = (tables == tables[0]).all(axis=0)
+    blocks = limit if same.all() else int(same.argmin())
+    return blocks, int(rows[0]), sharers.astype(np.int32)
 
 
 def _staging(size: int, device: torch.device) -> tuple[np.ndarray, Callable[[], torch.Tensor]]:

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One device call (~6 minutes): decode attention over a shared prefix (kernels.shared_prefix) on
+# the H200. The GPU tests of the kernels and of the engine with and without it; the kernel alone
+# (python -m kvfleet_engine.bench.shared_prefix); then `kvfleet serve` on the random-weight
+# Llama-3.1-8B-shaped checkpoint (bench/make_checkpoint.py) with the setting on, then off
+# (--no-shared-prefix-attention), each driven by bench/serve_client.py through the issue-16
+# shared-prefix load (c64, 256 x 2048->128, 1,536 shared) and the c64 512->256 load (no shared
+# prefix: what the setting must not slow down). JSON lines and logs go to $OUT.
+#   WHEELS=.whl/server bash bench/gpu_shared_prefix.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/kvfleet-shared-prefix}
+PORT=${PORT:-8100}
+mkdir -p "$OUT"
+ulimit -n 65536 2>/dev/null || ulimit -n 8192
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/engine:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}"
+if [ -n "${WHEELS:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$WHEELS"/*.whl || exit 1
+  export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+python3 -c "import msgspec, fastapi, uvicorn" || { echo "missing wheels (WHEELS=...)"; exit 1; }
+echo "=== GPU tests ($(date +%T))"
+timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
+  tests/kernels/test_triton_kernels.py -k "shared_prefix or decode" 2>&1 | tail -3
+timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu.py \
+  -k "shared_prefix or graphs_on_and_off" 2>&1 | tail -3
+echo "=== the kernel alone ($(date +%T))"
+python3 -m kvfleet_engine.bench.shared_prefix --seqs 16 64 256 --context 2048 --prefix 1536 \
+  --output "$OUT/kernel.json"
+SCRATCH=$(python3 -c "import shutil; print('/dev/shm' if shutil.disk_usage('/dev/shm').free > 20e9 else '/tmp')")
+CKPT=$SCRATCH/kvfleet-8b-random
+[ -f "$CKPT/config.json" ] || timeout 120 python3 bench/make_checkpoint.py "$CKPT" || exit 1
+URL=http://127.0.0.1:$PORT
+get() { python3 -c "import sys, urllib.request as u; print(u.urlopen(sys.argv[1]).read().decode())" "$1"; }
+for setting in shared-prefix-attention no-shared-prefix-attention; do
+  echo "=== serve --$setting ($(date +%T))"
+  python3 -m kvfleet_cli.main serve --model "$CKPT" --served-model-name m --host 127.0.0.1 \
+    --port "$PORT" --max-model-len 4096 --gpu-memory-utilization 0.9 "--$setting" \
+    >"$OUT/serve-$setting.log" 2>&1 &
+  SERVER=$!
+  for _ in $(seq 240); do
+    get "$URL/ready" >/dev/null 2>&1 && break
+    kill -0 $SERVER 2>/dev/null || { tail -30 "$OUT/serve-$setting.log"; exit 1; }
+    sleep 1
+  done
+  grep -E "captured" "$OUT/serve-$setting.log" | tail -2
+  timeout 60 python3 bench/serve_client.py "$URL" m kvfleet 1 4 512 32 >/dev/null  # warm-up
+  for load in "64 256 2048 128 1536" "64 256 512 256"; do
+    # shellcheck disable=SC2086
+    timeout 150 python3 bench/serve_client.py "$URL" m "$setting" $load \
+      | tee -a "$OUT/serve_client.jsonl"
+  done
+  kill -TERM $SERVER
+  wait $SERVER
+done
+echo "=== table ($(date +%T))"
+python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+rows = [json.loads(l) for l in (Path(sys.argv[1]) / "serve_client.jsonl").read_text().splitlines() if l]
+print(f"{'setting':<30}{'load':<30}{'ok':>5}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}")
+for r in rows:
+    load = f"c{r['concurrency']} {r['num']}x{r['input_len']}->{r['output_len']}" + (
+        f" ({r['shared_prefix']} shared)" if r["shared_prefix"] else "")
+    print(f"{r['system']:<30}{load:<30}{r['ok']:>5}{r['out_tok_s']:>11}{r['ttft_p50_ms']:>10}"
+          f"{r['ttft_p99_ms']:>10}{r['tpot_p50_ms']:>10}")
+PY
+echo "=== done ($(date +%T))"

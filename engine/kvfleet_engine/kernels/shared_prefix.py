@@ -1,0 +1,139 @@
+"""Decode attention over a prefix many sequences of the batch share ("cascade" attention).
+
+When sequences of a decode step start with the same cache blocks (a system prompt or a few-shot
+preamble, found by the prefix cache), the split kernel would read those blocks once per sequence.
+This kernel reads them once per tile of query rows instead: each program owns (kv head, prefix
+split, BLOCK_Q query rows of several sequences, each the query heads that share the kv head) and
+attends the rows of the sequences that share the prefix to its share of it, read through one
+sharer's block table. Its partial outputs and log-sum-exps go to slots of the split kernel's
+partial buffer past that kernel's own (which then covers only each sharer's context after the
+prefix), and the split kernel's merge combines them all.
+
+The step says which prefix in `shared_prefix`, int32 [2 + num_seqs]: the prefix's tokens (a
+multiple of the block size), the row of a sequence that holds it, then per sequence the tokens
+it shares (the prefix's, or 0). All of it is read on the device and the grid depends on shapes
+only, so one CUDA graph serves every prefix and sharer set, none included.
+
+The ROTARY variant rotates the query rows in registers as `rotary_decode_attention` does (the
+same function: the same rounding). Float caches only (the model's dtype).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvfleet_engine.kernels.attention_tile import softmax_tile
+from kvfleet_engine.kernels.decode_kernels import rotated
+from kvfleet_engine.kernels.pdl import _start
+
+BLOCK_Q = 64  # query rows per program: 16 sequences of a 4-head group (Llama-3.1-8B)
+
+
+def choose_prefix_splits(
+    num_seqs: int, group: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int
+) -> int:
+    """About two programs per SM, never more splits than the longest prefix has tiles. Depends
+    on shapes only."""
+    q_tiles = -(-num_seqs * group // BLOCK_Q)
+    wanted = -(-2 * num_sms // max(q_tiles * num_kv_heads, 1))
+    max_tiles = max(-(-max_context // block_n), 1)
+    return max(1, min(wanted, max_tiles, 64))
+
+
+# Values that change from step to step are not specialised on (that would recompile mid-run).
+@triton.jit(do_not_specialize=("num_seqs", "stride_bt"))
+def shared_prefix_kernel(
+    query_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,  # the holder's row is read: the prefix's blocks
+    context_lens_ptr,  # rows of sequences with no context (padding) get nothing
+    shared_prefix_ptr,  # [2 + num_seqs] int32 (above)
+    partial_out_ptr,  # [num_seqs, num_q_heads, SLOTS, HEAD_DIM] float32
+    partial_lse_ptr,  # [num_seqs, num_q_heads, SLOTS] float32, log2 domain
+    positions_ptr,  # ROTARY only: each sequence's position and the cos | sin table
+    cos_sin_ptr,
+    scale_log2,
+    num_seqs,
+    stride_qs,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_cvb,
+    stride_cvs,
+    stride_cvh,
+    stride_cvd,
+    stride_bt,
+    stride_rot,
+    num_q_heads,
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PREFIX_SPLITS: tl.constexpr,
+    FIRST_SLOT: tl.constexpr,  # the split kernel's slots come first
+    SLOTS: tl.constexpr,
+    ROTARY: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    _start(PDL)
+    kv_head = tl.program_id(0)
+    split = tl.program_id(1)
+    q_tile = tl.program_id(2)
+    prefix_len = tl.load(shared_prefix_ptr)
+    holder = tl.load(shared_prefix_ptr + 1)
+    tiles_per_split = tl.cdiv(tl.cdiv(prefix_len, BLOCK_N), PREFIX_SPLITS)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, prefix_len)
+
+    rows = q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)  # (sequence, member of the group)
+    seqs = rows // GROUP
+    heads = kv_head * GROUP + rows % GROUP
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    in_batch = seqs < num_seqs
+    active = in_batch & (tl.load(context_lens_ptr + seqs, mask=in_batch, other=0) > 0)
+    active = active & (tl.load(shared_prefix_ptr + 2 + seqs, mask=in_batch, other=0) > 0)
+    q_rows = query_ptr + seqs[:, None] * stride_qs + heads[:, None] * stride_qh + dims[None, :]
+    q_mask = active[:, None] & dim_mask[None, :]
+    if ROTARY:
+        position = tl.load(positions_ptr + seqs, mask=active, other=0)
+        cos_sin_rows = cos_sin_ptr + position[:, None] * stride_rot
+        q = rotated(q_rows, dims[None, :], q_mask, cos_sin_rows, HEAD_DIM // 2)
+    else:
+        q = tl.load(q_rows, mask=q_mask, other=0.0)
+    kv_offset = kv_head * stride_ch + dims[None, :]
+    v_offset = kv_head * stride_cvh + dims[None, :] * stride_cvd
+
+    block_table = block_tables_ptr + holder.to(tl.int64) * stride_bt
+    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+    for tile_start in range(start, end, BLOCK_N):
+        positions = tile_start + tl.arange(0, BLOCK_N)
+        valid = positions < end
+        block_ids = tl.load(block_table + positions // BLOCK_SIZE, mask=valid, other=0)
+        block_ids = block_ids.to(tl.int64)
+        k_rows = block_ids * stride_cb + (positions % BLOCK_SIZE) * stride_cs
+        v_rows = block_ids * stride_cvb + (positions % BLOCK_SIZE) * stride_cvs
+        kv_mask = valid[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + k_rows[:, None] + kv_offset, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + v_rows[:, None] + v_offset, mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new, alpha, p, l_i = softmax_tile(scores, m_i, l_i)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    nonempty = active & (l_i > 0)
+    out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    partial_row = (seqs * num_q_heads + heads) * SLOTS + FIRST_SLOT + split
+    tl.store(partial_lse_ptr + partial_row, lse, mask=in_batch)
+    partial_rows = partial_out_ptr + partial_row[:, None] * HEAD_DIM + dims[None, :]
+    tl.store(partial_rows, out, mask=in_batch[:, None] & dim_mask[None, :])
