@@ -20,13 +20,15 @@ if [ -n "${WHEELS:-}" ]; then
 fi
 python3 -c "import msgspec, fastapi, uvicorn" || { echo "missing wheels (WHEELS=...)"; exit 1; }
 echo "=== GPU tests ($(date +%T))"
-timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
-  tests/kernels/test_triton_kernels.py -k "shared_prefix or decode" 2>&1 | tail -3
+timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_triton_kernels.py \
+  tests/kernels/test_kv_fp8.py -k "shared_prefix or decode" 2>&1 | tail -3
 timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu.py \
   -k "shared_prefix or graphs_on_and_off" 2>&1 | tail -3
 echo "=== the kernel alone ($(date +%T))"
 python3 -m kvfleet_engine.bench.shared_prefix --seqs 16 64 256 --context 2048 --prefix 1536 \
   --output "$OUT/kernel.json"
+python3 -m kvfleet_engine.bench.shared_prefix --seqs 16 64 256 --context 2048 --prefix 1536 \
+  --fp8 --output "$OUT/kernel-fp8.json"
 SCRATCH=$(python3 -c "import shutil; print('/dev/shm' if shutil.disk_usage('/dev/shm').free > 20e9 else '/tmp')")
 CKPT=$SCRATCH/kvfleet-8b-random
 [ -f "$CKPT/config.json" ] || timeout 120 python3 bench/make_checkpoint.py "$CKPT" || exit 1

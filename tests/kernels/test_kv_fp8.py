@@ -600,3 +600,28 @@ def test_wrappers_reject_an_fp8_cache_without_its_scales() -> None:
             case.keys[0], case.values[0], case.k_cache, case.v_cache, case.slot_mapping,
             **fp8.cache,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
+@pytest.mark.parametrize("num_splits", [None, 1])
+@V_LAYOUTS
+def test_decode_over_a_shared_prefix_reads_the_fp8_cache(
+    device, dtype, tol, sizes, num_splits, v_layout
+) -> None:
+    """The prefix kernel reads an fp8 cache's shared blocks (scales per token, either V layout)
+    as the split kernel reads the rest: dense attention over the dequantized cache."""
+    _skip_if_unavailable(device)
+    shared = 3 if device == "cpu" else 96
+    lens = [49, 64, 97, 130] if device == "cpu" else [1537, 2049, 4096, 1600] * 5
+    exact = make_paged_case(
+        lens, [1] * len(lens), **sizes, dtype=dtype, device=device, seed=41, shared_blocks=shared
+    )
+    fp8 = _fp8_case(exact, v_layout)
+    case = fp8.case
+    tokens = shared * 16
+    described = torch.tensor([tokens, 1, *[tokens] * len(lens)], dtype=torch.int32, device=device)
+    out = decode.paged_decode_attention(
+        case.query, fp8.k_cache, fp8.v_cache, case.block_tables, case.context_lens, case.scale,
+        **fp8.cache, shared_prefix=described, num_splits=num_splits,
+    )  # fmt: skip
+    assert relative_error(out, dense_attention(case)) < tol

@@ -18,7 +18,7 @@ class RunnerConfig:
     enforce_eager: bool = False
     # Decode steps whose sequences all start with the same cached blocks (at least
     # SHARED_PREFIX_MIN_TOKENS) read those once per 16 sequences, not once per sequence (the
-    # triton backend with a cache in the model's dtype).
+    # triton backend).
     shared_prefix_attention: bool = True
     # Seed of the global generator (requests without their own seed).
     seed: int = 0

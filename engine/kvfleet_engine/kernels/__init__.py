@@ -8,8 +8,8 @@ place of all three.
 
 `FP8_V_TOKEN_MAJOR`: the cache allocator lays an fp8 cache's V out token major for this backend
 (`checks.token_major`; `kv_fp8` says why). The kernels read and write either layout.
-`SHARED_PREFIX`: the decode functions take a `shared_prefix` (a float cache), the prefix all
-the batch's sequences share (`shared_prefix`).
+`SHARED_PREFIX`: the decode functions take a `shared_prefix`, the prefix many of the batch's
+sequences share (`shared_prefix` says how it is described).
 """
 
 from kvfleet_engine.kernels.decode_attention import paged_decode_attention, rotary_decode_attention

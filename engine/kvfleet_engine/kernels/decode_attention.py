@@ -14,7 +14,7 @@ the new key and stores it and the value in the cache before reading the context.
 An fp8 cache (`kv_fp8`) is read as e4m3 tiles converted to float16 for tl.dot (16-bit queries),
 each score column multiplied by its key's scale and each softmax weight by its value's scale.
 
-`shared_prefix` (a float cache): sequences of the batch share their first cache blocks, and
+`shared_prefix`: sequences of the batch share their first cache blocks, and
 `kernels.shared_prefix` (which says what the tensor holds) attends to those once per tile of
 query rows; the split kernel reads each sharer's context after them, and the merge combines both.
 """
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvfleet_engine.kernels import shared_prefix as prefix_kernel
 from kvfleet_engine.kernels.checks import (
     LOG2E,
     check_index,
@@ -37,7 +38,6 @@ from kvfleet_engine.kernels.checks import (
 )
 from kvfleet_engine.kernels.decode_kernels import decode_merge_kernel, decode_split_kernel
 from kvfleet_engine.kernels.pdl import launch_options
-from kvfleet_engine.kernels.shared_prefix import BLOCK_Q, choose_prefix_splits, shared_prefix_kernel
 from kvfleet_engine.layers.attention_torch import KVCache
 
 
@@ -186,7 +186,6 @@ def _decode(
             shared_prefix.shape[0] >= 2 + query.shape[0],
             "shared_prefix must be [2 + num_seqs]: tokens, holder row, then tokens per sequence",
         )
-        require(k_scales is None, "shared_prefix needs a cache in the model's dtype (not fp8)")
     num_seqs, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -207,8 +206,8 @@ def _decode(
         )
     prefix_splits = 0
     if shared_prefix is not None:
-        prefix_splits = choose_prefix_splits(
-            num_seqs, group, num_kv_heads, max_context, block_n, _num_sms(query.device)
+        prefix_splits = prefix_kernel.choose_prefix_splits(
+            num_seqs, group, num_kv_heads, max_context, _num_sms(query.device)
         )
     slots = num_splits + prefix_splits
     partial_out = torch.empty(
@@ -279,7 +278,8 @@ def _decode(
         **launch_options(query.device),
     )
     if shared_prefix is not None:
-        shared_prefix_kernel[(num_kv_heads, prefix_splits, -(-num_seqs * group // BLOCK_Q))](
+        prefix_grid = (num_kv_heads, prefix_splits, -(-num_seqs * group // prefix_kernel.BLOCK_Q))
+        prefix_kernel.shared_prefix_kernel[prefix_grid](
             query,
             k_cache,
             v_cache,
@@ -290,6 +290,8 @@ def _decode(
             partial_lse,
             rotary.positions,
             rotary.cos_sin,
+            k_scales if k_scales is not None else k_cache,  # a float cache: never read
+            v_scales if v_scales is not None else v_cache,
             scale * LOG2E,
             num_seqs,
             query.stride(0),
@@ -300,19 +302,25 @@ def _decode(
             *v_cache.stride(),
             block_tables.stride(0),
             rotary.cos_sin.stride(0) if new is not None else 0,
+            k_scales.stride(0) if k_scales is not None else 0,
+            k_scales.stride(1) if k_scales is not None else 0,
             num_q_heads,
             GROUP=group,
-            BLOCK_Q=BLOCK_Q,
+            BLOCK_Q=prefix_kernel.BLOCK_Q,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
-            BLOCK_N=block_n,
+            BLOCK_N=prefix_kernel.BLOCK_N,
             BLOCK_SIZE=block_size,
             PREFIX_SPLITS=prefix_splits,
             FIRST_SLOT=num_splits,
             SLOTS=slots,
             ROTARY=new is not None,
+            FP8=k_scales is not None,
+            F16_DOTS=query.dtype in (torch.float16, torch.bfloat16),
+            V_ROWS=v_rows,
+            V_RUN=min(prefix_kernel.BLOCK_N, block_size),
             DOT_PRECISION=dot_precision(query.dtype),
-            num_warps=4,
+            num_warps=prefix_kernel.NUM_WARPS,
             **launch_options(query.device),
         )
     if slots == 1:

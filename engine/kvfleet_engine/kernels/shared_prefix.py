@@ -15,7 +15,8 @@ it shares (the prefix's, or 0). All of it is read on the device and the grid dep
 only, so one CUDA graph serves every prefix and sharer set, none included.
 
 The ROTARY variant rotates the query rows in registers as `rotary_decode_attention` does (the
-same function: the same rounding). Float caches only (the model's dtype).
+same function: the same rounding). An fp8 cache is read as the split kernel reads it (`kv_fp8`:
+float16 dots, per-token K and V scales, either V layout).
 """
 
 from __future__ import annotations
@@ -23,21 +24,24 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvfleet_engine.kernels.attention_tile import softmax_tile
+from kvfleet_engine.kernels.attention_tile import fp8_pv, softmax_tile
 from kvfleet_engine.kernels.decode_kernels import rotated
+from kvfleet_engine.kernels.kv_fp8 import V_SCALE_BOOST, f16_rows, tile_scales, v_tile
 from kvfleet_engine.kernels.pdl import _start
 
 BLOCK_Q = 64  # query rows per program: 16 sequences of a 4-head group (Llama-3.1-8B)
+BLOCK_N = 64  # prefix tokens per tile, for every cache (the split kernel's vary: it has 4 rows)
+NUM_WARPS = 4
 
 
 def choose_prefix_splits(
-    num_seqs: int, group: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int
+    num_seqs: int, group: int, num_kv_heads: int, max_context: int, num_sms: int
 ) -> int:
     """About two programs per SM, never more splits than the longest prefix has tiles. Depends
     on shapes only."""
     q_tiles = -(-num_seqs * group // BLOCK_Q)
     wanted = -(-2 * num_sms // max(q_tiles * num_kv_heads, 1))
-    max_tiles = max(-(-max_context // block_n), 1)
+    max_tiles = max(-(-max_context // BLOCK_N), 1)
     return max(1, min(wanted, max_tiles, 64))
 
 
@@ -54,6 +58,8 @@ def shared_prefix_kernel(
     partial_lse_ptr,  # [num_seqs, num_q_heads, SLOTS] float32, log2 domain
     positions_ptr,  # ROTARY only: each sequence's position and the cos | sin table
     cos_sin_ptr,
+    k_scales_ptr,  # FP8 only: [num_blocks, num_kv_heads, block_size] bfloat16 each
+    v_scales_ptr,
     scale_log2,
     num_seqs,
     stride_qs,
@@ -67,6 +73,8 @@ def shared_prefix_kernel(
     stride_cvd,
     stride_bt,
     stride_rot,
+    stride_sb,
+    stride_sh,
     num_q_heads,
     GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -78,6 +86,10 @@ def shared_prefix_kernel(
     FIRST_SLOT: tl.constexpr,  # the split kernel's slots come first
     SLOTS: tl.constexpr,
     ROTARY: tl.constexpr,
+    FP8: tl.constexpr,
+    F16_DOTS: tl.constexpr,
+    V_ROWS: tl.constexpr,  # V in K's layout (else token major: `kv_fp8.v_tile`)
+    V_RUN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
@@ -108,7 +120,13 @@ def shared_prefix_kernel(
     else:
         q = tl.load(q_rows, mask=q_mask, other=0.0)
     kv_offset = kv_head * stride_ch + dims[None, :]
-    v_offset = kv_head * stride_cvh + dims[None, :] * stride_cvd
+    if FP8:
+        if F16_DOTS:  # 16-bit queries: e4m3 converts to float16 in one instruction per pair
+            q_dot, q_factor = f16_rows(q)
+            row_scale = q_factor * scale_log2
+        else:
+            q_dot = q
+            row_scale = tl.full([BLOCK_Q], 1.0, tl.float32) * scale_log2
 
     block_table = block_tables_ptr + holder.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
@@ -118,17 +136,38 @@ def shared_prefix_kernel(
         positions = tile_start + tl.arange(0, BLOCK_N)
         valid = positions < end
         block_ids = tl.load(block_table + positions // BLOCK_SIZE, mask=valid, other=0)
-        block_ids = block_ids.to(tl.int64)
-        k_rows = block_ids * stride_cb + (positions % BLOCK_SIZE) * stride_cs
-        v_rows = block_ids * stride_cvb + (positions % BLOCK_SIZE) * stride_cvs
+        rows_off = block_ids.to(tl.int64) * stride_cb + (positions % BLOCK_SIZE) * stride_cs
         kv_mask = valid[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + k_rows[:, None] + kv_offset, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + v_rows[:, None] + v_offset, mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        k = tl.load(k_cache_ptr + rows_off[:, None] + kv_offset, mask=kv_mask, other=0.0)
+        v_offsets, v_mask = v_tile(
+            block_ids, positions, valid, rows_off, kv_offset, kv_mask, kv_head, dims, dim_mask,
+            stride_cvb, stride_cvh, stride_cvd, V_ROWS, V_RUN, BLOCK_SIZE,
+        )  # fmt: skip
+        v = tl.load(v_cache_ptr + v_offsets, mask=v_mask, other=0.0)
+        if FP8:
+            k_scale = tile_scales(
+                k_scales_ptr, block_ids, kv_head, positions, valid, stride_sb, stride_sh,
+                BLOCK_SIZE,
+            )  # fmt: skip
+            v_scale = tile_scales(
+                v_scales_ptr, block_ids, kv_head, positions, valid, stride_sb, stride_sh,
+                BLOCK_SIZE,
+            )  # fmt: skip
+            k = k.to(q_dot.dtype)
+            scores = tl.dot(q_dot, tl.trans(k), input_precision=DOT_PRECISION)
+            scores = scores * row_scale[:, None] * k_scale[None, :]
+        else:
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new, alpha, p, l_i = softmax_tile(scores, m_i, l_i)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if FP8:
+            pv = fp8_pv(p, v, v_scale, valid, q_dot, V_ROWS, False, DOT_PRECISION)
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
+    if FP8:
+        acc = acc * (1.0 / V_SCALE_BOOST)
 
     nonempty = active & (l_i > 0)
     out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)

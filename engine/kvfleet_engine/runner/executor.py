@@ -97,12 +97,11 @@ class ModelExecutor:
             config.cache.kv_cache_dtype, self.dtype, self.device, backend_name
         )
         # Tokens a decode step's shared prefix needs before the kernels read it once per tile of
-        # sequences (`runner.inputs`); 0: never (the setting, or no kernel for this cache).
+        # sequences (`runner.inputs`); 0: never (the setting, or a backend without the kernel).
         shares = (
             config.runner.shared_prefix_attention
             and config.cache.enable_prefix_caching
             and getattr(self.backend, "SHARED_PREFIX", False)
-            and self.kv_cache_dtype == self.dtype
         )
         self.shared_prefix_min = SHARED_PREFIX_MIN_TOKENS if shares else 0
         torch.manual_seed(config.runner.seed)
