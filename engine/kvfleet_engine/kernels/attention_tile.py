@@ -1,14 +1,39 @@
-"""One context tile of the attention kernels' online softmax, shared by decode and prefill: the
-running row max and sum updated by a tile's scores (log2 domain, -inf where masked), and the
-tile's P · V when the cache is fp8 (V scaled per token, rows past the context zeroed, and with
-EARLY_V converted in swapped pairs before shared memory: `kv_fp8`)."""
+"""One context tile of the attention kernels (decode, shared prefix, prefill): its K and V read
+through the block table, the online softmax's running row max and sum updated by its scores
+(log2 domain, -inf where masked), and its P · V when the cache is fp8 (V scaled per token, rows
+past the context zeroed, and with EARLY_V converted in swapped pairs before shared memory:
+`kv_fp8`)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from kvfleet_engine.kernels.kv_fp8 import V_SCALE_BOOST, swapped_pairs, v_rows_valid
+from kvfleet_engine.kernels.kv_fp8 import V_SCALE_BOOST, swapped_pairs, v_rows_valid, v_tile
+
+
+@triton.jit
+def kv_tile(
+    k_cache_ptr, v_cache_ptr, block_table, tile_start, end, kv_offset, kv_head, dims, dim_mask,
+    stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, V_ROWS: tl.constexpr, V_RUN: tl.constexpr,
+):  # fmt: skip
+    """(positions [BLOCK_N], valid = before `end`, their block ids, K [BLOCK_N, BLOCK_D], V) of
+    the tile of context positions from tile_start, through one sequence's block table (`kv_offset`:
+    the kv head's and dims' offset in K's row layout; V in its own, `kv_fp8.v_tile`)."""
+    positions = tile_start + tl.arange(0, BLOCK_N)
+    valid = positions < end
+    used = (positions // BLOCK_SIZE) * BLOCK_SIZE < end  # blocks holding context
+    block_ids = tl.load(block_table + positions // BLOCK_SIZE, mask=used, other=0)
+    rows_off = block_ids.to(tl.int64) * stride_cb + (positions % BLOCK_SIZE) * stride_cs
+    kv_mask = valid[:, None] & dim_mask[None, :]
+    k = tl.load(k_cache_ptr + rows_off[:, None] + kv_offset, mask=kv_mask, other=0.0)
+    v_offsets, v_mask = v_tile(
+        block_ids, positions, used, rows_off, kv_offset, kv_mask, kv_head, dims, dim_mask,
+        stride_cvb, stride_cvh, stride_cvd, V_ROWS, V_RUN, BLOCK_SIZE,
+    )  # fmt: skip
+    v = tl.load(v_cache_ptr + v_offsets, mask=v_mask, other=0.0)
+    return positions, valid, block_ids, k, v
 
 
 @triton.jit

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvfleet_engine.kernels.attention_tile import fp8_pv, softmax_tile
+from kvfleet_engine.kernels.attention_tile import fp8_pv, kv_tile, softmax_tile
 from kvfleet_engine.kernels.kv_fp8 import (
     V_SCALE_BOOST,
     f16_rows,
@@ -20,7 +20,6 @@ from kvfleet_engine.kernels.kv_fp8 import (
     quantize_rows,
     tile_block_ids,
     tile_scales,
-    v_tile,
 )
 from kvfleet_engine.kernels.pdl import _start
 
@@ -109,8 +108,9 @@ def decode_split_kernel(
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
     shared = 0
-    if CASCADE:  # a shared prefix is the prefix kernel's; padding (context 0) reads nothing
-        shared = tl.minimum(tl.load(shared_prefix_ptr + 2 + seq), context_len)
+    if CASCADE:  # a shared prefix is the prefix kernel's (whole blocks, shorter than a sharer's
+        # context; padding rows, context 0, read nothing whatever stale share they hold)
+        shared = tl.multiple_of(tl.load(shared_prefix_ptr + 2 + seq), BLOCK_SIZE)
     tiles_per_split = tl.cdiv(tl.cdiv(context_len - shared, BLOCK_N), NUM_SPLITS)
     start = shared + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len)
@@ -181,18 +181,11 @@ def decode_split_kernel(
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
     for tile_start in range(start, end, BLOCK_N):
-        positions = tile_start + tl.arange(0, BLOCK_N)
-        valid = positions < end
-        used = (positions // BLOCK_SIZE) * BLOCK_SIZE < end  # blocks holding context
-        block_ids = tl.load(block_table + positions // BLOCK_SIZE, mask=used, other=0)
-        rows_off = block_ids.to(tl.int64) * stride_cb + (positions % BLOCK_SIZE) * stride_cs
-        kv_mask = valid[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + rows_off[:, None] + kv_offset, mask=kv_mask, other=0.0)
-        v_offsets, v_mask = v_tile(
-            block_ids, positions, used, rows_off, kv_offset, kv_mask, kv_head, dims, dim_mask,
-            stride_cvb, stride_cvh, stride_cvd, V_ROWS, V_RUN, BLOCK_SIZE,
+        positions, valid, block_ids, k, v = kv_tile(
+            k_cache_ptr, v_cache_ptr, block_table, tile_start, end, kv_offset, kv_head, dims,
+            dim_mask, stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, BLOCK_N,
+            BLOCK_SIZE, V_ROWS, V_RUN,
         )  # fmt: skip
-        v = tl.load(v_cache_ptr + v_offsets, mask=v_mask, other=0.0)
         if FP8:
             if PREFETCH_SCALES:
                 k_scale, v_scale = k_scale_next, v_scale_next

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet_engine.kernels.attention_tile import fp8_pv, softmax_tile
+from kvfleet_engine.kernels.attention_tile import fp8_pv, kv_tile, softmax_tile
 from kvfleet_engine.kernels.checks import (
     LOG2E,
     check_index,
@@ -29,7 +29,6 @@ from kvfleet_engine.kernels.kv_fp8 import (
     prefetched_scales,
     tile_block_ids,
     tile_scales,
-    v_tile,
 )
 
 
@@ -137,18 +136,11 @@ def _prefill_kernel(
         acc = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], dtype=tl.float32)
         # Tile 0 holds position 0, visible to every row: m_i is finite from the first tile on.
         for tile_start in range(0, end, BLOCK_N):
-            positions = tile_start + tl.arange(0, BLOCK_N)
-            valid = positions < end
-            used = (positions // BLOCK_SIZE) * BLOCK_SIZE < end  # blocks holding context
-            block_ids = tl.load(block_table + positions // BLOCK_SIZE, mask=used, other=0)
-            rows_off = block_ids.to(tl.int64) * stride_cb + (positions % BLOCK_SIZE) * stride_cs
-            kv_mask = valid[:, None] & dim_mask[None, :]
-            k = tl.load(k_cache_ptr + rows_off[:, None] + kv_offset, mask=kv_mask, other=0.0)
-            v_offsets, v_mask = v_tile(
-                block_ids, positions, used, rows_off, kv_offset, kv_mask, kv_head, dims, dim_mask,
-                stride_cvb, stride_cvh, stride_cvd, V_ROWS, V_RUN, BLOCK_SIZE,
+            positions, valid, block_ids, k, v = kv_tile(
+                k_cache_ptr, v_cache_ptr, block_table, tile_start, end, kv_offset, kv_head, dims,
+                dim_mask, stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, BLOCK_N,
+                BLOCK_SIZE, V_ROWS, V_RUN,
             )  # fmt: skip
-            v = tl.load(v_cache_ptr + v_offsets, mask=v_mask, other=0.0)
             if FP8 and PREFETCH_SCALES:
                 k_scale, v_scale = k_scale_next, v_scale_next
                 k_scale_next, v_scale_next, ids_next = prefetched_scales(

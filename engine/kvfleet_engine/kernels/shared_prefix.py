@@ -24,9 +24,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvfleet_engine.kernels.attention_tile import fp8_pv, softmax_tile
+from kvfleet_engine.kernels.attention_tile import fp8_pv, kv_tile, softmax_tile
 from kvfleet_engine.kernels.decode_kernels import rotated
-from kvfleet_engine.kernels.kv_fp8 import V_SCALE_BOOST, f16_rows, tile_scales, v_tile
+from kvfleet_engine.kernels.kv_fp8 import V_SCALE_BOOST, f16_rows, tile_scales
 from kvfleet_engine.kernels.pdl import _start
 
 BLOCK_Q = 64  # query rows per program: 16 sequences of a 4-head group (Llama-3.1-8B)
@@ -133,17 +133,11 @@ def shared_prefix_kernel(
     l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
     for tile_start in range(start, end, BLOCK_N):
-        positions = tile_start + tl.arange(0, BLOCK_N)
-        valid = positions < end
-        block_ids = tl.load(block_table + positions // BLOCK_SIZE, mask=valid, other=0)
-        rows_off = block_ids.to(tl.int64) * stride_cb + (positions % BLOCK_SIZE) * stride_cs
-        kv_mask = valid[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + rows_off[:, None] + kv_offset, mask=kv_mask, other=0.0)
-        v_offsets, v_mask = v_tile(
-            block_ids, positions, valid, rows_off, kv_offset, kv_mask, kv_head, dims, dim_mask,
-            stride_cvb, stride_cvh, stride_cvd, V_ROWS, V_RUN, BLOCK_SIZE,
+        positions, valid, block_ids, k, v = kv_tile(
+            k_cache_ptr, v_cache_ptr, block_table, tile_start, end, kv_offset, kv_head, dims,
+            dim_mask, stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, BLOCK_N,
+            BLOCK_SIZE, V_ROWS, V_RUN,
         )  # fmt: skip
-        v = tl.load(v_cache_ptr + v_offsets, mask=v_mask, other=0.0)
         if FP8:
             k_scale = tile_scales(
                 k_scales_ptr, block_ids, kv_head, positions, valid, stride_sb, stride_sh,
