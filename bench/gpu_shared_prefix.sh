@@ -7,7 +7,11 @@
 # shared-prefix load (c64, 256 x 2048->128, 1,536 shared) and the c64 512->256 load (no shared
 # prefix: what the setting must not slow down). JSON lines and logs go to $OUT.
 #   WHEELS=.whl/server bash bench/gpu_shared_prefix.sh
+# SETTINGS (default: both) and LOADS (serve_client.py's CONCURRENCY NUM IN OUT [SHARED], ';'
+# between loads) narrow or widen the served part; KERNEL=0 skips the tests and the kernel alone.
 set -uo pipefail
+SETTINGS=${SETTINGS:-shared-prefix-attention no-shared-prefix-attention}
+LOADS=${LOADS:-64 256 2048 128 1536;64 256 512 256}
 OUT=${OUT:-/tmp/kvfleet-shared-prefix}
 PORT=${PORT:-8100}
 mkdir -p "$OUT"
@@ -19,6 +23,7 @@ if [ -n "${WHEELS:-}" ]; then
   export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 python3 -c "import msgspec, fastapi, uvicorn" || { echo "missing wheels (WHEELS=...)"; exit 1; }
+if [ "${KERNEL:-1}" = 1 ]; then
 echo "=== GPU tests ($(date +%T))"
 timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_triton_kernels.py \
   tests/kernels/test_kv_fp8.py -k "shared_prefix or decode" 2>&1 | tail -3
@@ -29,12 +34,13 @@ python3 -m kvfleet_engine.bench.shared_prefix --seqs 16 64 256 --context 2048 --
   --output "$OUT/kernel.json"
 python3 -m kvfleet_engine.bench.shared_prefix --seqs 16 64 256 --context 2048 --prefix 1536 \
   --fp8 --output "$OUT/kernel-fp8.json"
+fi
 SCRATCH=$(python3 -c "import shutil; print('/dev/shm' if shutil.disk_usage('/dev/shm').free > 20e9 else '/tmp')")
 CKPT=$SCRATCH/kvfleet-8b-random
 [ -f "$CKPT/config.json" ] || timeout 120 python3 bench/make_checkpoint.py "$CKPT" || exit 1
 URL=http://127.0.0.1:$PORT
 get() { python3 -c "import sys, urllib.request as u; print(u.urlopen(sys.argv[1]).read().decode())" "$1"; }
-for setting in shared-prefix-attention no-shared-prefix-attention; do
+for setting in $SETTINGS; do
   echo "=== serve --$setting ($(date +%T))"
   python3 -m kvfleet_cli.main serve --model "$CKPT" --served-model-name m --host 127.0.0.1 \
     --port "$PORT" --max-model-len 4096 --gpu-memory-utilization 0.9 "--$setting" \
@@ -47,7 +53,8 @@ for setting in shared-prefix-attention no-shared-prefix-attention; do
   done
   grep -E "captured" "$OUT/serve-$setting.log" | tail -2
   timeout 60 python3 bench/serve_client.py "$URL" m kvfleet 1 4 512 32 >/dev/null  # warm-up
-  for load in "64 256 2048 128 1536" "64 256 512 256"; do
+  IFS=';' read -ra loads <<<"$LOADS"
+  for load in "${loads[@]}"; do
     # shellcheck disable=SC2086
     timeout 150 python3 bench/serve_client.py "$URL" m "$setting" $load \
       | tee -a "$OUT/serve_client.jsonl"

@@ -110,6 +110,10 @@ class DecodeGraphs(_StepGraphs):
         # [2 + n]: the shared prefix, as `kernels.shared_prefix` reads it; rows past a step's
         # sequences keep stale shares, read for padding rows only (context 0: nothing read).
         self.shared = torch.zeros(2 + max_num_seqs, dtype=torch.int32, device=device)
+        # [n, vocab] float32: every graph's logits, in one buffer (each graph's own would hold
+        # sum(sizes) rows of the vocabulary: 1 GiB for an 8B model at 256 sequences). Made by
+        # the first, uncaptured forward.
+        self.logits: torch.Tensor | None = None
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)  # [n]
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)  # [n]
@@ -143,7 +147,12 @@ class DecodeGraphs(_StepGraphs):
             shared_prefix=self.shared[: 2 + size] if shared else None,
         )
         hidden = self.model(self.input_ids[:size], self.positions[:size], meta)
-        logits = self.model.compute_logits(hidden).float()
+        model_logits = self.model.compute_logits(hidden)  # [size, vocab] in the model's dtype
+        if self.logits is None:
+            rows, vocab = self.sizes[-1], model_logits.shape[1]
+            self.logits = torch.empty(rows, vocab, dtype=torch.float32, device=hidden.device)
+        logits = self.logits[:size]
+        logits.copy_(model_logits)  # the float32 cast the sampler reads, in place
         return logits, logits.argmax(dim=-1)
 
     def run(

@@ -45,8 +45,9 @@ def choose_prefix_splits(
     return max(1, min(wanted, max_tiles, 64))
 
 
-# Values that change from step to step are not specialised on (that would recompile mid-run).
-@triton.jit(do_not_specialize=("num_seqs", "stride_bt"))
+# Values that change from step to step are not specialised on (that would recompile mid-run),
+# nor the splits and slots, which change with the batch size: one compile serves every graph.
+@triton.jit(do_not_specialize=("num_seqs", "stride_bt", "prefix_splits", "first_slot", "slots"))
 def shared_prefix_kernel(
     query_ptr,
     k_cache_ptr,
@@ -54,8 +55,8 @@ def shared_prefix_kernel(
     block_tables_ptr,  # the holder's row is read: the prefix's blocks
     context_lens_ptr,  # rows of sequences with no context (padding) get nothing
     shared_prefix_ptr,  # [2 + num_seqs] int32 (above)
-    partial_out_ptr,  # [num_seqs, num_q_heads, SLOTS, HEAD_DIM] float32
-    partial_lse_ptr,  # [num_seqs, num_q_heads, SLOTS] float32, log2 domain
+    partial_out_ptr,  # [num_seqs, num_q_heads, slots, HEAD_DIM] float32
+    partial_lse_ptr,  # [num_seqs, num_q_heads, slots] float32, log2 domain
     positions_ptr,  # ROTARY only: each sequence's position and the cos | sin table
     cos_sin_ptr,
     k_scales_ptr,  # FP8 only: [num_blocks, num_kv_heads, block_size] bfloat16 each
@@ -76,15 +77,15 @@ def shared_prefix_kernel(
     stride_sb,
     stride_sh,
     num_q_heads,
+    prefix_splits,
+    first_slot,  # the split kernel's slots come first
+    slots,
     GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    PREFIX_SPLITS: tl.constexpr,
-    FIRST_SLOT: tl.constexpr,  # the split kernel's slots come first
-    SLOTS: tl.constexpr,
     ROTARY: tl.constexpr,
     FP8: tl.constexpr,
     F16_DOTS: tl.constexpr,
@@ -99,7 +100,7 @@ def shared_prefix_kernel(
     q_tile = tl.program_id(2)
     prefix_len = tl.load(shared_prefix_ptr)
     holder = tl.load(shared_prefix_ptr + 1)
-    tiles_per_split = tl.cdiv(tl.cdiv(prefix_len, BLOCK_N), PREFIX_SPLITS)
+    tiles_per_split = tl.cdiv(tl.cdiv(prefix_len, BLOCK_N), prefix_splits)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, prefix_len)
 
@@ -166,7 +167,7 @@ def shared_prefix_kernel(
     nonempty = active & (l_i > 0)
     out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-    partial_row = (seqs * num_q_heads + heads) * SLOTS + FIRST_SLOT + split
+    partial_row = (seqs * num_q_heads + heads) * slots + first_slot + split
     tl.store(partial_lse_ptr + partial_row, lse, mask=in_batch)
     partial_rows = partial_out_ptr + partial_row[:, None] * HEAD_DIM + dims[None, :]
     tl.store(partial_rows, out, mask=in_batch[:, None] & dim_mask[None, :])
