@@ -6,7 +6,7 @@
 # (--no-shared-prefix-attention), each driven by bench/serve_client.py through the issue-16
 # shared-prefix load (c64, 256 x 2048->128, 1,536 shared) and the c64 512->256 load (no shared
 # prefix: what the setting must not slow down). JSON lines and logs go to $OUT.
-#   WHEELS=.whl/server bash bench/gpu_shared_prefix.sh
+#   WHEELS=.whl/server bash bench/gpu_shared_prefix.sh   # WHEELS: as gpu_serve_core.sh
 # SETTINGS (default: both) and LOADS (serve_client.py's CONCURRENCY NUM IN OUT [SHARED], ';'
 # between loads) narrow or widen the served part; KERNEL=0 skips the tests and the kernel alone.
 set -uo pipefail
