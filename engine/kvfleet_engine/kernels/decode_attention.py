@@ -219,6 +219,13 @@ def _decode(
     block_d = next_power_of_2(head_dim)
     # Without the new token, its pointers are the query's and its strides 0: never read.
     rotary = new if new is not None else _NewToken(query, query, query, query, query)
+    join_prefix = None
+    if shared_prefix is not None:  # beside the split kernel, on a second stream
+        join_prefix = prefix_kernel.launch_beside(
+            query, cache, block_tables, context_lens, shared_prefix, (partial_out, partial_lse),
+            (new.positions, new.cos_sin) if new is not None else None, scale, num_splits,
+            prefix_splits,
+        )  # fmt: skip
     decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         k_cache,
@@ -277,52 +284,8 @@ def _decode(
         maxnreg=launch.max_registers,
         **launch_options(query.device),
     )
-    if shared_prefix is not None:
-        prefix_grid = (num_kv_heads, prefix_splits, -(-num_seqs * group // prefix_kernel.BLOCK_Q))
-        prefix_kernel.shared_prefix_kernel[prefix_grid](
-            query,
-            k_cache,
-            v_cache,
-            block_tables,
-            context_lens,
-            shared_prefix,
-            partial_out,
-            partial_lse,
-            rotary.positions,
-            rotary.cos_sin,
-            k_scales if k_scales is not None else k_cache,  # a float cache: never read
-            v_scales if v_scales is not None else v_cache,
-            scale * LOG2E,
-            num_seqs,
-            query.stride(0),
-            query.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            *v_cache.stride(),
-            block_tables.stride(0),
-            rotary.cos_sin.stride(0) if new is not None else 0,
-            k_scales.stride(0) if k_scales is not None else 0,
-            k_scales.stride(1) if k_scales is not None else 0,
-            num_q_heads,
-            prefix_splits,
-            num_splits,
-            slots,
-            GROUP=group,
-            BLOCK_Q=prefix_kernel.BLOCK_Q,
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            BLOCK_N=prefix_kernel.BLOCK_N,
-            BLOCK_SIZE=block_size,
-            ROTARY=new is not None,
-            FP8=k_scales is not None,
-            F16_DOTS=query.dtype in (torch.float16, torch.bfloat16),
-            V_ROWS=v_rows,
-            V_RUN=min(prefix_kernel.BLOCK_N, block_size),
-            DOT_PRECISION=dot_precision(query.dtype),
-            num_warps=prefix_kernel.NUM_WARPS,
-            **launch_options(query.device),
-        )
+    if join_prefix is not None:
+        join_prefix()
     if slots == 1:
         return out
     decode_merge_kernel[(num_seqs, num_q_heads)](
@@ -336,6 +299,7 @@ def _decode(
         BLOCK_D=block_d,
         NUM_SPLITS=slots,
         SPLITS_PAD=next_power_of_2(slots),
-        **launch_options(query.device),
+        # after the prefix kernel's stream joined: a whole dependency, not PDL's early start
+        **(launch_options(query.device) if join_prefix is None else {"PDL": False}),
     )
     return out

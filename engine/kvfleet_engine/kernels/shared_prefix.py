@@ -14,20 +14,28 @@ multiple of the block size), the row of a sequence that holds it, then per seque
 it shares (the prefix's, or 0). All of it is read on the device and the grid depends on shapes
 only, so one CUDA graph serves every prefix and sharer set, none included.
 
-The ROTARY variant rotates the query rows in registers as `rotary_decode_attention` does (the
-same function: the same rounding). An fp8 cache is read as the split kernel reads it (`kv_fp8`:
-float16 dots, per-token K and V scales, either V layout).
+`launch_beside` launches it on a second stream (on a GPU), so that it runs while the split
+kernel reads the rest; the merge waits for both. The ROTARY variant rotates the query rows in
+registers as `rotary_decode_attention` does (the same function: the same rounding). An fp8 cache
+is read as the split kernel reads it (`kv_fp8`: float16 dots, per-token K and V scales, either V
+layout).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
+import torch
 import triton
 import triton.language as tl
 
 from kvfleet_engine.kernels.attention_tile import fp8_pv, kv_tile, softmax_tile
+from kvfleet_engine.kernels.checks import LOG2E, dot_precision, next_power_of_2
 from kvfleet_engine.kernels.decode_kernels import rotated
 from kvfleet_engine.kernels.kv_fp8 import V_SCALE_BOOST, f16_rows, tile_scales
-from kvfleet_engine.kernels.pdl import _start
+from kvfleet_engine.kernels.pdl import _start, launch_options
+from kvfleet_engine.layers.attention_torch import KVCache
 
 BLOCK_Q = 64  # query rows per program: 16 sequences of a 4-head group (Llama-3.1-8B)
 BLOCK_N = 64  # prefix tokens per tile, for every cache (the split kernel's vary: it has 4 rows)
@@ -171,3 +179,87 @@ def shared_prefix_kernel(
     tl.store(partial_lse_ptr + partial_row, lse, mask=in_batch)
     partial_rows = partial_out_ptr + partial_row[:, None] * HEAD_DIM + dims[None, :]
     tl.store(partial_rows, out, mask=in_batch[:, None] & dim_mask[None, :])
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def launch_beside(
+    query: torch.Tensor,  # [num_seqs, num_q_heads, head_dim]
+    cache: KVCache,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    shared_prefix: torch.Tensor,  # [2 + num_seqs] int32 (above)
+    partials: tuple[torch.Tensor, torch.Tensor],  # the split kernel's out and lse buffers
+    rotary: tuple[torch.Tensor, torch.Tensor] | None,  # ROTARY: positions, cos | sin table
+    scale: float,
+    num_splits: int,  # the split kernel's slots, first in the partials
+    prefix_splits: int,
+) -> Callable[[], None]:
+    """Launch the prefix kernel after what the current stream has queued, on a second stream
+    on a GPU (captured into a CUDA graph as a parallel branch); call the returned function
+    after launching the split kernel: the current stream then waits for it."""
+    k_cache, v_cache, k_scales, v_scales = cache
+    num_seqs, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    partial_out, partial_lse = partials
+    positions, cos_sin = rotary if rotary is not None else (query, query)  # never read without
+    grid = (num_kv_heads, prefix_splits, -(-num_seqs * group // BLOCK_Q))
+    main = side = None
+    if query.device.type == "cuda":
+        main, side = torch.cuda.current_stream(query.device), _side_stream(query.device)
+        side.wait_stream(main)
+    with torch.cuda.stream(side):  # no-op for None (the CPU)
+        shared_prefix_kernel[grid](
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            shared_prefix,
+            partial_out,
+            partial_lse,
+            positions,
+            cos_sin,
+            k_scales if k_scales is not None else k_cache,  # a float cache: never read
+            v_scales if v_scales is not None else v_cache,
+            scale * LOG2E,
+            num_seqs,
+            query.stride(0),
+            query.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            *v_cache.stride(),
+            block_tables.stride(0),
+            cos_sin.stride(0) if rotary is not None else 0,
+            k_scales.stride(0) if k_scales is not None else 0,
+            k_scales.stride(1) if k_scales is not None else 0,
+            num_q_heads,
+            prefix_splits,
+            num_splits,
+            num_splits + prefix_splits,
+            GROUP=group,
+            BLOCK_Q=BLOCK_Q,
+            HEAD_DIM=head_dim,
+            BLOCK_D=next_power_of_2(head_dim),
+            BLOCK_N=BLOCK_N,
+            BLOCK_SIZE=block_size,
+            ROTARY=rotary is not None,
+            FP8=k_scales is not None,
+            F16_DOTS=query.dtype in (torch.float16, torch.bfloat16),
+            V_ROWS=v_cache.stride() == k_cache.stride(),
+            V_RUN=min(BLOCK_N, block_size),
+            DOT_PRECISION=dot_precision(query.dtype),
+            num_warps=NUM_WARPS,
+            **launch_options(query.device),
+        )
+
+    def join() -> None:
+        if main is not None and side is not None:
+            main.wait_stream(side)
+
+    return join
