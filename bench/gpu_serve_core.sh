@@ -18,14 +18,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvfleet-serve-core}
 PORT=${PORT:-8100}
 mkdir -p "$OUT"
-ulimit -n 65536 2>/dev/null || ulimit -n 8192  # 1,024 streams: a socket each, on both sides
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/engine:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}"
-if [ -n "${WHEELS:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site "$WHEELS"/*.whl || exit 1
-  export PYTHONPATH="/tmp/site:$PYTHONPATH"
-fi
-python3 -c "import msgspec, fastapi, uvicorn" || { echo "missing wheels (WHEELS=...)"; exit 1; }
+source bench/serve_env.sh
 # uvicorn's "auto" picks httptools and uvloop when they import (h11 and asyncio's loop if not).
 python3 -c "
 import importlib.util as u

@@ -15,14 +15,7 @@ LOADS=${LOADS:-64 256 2048 128 1536;64 256 512 256}
 OUT=${OUT:-/tmp/kvfleet-shared-prefix}
 PORT=${PORT:-8100}
 mkdir -p "$OUT"
-ulimit -n 65536 2>/dev/null || ulimit -n 8192
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/engine:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}"
-if [ -n "${WHEELS:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site "$WHEELS"/*.whl || exit 1
-  export PYTHONPATH="/tmp/site:$PYTHONPATH"
-fi
-python3 -c "import msgspec, fastapi, uvicorn" || { echo "missing wheels (WHEELS=...)"; exit 1; }
+source bench/serve_env.sh
 if [ "${KERNEL:-1}" = 1 ]; then
 echo "=== GPU tests ($(date +%T))"
 timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_triton_kernels.py \

@@ -8,12 +8,7 @@ OUT=${OUT:-/tmp/kvfleet-serve-gpu}
 SHAPE=${SHAPE:-llama-3.1-8b}
 PORT=${PORT:-8000}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/engine:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}"
-if [ -n "${WHEELS:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site "$WHEELS"/*.whl || exit 1
-  export PYTHONPATH="/tmp/site:$PYTHONPATH"
-fi
+source bench/serve_env.sh
 # RAM-backed scratch when it has room for the checkpoint (16 GB for the 8B shape).
 SCRATCH=$(python3 -c "import shutil; print('/dev/shm' if shutil.disk_usage('/dev/shm').free > 20e9 else '/tmp')")
 CKPT=$SCRATCH/kvfleet-$SHAPE
