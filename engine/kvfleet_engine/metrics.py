@@ -269,6 +269,11 @@ class _SnapshotCollector(Collector):
                 "Prompt tokens found in the prefix cache.",
                 total("prefix_cache_hits_total"),
             ),
+            (
+                "kvfleet_shared_prefix_steps",
+                "Decode steps that read a prefix many sequences share once.",
+                total("shared_prefix_steps_total"),
+            ),
         ]
         for name, doc, number in counters:
             counter = CounterMetricFamily(name, doc, labels=labels)

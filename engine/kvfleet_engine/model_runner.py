@@ -119,6 +119,8 @@ class ModelRunner:
         self.kv_cache_dtype = executor.kv_cache_dtype
         self.sampler = executor.sampler
         self.sampling_inputs = SamplingInputs(self.device, config.model.vocab_size)
+        # Decode steps whose attention read a shared prefix once (`kernels.shared_prefix`).
+        self.shared_prefix_steps_total = 0
         # This rank's pipeline stage (None: one stage); its last send and what it reads.
         self.stage: StageLayers | None = executor.stage
         self._sending: tuple[Any, torch.Tensor] | None = None
@@ -264,6 +266,7 @@ class ModelRunner:
         inputs = build_inputs(
             scheduled.requests, self.block_size, self.device, {}, executor.shared_prefix_min
         )
+        self.shared_prefix_steps_total += inputs.attention.shared_prefix is not None
         out = executor.forward_stage(inputs, None)  # [2, num_tokens, hidden]
         self._wait_sent()
         self._sending = (self.groups.send_next_stage(out), out)
@@ -334,6 +337,7 @@ class ModelRunner:
             self.executor.last_sample_rows,
             self.executor.shared_prefix_min,
         )
+        self.shared_prefix_steps_total += inputs.attention.shared_prefix is not None
         sampling_requests = [item for item in scheduled.requests if item.sample]
         inputs.sampling = self.sampling_inputs.metadata(sampling_requests)
         inputs.num_logprobs = [item.params.logprobs for item in sampling_requests]

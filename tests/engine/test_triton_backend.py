@@ -162,7 +162,8 @@ for shared_min in (32, 0):  # a 32-token prefix shared (2 blocks), then never
     shared_steps.clear()
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     runs[shared_min] = {"tokens": [o.outputs[0].token_ids for o in outputs],
-                        "shared_steps": sum(shared_steps)}
+                        "shared_steps": sum(shared_steps),
+                        "counted": llm.engine.stats().shared_prefix_steps_total}
 print(json.dumps(runs))
 """
 )
@@ -182,4 +183,6 @@ def test_decode_over_a_shared_cached_prefix_gives_the_same_tokens(checkpoints: C
     runs = json.loads(proc.stdout.strip().splitlines()[-1])
     shared, plain = runs["32"], runs["0"]
     assert shared["shared_steps"] >= 5 and plain["shared_steps"] == 0, runs
+    # The engine's counter (kvfleet_shared_prefix_steps_total) counts those steps, no others.
+    assert shared["counted"] == plain["counted"] == shared["shared_steps"], runs
     assert shared["tokens"] == plain["tokens"]

@@ -16,6 +16,7 @@ CONTRACT_NAMES = [
     "kvfleet_preemptions_total",
     "kvfleet_prefix_cache_queries_total",
     "kvfleet_prefix_cache_hits_total",
+    "kvfleet_shared_prefix_steps_total",
     "kvfleet_time_to_first_token_seconds_bucket",
     "kvfleet_inter_token_latency_seconds_bucket",
     "kvfleet_e2e_request_latency_seconds_bucket",
@@ -45,6 +46,7 @@ def Stats(**overrides: Any) -> SchedulerStats:
         "num_generation_tokens_total": 70,
         "num_blocks_total": 64,
         "num_blocks_free": 48,
+        "shared_prefix_steps_total": 9,
     }
     return SchedulerStats(**{**fields, **overrides})
 
@@ -58,7 +60,11 @@ def sample(text: str, line_start: str) -> float:
 
 def test_every_contract_name_is_exported_with_values_from_the_records() -> None:
     m = EngineMetrics(EngineInfo("tiny", "0.1.0", "none", 1))
-    m.set_baseline(Stats(num_prompt_tokens_total=100, num_generation_tokens_total=20))
+    m.set_baseline(
+        Stats(
+            num_prompt_tokens_total=100, num_generation_tokens_total=20, shared_prefix_steps_total=2
+        )
+    )
     m.observe_scheduler(Stats())
     m.set_capacity(1234.5)
     m.observe_iteration(
@@ -70,6 +76,7 @@ def test_every_contract_name_is_exported_with_values_from_the_records() -> None:
         assert f"\n{name}{{" in text, name
     assert sample(text, 'vllm:num_requests_running{model_name="tiny"}') == 3
     assert sample(text, 'kvfleet_kv_cache_usage_ratio{model_name="tiny"}') == 0.25
+    assert sample(text, 'kvfleet_shared_prefix_steps_total{model_name="tiny"}') == 7
     # The self-benchmark's tokens (the baseline) are left out of the totals.
     assert sample(text, 'kvfleet_prompt_tokens_total{model_name="tiny"}') == 400
     assert sample(text, 'vllm:generation_tokens_total{model_name="tiny"}') == 50

@@ -9,6 +9,7 @@ advances the requests of the oldest of the micro-batches in flight (one per stag
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -105,7 +106,9 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        """The scheduler's snapshot, with the model runner's own counter."""
+        steps = self.model_runner.shared_prefix_steps_total
+        return dataclasses.replace(self.scheduler.stats(), shared_prefix_steps_total=steps)
 
     # ---- the step ---------------------------------------------------------------------------
 
