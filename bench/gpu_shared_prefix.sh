@@ -8,7 +8,8 @@
 # prefix: what the setting must not slow down). JSON lines and logs go to $OUT.
 #   WHEELS=.whl/server bash bench/gpu_shared_prefix.sh   # WHEELS: as gpu_serve_core.sh
 # SETTINGS (default: both) and LOADS (serve_client.py's CONCURRENCY NUM IN OUT [SHARED], ';'
-# between loads) narrow or widen the served part; KERNEL=0 skips the tests and the kernel alone.
+# between loads) narrow or widen the served part; SERVE_ARGS adds `kvfleet serve` flags (e.g.
+# --kv-cache-dtype fp8); KERNEL=0 skips the tests and the kernel alone.
 set -uo pipefail
 SETTINGS=${SETTINGS:-shared-prefix-attention no-shared-prefix-attention}
 LOADS=${LOADS:-64 256 2048 128 1536;64 256 512 256}
@@ -36,7 +37,7 @@ get() { python3 -c "import sys, urllib.request as u; print(u.urlopen(sys.argv[1]
 for setting in $SETTINGS; do
   echo "=== serve --$setting ($(date +%T))"
   python3 -m kvfleet_cli.main serve --model "$CKPT" --served-model-name m --host 127.0.0.1 \
-    --port "$PORT" --max-model-len 4096 --gpu-memory-utilization 0.9 "--$setting" \
+    --port "$PORT" --max-model-len 4096 --gpu-memory-utilization 0.9 "--$setting" ${SERVE_ARGS:-} \
     >"$OUT/serve-$setting.log" 2>&1 &
   SERVER=$!
   for _ in $(seq 240); do
