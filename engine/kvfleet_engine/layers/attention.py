@@ -111,9 +111,7 @@ class Attention(nn.Module):
         scales: dict[str, torch.Tensor | None] = {}
         if self.k_scales is not None:  # an fp8 cache: its scales go to every backend call
             scales = {"k_scales": self.k_scales, "v_scales": self.v_scales}
-        decode_extra = dict(scales)
-        if meta.shared_prefix is not None:
-            decode_extra["shared_prefix"] = meta.shared_prefix
+        shared = {} if meta.shared_prefix is None else {"shared_prefix": meta.shared_prefix}
         if meta.is_decode and self.rotary_decode_attention is not None:
             out = self.rotary_decode_attention(
                 *new_tokens,
@@ -121,7 +119,8 @@ class Attention(nn.Module):
                 meta.block_tables,
                 meta.context_lens,
                 self.scale,
-                **decode_extra,
+                **scales,
+                **shared,
             )
             return out.reshape(out.shape[0], -1)
         if self.rotary_store_kv is not None:  # rotates query and key in place
@@ -137,7 +136,8 @@ class Attention(nn.Module):
                 meta.block_tables,
                 meta.context_lens,
                 self.scale,
-                **decode_extra,
+                **scales,
+                **shared,
             )
         else:
             out = backend.prefill_attention(

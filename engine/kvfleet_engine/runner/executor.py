@@ -20,7 +20,7 @@ from kvfleet_engine.parallel.groups import Groups
 from kvfleet_engine.parallel.pipeline import StageLayers, intermediate_shape
 from kvfleet_engine.quant.linear import QuantLinear
 from kvfleet_engine.runner import kv_memory
-from kvfleet_engine.runner.inputs import ModelInputs
+from kvfleet_engine.runner.inputs import SHARED_PREFIX_MIN_TOKENS, ModelInputs
 from kvfleet_engine.runner.kv_memory import (
     allocate_kv_cache,
     block_bytes,
@@ -29,11 +29,6 @@ from kvfleet_engine.runner.kv_memory import (
 )
 
 log = logging.getLogger(__name__)
-
-# A shared prefix shorter than this is read per sequence (an 8B layer on the H200, 16 sequences
-# of 2,048 tokens with 1,536 shared: 31.4 -> 26.9 us; shorter prefixes, whose saving shrinks
-# while the prefix kernel and the merge still cost a launch each, were not measured).
-SHARED_PREFIX_MIN_TOKENS = 512
 
 # Triton has an e4m3 type (float8e4nv) from this compute capability on (Ada, Hopper).
 FP8_TRITON_MIN_CAPABILITY = (8, 9)
