@@ -625,3 +625,34 @@ def test_decode_over_a_shared_prefix_reads_the_fp8_cache(
         **fp8.cache, shared_prefix=described, num_splits=num_splits,
     )  # fmt: skip
     assert relative_error(out, dense_attention(case)) < tol
+
+
+@pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
+@V_LAYOUTS
+def test_a_mixed_step_reads_the_fp8_cache_in_both_kernels(
+    device, dtype, tol, sizes, v_layout
+) -> None:
+    """A step with prompt tokens over an fp8 cache: the prefill kernel attends the chunks, the
+    decode kernels the one-token sequences (over their shared prefix), one output."""
+    _skip_if_unavailable(device)
+    shared = 3 if device == "cpu" else 96
+    lens = [49, 64, 97, 130, 70] if device == "cpu" else [1537, 2049, 4096, 1600, 1700]
+    queries = [1, 20, 1, 1, 33] if device == "cpu" else [1, 300, 1, 1, 129]
+    exact = make_paged_case(
+        lens, queries, **sizes, dtype=dtype, device=device, seed=42, shared_blocks=shared
+    )
+    fp8 = _fp8_case(exact, v_layout)
+    case = fp8.case
+    tokens = shared * 16
+    shares = [tokens * (n == 1) for n in queries]
+    described = torch.tensor([tokens, 0, *shares], dtype=torch.int32, device=device)
+    cache = (fp8.k_cache, fp8.v_cache, case.block_tables)
+    out = prefill.prefill_attention(
+        case.query, *cache, case.cu_query_lens, case.context_lens, case.scale, **fp8.cache,
+        decodes_apart=True,
+    )  # fmt: skip
+    decode.paged_decode_attention(
+        case.query, *cache, case.context_lens, case.scale, **fp8.cache, shared_prefix=described,
+        cu_query_lens=case.cu_query_lens, out=out,
+    )  # fmt: skip
+    assert relative_error(out, dense_attention(case)) < tol

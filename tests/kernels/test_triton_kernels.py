@@ -167,6 +167,29 @@ def test_prefill_matches_dense_causal_attention(
 
 
 @pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_prefill_chunks_after_a_long_cached_prefix_in_small_tiles(
+    device, dtype, tol, sizes, block_n
+) -> None:
+    """Tiles wholly before a query tile's first position skip the causal mask: chunks that
+    start inside a tile, several query tiles per chunk and tile edges on either side of them."""
+    _skip_if_unavailable(device)
+    case = make_paged_case([150, 97, 64], [40, 33, 16], **sizes, dtype=dtype, device=device, seed=6)
+    out = prefill.prefill_attention(
+        case.query,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        case.cu_query_lens,
+        case.context_lens,
+        case.scale,
+        block_m=16,
+        block_n=block_n,
+    )
+    assert relative_error(out, dense_attention(case)) < tol
+
+
+@pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
 def test_prefill_with_an_odd_group_size_and_block_size_32(device, dtype, tol, sizes) -> None:
     _skip_if_unavailable(device)
     sizes = {**sizes, "num_q_heads": 3 * sizes["num_kv_heads"]}
@@ -600,3 +623,42 @@ def test_rotary_decode_attention_over_a_shared_prefix_rotates_the_queries_alike(
     assert torch.equal(k_cache.nan_to_num(3.0), want_k.nan_to_num(3.0))
     assert torch.equal(v_cache.nan_to_num(3.0), want_v.nan_to_num(3.0))
     assert relative_error(out, want.double().cpu()) < tol
+
+
+@pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_a_mixed_step_attends_its_one_token_sequences_with_the_decode_kernels(
+    device, dtype, tol, sizes, num_splits
+) -> None:
+    """A step with prompt tokens: the prefill kernel skips one-token sequences
+    (`decodes_apart`), and the decode kernels attend them at their tokens' rows, over the
+    shared prefix or not, writing no other row."""
+    _skip_if_unavailable(device)
+    shared = 3 if device == "cpu" else 96
+    lens = [49, 50, 64, 97, 130, 70] if device == "cpu" else [1537, 1600, 2048, 2049, 4096, 1700]
+    queries = [1, 1, 20, 1, 1, 33] if device == "cpu" else [1, 1, 300, 1, 1, 129]
+    case = make_paged_case(
+        lens, queries, **sizes, dtype=dtype, device=device, seed=25, shared_blocks=shared
+    )
+    want = dense_attention(case)
+    decodes = [int(n == 1) for n in queries]
+    cache = (case.k_cache, case.v_cache, case.block_tables)
+    for prefix in (None, _shared_prefix(shared * 16, 1, decodes, device)):
+        out = prefill.prefill_attention(
+            case.query, *cache, case.cu_query_lens, case.context_lens, case.scale,
+            decodes_apart=True,
+        )  # fmt: skip
+        written = decode.paged_decode_attention(
+            case.query, *cache, case.context_lens, case.scale, shared_prefix=prefix,
+            cu_query_lens=case.cu_query_lens, out=out, num_splits=num_splits,
+        )  # fmt: skip
+        assert written is out
+        assert relative_error(out, want) < tol, prefix
+    untouched = torch.full_like(case.query, 7.0)
+    decode.paged_decode_attention(
+        case.query, *cache, case.context_lens, case.scale, cu_query_lens=case.cu_query_lens,
+        out=untouched, num_splits=num_splits,
+    )  # fmt: skip
+    rows = torch.repeat_interleave(torch.tensor(decodes), torch.tensor(queries)).bool()
+    assert (untouched[~rows.to(device)] == 7.0).all()
+    assert relative_error(untouched[rows.to(device)], want[rows]) < tol

@@ -4,7 +4,8 @@ plus batch-1 decode at 4k and a prefill step. Each runs over a bf16 cache and ov
 (e4m3 codes + a bf16 scale per token and kv head, `kernels/kv_fp8.py`): the KV bytes a decode step
 reads (scales included) per second, against copy bandwidth, and the speed-up of fp8 over bf16.
 
-    python -m kvfleet_engine.bench.kernels --output-dir bench/results [--kv-cache-dtype fp8]
+    python -m kvfleet_engine.bench.kernels --output-dir bench/results [--kv-cache-dtype fp8] \\
+        [--cases decode prefill]
 """
 
 from __future__ import annotations
@@ -72,6 +73,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=("all", "auto", "fp8"),
         default="all",
         help="cache of the runs: bf16 (auto), fp8, or both (all)",
+    )
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        choices=("decode", "prefill"),
+        default=["decode", "prefill"],
+        help="which kernels to time (default: both)",
     )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -240,18 +248,21 @@ def main(argv: list[str] | None = None) -> int:
     prefill_times: dict[bool, float] = {}
     for fp8 in dtypes:
         suffix = "_fp8" if fp8 else ""
-        times[fp8] = decode_case(
-            args.num_seqs, args.context, big + suffix, fp8_sweep if fp8 else sweep, fp8
-        )
-        one = [{}, {"block_n": 32}, {"num_splits": 64}]
-        decode_case(1, args.context, f"decode_1x{args.context // 1024}k{suffix}", one, fp8)
-        prefill_times[fp8] = prefill_case(
-            f"prefill_8x1k{suffix}", fp8, fp8_prefill_sweep if fp8 else prefill_sweep
-        )
+        if "decode" in args.cases:
+            times[fp8] = decode_case(
+                args.num_seqs, args.context, big + suffix, fp8_sweep if fp8 else sweep, fp8
+            )
+            one = [{}, {"block_n": 32}, {"num_splits": 64}]
+            decode_case(1, args.context, f"decode_1x{args.context // 1024}k{suffix}", one, fp8)
+        if "prefill" in args.cases:
+            prefill_times[fp8] = prefill_case(
+                f"prefill_8x1k{suffix}", fp8, fp8_prefill_sweep if fp8 else prefill_sweep
+            )
     if len(times) == 2:
         speedup = times[False] / times[True]
         rows.append(Row("kvfleet", f"{big}_fp8_speedup_over_bf16", speedup, "x"))
         lines.append(f"{big}: fp8 cache {speedup:.2f}x the bf16 cache's speed")
+    if len(prefill_times) == 2:
         prefill_ratio = prefill_times[False] / prefill_times[True]
         rows.append(Row("kvfleet", "prefill_8x1k_fp8_speed_of_bf16", prefill_ratio, "x"))
         lines.append(f"prefill_8x1k: fp8 cache {prefill_ratio:.2f}x the bf16 cache's speed")

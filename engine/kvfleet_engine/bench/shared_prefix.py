@@ -4,8 +4,13 @@ or with --fp8 an e4m3 one laid out as the engine allocates it), every sequence `
 tokens of which the first `--prefix` are the same cache blocks; each variant's output checked
 against the other, then timed from a CUDA graph.
 
+With --mixed N the step also holds a prompt chunk: one more sequence of the same length sharing
+the same prefix, whose last N tokens are this step's queries. Timed: the prefill kernel over the
+whole batch (the decode rows as one-token sequences), against the prefill kernel over the chunk
+beside the decode kernel over the decode rows, per sequence and over the shared prefix.
+
   python -m kvfleet_engine.bench.shared_prefix --seqs 16 64 256 --context 2048 --prefix 1536 \\
-      [--fp8] --output results.json
+      [--fp8] [--mixed 512] --output results.json
 """
 
 from __future__ import annotations
@@ -18,25 +23,26 @@ from pathlib import Path
 import torch
 
 from kvfleet_engine.bench.gemv import graph_seconds
-from kvfleet_engine.kernels import paged_decode_attention
+from kvfleet_engine.kernels import paged_decode_attention, prefill_attention
 from kvfleet_engine.kernels.checks import to_token_major
 from kvfleet_engine.layers.attention_torch import quantize_kv
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 
 
-def case(seqs: int, context: int, prefix: int, fp8: bool) -> dict:
-    """The tensors of one problem: shared blocks first in every table, the rest each its own."""
+def case(seqs: int, context: int, prefix: int, fp8: bool, device: str = "cuda") -> dict:
+    """The tensors of one problem: shared blocks first in every table, the rest each its own
+    (`seqs` rows; a prompt chunk's sequence is one more made the same way)."""
     blocks = -(-context // BLOCK)
     shared = prefix // BLOCK
     own = blocks - shared
     total = shared + seqs * own
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     cache_shape = (total, BLOCK, KV_HEADS, HEAD_DIM)
-    k_cache = torch.randn(cache_shape, device="cuda", dtype=torch.bfloat16, generator=gen)
-    v_cache = torch.randn(cache_shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k_cache = torch.randn(cache_shape, device=device, dtype=torch.bfloat16, generator=gen)
+    v_cache = torch.randn(cache_shape, device=device, dtype=torch.bfloat16, generator=gen)
     rows = [[*range(shared), *range(shared + s * own, shared + (s + 1) * own)] for s in range(seqs)]
-    block_tables = torch.tensor(rows, dtype=torch.int32, device="cuda")
+    block_tables = torch.tensor(rows, dtype=torch.int32, device=device)
     described = torch.tensor([shared * BLOCK, 0, *[shared * BLOCK] * seqs], dtype=torch.int32)
     scales = {}
     if fp8:  # codes, per-token scales [blocks, kv heads, block], V token major (`kv_memory`)
@@ -47,12 +53,12 @@ def case(seqs: int, context: int, prefix: int, fp8: bool) -> dict:
             "v_scales": v_scales.transpose(1, 2).contiguous(),
         }
     return {
-        "query": torch.randn(seqs, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16),
+        "query": torch.randn(seqs, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16),
         "k_cache": k_cache,
         "v_cache": v_cache,
         "block_tables": block_tables,
-        "context_lens": torch.full((seqs,), context, dtype=torch.int32, device="cuda"),
-        "shared_prefix": described.cuda(),
+        "context_lens": torch.full((seqs,), context, dtype=torch.int32, device=device),
+        "shared_prefix": described.to(device),
         "scales": scales,
     }
 
@@ -85,7 +91,57 @@ def measure(seqs: int, context: int, prefix: int, fp8: bool) -> dict:
     }
 
 
-def _microseconds(step: Callable[[], torch.Tensor]) -> float:
+def measure_mixed(
+    seqs: int, context: int, prefix: int, fp8: bool, chunk: int, device: str = "cuda"
+) -> dict:
+    """A step of `seqs` decode rows and one prompt chunk of `chunk` queries (the last row)."""
+    tensors = case(seqs + 1, context, prefix, fp8, device)
+    shared, scales = tensors.pop("shared_prefix"), tensors.pop("scales")
+    shared[2 + seqs] = 0  # the chunk is the prefill kernel's
+    k_cache, v_cache, tables, lens = (
+        tensors[name] for name in ("k_cache", "v_cache", "block_tables", "context_lens")
+    )
+    cache = (k_cache, v_cache)
+    dtype = torch.float32 if k_cache.dtype == torch.float32 else torch.bfloat16  # CPU checks
+    query = torch.randn(seqs + chunk, HEADS, HEAD_DIM, device=device, dtype=dtype)
+    cu = torch.tensor([*range(seqs + 1), seqs + chunk], dtype=torch.int32, device=device)
+    scale = HEAD_DIM**-0.5
+    chunk_cu = torch.tensor([0, chunk], dtype=torch.int32, device=device)
+
+    def one_kernel() -> torch.Tensor:
+        return prefill_attention(query, *cache, tables, cu, lens, scale, **scales)
+
+    def chunk_alone() -> torch.Tensor:
+        chunk_rows = (query[seqs:], *cache, tables[seqs:], chunk_cu, lens[seqs:], scale)
+        return prefill_attention(*chunk_rows, **scales)
+
+    def split(prefix_once: bool) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """The decode kernel over the decode rows, then the prefill kernel over the chunk."""
+        described = {"shared_prefix": shared[: 2 + seqs]} if prefix_once else {}
+        decode_rows = (query[:seqs], *cache, tables[:seqs], lens[:seqs], scale)
+        return lambda: (paged_decode_attention(*decode_rows, **scales, **described), chunk_alone())
+
+    want = one_kernel().float()
+    errors = [
+        float((torch.cat(split(s)()).float() - want).norm() / want.norm()) for s in (False, True)
+    ]
+    times = [_microseconds(f) for f in (one_kernel, split(False), split(True), chunk_alone)]
+    return {
+        "cache": "fp8" if fp8 else "bf16",
+        "decode_seqs": seqs,
+        "chunk": chunk,
+        "context": context,
+        "prefix": prefix,
+        "relative_error": max(errors),
+        "prefill_kernel_us": round(times[0], 1),
+        "split_per_sequence_us": round(times[1], 1),
+        "split_shared_prefix_us": round(times[2], 1),
+        "speedup": round(times[0] / times[2], 2),
+        "chunk_alone_us": round(times[3], 1),
+    }
+
+
+def _microseconds(step: Callable[[], object]) -> float:
     def call() -> None:
         step()
 
@@ -98,10 +154,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--prefix", type=int, default=1536)
     parser.add_argument("--fp8", action="store_true", help="an e4m3 cache (kv_cache_dtype=fp8)")
+    parser.add_argument(
+        "--mixed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="add a prompt chunk of N queries to every step (above)",
+    )
     parser.add_argument("--output", type=Path)
     args = parser.parse_args(argv)
     if args.prefix >= args.context or args.prefix % BLOCK:
         parser.error(f"--prefix must be a multiple of {BLOCK} below --context")
+    if args.mixed:
+        problem = (args.context, args.prefix, args.fp8, args.mixed)
+        rows = [measure_mixed(seqs, *problem) for seqs in args.seqs]
+        print(
+            f"{'decode seqs':>11} {'prefill kernel us':>18} {'split us':>9} {'shared us':>10}"
+            f" {'chunk alone us':>15}"
+        )
+        for row in rows:
+            print(
+                f"{row['decode_seqs']:>11} {row['prefill_kernel_us']:>18} "
+                f"{row['split_per_sequence_us']:>9} {row['split_shared_prefix_us']:>10}"
+                f" {row['chunk_alone_us']:>15}"
+            )
+        if args.output:
+            args.output.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+        return 0
     rows = [measure(seqs, args.context, args.prefix, args.fp8) for seqs in args.seqs]
     print(f"{'seqs':>5} {'per sequence us':>16} {'shared us':>10} {'speedup':>8} {'rel err':>9}")
     for row in rows:

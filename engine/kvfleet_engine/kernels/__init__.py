@@ -10,6 +10,8 @@ place of all three.
 (`checks.token_major`; `kv_fp8` says why). The kernels read and write either layout.
 `SHARED_PREFIX`: the decode functions take a `shared_prefix`, the prefix many of the batch's
 sequences share (`shared_prefix` says how it is described).
+`DECODES_APART`: in a step with prompt tokens, `prefill_attention(decodes_apart=True)` leaves the
+one-token sequences to `paged_decode_attention(cu_query_lens=..., out=...)` (`decode_attention`).
 """
 
 from kvfleet_engine.kernels.decode_attention import paged_decode_attention, rotary_decode_attention
@@ -19,8 +21,10 @@ from kvfleet_engine.kernels.prefill_attention import prefill_attention
 
 FP8_V_TOKEN_MAJOR = True
 SHARED_PREFIX = True
+DECODES_APART = True
 
 __all__ = [
+    "DECODES_APART",
     "FP8_V_TOKEN_MAJOR",
     "SHARED_PREFIX",
     "paged_decode_attention",

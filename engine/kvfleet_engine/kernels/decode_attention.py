@@ -17,6 +17,13 @@ each score column multiplied by its key's scale and each softmax weight by its v
 `shared_prefix`: sequences of the batch share their first cache blocks, and
 `kernels.shared_prefix` (which says what the tensor holds) attends to those once per tile of
 query rows; the split kernel reads each sharer's context after them, and the merge combines both.
+
+`cu_query_lens`: a step with prompt tokens (`prefill_attention`'s batch, which leaves its
+one-token sequences to these kernels with `decodes_apart`): `query` holds every token, and each
+sequence with exactly one query token is attended as a decode row, its query and output at its
+token's row of `query` and `out`; the others' rows are not touched. Split across the context
+(and its shared prefix read once), such rows cost a fraction of what the prefill kernel's tiles,
+one program per sequence and 16 query rows wide, spend on them.
 """
 
 from __future__ import annotations
@@ -86,6 +93,16 @@ DEFAULT_TILES = (64, 4)
 
 
 @dataclass(frozen=True)
+class _Rows:
+    """Where the queries are and where the outputs go: a decode step's row per sequence and a
+    new output (None, None), or a mixed step's token rows (`cu_query_lens`) and, if given, the
+    output to write them into."""
+
+    cu_query_lens: torch.Tensor | None
+    out: torch.Tensor | None
+
+
+@dataclass(frozen=True)
 class _Launch:
     num_splits: int | None  # None: choose_num_splits
     block_n: int | None  # context tokens per tile (None: the cache's default tiles)
@@ -113,6 +130,8 @@ def paged_decode_attention(
     k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: fp8 cache
     v_scales: torch.Tensor | None = None,
     shared_prefix: torch.Tensor | None = None,  # [2 + num_seqs] int32 (`shared_prefix`)
+    cu_query_lens: torch.Tensor | None = None,  # [num_seqs + 1] int32: a mixed step (above)
+    out: torch.Tensor | None = None,  # written in place (a mixed step: the prefill's output)
     num_splits: int | None = None,  # override the heuristic (benchmarks)
     block_n: int | None = None,  # context tokens per tile (None: the cache's default tiles)
     num_warps: int | None = None,
@@ -121,12 +140,15 @@ def paged_decode_attention(
     early_v: bool = True,
     prefetch_scales: bool = True,
     max_registers: int | None = None,
-) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
+) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim] (a mixed step: [num_tokens, ...])
     check_paged_attention(query, k_cache, v_cache, block_tables, context_lens, k_scales, v_scales)
     tiles = (num_splits, block_n, num_warps, num_stages)
     launch = _Launch(*tiles, transpose_scores, early_v, prefetch_scales, max_registers)
     cache = (k_cache, v_cache, k_scales, v_scales)
-    return _decode(query, cache, block_tables, context_lens, scale, None, launch, shared_prefix)
+    rows = _Rows(cu_query_lens, out)
+    return _decode(
+        query, cache, block_tables, context_lens, scale, None, launch, shared_prefix, rows
+    )
 
 
 def rotary_decode_attention(
@@ -163,7 +185,10 @@ def rotary_decode_attention(
     tiles = (num_splits, block_n, num_warps, num_stages)
     launch = _Launch(*tiles, transpose_scores, early_v, prefetch_scales, max_registers)
     cache = (k_cache, v_cache, k_scales, v_scales)
-    return _decode(query, cache, block_tables, context_lens, scale, new, launch, shared_prefix)
+    rows = _Rows(None, None)
+    return _decode(
+        query, cache, block_tables, context_lens, scale, new, launch, shared_prefix, rows
+    )
 
 
 def _decode(
@@ -175,20 +200,30 @@ def _decode(
     new: _NewToken | None,
     launch: _Launch,
     shared_prefix: torch.Tensor | None,
+    rows: _Rows,
 ) -> torch.Tensor:
     k_cache, v_cache, k_scales, v_scales = cache
-    require(
-        context_lens.shape[0] == query.shape[0], "context_lens must have one entry per query row"
-    )
+    mixed = rows.cu_query_lens
+    num_seqs = context_lens.shape[0]
+    if mixed is None:
+        require(num_seqs == query.shape[0], "context_lens must have one entry per query row")
+    else:
+        check_index(mixed, "cu_query_lens", 1, torch.int32, k_cache.device)
+        require(mixed.shape[0] == num_seqs + 1, "cu_query_lens must have num_seqs + 1 entries")
+        require(new is None, "a mixed step's tokens are rotated and stored before attention")
     if shared_prefix is not None:
         check_index(shared_prefix, "shared_prefix", 1, torch.int32, k_cache.device)
         require(
-            shared_prefix.shape[0] >= 2 + query.shape[0],
+            shared_prefix.shape[0] >= 2 + num_seqs,
             "shared_prefix must be [2 + num_seqs]: tokens, holder row, then tokens per sequence",
         )
-    num_seqs, num_q_heads, head_dim = query.shape
+    _, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    out = rows.out
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    else:
+        require(out.shape == query.shape, "out must have the query's shape")
     if num_seqs == 0:
         return out
     group = num_q_heads // num_kv_heads
@@ -224,7 +259,7 @@ def _decode(
         join_prefix = prefix_kernel.launch_beside(
             query, cache, block_tables, context_lens, shared_prefix, (partial_out, partial_lse),
             (new.positions, new.cos_sin) if new is not None else None, scale, num_splits,
-            prefix_splits,
+            prefix_splits, mixed,
         )  # fmt: skip
     decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
@@ -233,6 +268,7 @@ def _decode(
         block_tables,
         context_lens,
         shared_prefix if shared_prefix is not None else context_lens,  # never read without
+        mixed if mixed is not None else context_lens,  # never read without
         partial_out,
         partial_lse,
         out,
@@ -270,6 +306,7 @@ def _decode(
         NUM_SPLITS=num_splits,
         SLOTS=slots,
         CASCADE=shared_prefix is not None,
+        MIXED=mixed is not None,
         ROTARY=new is not None,
         FP8=k_scales is not None,
         F16_DOTS=query.dtype in (torch.float16, torch.bfloat16),
@@ -292,6 +329,7 @@ def _decode(
         partial_out,
         partial_lse,
         out,
+        mixed if mixed is not None else context_lens,  # never read without
         out.stride(0),
         out.stride(1),
         num_q_heads,
@@ -299,6 +337,7 @@ def _decode(
         BLOCK_D=block_d,
         NUM_SPLITS=slots,
         SPLITS_PAD=next_power_of_2(slots),
+        MIXED=mixed is not None,
         # after the prefix kernel's stream joined: a whole dependency, not PDL's early start
         **(launch_options(query.device) if join_prefix is None else {"PDL": False}),
     )

@@ -4,7 +4,9 @@ and wrappers are `decode_attention`, which says what each program owns.
 `decode_split_kernel`: one program per (sequence, kv head, split) walks its share of the context
 with an online softmax (rotating the query and storing the new key and value first in the ROTARY
 variant; in the CASCADE variant only the context after the batch's shared prefix, which
-`shared_prefix` attends to); `decode_merge_kernel` merges the splits by their log-sum-exp.
+`shared_prefix` attends to; in the MIXED variant, a step with prompt tokens, only its one-token
+sequences, each query at its token's row); `decode_merge_kernel` merges the splits by their
+log-sum-exp.
 """
 
 from __future__ import annotations
@@ -49,9 +51,10 @@ def decode_split_kernel(
     block_tables_ptr,
     context_lens_ptr,
     shared_prefix_ptr,  # CASCADE only: [2 + num_seqs] int32, what is shared (`shared_prefix`)
+    cu_query_lens_ptr,  # MIXED only: [num_seqs + 1] int32, each sequence's first token row
     partial_out_ptr,  # [num_seqs, num_q_heads, SLOTS, HEAD_DIM] float32
     partial_lse_ptr,  # [num_seqs, num_q_heads, SLOTS] float32, log2 domain
-    out_ptr,  # [num_seqs, num_q_heads, HEAD_DIM]: written here instead when SLOTS == 1
+    out_ptr,  # [rows, num_q_heads, HEAD_DIM]: written here instead when SLOTS == 1
     # ROTARY only: this step's key and value rows, positions, cos | sin table and cache slots.
     key_ptr,
     value_ptr,
@@ -91,6 +94,7 @@ def decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     SLOTS: tl.constexpr,  # NUM_SPLITS, and under CASCADE the prefix kernel's splits after them
     CASCADE: tl.constexpr,
+    MIXED: tl.constexpr,  # query and output rows are tokens; other sequences are left alone
     ROTARY: tl.constexpr,
     FP8: tl.constexpr,
     F16_DOTS: tl.constexpr,
@@ -107,10 +111,18 @@ def decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
+    row = seq  # of the query and the output
+    mine = True
+    if MIXED:  # a sequence with more (or no) query tokens is the prefill kernel's: reads nothing
+        row = tl.load(cu_query_lens_ptr + seq)
+        mine = tl.load(cu_query_lens_ptr + seq + 1) - row == 1
+        context_len = tl.where(mine, context_len, 0)
     shared = 0
     if CASCADE:  # a shared prefix is the prefix kernel's (whole blocks, shorter than a sharer's
         # context; padding rows, context 0, read nothing whatever stale share they hold)
         shared = tl.multiple_of(tl.load(shared_prefix_ptr + 2 + seq), BLOCK_SIZE)
+        if MIXED:
+            shared = tl.where(mine, shared, 0)
     tiles_per_split = tl.cdiv(tl.cdiv(context_len - shared, BLOCK_N), NUM_SPLITS)
     start = shared + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len)
@@ -120,7 +132,7 @@ def decode_split_kernel(
     heads = kv_head * GROUP + rows
     row_mask = rows < GROUP
     dim_mask = dims < HEAD_DIM
-    q_rows = query_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :]
+    q_rows = query_ptr + row * stride_qs + heads[:, None] * stride_qh + dims[None, :]
     q_mask = row_mask[:, None] & dim_mask[None, :]
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_offset = kv_head * stride_ch + dims[None, :]
@@ -227,8 +239,8 @@ def decode_split_kernel(
     out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
     out_mask = row_mask[:, None] & dim_mask[None, :]
     if SLOTS == 1:  # the whole context: this is the output (zeros for an empty sequence)
-        out_rows = out_ptr + seq * stride_os + heads[:, None] * stride_oh
-        tl.store(out_rows + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        out_rows = out_ptr + row * stride_os + heads[:, None] * stride_oh
+        tl.store(out_rows + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask & mine)
     else:
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
         partial_row = (seq * num_q_heads + heads) * SLOTS + split
@@ -242,6 +254,7 @@ def decode_merge_kernel(
     partial_out_ptr,
     partial_lse_ptr,
     out_ptr,
+    cu_query_lens_ptr,  # MIXED only (as the split kernel's)
     stride_os,
     stride_oh,
     num_q_heads,
@@ -249,11 +262,17 @@ def decode_merge_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    MIXED: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     _start(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    out_row = seq
+    mine = True
+    if MIXED:
+        out_row = tl.load(cu_query_lens_ptr + seq)
+        mine = tl.load(cu_query_lens_ptr + seq + 1) - out_row == 1
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, BLOCK_D)
     row = (seq * num_q_heads + head) * NUM_SPLITS + splits
@@ -269,7 +288,7 @@ def decode_merge_kernel(
     total = tl.sum(weights, axis=0)
     out = tl.sum(parts * weights[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(
-        out_ptr + seq * stride_os + head * stride_oh + dims,
+        out_ptr + out_row * stride_os + head * stride_oh + dims,
         out.to(out_ptr.dtype.element_ty),
-        mask=dims < HEAD_DIM,
+        mask=(dims < HEAD_DIM) & mine,
     )

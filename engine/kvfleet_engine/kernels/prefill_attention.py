@@ -32,6 +32,55 @@ from kvfleet_engine.kernels.kv_fp8 import (
 )
 
 
+@triton.jit
+def _prefill_tile(
+    state, q, row_scale, row_positions, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr,
+    block_table, tile_start, end, kv_offset, kv_head, dims, dim_mask, scale_log2, stride_cb,
+    stride_cs, stride_cvb, stride_cvh, stride_cvd, stride_sb, stride_sh,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, EARLY_V: tl.constexpr,
+    V_ROWS: tl.constexpr, V_RUN: tl.constexpr, PREFETCH_SCALES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
+):  # fmt: skip
+    """One context tile into the online softmax: `state` is (row max, row sum, accumulator, and
+    for an fp8 cache with PREFETCH_SCALES the next tile's K and V scales and the block ids after
+    it); CAUSAL masks each row to the positions up to its own and to the end."""
+    m_i, l_i, acc, k_scale_next, v_scale_next, ids_next = state
+    positions, valid, block_ids, k, v = kv_tile(
+        k_cache_ptr, v_cache_ptr, block_table, tile_start, end, kv_offset, kv_head, dims,
+        dim_mask, stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, BLOCK_N, BLOCK_SIZE,
+        V_ROWS, V_RUN,
+    )  # fmt: skip
+    if FP8:
+        if PREFETCH_SCALES:
+            k_scale, v_scale = k_scale_next, v_scale_next
+            k_scale_next, v_scale_next, ids_next = prefetched_scales(
+                k_scales_ptr, v_scales_ptr, block_table, ids_next, tile_start, end, kv_head,
+                stride_sb, stride_sh, BLOCK_N, BLOCK_SIZE,
+            )  # fmt: skip
+        else:
+            k_scale = tile_scales(
+                k_scales_ptr, block_ids, kv_head, positions, valid, stride_sb, stride_sh,
+                BLOCK_SIZE,
+            )  # fmt: skip
+            v_scale = tile_scales(
+                v_scales_ptr, block_ids, kv_head, positions, valid, stride_sb, stride_sh,
+                BLOCK_SIZE,
+            )  # fmt: skip
+        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+        scores = scores * row_scale[:, None] * k_scale[None, :]
+    else:
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    if CAUSAL:
+        visible = valid[None, :] & (positions[None, :] <= row_positions[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+    m_new, alpha, p, l_i = softmax_tile(scores, m_i, l_i)
+    if FP8:
+        pv = fp8_pv(p, v, v_scale, valid, q, V_ROWS, EARLY_V, DOT_PRECISION)
+    else:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc * alpha[:, None] + pv, k_scale_next, v_scale_next, ids_next
+
+
 # Values that change from step to step are not specialised on (that would recompile mid-run).
 @triton.jit(do_not_specialize=("num_seqs", "stride_bt"))
 def _prefill_kernel(
@@ -74,6 +123,7 @@ def _prefill_kernel(
     V_RUN: tl.constexpr,
     PREFETCH_SCALES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DECODES_APART: tl.constexpr,  # one-token sequences are the decode kernel's: skipped
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -91,7 +141,10 @@ def _prefill_kernel(
     query_start = tl.load(cu_query_lens_ptr + seq)
     query_len = tl.load(cu_query_lens_ptr + seq + 1) - query_start
     first_token = (tile_id - (query_start // BLOCK_Q + seq)) * BLOCK_Q
-    if first_token < query_len:
+    attends = first_token < query_len
+    if DECODES_APART:
+        attends = attends & (query_len > 1)
+    if attends:
         context_len = tl.load(context_lens_ptr + seq)
         prefix_len = context_len - query_len
         rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
@@ -134,54 +187,34 @@ def _prefill_kernel(
         m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], dtype=tl.float32)
-        # Tile 0 holds position 0, visible to every row: m_i is finite from the first tile on.
-        for tile_start in range(0, end, BLOCK_N):
-            positions, valid, block_ids, k, v = kv_tile(
-                k_cache_ptr, v_cache_ptr, block_table, tile_start, end, kv_offset, kv_head, dims,
-                dim_mask, stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, BLOCK_N,
-                BLOCK_SIZE, V_ROWS, V_RUN,
+        if not (FP8 and PREFETCH_SCALES):  # nothing carried from tile to tile
+            k_scale_next = tl.zeros([BLOCK_N], dtype=tl.float32)
+            v_scale_next = k_scale_next
+            ids_next = tl.zeros([BLOCK_N], dtype=tl.int32)
+        if not FP8:
+            row_scale = tl.full([BLOCK_Q * GROUP_PAD], 1.0, tl.float32) * scale_log2
+        state = (m_i, l_i, acc, k_scale_next, v_scale_next, ids_next)
+        # Tiles that end at or before the first row's own position are seen whole by every row:
+        # no causal mask (nor the end's: they end before it). Tile 0 holds position 0, visible to
+        # every row, so m_i is finite from the first tile on.
+        unmasked_end = (prefix_len + first_token + 1) // BLOCK_N * BLOCK_N
+        for tile_start in range(0, unmasked_end, BLOCK_N):
+            state = _prefill_tile(
+                state, q, row_scale, row_positions, k_cache_ptr, v_cache_ptr, k_scales_ptr,
+                v_scales_ptr, block_table, tile_start, end, kv_offset, kv_head, dims, dim_mask,
+                scale_log2, stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, stride_sb,
+                stride_sh, BLOCK_N, BLOCK_SIZE, FP8, EARLY_V, V_ROWS, V_RUN, PREFETCH_SCALES,
+                DOT_PRECISION, False,
             )  # fmt: skip
-            if FP8 and PREFETCH_SCALES:
-                k_scale, v_scale = k_scale_next, v_scale_next
-                k_scale_next, v_scale_next, ids_next = prefetched_scales(
-                    k_scales_ptr, v_scales_ptr, block_table, ids_next, tile_start, end, kv_head,
-                    stride_sb, stride_sh, BLOCK_N, BLOCK_SIZE,
-                )  # fmt: skip
-            elif FP8:
-                k_scale = tile_scales(
-                    k_scales_ptr,
-                    block_ids,
-                    kv_head,
-                    positions,
-                    valid,
-                    stride_sb,
-                    stride_sh,
-                    BLOCK_SIZE,
-                )
-                v_scale = tile_scales(
-                    v_scales_ptr,
-                    block_ids,
-                    kv_head,
-                    positions,
-                    valid,
-                    stride_sb,
-                    stride_sh,
-                    BLOCK_SIZE,
-                )
-            if FP8:
-                scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-                scores = scores * row_scale[:, None] * k_scale[None, :]
-            else:
-                scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-            visible = valid[None, :] & (positions[None, :] <= row_positions[:, None])
-            scores = tl.where(visible, scores, float("-inf"))
-            m_new, alpha, p, l_i = softmax_tile(scores, m_i, l_i)
-            if FP8:
-                pv = fp8_pv(p, v, v_scale, valid, q, V_ROWS, EARLY_V, DOT_PRECISION)
-            else:
-                pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+        for tile_start in range(unmasked_end, end, BLOCK_N):
+            state = _prefill_tile(
+                state, q, row_scale, row_positions, k_cache_ptr, v_cache_ptr, k_scales_ptr,
+                v_scales_ptr, block_table, tile_start, end, kv_offset, kv_head, dims, dim_mask,
+                scale_log2, stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, stride_sb,
+                stride_sh, BLOCK_N, BLOCK_SIZE, FP8, EARLY_V, V_ROWS, V_RUN, PREFETCH_SCALES,
+                DOT_PRECISION, True,
+            )  # fmt: skip
+        m_i, l_i, acc = state[0], state[1], state[2]
 
         if FP8:
             acc = acc * (1.0 / V_SCALE_BOOST)
@@ -216,6 +249,9 @@ def prefill_attention(
     f16_dots: bool = True,
     early_v: bool = False,
     prefetch_scales: bool = True,  # the next tile's scales loaded during this one
+    # Leave sequences of one query token to `paged_decode_attention(cu_query_lens=...)`, which
+    # then writes their rows of the output returned here (left unwritten by this kernel).
+    decodes_apart: bool = False,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     check_paged_attention(query, k_cache, v_cache, block_tables, context_lens, k_scales, v_scales)
     check_index(cu_query_lens, "cu_query_lens", 1, torch.int32, k_cache.device)
@@ -270,6 +306,7 @@ def prefill_attention(
         V_RUN=min(block_n, block_size),
         PREFETCH_SCALES=prefetch_scales,
         DOT_PRECISION=dot_precision(query.dtype),
+        DECODES_APART=decodes_apart,
         num_warps=num_warps,
         num_stages=num_stages,
     )

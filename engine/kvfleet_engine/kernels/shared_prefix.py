@@ -16,7 +16,9 @@ only, so one CUDA graph serves every prefix and sharer set, none included.
 
 `launch_beside` launches it on a second stream (on a GPU), so that it runs while the split
 kernel reads the rest; the merge waits for both. The ROTARY variant rotates the query rows in
-registers as `rotary_decode_attention` does (the same function: the same rounding). An fp8 cache
+registers as `rotary_decode_attention` does (the same function: the same rounding); the MIXED
+one serves a step with prompt tokens, whose one-token sequences have their query at their token's
+row (`decode_attention`). An fp8 cache
 is read as the split kernel reads it (`kv_fp8`: float16 dots, per-token K and V scales, either V
 layout).
 """
@@ -63,6 +65,7 @@ def shared_prefix_kernel(
     block_tables_ptr,  # the holder's row is read: the prefix's blocks
     context_lens_ptr,  # rows of sequences with no context (padding) get nothing
     shared_prefix_ptr,  # [2 + num_seqs] int32 (above)
+    cu_query_lens_ptr,  # MIXED only: [num_seqs + 1] int32, each sequence's first token row
     partial_out_ptr,  # [num_seqs, num_q_heads, slots, HEAD_DIM] float32
     partial_lse_ptr,  # [num_seqs, num_q_heads, slots] float32, log2 domain
     positions_ptr,  # ROTARY only: each sequence's position and the cos | sin table
@@ -95,6 +98,7 @@ def shared_prefix_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     ROTARY: tl.constexpr,
+    MIXED: tl.constexpr,  # a step with prompt tokens: queries at their tokens' rows
     FP8: tl.constexpr,
     F16_DOTS: tl.constexpr,
     V_ROWS: tl.constexpr,  # V in K's layout (else token major: `kv_fp8.v_tile`)
@@ -120,7 +124,12 @@ def shared_prefix_kernel(
     in_batch = seqs < num_seqs
     active = in_batch & (tl.load(context_lens_ptr + seqs, mask=in_batch, other=0) > 0)
     active = active & (tl.load(shared_prefix_ptr + 2 + seqs, mask=in_batch, other=0) > 0)
-    q_rows = query_ptr + seqs[:, None] * stride_qs + heads[:, None] * stride_qh + dims[None, :]
+    tokens = seqs
+    if MIXED:  # only one-token sequences share (the runner's shares say so too)
+        tokens = tl.load(cu_query_lens_ptr + seqs, mask=in_batch, other=0)
+        ends = tl.load(cu_query_lens_ptr + seqs + 1, mask=in_batch, other=0)
+        active = active & (ends - tokens == 1)
+    q_rows = query_ptr + tokens[:, None] * stride_qs + heads[:, None] * stride_qh + dims[None, :]
     q_mask = active[:, None] & dim_mask[None, :]
     if ROTARY:
         position = tl.load(positions_ptr + seqs, mask=active, other=0)
@@ -187,7 +196,7 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def launch_beside(
-    query: torch.Tensor,  # [num_seqs, num_q_heads, head_dim]
+    query: torch.Tensor,  # [num_seqs, num_q_heads, head_dim] ([num_tokens, ...] when mixed)
     cache: KVCache,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
@@ -197,12 +206,14 @@ def launch_beside(
     scale: float,
     num_splits: int,  # the split kernel's slots, first in the partials
     prefix_splits: int,
+    cu_query_lens: torch.Tensor | None = None,  # mixed steps: [num_seqs + 1], queries' rows
 ) -> Callable[[], None]:
     """Launch the prefix kernel after what the current stream has queued, on a second stream
     on a GPU (captured into a CUDA graph as a parallel branch); call the returned function
     after launching the split kernel: the current stream then waits for it."""
     k_cache, v_cache, k_scales, v_scales = cache
-    num_seqs, num_q_heads, head_dim = query.shape
+    _, num_q_heads, head_dim = query.shape
+    num_seqs = context_lens.shape[0]
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     partial_out, partial_lse = partials
@@ -220,6 +231,7 @@ def launch_beside(
             block_tables,
             context_lens,
             shared_prefix,
+            cu_query_lens if cu_query_lens is not None else context_lens,  # never read without
             partial_out,
             partial_lse,
             positions,
@@ -249,6 +261,7 @@ def launch_beside(
             BLOCK_N=BLOCK_N,
             BLOCK_SIZE=block_size,
             ROTARY=rotary is not None,
+            MIXED=cu_query_lens is not None,
             FP8=k_scales is not None,
             F16_DOTS=query.dtype in (torch.float16, torch.bfloat16),
             V_ROWS=v_cache.stride() == k_cache.stride(),
