@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# One device call (~3 minutes): prompt-step attention on the H200. The prefill kernel's GPU tests,
-# then per tree (this one, and AB_TREE's engine/ when set: the same host and GPU) the prefill
-# kernel alone (8 x 1k fresh prompts, bench.kernels --cases prefill) and steps that mix decode
-# rows with a prompt chunk (python -m kvfleet_engine.bench.shared_prefix --mixed 512: 16-256
-# decode rows of 2,048 tokens, 1,536 of them shared, beside a 512-token chunk of the same length).
+# One device call (~3 minutes, ~8 with the engine's GPU tests): prompt-step attention on the H200.
+# The attention kernels' GPU tests (prefill, shared prefix, mixed steps) and, unless
+# ENGINE_TESTS=0, tests/engine/test_gpu.py and tests/perf/test_cuda_graphs.py; then per tree
+# (this one, and AB_TREE's engine/ when set: the same host and GPU) the prefill kernel alone
+# (8 x 1k fresh prompts, bench.kernels --cases prefill) and steps that mix decode rows with a
+# prompt chunk (python -m kvfleet_engine.bench.shared_prefix --mixed 512: 16-256 decode rows of
+# 2,048 tokens, 1,536 of them shared, beside a 512-token chunk of the same length).
 #   bash bench/gpu_mixed_attention.sh
-#   AB_TREE=.ab/old bash bench/gpu_mixed_attention.sh   # e.g. git archive HEAD engine | tar -x -C .ab/old
+#   AB_TREE=.ab/old bash bench/gpu_mixed_attention.sh   # git archive REV engine | tar -x -C .ab/old
 # JSON under $OUT (<label>/attention-kernels*.json, <label>-mixed{,-fp8}.json).
 set -uo pipefail
 OUT=${OUT:-/tmp/kvfleet-mixed-attention}
@@ -13,8 +15,10 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 echo "=== GPU tests ($(date +%T))"
 PYTHONPATH=$PWD/engine timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu \
-  tests/kernels/test_triton_kernels.py tests/kernels/test_kv_fp8.py -k "prefill or shared_prefix" \
-  2>&1 | tail -3
+  tests/kernels/test_triton_kernels.py tests/kernels/test_kv_fp8.py \
+  -k "prefill or shared_prefix or mixed_step" 2>&1 | tail -3
+[ "${ENGINE_TESTS:-1}" = 1 ] && PYTHONPATH=$PWD/engine timeout 400 python3 -m pytest -q \
+  -p no:cacheprovider -m gpu tests/engine/test_gpu.py tests/perf/test_cuda_graphs.py 2>&1 | tail -5
 run_tree() {  # LABEL ENGINE_DIR
   echo "=== $1 ($2, $(date +%T))"
   PYTHONPATH=$2 python3 -m kvfleet_engine.bench.kernels --cases prefill --output-dir "$OUT/$1" \

@@ -9,7 +9,9 @@
 #   WHEELS=.whl/server bash bench/gpu_shared_prefix.sh   # WHEELS: as gpu_serve_core.sh
 # SETTINGS (default: both) and LOADS (serve_client.py's CONCURRENCY NUM IN OUT [SHARED], ';'
 # between loads) narrow or widen the served part; SERVE_ARGS adds `kvfleet serve` flags (e.g.
-# --kv-cache-dtype fp8); KERNEL=0 skips the tests and the kernel alone.
+# --kv-cache-dtype fp8); KERNEL=0 skips the tests and the kernel alone. AB_TREE=DIR serves each
+# setting from DIR's engine/ and operator/ too, after this tree's (the same host and GPU), e.g.
+#   mkdir -p .ab/old && git archive ca51413 engine operator | tar -x -C .ab/old
 set -uo pipefail
 SETTINGS=${SETTINGS:-shared-prefix-attention no-shared-prefix-attention}
 LOADS=${LOADS:-64 256 2048 128 1536;64 256 512 256}
@@ -34,28 +36,37 @@ CKPT=$SCRATCH/kvfleet-8b-random
 [ -f "$CKPT/config.json" ] || timeout 120 python3 bench/make_checkpoint.py "$CKPT" || exit 1
 URL=http://127.0.0.1:$PORT
 get() { python3 -c "import sys, urllib.request as u; print(u.urlopen(sys.argv[1]).read().decode())" "$1"; }
+TREES="new=$PWD${AB_TREE:+ old=$(cd "$AB_TREE" && pwd)}"
+BASE_PATH=$PYTHONPATH
+for tree in $TREES; do
 for setting in $SETTINGS; do
-  echo "=== serve --$setting ($(date +%T))"
+  label=${tree%%=*}
+  dir=${tree#*=}
+  export PYTHONPATH="${BASE_PATH//$PWD/$dir}"
+  [ -n "${AB_TREE:-}" ] && label="$label-$setting" || label=$setting
+  echo "=== serve --$setting from $dir ($(date +%T))"
   python3 -m kvfleet_cli.main serve --model "$CKPT" --served-model-name m --host 127.0.0.1 \
     --port "$PORT" --max-model-len 4096 --gpu-memory-utilization 0.9 "--$setting" ${SERVE_ARGS:-} \
-    >"$OUT/serve-$setting.log" 2>&1 &
+    >"$OUT/serve-$label.log" 2>&1 &
   SERVER=$!
   for _ in $(seq 240); do
     get "$URL/ready" >/dev/null 2>&1 && break
-    kill -0 $SERVER 2>/dev/null || { tail -30 "$OUT/serve-$setting.log"; exit 1; }
+    kill -0 $SERVER 2>/dev/null || { tail -30 "$OUT/serve-$label.log"; exit 1; }
     sleep 1
   done
-  grep -E "captured" "$OUT/serve-$setting.log" | tail -2
+  grep -E "captured" "$OUT/serve-$label.log" | tail -2
   timeout 60 python3 bench/serve_client.py "$URL" m kvfleet 1 4 512 32 >/dev/null  # warm-up
   IFS=';' read -ra loads <<<"$LOADS"
   for load in "${loads[@]}"; do
     # shellcheck disable=SC2086
-    timeout 150 python3 bench/serve_client.py "$URL" m "$setting" $load \
+    timeout 150 python3 bench/serve_client.py "$URL" m "$label" $load \
       | tee -a "$OUT/serve_client.jsonl"
   done
   kill -TERM $SERVER
   wait $SERVER
 done
+done
+export PYTHONPATH=$BASE_PATH
 echo "=== table ($(date +%T))"
 python3 - "$OUT" <<'PY'
 import json, sys

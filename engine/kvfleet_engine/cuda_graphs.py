@@ -10,7 +10,10 @@ persistent buffers that each step copies into (`kernels.graph_inputs`: padding t
 nothing); the attention kernels read lengths, query offsets and block tables on the device, so
 one capture serves every step of its size. Decode steps of at least SHARED_PREFIX_MIN_SEQS
 sequences have a second graph per size, for steps whose sequences share a prefix
-(`kernels.shared_prefix`; its length is a device buffer too).
+(`kernels.shared_prefix`; its length is a device buffer too). Prompt steps of more tokens than
+DECODES_APART_MIN_SEQS have a second graph per size too when the backend sends a mixed step's
+one-token sequences to its decode kernels (`runner.inputs`), with the shared prefix read once
+where the runner finds one (a prefix of 0 tokens when it finds none).
 """
 
 from __future__ import annotations
@@ -22,7 +25,11 @@ from typing import Any
 import torch
 
 from kvfleet_engine.layers.attention import AttentionMetadata
-from kvfleet_engine.runner.inputs import SHARED_PREFIX_MIN_SEQS
+from kvfleet_engine.runner.inputs import (
+    DECODES_APART_MIN_SEQS,
+    SHARED_PREFIX_MIN_SEQS,
+    AttentionFeatures,
+)
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +202,9 @@ class DecodeGraphs(_StepGraphs):
 class PromptGraphs(_StepGraphs):
     """Steps with prompt tokens (prompts, prefill chunks, decodes beside them) of up to
     PROMPT_GRAPH_MAX_TOKENS tokens: the model to its final norm, for max_num_seqs sequences
-    (those the step lacks have no tokens)."""
+    (those the step lacks have no tokens). Keyed (size, apart): `apart` graphs attend the
+    one-token sequences with the decode kernels, over the prefix in `self.shared` when the
+    features read shared prefixes."""
 
     kind = "prompt"
 
@@ -206,10 +215,15 @@ class PromptGraphs(_StepGraphs):
         max_num_seqs: int,
         max_blocks_per_seq: int,
         device: torch.device,
+        features: AttentionFeatures,
     ) -> None:
         super().__init__(prompt_bucket_sizes(max_num_batched_tokens))
         self.model = model
+        self.features = features
         t, s = self.sizes[-1], max_num_seqs
+        # [2 + s]: the shared prefix of an `apart` step (`kernels.shared_prefix`), zeros when it
+        # has none; rows past a step's sequences have no query tokens and read nothing.
+        self.shared = torch.zeros(2 + s, dtype=torch.int32, device=device)
         self.input_ids = torch.zeros(t, dtype=torch.int64, device=device)  # [t]
         self.positions = torch.zeros(t, dtype=torch.int64, device=device)  # [t]
         self.slot_mapping = torch.full((t,), -1, dtype=torch.int64, device=device)  # [t]
@@ -221,14 +235,23 @@ class PromptGraphs(_StepGraphs):
             self.block_tables, self.cu_query_lens,
         )  # fmt: skip
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _keys(self) -> list[tuple[int, bool]]:
+        apart = [
+            s for s in self.sizes if s > DECODES_APART_MIN_SEQS and self.features.decodes_apart
+        ]
+        return sorted([(s, True) for s in apart] + [(s, False) for s in self.sizes], reverse=True)
+
+    def _forward(self, key: tuple[int, bool]) -> torch.Tensor:
         """[size, hidden]: the final norm's output of every token row."""
+        size, apart = key
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:size],
             block_tables=self.block_tables,
             context_lens=self.context_lens,
             cu_query_lens=self.cu_query_lens,
             is_decode=False,
+            shared_prefix=self.shared if apart and self.features.shared_prefix_min else None,
+            decodes_apart=apart,
         )
         return self.model(self.input_ids[:size], self.positions[:size], meta)
 
@@ -239,8 +262,8 @@ class PromptGraphs(_StepGraphs):
         meta: AttentionMetadata,  # a step with prompt tokens
         pending_sources: torch.Tensor | None = None,  # [num_tokens] row in samples, -1 = known
         samples: torch.Tensor | None = None,  # the previous step's sampled tokens
-    ) -> int | None:
-        """Copy the step into the buffers: the size of the graph to replay, or None if none
+    ) -> tuple[int, bool] | None:
+        """Copy the step into the buffers: the key of the graph to replay, or None if none
         fits."""
         from kvfleet_engine.kernels.graph_inputs import fill_graph_inputs
 
@@ -265,7 +288,13 @@ class PromptGraphs(_StepGraphs):
             size,
             self.context_lens.shape[0],
         )
-        return size
+        apart = meta.decodes_apart and (size, True) in self.graphs
+        if apart and self.features.shared_prefix_min:
+            if meta.shared_prefix is None:
+                self.shared.zero_()
+            else:
+                self.shared[: 2 + num_seqs].copy_(meta.shared_prefix)
+        return size, apart
 
     def run(
         self,
@@ -276,8 +305,8 @@ class PromptGraphs(_StepGraphs):
         samples: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """[num_tokens, hidden], or None if no graph fits (`load`'s arguments)."""
-        size = self.load(input_ids, positions, meta, pending_sources, samples)
-        if size is None:
+        key = self.load(input_ids, positions, meta, pending_sources, samples)
+        if key is None:
             return None
-        self.graphs[size].replay()
-        return self.outputs[size][: input_ids.shape[0]]
+        self.graphs[key].replay()
+        return self.outputs[key][: input_ids.shape[0]]

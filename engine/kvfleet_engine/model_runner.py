@@ -264,7 +264,7 @@ class ModelRunner:
         assert self.groups is not None
         executor = self.executor
         inputs = build_inputs(
-            scheduled.requests, self.block_size, self.device, {}, executor.shared_prefix_min
+            scheduled.requests, self.block_size, self.device, {}, executor.attention_features
         )
         self.shared_prefix_steps_total += inputs.attention.shared_prefix is not None
         out = executor.forward_stage(inputs, None)  # [2, num_tokens, hidden]
@@ -335,7 +335,7 @@ class ModelRunner:
             self.block_size,
             self.device,
             self.executor.last_sample_rows,
-            self.executor.shared_prefix_min,
+            self.executor.attention_features,
         )
         self.shared_prefix_steps_total += inputs.attention.shared_prefix is not None
         sampling_requests = [item for item in scheduled.requests if item.sample]

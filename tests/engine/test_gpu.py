@@ -3,6 +3,7 @@ checkpoints, ties judged at bf16 tolerance; CUDA graphs on and off agree. Marked
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -225,7 +226,7 @@ def test_decode_over_a_shared_prefix_agrees_with_reading_it_per_sequence(
             shared_prefix_attention=shared,
         )
         runner = llm.engine.model_runner.executor
-        assert runner.shared_prefix_min == (512 if shared else 0)
+        assert runner.attention_features.shared_prefix_min == (512 if shared else 0)
         graphs = runner.decode_graphs
         assert ((32, True) in graphs.graphs) == shared
         llm.generate(prompt_token_ids=[prefix], sampling_params=params, use_tqdm=False)
@@ -235,4 +236,46 @@ def test_decode_over_a_shared_prefix_agrees_with_reading_it_per_sequence(
         assert int(graphs.shared[0]) == (37 * 16 if shared else 0)
         del llm, runner, graphs
         torch.cuda.empty_cache()
+    agree_but_near_ties(path, prompts, params.max_tokens, results[True], results[False])
+
+
+def test_mixed_steps_agree_with_their_decodes_apart_or_not(
+    gpu_checkpoints: dict[str, Path],
+) -> None:
+    """24 prompts behind one cached 600-token prefix, 96 tokens a step: once 16 decode, the
+    others' chunks share steps with them, replayed from the prompt graphs whose decode kernels
+    attend the one-token sequences (over the shared prefix); their tokens are those of the same
+    engine leaving the decodes to the prefill kernel."""
+    path = gpu_checkpoints["llama3"]
+    prefix, *tails = random_prompts([600, *range(5, 29)], seed=35)
+    prompts = [prefix + tail for tail in tails]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        device="cuda",
+        max_model_len=1024,
+        max_num_seqs=32,
+        max_num_batched_tokens=96,
+    )
+    executor = llm.engine.model_runner.executor
+    features, graphs = executor.attention_features, executor.prompt_graphs
+    assert features.decodes_apart and (96, True) in graphs.graphs
+    llm.generate(prompt_token_ids=[prefix], sampling_params=params, use_tqdm=False)
+    forward, apart_steps = executor.forward, []
+
+    def recording(inputs: Any) -> Any:
+        apart_steps.append(inputs.attention.decodes_apart)
+        return forward(inputs)
+
+    executor.forward = recording
+    results = {}
+    for apart in (True, False):
+        executor.attention_features = dataclasses.replace(features, decodes_apart=apart)
+        apart_steps.clear()
+        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        results[apart] = [o.outputs[0].token_ids for o in outputs]
+        assert (sum(apart_steps) >= 3) == apart, apart_steps
+        if apart:  # the last apart replay read the 37 full blocks of the prefix once
+            assert int(graphs.shared[0]) == 37 * 16
     agree_but_near_ties(path, prompts, params.max_tokens, results[True], results[False])

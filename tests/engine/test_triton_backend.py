@@ -1,8 +1,9 @@
 """The engine on the Triton attention backend, run by the Triton interpreter on CPU: the same
 greedy tokens as transformers, so the runner feeds the kernels what the reference backend takes;
 a prompt CUDA graph's padded forward (what `cuda_graphs.PromptGraphs` captures) computing
-the logits the eager forward does; and decode steps over a shared cached prefix giving the
-tokens they give without reading it once for all.
+the logits the eager forward does; decode steps over a shared cached prefix giving the
+tokens they give without reading it once for all; and steps that mix decodes with prompt chunks
+giving the same tokens with their decodes attended by the decode kernels or by the prefill one.
 
 TRITON_INTERPRET must be set before triton is first imported (transformers imports it), so the
 engine runs in a fresh subprocess."""
@@ -110,14 +111,14 @@ second = [
 inputs = build_inputs(second, 16, ex.device, {"b": 1})
 ex.last_samples = torch.tensor([11, 42])
 eager = ex.forward(inputs)[0]
-graphs = PromptGraphs(ex.model, 64, 4, 16, ex.device)
-size = graphs.load(inputs.input_ids, inputs.positions, inputs.attention,
-                   inputs.pending_sources, ex.last_samples)
-hidden = graphs._forward(size)
+graphs = PromptGraphs(ex.model, 64, 4, 16, ex.device, ex.attention_features)
+size, apart = graphs.load(inputs.input_ids, inputs.positions, inputs.attention,
+                          inputs.pending_sources, ex.last_samples)
+hidden = graphs._forward((size, apart))
 padded = ex.model.compute_logits(hidden[inputs.logits_indices]).float()
 # Block 0 is no sequence's: the padding tokens (slot -1) must not have written there.
 untouched = all(bool((cache[0] == 0).all()) for layer in ex.kv_caches for cache in layer[:2])
-print(json.dumps({"size": size, "rows": list(padded.shape), "untouched": untouched,
+print(json.dumps({"size": size, "apart": apart, "rows": list(padded.shape), "untouched": untouched,
                   "max_abs_diff": float((padded - eager).abs().max()),
                   "scale": float(eager.abs().max())}))
 """
@@ -135,19 +136,21 @@ def test_prompt_graph_padded_forward_matches_the_eager_forward(checkpoints: Chec
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["size"] == 32 and result["rows"][0] == 3 and result["untouched"]
+    assert not result["apart"]  # one decode: the prefill kernel's
     assert result["max_abs_diff"] <= 1e-5 * max(1.0, result["scale"]), result
 
 
 SHARED_SCRIPT = (
     PATCH
     + """
-import json, sys
+import dataclasses, json, sys
 from kvfleet_engine import LLM, SamplingParams
 
 path, prefix, tails = sys.argv[1], *json.loads(sys.argv[2])
 llm = LLM(path, device="cpu", attention_backend="triton", max_model_len=256, max_num_seqs=16)
 ex = llm.engine.model_runner.executor
-assert ex.shared_prefix_min == 512, ex.shared_prefix_min  # the default on this backend
+features = ex.attention_features
+assert features.shared_prefix_min == 512, features  # the default on this backend
 forward, shared_steps = ex.forward, []
 def counting(inputs):
     shared_steps.append(inputs.attention.shared_prefix is not None)
@@ -158,7 +161,7 @@ llm.generate(prompt_token_ids=[prefix], sampling_params=params, use_tqdm=False) 
 prompts = [prefix + tail for tail in tails]
 runs = {}
 for shared_min in (32, 0):  # a 32-token prefix shared (2 blocks), then never
-    ex.shared_prefix_min = shared_min
+    ex.attention_features = dataclasses.replace(features, shared_prefix_min=shared_min)
     shared_steps.clear()
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     runs[shared_min] = {"tokens": [o.outputs[0].token_ids for o in outputs],
@@ -186,3 +189,59 @@ def test_decode_over_a_shared_cached_prefix_gives_the_same_tokens(checkpoints: C
     # The engine's counter (kvfleet_shared_prefix_steps_total) counts those steps, no others.
     assert shared["counted"] == plain["counted"] == shared["shared_steps"], runs
     assert shared["tokens"] == plain["tokens"]
+
+
+MIXED_SCRIPT = (
+    PATCH
+    + """
+import dataclasses, json, sys
+from kvfleet_engine import LLM, SamplingParams
+
+path, prefix, tails = sys.argv[1], *json.loads(sys.argv[2])
+# 64 tokens a step: once 16 requests decode, the others' prompt chunks share steps with them.
+llm = LLM(path, device="cpu", attention_backend="triton", max_model_len=256, max_num_seqs=20,
+          max_num_batched_tokens=64)
+ex = llm.engine.model_runner.executor
+features = ex.attention_features
+assert features.decodes_apart, features  # this backend's
+forward, steps = ex.forward, []
+def recording(inputs):
+    meta = inputs.attention
+    steps.append((meta.decodes_apart, meta.decodes_apart and meta.shared_prefix is not None))
+    return forward(inputs)
+ex.forward = recording
+params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+llm.generate(prompt_token_ids=[prefix], sampling_params=params, use_tqdm=False)  # caches it
+prompts = [prefix + tail for tail in tails]
+runs = {}
+for apart in (True, False):
+    ex.attention_features = dataclasses.replace(features, shared_prefix_min=32, decodes_apart=apart)
+    steps.clear()
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    runs[apart] = {"tokens": [o.outputs[0].token_ids for o in outputs],
+                   "apart_steps": sum(a for a, _ in steps),
+                   "apart_shared_steps": sum(s for _, s in steps)}
+print(json.dumps(runs))
+"""
+)
+
+
+def test_mixed_steps_give_the_same_tokens_with_their_decodes_apart(
+    checkpoints: Checkpoints,
+) -> None:
+    prefix, *tails = random_prompts([40, *range(10, 30)], seed=34)
+    proc = subprocess.run(
+        [sys.executable, "-c", MIXED_SCRIPT, str(checkpoints.path("llama3")),
+         json.dumps([prefix, tails])],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(proc.stdout.strip().splitlines()[-1])
+    apart, together = runs["true"], runs["false"]
+    # Steps with 16+ decodes beside a prompt chunk happened, some over the shared prefix.
+    assert apart["apart_steps"] >= 3 and apart["apart_shared_steps"] >= 1, runs
+    assert together["apart_steps"] == 0, runs
+    assert apart["tokens"] == together["tokens"]

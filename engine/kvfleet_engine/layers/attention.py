@@ -3,8 +3,9 @@ with one backend (`attention_torch`, the reference; `attention_sdpa`, the CPU on
 kernels on a GPU), all with the reference's signatures. A backend that offers `rotary_store_kv`
 does the rotation and the store in one launch, and one that offers `rotary_decode_attention` a
 decode step's rotation, store and attention in one. With an fp8 cache every one of them also takes
-the layer's `k_scales` and `v_scales` (keywords; None for a cache in the model's dtype), and a
-backend with `SHARED_PREFIX` its decode functions the step's `shared_prefix` when it has one."""
+the layer's `k_scales` and `v_scales` (keywords; None for a cache in the model's dtype), a
+backend with `SHARED_PREFIX` its decode functions the step's `shared_prefix` when it has one, and
+one with `DECODES_APART` a mixed step's one-token sequences to its decode function."""
 
 from __future__ import annotations
 
@@ -59,8 +60,12 @@ class AttentionMetadata:
     is_decode: bool
     # A decode step in which many sequences start with the same cache blocks: [2 + num_seqs]
     # int32, the prefix's tokens, a holder's row, each sequence's share (`kernels.shared_prefix`);
-    # None: nothing shared, or a backend without `SHARED_PREFIX`.
+    # None: nothing shared, or a backend without `SHARED_PREFIX`. In a step whose decodes go
+    # apart, the same over its one-token sequences.
     shared_prefix: torch.Tensor | None = None
+    # A step with prompt tokens whose one-token sequences the decode kernels attend (a backend
+    # with `DECODES_APART`; `kernels.decode_attention`), the rest the prefill kernel.
+    decodes_apart: bool = False
 
 
 class Attention(nn.Module):
@@ -140,6 +145,7 @@ class Attention(nn.Module):
                 **shared,
             )
         else:
+            apart = {"decodes_apart": True} if meta.decodes_apart else {}
             out = backend.prefill_attention(
                 query,
                 self.k_cache,
@@ -149,5 +155,19 @@ class Attention(nn.Module):
                 meta.context_lens,
                 self.scale,
                 **scales,
+                **apart,
             )
+            if meta.decodes_apart:  # the one-token sequences' rows of `out`
+                backend.paged_decode_attention(
+                    query,
+                    self.k_cache,
+                    self.v_cache,
+                    meta.block_tables,
+                    meta.context_lens,
+                    self.scale,
+                    **scales,
+                    **shared,
+                    cu_query_lens=meta.cu_query_lens,
+                    out=out,
+                )
         return out.reshape(out.shape[0], -1)

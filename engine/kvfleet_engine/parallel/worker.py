@@ -153,7 +153,7 @@ class Worker:
             executor.block_size,
             executor.device,
             executor.last_sample_rows,
-            executor.shared_prefix_min,
+            executor.attention_features,
         )
         if self.stage is not None:
             self.stage.step(step, inputs)

@@ -20,7 +20,11 @@ from kvfleet_engine.parallel.groups import Groups
 from kvfleet_engine.parallel.pipeline import StageLayers, intermediate_shape
 from kvfleet_engine.quant.linear import QuantLinear
 from kvfleet_engine.runner import kv_memory
-from kvfleet_engine.runner.inputs import SHARED_PREFIX_MIN_TOKENS, ModelInputs
+from kvfleet_engine.runner.inputs import (
+    SHARED_PREFIX_MIN_TOKENS,
+    AttentionFeatures,
+    ModelInputs,
+)
 from kvfleet_engine.runner.kv_memory import (
     allocate_kv_cache,
     block_bytes,
@@ -92,14 +96,18 @@ class ModelExecutor:
         self.kv_cache_dtype = resolve_kv_cache_dtype(
             config.cache.kv_cache_dtype, self.dtype, self.device, backend_name
         )
-        # Tokens a decode step's shared prefix needs before the kernels read it once per tile of
-        # sequences (`runner.inputs`); 0: never (the setting, or a backend without the kernel).
+        # What each step may ask of the attention kernels (`runner.inputs`): a shared prefix read
+        # once per tile of sequences (the setting, with prefix caching and a backend that has
+        # the kernel), a mixed step's decodes apart from its prompts (the backend).
         shares = (
             config.runner.shared_prefix_attention
             and config.cache.enable_prefix_caching
             and getattr(self.backend, "SHARED_PREFIX", False)
         )
-        self.shared_prefix_min = SHARED_PREFIX_MIN_TOKENS if shares else 0
+        self.attention_features = AttentionFeatures(
+            shared_prefix_min=SHARED_PREFIX_MIN_TOKENS if shares else 0,
+            decodes_apart=getattr(self.backend, "DECODES_APART", False),
+        )
         torch.manual_seed(config.runner.seed)
         self.model = load_model(config.model, self.device, self.dtype, groups)
         if self.device.type == "cuda":  # PDL pays where the products are our kernels, not cuBLAS's
@@ -141,7 +149,7 @@ class ModelExecutor:
                 scheduler.max_num_seqs,
                 max_blocks,
                 self.device,
-                shared_prefix=self.shared_prefix_min > 0,
+                shared_prefix=self.attention_features.shared_prefix_min > 0,
             )
             self.decode_graphs.capture()
             self.prompt_graphs = PromptGraphs(
@@ -150,6 +158,7 @@ class ModelExecutor:
                 scheduler.max_num_seqs,
                 max_blocks,
                 self.device,
+                self.attention_features,
             )
             self.prompt_graphs.capture()
 

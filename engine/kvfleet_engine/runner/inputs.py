@@ -2,9 +2,15 @@
 ones) that reaches the device in one copy. The driver builds them from the scheduler's
 ScheduledRequests, a worker from the same fields rebuilt from the step diff.
 
-A decode step in which at least SHARED_PREFIX_MIN_SEQS sequences start with the same cache blocks
-(`shared_prefix`) says so in its metadata when those hold at least `shared_prefix_min` tokens:
-the attention kernels then read them once per tile of sequences (`kernels.shared_prefix`)."""
+What the step asks of the attention kernels beyond the plain paged ones depends on the backend and
+the settings (`AttentionFeatures`, the executor's):
+- a step with prompt tokens and at least DECODES_APART_MIN_SEQS one-token sequences
+  (`decodes_apart`) has the decode kernels attend those, split across their context, and the
+  prefill kernel the rest (`kernels.decode_attention`);
+- when at least SHARED_PREFIX_MIN_SEQS of a step's decode rows (all its rows in a decode step,
+  the one-token ones in a step whose decodes go apart) start with the same cache blocks, holding
+  at least `shared_prefix_min` tokens, the metadata describes them (`shared_prefix`): the
+  attention kernels then read them once per tile of sequences (`kernels.shared_prefix`)."""
 
 from __future__ import annotations
 
@@ -28,6 +34,20 @@ SHARED_PREFIX_MIN_SEQS = 16
 # prefixes, whose saving shrinks while the prefix kernel and the merge still cost a launch each,
 # were not measured).
 SHARED_PREFIX_MIN_TOKENS = 512
+# A step with prompt tokens leaves fewer one-token sequences than this to the prefill kernel,
+# whose tiles spend 16 query rows on each one's single query and walk its context in one program.
+# From 16 on, the decode kernels' split reads pay (H200, an 8B layer, a 512-token chunk beside
+# 2,048-token decode rows, 1,536 tokens shared: 16 rows 101.4 -> 88.3 us, over the shared prefix
+# 83.8; 64 rows 167.6 -> 145.8 / 119.4; fewer rows were not measured).
+DECODES_APART_MIN_SEQS = 16
+
+
+@dataclass(frozen=True)
+class AttentionFeatures:
+    """What the step's attention kernels may be asked beyond the plain paged ones."""
+
+    shared_prefix_min: int = 0  # tokens a shared prefix needs to be read once (0: never)
+    decodes_apart: bool = False  # a mixed step's one-token sequences go to the decode kernels
 
 
 class BatchItem(Protocol):
@@ -73,7 +93,7 @@ def build_inputs(
     block_size: int,
     device: torch.device,
     last_sample_rows: dict[str, int],  # request id -> its row in the previous step's samples
-    shared_prefix_min: int = 0,  # tokens a decode step's shared prefix needs (0: never)
+    features: AttentionFeatures = AttentionFeatures(),
 ) -> ModelInputs:
     """The batch tensors of `items` (in batch order); sampling settings are left to the caller."""
     num_seqs = len(items)
@@ -120,10 +140,15 @@ def build_inputs(
     slot_mapping[:] = block_tables[rows, positions // block_size]
     slot_mapping *= block_size
     slot_mapping += positions % block_size
+    decodes = None if is_decode else np.flatnonzero(lens == 1)
+    apart = decodes is not None and features.decodes_apart
+    apart = apart and decodes.size >= DECODES_APART_MIN_SEQS
     shared = False
-    if is_decode and shared_prefix_min and num_seqs >= SHARED_PREFIX_MIN_SEQS:
-        blocks, holder, sharers = shared_prefix(block_tables, counts, context_lens, block_size)
-        shared = blocks * block_size >= shared_prefix_min
+    if (is_decode or apart) and features.shared_prefix_min:
+        candidates = None if is_decode else decodes
+        found = shared_prefix(block_tables, counts, context_lens, block_size, candidates)
+        blocks, holder, sharers = found
+        shared = blocks * block_size >= features.shared_prefix_min
         if shared:
             prefix[:2] = blocks * block_size, holder
             prefix[2:] = sharers * (blocks * block_size)
@@ -144,6 +169,7 @@ def build_inputs(
         cu_query_lens=dev32[segments32[1]],
         is_decode=is_decode,
         shared_prefix=dev32[segments32[3]] if shared else None,
+        decodes_apart=apart,
     )
     return ModelInputs(
         input_ids=dev64[segments64[0]],
@@ -160,17 +186,24 @@ def shared_prefix(
     counts: np.ndarray,  # [num_seqs]: each row's blocks
     context_lens: np.ndarray,  # [num_seqs]: tokens after this step's
     block_size: int,
+    candidates: np.ndarray | None = None,  # the rows that may share (None: every row)
 ) -> tuple[int, int, np.ndarray]:
     """(blocks, a holder's row, [num_seqs] 0/1 sharers): the leading cache blocks that the
-    largest group of sequences with the same first block all have, counting only blocks each
-    holds in full before its newest token (the one a decode step writes); (0, 0, zeros) when
-    fewer than SHARED_PREFIX_MIN_SEQS sequences share one."""
+    largest group of candidate sequences with the same first block all have, counting only
+    blocks each holds in full before its newest token (the one a decode step writes); (0, 0,
+    zeros) when fewer than SHARED_PREFIX_MIN_SEQS sequences share one."""
     none = (0, 0, np.zeros(len(counts), np.int32))
-    _, group, sizes = np.unique(block_tables[:, 0], return_inverse=True, return_counts=True)
+    if candidates is None:
+        candidates = np.arange(len(counts))
+    if candidates.size < SHARED_PREFIX_MIN_SEQS:
+        return none
+    first = block_tables[candidates, 0]
+    _, group, sizes = np.unique(first, return_inverse=True, return_counts=True)
     if sizes.max() < SHARED_PREFIX_MIN_SEQS:
         return none
-    sharers = group == sizes.argmax()
-    rows = np.flatnonzero(sharers)
+    rows = candidates[group == sizes.argmax()]
+    sharers = np.zeros(len(counts), bool)
+    sharers[rows] = True
     limit = min(int((context_lens[rows].min() - 1) // block_size), int(counts[rows].min()))
     if limit <= 0:
         return none
