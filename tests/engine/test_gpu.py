@@ -206,6 +206,48 @@ def test_mixed_steps_of_any_shape_compile_each_kernel_once(
     assert after == before, [k.fn.__name__ for k in kernels]
 
 
+def test_eager_mixed_steps_of_any_shape_compile_the_attention_kernels_once(
+    gpu_checkpoints: dict[str, Path],
+) -> None:
+    """Steps of more prompt tokens than the prompt graphs hold run eagerly; with 16+ decodes
+    beside them (over a shared prefix), whatever their sequence count and block-table width,
+    they reuse the attention kernels' variants compiled when the graphs were captured."""
+    from kvfleet_engine.kernels.decode_kernels import decode_merge_kernel, decode_split_kernel
+    from kvfleet_engine.kernels.prefill_attention import _prefill_kernel
+    from kvfleet_engine.kernels.shared_prefix import shared_prefix_kernel
+
+    kernels = [decode_split_kernel, decode_merge_kernel, shared_prefix_kernel, _prefill_kernel]
+    llm = LLM(
+        str(gpu_checkpoints["llama3"]),
+        dtype="bfloat16",
+        device="cuda",
+        max_model_len=2048,
+        max_num_seqs=64,
+        max_num_batched_tokens=2048,
+    )
+    executor = llm.engine.model_runner.executor
+    forward, eager_apart = executor.forward, []
+
+    def recording(inputs: Any) -> Any:
+        meta = inputs.attention
+        eager_apart.append(meta.decodes_apart and inputs.input_ids.shape[0] > 1024)
+        return forward(inputs)
+
+    executor.forward = recording
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prefix = random_prompts([600], seed=36)[0]
+    llm.generate(prompt_token_ids=[prefix], sampling_params=params, use_tqdm=False)
+    device = torch.cuda.current_device()
+    before = [len(kernel.device_caches[device][0]) for kernel in kernels]
+    for count, seed in ((24, 37), (40, 38)):
+        tails = random_prompts([300 + 17 * i for i in range(count)], seed=seed)
+        prompts = [prefix + tail for tail in tails]
+        llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    after = [len(kernel.device_caches[device][0]) for kernel in kernels]
+    assert sum(eager_apart) >= 2, eager_apart
+    assert after == before, [k.fn.__name__ for k in kernels]
+
+
 def test_decode_over_a_shared_prefix_agrees_with_reading_it_per_sequence(
     gpu_checkpoints: dict[str, Path],
 ) -> None:

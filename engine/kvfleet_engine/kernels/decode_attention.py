@@ -72,6 +72,15 @@ def choose_num_splits(
     return max(1, min(wanted, max_tiles, 64))
 
 
+# A mixed step's splits (the split kernel's are compile-time constants, and a mixed step's
+# sequence count and block-table width vary from step to step where a captured decode step's do
+# not): one per decode row over its context (mixed steps hold 16+ of them beside prompt chunks,
+# which the prefill kernel attends before), the shared prefix in 4 per tile of rows (a prefix of
+# no tokens when there is none, so that one variant serves both).
+MIXED_SPLITS = 1
+MIXED_PREFIX_SPLITS = 4
+
+
 @dataclass(frozen=True)
 class _NewToken:
     """What the ROTARY variant reads besides the query: the step's key and value rows (before
@@ -235,12 +244,17 @@ def _decode(
     block_n = launch.block_n or default_n
     num_warps = launch.num_warps or default_warps
     num_splits = launch.num_splits
-    if num_splits is None:
+    prefix_splits = 0
+    if mixed is not None:  # fixed, so every mixed step, eager or captured, runs one compile
+        num_splits = num_splits or MIXED_SPLITS
+        prefix_splits = MIXED_PREFIX_SPLITS
+        if shared_prefix is None:  # a prefix of 0 tokens: the same variant as with one
+            shared_prefix = torch.zeros(2 + num_seqs, dtype=torch.int32, device=query.device)
+    elif num_splits is None:
         num_splits = choose_num_splits(
             num_seqs, num_kv_heads, max_context, block_n, _num_sms(query.device), num_warps
         )
-    prefix_splits = 0
-    if shared_prefix is not None:
+    if shared_prefix is not None and mixed is None:
         prefix_splits = prefix_kernel.choose_prefix_splits(
             num_seqs, group, num_kv_heads, max_context, _num_sms(query.device)
         )
