@@ -117,9 +117,12 @@ def measure_mixed(
 
     def split(prefix_once: bool) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         """The decode kernel over the decode rows, then the prefill kernel over the chunk."""
-        described = {"shared_prefix": shared[: 2 + seqs]} if prefix_once else {}
+        described = shared[: 2 + seqs] if prefix_once else None
         decode_rows = (query[:seqs], *cache, tables[:seqs], lens[:seqs], scale)
-        return lambda: (paged_decode_attention(*decode_rows, **scales, **described), chunk_alone())
+        return lambda: (
+            paged_decode_attention(*decode_rows, **scales, shared_prefix=described),
+            chunk_alone(),
+        )
 
     want = one_kernel().float()
     errors = [

@@ -140,13 +140,11 @@ def build_inputs(
     slot_mapping[:] = block_tables[rows, positions // block_size]
     slot_mapping *= block_size
     slot_mapping += positions % block_size
-    decodes = None if is_decode else np.flatnonzero(lens == 1)
-    apart = decodes is not None and features.decodes_apart
-    apart = apart and decodes.size >= DECODES_APART_MIN_SEQS
+    decodes = np.flatnonzero(lens == 1)  # every row in a decode step
+    apart = not is_decode and features.decodes_apart and decodes.size >= DECODES_APART_MIN_SEQS
     shared = False
     if (is_decode or apart) and features.shared_prefix_min:
-        candidates = None if is_decode else decodes
-        found = shared_prefix(block_tables, counts, context_lens, block_size, candidates)
+        found = shared_prefix(block_tables, counts, context_lens, block_size, decodes)
         blocks, holder, sharers = found
         shared = blocks * block_size >= features.shared_prefix_min
         if shared:
