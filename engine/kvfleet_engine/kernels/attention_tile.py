@@ -9,7 +9,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvfleet_engine.kernels.kv_fp8 import V_SCALE_BOOST, swapped_pairs, v_rows_valid, v_tile
+from kvfleet_engine.kernels.kv_fp8 import (
+    V_SCALE_BOOST,
+    swapped_pairs,
+    tile_scales,
+    v_rows_valid,
+    v_tile,
+)
 
 
 @triton.jit
@@ -34,6 +40,22 @@ def kv_tile(
     )  # fmt: skip
     v = tl.load(v_cache_ptr + v_offsets, mask=v_mask, other=0.0)
     return positions, valid, block_ids, k, v
+
+
+@triton.jit
+def kv_tile_scales(
+    k_scales_ptr, v_scales_ptr, block_ids, kv_head, positions, valid, stride_sb, stride_sh,
+    BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    """An fp8 tile's K and V scales [BLOCK_N] (float32), loaded where used (`kv_tile`'s block ids
+    and positions)."""
+    k_scale = tile_scales(
+        k_scales_ptr, block_ids, kv_head, positions, valid, stride_sb, stride_sh, BLOCK_SIZE
+    )
+    v_scale = tile_scales(
+        v_scales_ptr, block_ids, kv_head, positions, valid, stride_sb, stride_sh, BLOCK_SIZE
+    )
+    return k_scale, v_scale
 
 
 @triton.jit

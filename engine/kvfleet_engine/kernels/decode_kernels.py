@@ -14,7 +14,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvfleet_engine.kernels.attention_tile import fp8_pv, kv_tile, softmax_tile
+from kvfleet_engine.kernels.attention_tile import (
+    fp8_pv,
+    kv_tile,
+    kv_tile_scales,
+    softmax_tile,
+)
 from kvfleet_engine.kernels.kv_fp8 import (
     V_SCALE_BOOST,
     f16_rows,
@@ -206,13 +211,9 @@ def decode_split_kernel(
                     stride_sb, stride_sh, BLOCK_N, BLOCK_SIZE,
                 )  # fmt: skip
             else:
-                k_scale = tile_scales(
-                    k_scales_ptr, block_ids, kv_head, positions, valid, stride_sb, stride_sh,
-                    BLOCK_SIZE,
-                )  # fmt: skip
-                v_scale = tile_scales(
-                    v_scales_ptr, block_ids, kv_head, positions, valid, stride_sb, stride_sh,
-                    BLOCK_SIZE,
+                k_scale, v_scale = kv_tile_scales(
+                    k_scales_ptr, v_scales_ptr, block_ids, kv_head, positions, valid, stride_sb,
+                    stride_sh, BLOCK_SIZE,
                 )  # fmt: skip
             k = k.to(q_dot.dtype)
             if TRANSPOSE_SCORES:  # K as the first operand: [BLOCK_N, GROUP_PAD]

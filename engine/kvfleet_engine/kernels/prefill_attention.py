@@ -14,7 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet_engine.kernels.attention_tile import fp8_pv, kv_tile, softmax_tile
+from kvfleet_engine.kernels.attention_tile import (
+    fp8_pv,
+    kv_tile,
+    kv_tile_scales,
+    softmax_tile,
+)
 from kvfleet_engine.kernels.checks import (
     LOG2E,
     check_index,
@@ -58,13 +63,9 @@ def _prefill_tile(
                 stride_sb, stride_sh, BLOCK_N, BLOCK_SIZE,
             )  # fmt: skip
         else:
-            k_scale = tile_scales(
-                k_scales_ptr, block_ids, kv_head, positions, valid, stride_sb, stride_sh,
-                BLOCK_SIZE,
-            )  # fmt: skip
-            v_scale = tile_scales(
-                v_scales_ptr, block_ids, kv_head, positions, valid, stride_sb, stride_sh,
-                BLOCK_SIZE,
+            k_scale, v_scale = kv_tile_scales(
+                k_scales_ptr, v_scales_ptr, block_ids, kv_head, positions, valid, stride_sb,
+                stride_sh, BLOCK_SIZE,
             )  # fmt: skip
         scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
         scores = scores * row_scale[:, None] * k_scale[None, :]

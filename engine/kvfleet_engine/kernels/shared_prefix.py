@@ -32,10 +32,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet_engine.kernels.attention_tile import fp8_pv, kv_tile, softmax_tile
+from kvfleet_engine.kernels.attention_tile import (
+    fp8_pv,
+    kv_tile,
+    kv_tile_scales,
+    softmax_tile,
+)
 from kvfleet_engine.kernels.checks import LOG2E, dot_precision, next_power_of_2
 from kvfleet_engine.kernels.decode_kernels import rotated
-from kvfleet_engine.kernels.kv_fp8 import V_SCALE_BOOST, f16_rows, tile_scales
+from kvfleet_engine.kernels.kv_fp8 import V_SCALE_BOOST, f16_rows
 from kvfleet_engine.kernels.pdl import _start, launch_options
 from kvfleet_engine.layers.attention_torch import KVCache
 
@@ -157,13 +162,9 @@ def shared_prefix_kernel(
             BLOCK_SIZE, V_ROWS, V_RUN,
         )  # fmt: skip
         if FP8:
-            k_scale = tile_scales(
-                k_scales_ptr, block_ids, kv_head, positions, valid, stride_sb, stride_sh,
-                BLOCK_SIZE,
-            )  # fmt: skip
-            v_scale = tile_scales(
-                v_scales_ptr, block_ids, kv_head, positions, valid, stride_sb, stride_sh,
-                BLOCK_SIZE,
+            k_scale, v_scale = kv_tile_scales(
+                k_scales_ptr, v_scales_ptr, block_ids, kv_head, positions, valid, stride_sb,
+                stride_sh, BLOCK_SIZE,
             )  # fmt: skip
             k = k.to(q_dot.dtype)
             scores = tl.dot(q_dot, tl.trans(k), input_precision=DOT_PRECISION)
