@@ -271,7 +271,7 @@ class _SnapshotCollector(Collector):
             ),
             (
                 "kvfleet_shared_prefix_steps",
-                "Decode steps that read a prefix many sequences share once.",
+                "Steps whose decode rows read a prefix many of them share once.",
                 total("shared_prefix_steps_total"),
             ),
         ]

@@ -119,7 +119,7 @@ class ModelRunner:
         self.kv_cache_dtype = executor.kv_cache_dtype
         self.sampler = executor.sampler
         self.sampling_inputs = SamplingInputs(self.device, config.model.vocab_size)
-        # Decode steps whose attention read a shared prefix once (`kernels.shared_prefix`).
+        # Steps whose decode rows read a shared prefix once (`kernels.shared_prefix`).
         self.shared_prefix_steps_total = 0
         # This rank's pipeline stage (None: one stage); its last send and what it reads.
         self.stage: StageLayers | None = executor.stage
