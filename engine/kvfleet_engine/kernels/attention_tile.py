@@ -11,7 +11,9 @@ import triton.language as tl
 
 from kvfleet_engine.kernels.kv_fp8 import (
     V_SCALE_BOOST,
+    prefetched_scales,
     swapped_pairs,
+    tile_block_ids,
     tile_scales,
     v_rows_valid,
     v_tile,
@@ -56,6 +58,55 @@ def kv_tile_scales(
         v_scales_ptr, block_ids, kv_head, positions, valid, stride_sb, stride_sh, BLOCK_SIZE
     )
     return k_scale, v_scale
+
+
+@triton.jit
+def fp8_scales_ahead(
+    k_scales_ptr, v_scales_ptr, block_table, start, end, kv_head, stride_sb, stride_sh,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PREFETCH_SCALES: tl.constexpr,
+):  # fmt: skip
+    """What `fp8_tile_scales` takes for the first tile, from `start`: with PREFETCH_SCALES its K
+    and V scales and the second tile's block ids (`kv_fp8`), else zeros it never reads."""
+    if PREFETCH_SCALES:
+        first = start + tl.arange(0, BLOCK_N)
+        ids_first = tile_block_ids(block_table, start, end, BLOCK_N, BLOCK_SIZE)
+        k_first = tile_scales(
+            k_scales_ptr, ids_first, kv_head, first, first < end, stride_sb, stride_sh, BLOCK_SIZE
+        )
+        v_first = tile_scales(
+            v_scales_ptr, ids_first, kv_head, first, first < end, stride_sb, stride_sh, BLOCK_SIZE
+        )
+        ids_second = tile_block_ids(block_table, start + BLOCK_N, end, BLOCK_N, BLOCK_SIZE)
+    else:
+        k_first = tl.zeros([BLOCK_N], dtype=tl.float32)
+        v_first = k_first
+        ids_second = tl.zeros([BLOCK_N], dtype=tl.int32)
+    return k_first, v_first, ids_second
+
+
+@triton.jit
+def fp8_tile_scales(
+    prefetched, k_scales_ptr, v_scales_ptr, block_table, block_ids, positions, valid, tile_start,
+    end, kv_head, stride_sb, stride_sh,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PREFETCH_SCALES: tl.constexpr,
+):  # fmt: skip
+    """(K scales, V scales, what the next tile takes) of an fp8 tile: with PREFETCH_SCALES its
+    scales were loaded a tile ahead (`prefetched`: this tile's K and V scales and the next tile's
+    block ids) and the next tile's are loaded now (`kv_fp8.prefetched_scales`); else they are
+    loaded where used and `prefetched` passes through untouched."""
+    k_next, v_next, ids_next = prefetched
+    if PREFETCH_SCALES:
+        k_scale, v_scale = k_next, v_next
+        k_next, v_next, ids_next = prefetched_scales(
+            k_scales_ptr, v_scales_ptr, block_table, ids_next, tile_start, end, kv_head,
+            stride_sb, stride_sh, BLOCK_N, BLOCK_SIZE,
+        )  # fmt: skip
+    else:
+        k_scale, v_scale = kv_tile_scales(
+            k_scales_ptr, v_scales_ptr, block_ids, kv_head, positions, valid, stride_sb,
+            stride_sh, BLOCK_SIZE,
+        )  # fmt: skip
+    return k_scale, v_scale, (k_next, v_next, ids_next)
 
 
 @triton.jit

@@ -16,17 +16,15 @@ import triton.language as tl
 
 from kvfleet_engine.kernels.attention_tile import (
     fp8_pv,
+    fp8_scales_ahead,
+    fp8_tile_scales,
     kv_tile,
-    kv_tile_scales,
     softmax_tile,
 )
 from kvfleet_engine.kernels.kv_fp8 import (
     V_SCALE_BOOST,
     f16_rows,
-    prefetched_scales,
     quantize_rows,
-    tile_block_ids,
-    tile_scales,
 )
 from kvfleet_engine.kernels.pdl import _start
 
@@ -181,18 +179,10 @@ def decode_split_kernel(
             row_scale = tl.full([GROUP_PAD], 1.0, tl.float32) * scale_log2
         if TRANSPOSE_SCORES:
             q_dot_t = tl.trans(q_dot)  # [BLOCK_D, GROUP_PAD]
-        if PREFETCH_SCALES:  # the first tile's scales, the second's block ids (`kv_fp8`)
-            first = start + tl.arange(0, BLOCK_N)
-            ids_first = tile_block_ids(block_table, start, end, BLOCK_N, BLOCK_SIZE)
-            k_scale_next = tile_scales(
-                k_scales_ptr, ids_first, kv_head, first, first < end, stride_sb, stride_sh,
-                BLOCK_SIZE,
-            )  # fmt: skip
-            v_scale_next = tile_scales(
-                v_scales_ptr, ids_first, kv_head, first, first < end, stride_sb, stride_sh,
-                BLOCK_SIZE,
-            )  # fmt: skip
-            ids_next = tile_block_ids(block_table, start + BLOCK_N, end, BLOCK_N, BLOCK_SIZE)
+        prefetched = fp8_scales_ahead(
+            k_scales_ptr, v_scales_ptr, block_table, start, end, kv_head, stride_sb, stride_sh,
+            BLOCK_N, BLOCK_SIZE, PREFETCH_SCALES,
+        )  # fmt: skip
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
@@ -204,17 +194,11 @@ def decode_split_kernel(
             BLOCK_SIZE, V_ROWS, V_RUN,
         )  # fmt: skip
         if FP8:
-            if PREFETCH_SCALES:
-                k_scale, v_scale = k_scale_next, v_scale_next
-                k_scale_next, v_scale_next, ids_next = prefetched_scales(
-                    k_scales_ptr, v_scales_ptr, block_table, ids_next, tile_start, end, kv_head,
-                    stride_sb, stride_sh, BLOCK_N, BLOCK_SIZE,
-                )  # fmt: skip
-            else:
-                k_scale, v_scale = kv_tile_scales(
-                    k_scales_ptr, v_scales_ptr, block_ids, kv_head, positions, valid, stride_sb,
-                    stride_sh, BLOCK_SIZE,
-                )  # fmt: skip
+            k_scale, v_scale, prefetched = fp8_tile_scales(
+                prefetched, k_scales_ptr, v_scales_ptr, block_table, block_ids, positions, valid,
+                tile_start, end, kv_head, stride_sb, stride_sh, BLOCK_N, BLOCK_SIZE,
+                PREFETCH_SCALES,
+            )  # fmt: skip
             k = k.to(q_dot.dtype)
             if TRANSPOSE_SCORES:  # K as the first operand: [BLOCK_N, GROUP_PAD]
                 scores = tl.trans(tl.dot(k, q_dot_t, input_precision=DOT_PRECISION))

@@ -16,8 +16,9 @@ import triton.language as tl
 
 from kvfleet_engine.kernels.attention_tile import (
     fp8_pv,
+    fp8_scales_ahead,
+    fp8_tile_scales,
     kv_tile,
-    kv_tile_scales,
     softmax_tile,
 )
 from kvfleet_engine.kernels.checks import (
@@ -31,9 +32,6 @@ from kvfleet_engine.kernels.checks import (
 from kvfleet_engine.kernels.kv_fp8 import (
     V_SCALE_BOOST,
     f16_rows,
-    prefetched_scales,
-    tile_block_ids,
-    tile_scales,
 )
 
 
@@ -47,26 +45,19 @@ def _prefill_tile(
     DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
 ):  # fmt: skip
     """One context tile into the online softmax: `state` is (row max, row sum, accumulator, and
-    for an fp8 cache with PREFETCH_SCALES the next tile's K and V scales and the block ids after
-    it); CAUSAL masks each row to the positions up to its own and to the end."""
-    m_i, l_i, acc, k_scale_next, v_scale_next, ids_next = state
+    for an fp8 cache with PREFETCH_SCALES what `fp8_tile_scales` carries to the next tile);
+    CAUSAL masks each row to the positions up to its own and to the end."""
+    m_i, l_i, acc, prefetched = state
     positions, valid, block_ids, k, v = kv_tile(
         k_cache_ptr, v_cache_ptr, block_table, tile_start, end, kv_offset, kv_head, dims,
         dim_mask, stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, BLOCK_N, BLOCK_SIZE,
         V_ROWS, V_RUN,
     )  # fmt: skip
     if FP8:
-        if PREFETCH_SCALES:
-            k_scale, v_scale = k_scale_next, v_scale_next
-            k_scale_next, v_scale_next, ids_next = prefetched_scales(
-                k_scales_ptr, v_scales_ptr, block_table, ids_next, tile_start, end, kv_head,
-                stride_sb, stride_sh, BLOCK_N, BLOCK_SIZE,
-            )  # fmt: skip
-        else:
-            k_scale, v_scale = kv_tile_scales(
-                k_scales_ptr, v_scales_ptr, block_ids, kv_head, positions, valid, stride_sb,
-                stride_sh, BLOCK_SIZE,
-            )  # fmt: skip
+        k_scale, v_scale, prefetched = fp8_tile_scales(
+            prefetched, k_scales_ptr, v_scales_ptr, block_table, block_ids, positions, valid,
+            tile_start, end, kv_head, stride_sb, stride_sh, BLOCK_N, BLOCK_SIZE, PREFETCH_SCALES,
+        )  # fmt: skip
         scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
         scores = scores * row_scale[:, None] * k_scale[None, :]
     else:
@@ -79,7 +70,7 @@ def _prefill_tile(
         pv = fp8_pv(p, v, v_scale, valid, q, V_ROWS, EARLY_V, DOT_PRECISION)
     else:
         pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc * alpha[:, None] + pv, k_scale_next, v_scale_next, ids_next
+    return m_new, l_i, acc * alpha[:, None] + pv, prefetched
 
 
 # Values that change from step to step are not specialised on (that would recompile mid-run).
@@ -172,29 +163,17 @@ def _prefill_kernel(
                 row_scale = q_factor * scale_log2
             else:
                 row_scale = tl.full([BLOCK_Q * GROUP_PAD], 1.0, tl.float32) * scale_log2
-            if PREFETCH_SCALES:  # the first tile's scales, the second's block ids (`kv_fp8`)
-                first = tl.arange(0, BLOCK_N)
-                ids_first = tile_block_ids(block_table, 0, end, BLOCK_N, BLOCK_SIZE)
-                k_scale_next = tile_scales(
-                    k_scales_ptr, ids_first, kv_head, first, first < end, stride_sb, stride_sh,
-                    BLOCK_SIZE,
-                )  # fmt: skip
-                v_scale_next = tile_scales(
-                    v_scales_ptr, ids_first, kv_head, first, first < end, stride_sb, stride_sh,
-                    BLOCK_SIZE,
-                )  # fmt: skip
-                ids_next = tile_block_ids(block_table, BLOCK_N, end, BLOCK_N, BLOCK_SIZE)
 
         m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], dtype=tl.float32)
-        if not (FP8 and PREFETCH_SCALES):  # nothing carried from tile to tile
-            k_scale_next = tl.zeros([BLOCK_N], dtype=tl.float32)
-            v_scale_next = k_scale_next
-            ids_next = tl.zeros([BLOCK_N], dtype=tl.int32)
         if not FP8:
             row_scale = tl.full([BLOCK_Q * GROUP_PAD], 1.0, tl.float32) * scale_log2
-        state = (m_i, l_i, acc, k_scale_next, v_scale_next, ids_next)
+        prefetched = fp8_scales_ahead(
+            k_scales_ptr, v_scales_ptr, block_table, 0, end, kv_head, stride_sb, stride_sh,
+            BLOCK_N, BLOCK_SIZE, FP8 and PREFETCH_SCALES,
+        )  # fmt: skip
+        state = (m_i, l_i, acc, prefetched)
         # Tiles that end at or before the first row's own position are seen whole by every row:
         # no causal mask (nor the end's: they end before it). Tile 0 holds position 0, visible to
         # every row, so m_i is finite from the first tile on.
