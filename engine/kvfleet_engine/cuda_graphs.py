@@ -203,8 +203,7 @@ class PromptGraphs(_StepGraphs):
     """Steps with prompt tokens (prompts, prefill chunks, decodes beside them) of up to
     PROMPT_GRAPH_MAX_TOKENS tokens: the model to its final norm, for max_num_seqs sequences
     (those the step lacks have no tokens). Keyed (size, apart): `apart` graphs attend the
-    one-token sequences with the decode kernels, over the prefix in `self.shared` when the
-    features read shared prefixes."""
+    one-token sequences with the decode kernels, over the prefix in `self.shared`."""
 
     kind = "prompt"
 
@@ -222,7 +221,9 @@ class PromptGraphs(_StepGraphs):
         self.features = features
         t, s = self.sizes[-1], max_num_seqs
         # [2 + s]: the shared prefix of an `apart` step (`kernels.shared_prefix`), zeros when it
-        # has none; rows past a step's sequences have no query tokens and read nothing.
+        # has none (always, without the shared-prefix feature: the kernels' mixed variant reads
+        # a description either way); rows past a step's sequences have no query tokens and read
+        # nothing.
         self.shared = torch.zeros(2 + s, dtype=torch.int32, device=device)
         self.input_ids = torch.zeros(t, dtype=torch.int64, device=device)  # [t]
         self.positions = torch.zeros(t, dtype=torch.int64, device=device)  # [t]
@@ -250,7 +251,7 @@ class PromptGraphs(_StepGraphs):
             context_lens=self.context_lens,
             cu_query_lens=self.cu_query_lens,
             is_decode=False,
-            shared_prefix=self.shared if apart and self.features.shared_prefix_min else None,
+            shared_prefix=self.shared if apart else None,  # zeros: no prefix (see load)
             decodes_apart=apart,
         )
         return self.model(self.input_ids[:size], self.positions[:size], meta)

@@ -85,8 +85,7 @@ class SchedulerStats:
     num_blocks_total: int
     # KV blocks not held by any request (includes evictable cached blocks).
     num_blocks_free: int
-    # Decode steps whose attention read a prefix many sequences share once
-    # (`kernels.shared_prefix`).
+    # Steps whose decode rows read a prefix many of them share once (`kernels.shared_prefix`).
     shared_prefix_steps_total: int = 0
 
 

@@ -250,14 +250,16 @@ def _decode(
         prefix_splits = MIXED_PREFIX_SPLITS
         if shared_prefix is None:  # a prefix of 0 tokens: the same variant as with one
             shared_prefix = torch.zeros(2 + num_seqs, dtype=torch.int32, device=query.device)
-    elif num_splits is None:
-        num_splits = choose_num_splits(
-            num_seqs, num_kv_heads, max_context, block_n, _num_sms(query.device), num_warps
-        )
-    if shared_prefix is not None and mixed is None:
-        prefix_splits = prefix_kernel.choose_prefix_splits(
-            num_seqs, group, num_kv_heads, max_context, _num_sms(query.device)
-        )
+    else:
+        num_sms = _num_sms(query.device)
+        if num_splits is None:
+            num_splits = choose_num_splits(
+                num_seqs, num_kv_heads, max_context, block_n, num_sms, num_warps
+            )
+        if shared_prefix is not None:
+            prefix_splits = prefix_kernel.choose_prefix_splits(
+                num_seqs, group, num_kv_heads, max_context, num_sms
+            )
     slots = num_splits + prefix_splits
     partial_out = torch.empty(
         (num_seqs, num_q_heads, slots, head_dim), dtype=torch.float32, device=query.device

@@ -184,15 +184,13 @@ def shared_prefix(
     counts: np.ndarray,  # [num_seqs]: each row's blocks
     context_lens: np.ndarray,  # [num_seqs]: tokens after this step's
     block_size: int,
-    candidates: np.ndarray | None = None,  # the rows that may share (None: every row)
+    candidates: np.ndarray,  # the rows that may share: the step's one-token sequences
 ) -> tuple[int, int, np.ndarray]:
     """(blocks, a holder's row, [num_seqs] 0/1 sharers): the leading cache blocks that the
     largest group of candidate sequences with the same first block all have, counting only
     blocks each holds in full before its newest token (the one a decode step writes); (0, 0,
     zeros) when fewer than SHARED_PREFIX_MIN_SEQS sequences share one."""
     none = (0, 0, np.zeros(len(counts), np.int32))
-    if candidates is None:
-        candidates = np.arange(len(counts))
     if candidates.size < SHARED_PREFIX_MIN_SEQS:
         return none
     first = block_tables[candidates, 0]
