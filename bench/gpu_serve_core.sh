@@ -9,6 +9,12 @@
 # (python -m kvfleet_engine.bench.profile_split): per process, how busy its loop thread was
 # (near 1.0: that process limits the server) and on what (named phases, GC pauses), and c1's
 # first-token hops; printed after the table, JSON in $OUT/profile-*.json.
+# Every load also records what the server counted while it ran (python -m
+# kvfleet_engine.bench.serve_counters): the share of its prompt tokens the prefix cache held —
+# serve_client.py's prompts come from one seed, so c256's first 256 are c64's and c1024's first
+# 512 are c256's — and the engine's steps by kind. `kvfleet bench serve` runs c256 and c1024
+# again with prompts no earlier load sent (c256-cold, c1024-cold); BENCH_LOADS picks its loads
+# (default: all seven).
 #   WHEELS=.whl/server bash bench/gpu_serve_core.sh   # WHEELS: fastapi, starlette, uvicorn,
 #     # pydantic(-core), annotated-types/-doc, typing-inspection, msgspec, httptools and, for
 #     # fastapi 0.165, opentelemetry-api wheels (the device image lacks them; cp312 manylinux)
@@ -42,21 +48,30 @@ done
 echo "ready after $(( $(date +%s) - t0 )) s"
 grep -E "engine core|self-benchmark|ready" "$OUT/serve.log" | tail -4
 URL=http://127.0.0.1:$PORT
+counted() {  # the command, then one JSON line of the server's counters during it
+  python3 -m kvfleet_engine.bench.serve_counters --url "$URL" -- "$@"
+}
 client() {  # CONCURRENCY NUM IN OUT [SHARED]
-  timeout 150 python3 bench/serve_client.py "$URL" m kvfleet "$@" | tee -a "$OUT/serve_client.jsonl"
+  counted timeout 150 python3 bench/serve_client.py "$URL" m kvfleet "$@" \
+    | tee -a "$OUT/serve_client.jsonl"
 }
 profiled() {  # NAME, then client's arguments: the load with the server's profile around it
   local name=$1; shift
   python3 -m kvfleet_engine.bench.profile_split --url "$URL" --label "$name" \
     --output "$OUT/profile-$name.json" -- \
+    python3 -m kvfleet_engine.bench.serve_counters --url "$URL" -- \
     timeout 150 python3 bench/serve_client.py "$URL" m kvfleet "$@" >"$OUT/profile-$name.txt"
   grep '^{' "$OUT/profile-$name.txt" | tee -a "$OUT/serve_client.jsonl"
 }
-bench() {  # NAME, then bench serve flags
+bench() {  # NAME, then bench serve flags (its JSON holds the server's counters itself)
   local name=$1; shift
+  case " ${BENCH_LOADS:-c1 c64 c256 c1024 shared c256-cold c1024-cold} " in
+    *" $name "*) ;;
+    *) return 0 ;;
+  esac
   timeout 150 python3 -m kvfleet_cli.main bench serve --url "$URL" --model m --no-progress \
     --client-processes 8 --random-token-range 1000:119999 --output "$OUT/bench-$name.json" "$@" \
-    | grep -E "completed|output token throughput|ttft_ms|tpot_ms" | sed "s/^/  [$name] /"
+    | grep -E "completed|output token throughput|ttft_ms|tpot_ms|server:" | sed "s/^/  [$name] /"
 }
 echo "=== serve_client.py loads ($(date +%T))"
 client 1 4 512 32 >/dev/null  # warm-up
@@ -73,6 +88,11 @@ bench c256 --concurrency 256 --num-prompts 512 --random-input-len 512 --random-o
 bench c1024 --concurrency 1024 --num-prompts 2048 --random-input-len 512 --random-output-len 256
 bench shared --concurrency 64 --num-prompts 256 --random-input-len 2048 \
   --random-prefix-len 1536 --random-output-len 128
+# Prompts no earlier load sent (another seed): nothing from the prefix cache.
+bench c256-cold --concurrency 256 --num-prompts 512 --random-input-len 512 \
+  --random-output-len 256 --seed 256
+bench c1024-cold --concurrency 1024 --num-prompts 2048 --random-input-len 512 \
+  --random-output-len 256 --seed 1024
 fi
 get "$URL/metrics" | grep -E "^kvfleet_(engine|generation|prompt|request_success|preemptions)" \
   >"$OUT/metrics.txt"
@@ -88,18 +108,35 @@ python3 - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-rows = [json.loads(line) for line in (out / "serve_client.jsonl").read_text().splitlines() if line]
+lines = [json.loads(line) for line in (out / "serve_client.jsonl").read_text().splitlines() if line]
+rows = []  # each client line, with the server's counters (the line after it) attached
+for line in lines:
+    if "label" in line:
+        if rows:
+            rows[-1]["server"] = line["server"]
+    else:
+        rows.append(line)
 offline = json.loads((out / "offline.json").read_text()) if (out / "offline.json").exists() else {}
-print(f"{'load':<22}{'ok/failed':>10}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}")
+
+def server_cells(server):
+    if not server:
+        return f"{'-':>7}{'-':>22}"
+    steps = "/".join(str(server.get(f"steps_{k}", 0)) for k in ("prefill", "mixed", "decode"))
+    return f"{server['prefix_cache_hit_ratio']:>7.0%}{steps:>22}"
+
+print(f"{'load':<26}{'ok/failed':>10}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}"
+      f"{'cached':>7}{'steps pre/mix/dec':>22}")
 for r in rows:
     name = f"c{r['concurrency']} {r['num']}x{r['input_len']}->{r['output_len']}" + (f" ({r['shared_prefix']} shared)" if r["shared_prefix"] else "")
-    print(f"{name:<22}{str(r['ok']) + '/' + str(r['failed']):>10}{r['out_tok_s']:>11}{r['ttft_p50_ms']:>10}{r['ttft_p99_ms']:>10}{r['tpot_p50_ms']:>10}")
+    print(f"{name:<26}{str(r['ok']) + '/' + str(r['failed']):>10}{r['out_tok_s']:>11}{r['ttft_p50_ms']:>10}{r['ttft_p99_ms']:>10}{r['tpot_p50_ms']:>10}"
+          + server_cells(r.get("server")))
 print("offline, same requests:", json.dumps(offline))
 for path in sorted(out.glob("bench-*.json")):
     res = json.loads(path.read_text())["results"]
-    print(f"bench serve {path.stem[6:]:<8} {res['completed']}/{res['failed']}  "
-          f"{res['output_token_throughput']:.0f} tok/s  TTFT p50 {res['ttft_ms']['p50']:.1f}  "
-          f"TPOT p50 {res['tpot_ms']['p50']:.2f} ms")
+    name = f"bench serve {path.stem[6:]}"
+    print(f"{name:<26}{str(res['completed']) + '/' + str(res['failed']):>10}"
+          f"{res['output_token_throughput']:>11.0f}{res['ttft_ms']['p50']:>10.1f}"
+          f"{res['ttft_ms']['p99']:>10.1f}{res['tpot_ms']['p50']:>10.2f}" + server_cells(res.get("server")))
 PY
 echo "=== where the time went: GET /debug/profile around the load"
 for name in c1 c256 c1024; do grep -v '^{' "$OUT/profile-$name.txt"; done

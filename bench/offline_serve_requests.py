@@ -68,8 +68,9 @@ def main() -> None:
         }
         res[f"{name}_gc"] = {"collections": split["gc_collections"], "pause_s": split["gc_pause_s"]}
 
-    def gen(token_lists: list[list[int]], max_tokens: int) -> tuple[float, int]:
-        llm.engine.kv_cache.reset_prefix_cache()  # every run computes its prompts
+    def gen(token_lists: list[list[int]], max_tokens: int, cold: bool = True) -> tuple[float, int]:
+        if cold:  # the run computes all its prompts
+            llm.engine.kv_cache.reset_prefix_cache()
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         start = time.perf_counter()
         outs = llm.generate(prompt_token_ids=token_lists, sampling_params=params, use_tqdm=False)
@@ -97,6 +98,17 @@ def main() -> None:
     seconds, tokens = gen(c256, 256)
     res["c256_requests_out_tok_s"] = round(tokens / seconds)
     phases(mark, "c256")
+    report()
+    # As served: c256 runs after c64, whose 256 requests are c256's first 256 (one seed), so
+    # the prefix cache holds half of its prompts.
+    kv = llm.engine.kv_cache
+    gen(prompts(256, 512), 256)
+    hits, queries = kv.prefix_cache_hits_total, kv.prefix_cache_queries_total
+    seconds, tokens = gen(c256, 256, cold=False)
+    res["c256_after_c64_out_tok_s"] = round(tokens / seconds)
+    res["c256_after_c64_cached"] = round(
+        (kv.prefix_cache_hits_total - hits) / (kv.prefix_cache_queries_total - queries), 3
+    )
     report()
     shared = prompts(256, 2048, 1536)
     seconds, tokens = gen(shared, 128)

@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from kvfleet_engine.outputs import SchedulerStats
+from kvfleet_engine.outputs import STEP_KINDS, SchedulerStats
 
 CONTRACT_VERSION = "v1"
 
@@ -279,3 +279,13 @@ class _SnapshotCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=labels)
             counter.add_metric(value, float(number))
             yield counter
+
+        steps = CounterMetricFamily(
+            "kvfleet_engine_steps",
+            "Engine steps by what they computed: prefill (only prompt tokens), mixed (prompt"
+            " tokens beside decode rows), decode (only one generated token per request).",
+            labels=[*labels, "kind"],
+        )
+        for kind in STEP_KINDS:
+            steps.add_metric([*value, kind], total(f"{kind}_steps_total"))
+        yield steps

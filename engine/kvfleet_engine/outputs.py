@@ -61,6 +61,11 @@ class RequestOutput:
     metrics: RequestMetrics
 
 
+# What a step computed: only prompt tokens (a preempted request's recomputed tokens count as
+# such), prompt tokens beside decode rows (one generated token each), only decode rows.
+STEP_KINDS = ("prefill", "mixed", "decode")
+
+
 @dataclass(frozen=True)
 class SchedulerStats:
     """A snapshot of the scheduler and KV cache; the server turns it into Prometheus metrics."""
@@ -87,6 +92,10 @@ class SchedulerStats:
     num_blocks_free: int
     # Steps whose decode rows read a prefix many of them share once (`kernels.shared_prefix`).
     shared_prefix_steps_total: int = 0
+    # Steps by kind (STEP_KINDS).
+    prefill_steps_total: int = 0
+    mixed_steps_total: int = 0
+    decode_steps_total: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from kvfleet_engine.config import SchedulerConfig
 from kvfleet_engine.kv_cache import KVCacheManager
-from kvfleet_engine.outputs import ModelRunnerOutput, SchedulerStats
+from kvfleet_engine.outputs import STEP_KINDS, ModelRunnerOutput, SchedulerStats
 from kvfleet_engine.request import Request, RequestStatus
 from kvfleet_engine.sampling import SamplingParams
 
@@ -38,6 +38,12 @@ log = logging.getLogger(__name__)
 
 # Stands for a token sampled by the previous step whose value only the device has yet.
 PENDING_TOKEN = -1
+
+
+def _step_kind(num_decode_rows: int, num_rows: int) -> str:
+    if num_decode_rows == num_rows:
+        return "decode"
+    return "mixed" if num_decode_rows else "prefill"
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +105,7 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        self.num_steps_total = dict.fromkeys(STEP_KINDS, 0)
         # Tokens one step may compute; the server's SLA mode lowers it (set_token_budget).
         self.token_budget = config.max_num_batched_tokens
 
@@ -206,11 +213,17 @@ class Scheduler:
             budget -= num_new_tokens
 
         items = []
+        num_decode_rows = 0
         for request, num_new_tokens in scheduled:
+            num_decode_rows += (
+                num_new_tokens == 1 and request.num_computed_tokens >= request.num_prompt_tokens
+            )
             item = self._scheduled_request(request, num_new_tokens)
             request.num_computed_tokens += num_new_tokens
             request.num_pending_tokens += item.sample
             items.append(item)
+        if items:
+            self.num_steps_total[_step_kind(num_decode_rows, len(items))] += 1
         finished_ids = frozenset(self.finished_request_ids)
         self.finished_request_ids.clear()
         return SchedulerOutput(
@@ -265,6 +278,9 @@ class Scheduler:
             num_generation_tokens_total=self.num_generation_tokens_total,
             num_blocks_total=self.kv_cache.num_blocks,
             num_blocks_free=self.kv_cache.num_free_blocks,
+            prefill_steps_total=self.num_steps_total["prefill"],
+            mixed_steps_total=self.num_steps_total["mixed"],
+            decode_steps_total=self.num_steps_total["decode"],
         )
 
     # ---- internals --------------------------------------------------------------------

@@ -144,3 +144,43 @@ def test_stats_count_prompt_and_generated_tokens() -> None:
     assert stats.num_prompt_tokens_total == 5
     assert stats.num_generation_tokens_total == 3
     assert stats.num_blocks_free == stats.num_blocks_total == 64
+
+
+def step_kinds(scheduler: Scheduler) -> tuple[int, int, int]:
+    stats = scheduler.stats()
+    return stats.prefill_steps_total, stats.mixed_steps_total, stats.decode_steps_total
+
+
+def test_steps_are_counted_by_what_they_computed() -> None:
+    scheduler = make_scheduler(budget=16)
+    add(scheduler, "a", 20, max_tokens=3)
+    step(scheduler)  # a's first chunk
+    step(scheduler)  # a's last 4 prompt tokens: it samples, but computed prompt tokens
+    assert step_kinds(scheduler) == (2, 0, 0)
+    add(scheduler, "b", 8, max_tokens=2)
+    step(scheduler)  # a decodes beside b's prompt
+    step(scheduler)  # both decode; both finish
+    assert step_kinds(scheduler) == (2, 1, 1)
+    assert not scheduler.has_unfinished_requests()
+    assert step(scheduler).requests == []  # a step with nothing to compute counts as nothing
+    assert step_kinds(scheduler) == (2, 1, 1)
+
+
+def test_a_preempted_requests_recompute_counts_as_prompt_work() -> None:
+    # As in the preemption test: b is preempted at the first decode; a finishes at once, c
+    # decodes on while b recomputes its 8 prompt tokens and its first output token (less the
+    # first block, which the prefix cache still holds).
+    scheduler = make_scheduler(num_blocks=7, max_model_len=28)
+    add(scheduler, "a", 8, priority=0, arrival=1.0, max_tokens=2)
+    b = add(scheduler, "b", 8, priority=1, arrival=2.0)
+    add(scheduler, "c", 8, priority=0, arrival=3.0, max_tokens=4)
+    step(scheduler)
+    step(scheduler)
+    assert b.status == RequestStatus.PREEMPTED
+    assert step_kinds(scheduler) == (1, 0, 1)
+    recompute = step(scheduler)
+    assert sorted((r.request_id, len(r.token_ids)) for r in recompute.requests) == [
+        ("b", 5),
+        ("c", 1),
+    ]
+    assert step_kinds(scheduler) == (1, 1, 1)

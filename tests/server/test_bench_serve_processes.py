@@ -19,3 +19,23 @@ def test_two_client_processes_send_every_request_once(live_server: Any, tmp_path
     assert results["completed"] == 5 and results["failed"] == 0
     assert results["total_output_tokens"] == 20 and results["total_input_tokens"] == 40
     assert results["duration_s"] > 0 and results["ttft_ms"]["p50"] > 0
+
+
+def test_the_report_says_how_much_the_prefix_cache_served(
+    live_server: Any, tmp_path: Path, capsys: Any
+) -> None:
+    # The same seed twice: the second load's prompts are the first's, so the server computes
+    # only what its cache does not hold (each 64-token prompt's last block: 48 of 64 cached).
+    argv = ["--url", live_server.url, "--concurrency", "5", "--num-prompts", "5", "--seed", "4242"]
+    argv += ["--random-input-len", "64", "--random-output-len", "4", "--no-progress"]
+    records = []
+    for run in ("cold", "warm"):
+        out = tmp_path / f"{run}.json"
+        assert main([*argv, "--output", str(out)]) == 0
+        records.append(json.loads(out.read_text())["results"]["server"])
+    cold, warm = records
+    assert cold["prefix_cache_queries"] == warm["prefix_cache_queries"] == 5 * 64
+    assert cold["prefix_cache_hit_ratio"] == 0.0
+    assert warm["prefix_cache_hits"] == 5 * 48 and warm["prefix_cache_hit_ratio"] == 0.75
+    assert cold["steps_prefill"] + cold["steps_mixed"] >= 1 and cold["steps_decode"] >= 1
+    assert "server: prompt tokens from cache  75.0% (240 of 320)" in capsys.readouterr().out

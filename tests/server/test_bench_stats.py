@@ -5,6 +5,7 @@ import math
 import pytest
 
 from kvfleet_engine.bench.serve import main
+from kvfleet_engine.bench.serve_counters import format_counters, load_counters, read_counters
 from kvfleet_engine.bench.serve_load import RequestResult
 from kvfleet_engine.bench.serve_stats import percentile, summarize
 from kvfleet_engine.bench.serve_workload import random_requests
@@ -36,3 +37,33 @@ def test_random_dataset_lengths_and_bad_flags() -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--url", "http://x", "--request-rate", "1", "--concurrency", "2"])
     assert exc.value.code == 2
+
+
+VLLM_METRICS = """\
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 250.0
+# HELP vllm:num_preemptions_total Preemptions.
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="m"} 3.0
+"""
+
+
+def test_server_counters_read_vllms_names_and_give_the_loads_share() -> None:
+    before = read_counters(VLLM_METRICS)
+    after = read_counters(VLLM_METRICS.replace("1000.0", "3000.0").replace("250.0", "1750.0"))
+    record = load_counters(before, after)
+    assert record == {
+        "prefix_cache_queries": 2000,
+        "prefix_cache_hits": 1500,
+        "preemptions": 0,
+        "prefix_cache_hit_ratio": 0.75,
+    }
+    lines = format_counters(record)
+    assert lines[0].endswith("75.0% (1500 of 2000)")
+    assert not any("engine steps" in line for line in lines)  # vLLM does not count them
+    # A server that counts no cache lookups gives no record.
+    assert load_counters({}, read_counters("# TYPE x_total counter\nx_total 1.0\n")) is None

@@ -17,6 +17,7 @@ CONTRACT_NAMES = [
     "kvfleet_prefix_cache_queries_total",
     "kvfleet_prefix_cache_hits_total",
     "kvfleet_shared_prefix_steps_total",
+    "kvfleet_engine_steps_total",
     "kvfleet_time_to_first_token_seconds_bucket",
     "kvfleet_inter_token_latency_seconds_bucket",
     "kvfleet_e2e_request_latency_seconds_bucket",
@@ -47,6 +48,9 @@ def Stats(**overrides: Any) -> SchedulerStats:
         "num_blocks_total": 64,
         "num_blocks_free": 48,
         "shared_prefix_steps_total": 9,
+        "prefill_steps_total": 4,
+        "mixed_steps_total": 6,
+        "decode_steps_total": 50,
     }
     return SchedulerStats(**{**fields, **overrides})
 
@@ -62,7 +66,12 @@ def test_every_contract_name_is_exported_with_values_from_the_records() -> None:
     m = EngineMetrics(EngineInfo("tiny", "0.1.0", "none", 1))
     m.set_baseline(
         Stats(
-            num_prompt_tokens_total=100, num_generation_tokens_total=20, shared_prefix_steps_total=2
+            num_prompt_tokens_total=100,
+            num_generation_tokens_total=20,
+            shared_prefix_steps_total=2,
+            prefill_steps_total=1,
+            mixed_steps_total=0,
+            decode_steps_total=10,
         )
     )
     m.observe_scheduler(Stats())
@@ -77,6 +86,11 @@ def test_every_contract_name_is_exported_with_values_from_the_records() -> None:
     assert sample(text, 'vllm:num_requests_running{model_name="tiny"}') == 3
     assert sample(text, 'kvfleet_kv_cache_usage_ratio{model_name="tiny"}') == 0.25
     assert sample(text, 'kvfleet_shared_prefix_steps_total{model_name="tiny"}') == 7
+    steps = [
+        sample(text, f'kvfleet_engine_steps_total{{kind="{kind}",model_name="tiny"}}')
+        for kind in ("prefill", "mixed", "decode")
+    ]
+    assert steps == [3, 6, 40]
     # The self-benchmark's tokens (the baseline) are left out of the totals.
     assert sample(text, 'kvfleet_prompt_tokens_total{model_name="tiny"}') == 400
     assert sample(text, 'vllm:generation_tokens_total{model_name="tiny"}') == 50

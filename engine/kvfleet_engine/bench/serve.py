@@ -12,6 +12,10 @@ Every request streams, so TTFT (request sent -> first token), ITL (gaps between 
 tokens), TPOT ((e2e - TTFT) / (output tokens - 1)) and end-to-end latency are measured per
 request and reported at the chosen percentiles, with request and token throughput and goodput
 (requests per second that met every given SLO). Works against any OpenAI-compatible server.
+Where the server exports kvfleet's (or vLLM's) Prometheus counters, the report adds what the
+server counted during the load: the share of prompt tokens its prefix cache held (random
+prompts of the same --seed repeat across loads, so a second load may compute far less), and
+kvfleet's steps by kind.
 
 At hundreds of streams one Python client process runs out of CPU before a fast server does:
 `--client-processes N` splits the requests, the concurrency (or the request rate) over N
@@ -31,6 +35,7 @@ from pathlib import Path
 import httpx
 
 from kvfleet_engine.argtypes import positive_float, positive_int
+from kvfleet_engine.bench.serve_counters import fetch_counters, format_counters, load_counters
 from kvfleet_engine.bench.serve_load import run_load, run_load_processes
 from kvfleet_engine.bench.serve_stats import format_report, summarize
 from kvfleet_engine.bench.serve_workload import chat_requests, jsonl_requests, random_requests
@@ -153,13 +158,18 @@ def main(argv: list[str]) -> int:
 
     from tqdm import tqdm
 
+    before = fetch_counters(args.url)
     with tqdm(total=len(requests), desc="requests", unit="req", disable=args.no_progress) as bar:
         if args.client_processes > 1:
             results, duration = run_load_processes(args, model, requests, bar)
         else:
             results, duration = asyncio.run(run_load(args, model, requests, bar))
+    after = fetch_counters(args.url) if before is not None else None
     summary = summarize(results, duration, percentiles, dict(args.goodput))
+    summary["server"] = load_counters(before, after) if before and after else None
     print(format_report(summary))
+    if summary["server"]:
+        print("\n".join(format_counters(summary["server"])))
     if args.output:
         record = {
             "command": "kvfleet bench serve " + " ".join(argv),

@@ -30,7 +30,7 @@ from kvfleet_engine.core.capacity import CapacityReport
 from kvfleet_engine.core.profile import ProcessProfile
 from kvfleet_engine.outputs import SchedulerStats
 
-PROTOCOL_VERSION = 3  # 3: SchedulerStats.shared_prefix_steps_total
+PROTOCOL_VERSION = 4  # 4: SchedulerStats' steps by kind
 
 
 class _Record(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
