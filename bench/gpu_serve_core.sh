@@ -100,9 +100,11 @@ echo "=== drain ($(date +%T))"
 kill -TERM $SERVER
 wait $SERVER
 echo "server exit code $?"
+if [ "${OFFLINE:-1}" = 1 ]; then  # OFFLINE=0 skips the offline figures
 echo "=== offline, same requests ($(date +%T))"
 timeout 200 python3 bench/offline_serve_requests.py "$CKPT" "$OUT/offline.json" 2>&1 \
   | grep '^{' | tail -1
+fi
 echo "=== table ($(date +%T))"
 python3 - "$OUT" <<'PY'
 import json, sys
