@@ -31,11 +31,27 @@ from kvfleet_engine.bench.shapes import SHAPES
 
 Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [1, K], weight [N, K])
 
+_ZERO_BIAS: dict[int, torch.Tensor] = {}
+
+
+def _linear_bias(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear with a zero bias: PyTorch sends products with a bias to cuBLASLt (its own
+    heuristics and workspace, CUBLASLT_WORKSPACE_SIZE) instead of cuBLAS."""
+    n = w.shape[0]
+    if n not in _ZERO_BIAS:
+        _ZERO_BIAS[n] = torch.zeros(n, device=w.device, dtype=w.dtype)
+    return F.linear(x, w, _ZERO_BIAS[n])
+
+
 VARIANTS: dict[str, Product] = {
     "linear": lambda x, w: F.linear(x, w),
     "mv": lambda x, w: torch.mv(w, x[0]),
     "weight@x.T": lambda x, w: w @ x.t(),
+    "linear+bias": _linear_bias,
 }
+# The engine's default (kvfleet_engine/__init__: no cuBLAS or cuBLASLt workspace), and both
+# with a workspace, in which cuBLAS may split K (a reduce kernel after the product).
+WORKSPACE_ON = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "CUBLASLT_WORKSPACE_SIZE": "32768"}
 
 
 def replay_seconds(graph: torch.cuda.CUDAGraph, replays: int) -> float:
@@ -123,7 +139,7 @@ def result_rows(runs: list[dict[str, Any]], bandwidth: float) -> list[Row]:
     """The runs as result rows: milliseconds per step of products, per batch and variant."""
     rows = [Row("roofline", "copy_bandwidth", bandwidth / 1e9, "GB/s")]
     for run in runs:
-        setting = "_workspace_off" if run["env"] == "CUBLAS_WORKSPACE_CONFIG=:0:0" else ""
+        setting = "_workspace_on" if run["env"] else ""
         metric = f"matmul_step_ms_t{run['tokens']}_{run['variant']}{setting}"
         rows.append(Row("kvfleet", metric, run["ms"], "ms"))
     return rows
@@ -155,10 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         f"copy bandwidth {bandwidth / 1e9:.0f} GB/s: {weight_bytes / bandwidth * 1e3:.3f} ms ideal"
     )
     runs: list[tuple[str, dict[str, str]]] = [(name, {}) for name in VARIANTS]
-    runs += [("linear", {"CUBLAS_WORKSPACE_CONFIG": ":0:0"})]
+    runs += [("linear", WORKSPACE_ON), ("linear+bias", WORKSPACE_ON)]
     rows = []
     for tokens in (int(n) for n in args.tokens.split(",")):
-        for name, env in runs if tokens == 1 else [r for r in runs if r[0] == "linear"]:
+        for name, env in runs if tokens == 1 else [r for r in runs if "linear" in r[0]]:
             cmd = [sys.executable, "-m", "kvfleet_engine.bench.gemv", "--shape", args.shape]
             cmd += ["--layers", str(args.layers), "--variant", name, "--tokens", str(tokens)]
             # Each in a fresh process: cuBLAS settings are read once, when its handle is made.
