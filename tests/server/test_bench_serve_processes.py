@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -39,3 +40,20 @@ def test_the_report_says_how_much_the_prefix_cache_served(
     assert warm["prefix_cache_hits"] == 5 * 48 and warm["prefix_cache_hit_ratio"] == 0.75
     assert cold["steps_prefill"] + cold["steps_mixed"] >= 1 and cold["steps_decode"] >= 1
     assert "server: prompt tokens from cache  75.0% (240 of 320)" in capsys.readouterr().out
+
+
+def test_the_counters_wrap_any_load_generator(live_server: Any, capsys: Any) -> None:
+    from kvfleet_engine.bench import serve_counters
+
+    # One 40-token completion sent by a plain script: the record counts its prompt and steps.
+    load = (
+        "import httpx, sys; r = httpx.post(sys.argv[1] + '/v1/completions', timeout=60,"
+        " json={'model': 'kvfleet-tiny', 'prompt': list(range(3, 43)), 'max_tokens': 3,"
+        " 'ignore_eos': True}); sys.exit(r.status_code != 200)"
+    )
+    argv = ["--url", live_server.url, "--label", "one", "--", sys.executable, "-c", load]
+    assert serve_counters.main([*argv, live_server.url]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["label"] == "one"
+    assert record["server"]["prompt_tokens"] == record["server"]["prefix_cache_queries"] == 40
+    assert record["server"]["steps_decode"] >= 2  # tokens 2 and 3

@@ -11,24 +11,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from kvfleet_engine.bench import around_load
+
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvfleet_engine.bench.profile_split")
-    parser.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    around_load.add_arguments(parser)
     parser.add_argument("--output", type=Path, help="write the split as JSON here")
-    parser.add_argument("--label", default="", help="a name for the load in the printout")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the load's command")
     args = parser.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        parser.error("command: give the load's command after --")
+    command = around_load.load_command(parser, args)
     before = fetch(args.url)
-    returncode = subprocess.run(command, check=False).returncode
+    returncode = around_load.run(command)
     after = fetch(args.url)
     split = split_of(before, after)
     print_split(split, args.label)

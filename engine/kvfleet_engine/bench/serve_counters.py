@@ -93,18 +93,15 @@ def main(argv: list[str] | None = None) -> int:
     output, one JSON line of what the server counted while it ran."""
     import argparse
     import json
-    import subprocess
+
+    from kvfleet_engine.bench import around_load
 
     parser = argparse.ArgumentParser(prog="python -m kvfleet_engine.bench.serve_counters")
-    parser.add_argument("--url", required=True)
-    parser.add_argument("--label", default="")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the load's command")
+    around_load.add_arguments(parser)
     args = parser.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        parser.error("give the load's command after --")
+    command = around_load.load_command(parser, args)
     before = fetch_counters(args.url)
-    code = subprocess.call(command)
+    code = around_load.run(command)
     after = fetch_counters(args.url)
     record = load_counters(before, after) if before and after else None
     print(json.dumps({"label": args.label, "server": record}), flush=True)
