@@ -45,7 +45,7 @@ from kvfleet_engine.runner.executor import (
 from kvfleet_engine.runner.inputs import ModelInputs, build_inputs
 from kvfleet_engine.runner.kv_memory import CPU_KV_CACHE_BYTES
 from kvfleet_engine.runner.sampling_inputs import SamplingInputs
-from kvfleet_engine.scheduler import SchedulerOutput
+from kvfleet_engine.step import SchedulerOutput
 
 __all__ = [
     "CPU_KV_CACHE_BYTES",

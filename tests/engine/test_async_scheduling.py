@@ -16,7 +16,8 @@ from kvfleet_engine.engine import LLMEngine
 from kvfleet_engine.kv_cache import KVCacheManager
 from kvfleet_engine.outputs import ModelRunnerOutput
 from kvfleet_engine.request import Request, RequestStatus
-from kvfleet_engine.scheduler import PENDING_TOKEN, Scheduler
+from kvfleet_engine.scheduler import Scheduler
+from kvfleet_engine.step import PENDING_TOKEN
 
 
 def generate_both(

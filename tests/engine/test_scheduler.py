@@ -7,7 +7,8 @@ from kvfleet_engine.kv_cache import KVCacheManager
 from kvfleet_engine.outputs import ModelRunnerOutput
 from kvfleet_engine.request import Request, RequestStatus
 from kvfleet_engine.sampling import SamplingParams
-from kvfleet_engine.scheduler import Scheduler, SchedulerOutput
+from kvfleet_engine.scheduler import Scheduler
+from kvfleet_engine.step import SchedulerOutput
 
 
 def make_scheduler(

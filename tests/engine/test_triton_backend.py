@@ -82,7 +82,7 @@ import torch
 from kvfleet_engine import LLM
 from kvfleet_engine.cuda_graphs import PromptGraphs
 from kvfleet_engine.runner.inputs import build_inputs
-from kvfleet_engine.scheduler import PENDING_TOKEN
+from kvfleet_engine.step import PENDING_TOKEN
 
 @dataclass
 class Item:

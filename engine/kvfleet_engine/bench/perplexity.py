@@ -29,7 +29,7 @@ import torch
 
 from kvfleet_engine.request import Request
 from kvfleet_engine.sampling import SamplingParams
-from kvfleet_engine.scheduler import ScheduledRequest, SchedulerOutput
+from kvfleet_engine.step import ScheduledRequest, SchedulerOutput
 
 
 @dataclass(frozen=True)

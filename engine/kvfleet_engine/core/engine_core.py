@@ -24,7 +24,8 @@ from kvfleet_engine.model_runner import LaunchedStep, ModelRunner
 from kvfleet_engine.outputs import SchedulerStats
 from kvfleet_engine.request import Request, RequestStatus
 from kvfleet_engine.sampling import SamplingParams
-from kvfleet_engine.scheduler import Scheduler, SchedulerOutput
+from kvfleet_engine.scheduler import Scheduler
+from kvfleet_engine.step import SchedulerOutput
 
 log = logging.getLogger(__name__)
 

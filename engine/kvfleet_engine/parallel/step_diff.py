@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvfleet_engine.parallel.messages import SamplingRow, Step
-from kvfleet_engine.scheduler import ScheduledRequest, SchedulerOutput
+from kvfleet_engine.step import ScheduledRequest, SchedulerOutput
 
 
 class StepEncoder:

@@ -24,7 +24,7 @@ import torch
 
 from kvfleet_engine.layers.attention import AttentionMetadata
 from kvfleet_engine.layers.sampler import SamplingMetadata
-from kvfleet_engine.scheduler import PENDING_TOKEN
+from kvfleet_engine.step import PENDING_TOKEN
 
 # Fewer sequences than this never share a prefix read: the prefix kernel's launch and the merge
 # of its partial results would cost about what the shared reads save.
