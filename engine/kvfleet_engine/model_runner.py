@@ -19,8 +19,6 @@ waits for a token another has not sampled yet)."""
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -59,10 +57,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# In-process use (LLM): seconds a failed replica's driver may take to raise before the process
-# exits (a collective stuck on a dead peer, NCCL's case, would otherwise hang it).
-FAILURE_EXIT_GRACE_S = 20.0
-
 
 @dataclass
 class LaunchedStep:
@@ -87,8 +81,6 @@ class ModelRunner:
         self.config = config
         self.workers: WorkerGroup | None = None
         self.groups: Groups | None = None
-        self._failure_timer: threading.Timer | None = None
-        self._in_step = False  # launch() or collect() runs (a stuck one: see _rank_failed)
         parallel = config.parallel
         if parallel.node_rank != 0:
             raise ValueError(
@@ -99,8 +91,6 @@ class ModelRunner:
             )
         if parallel.world_size > 1:
             self.workers = WorkerGroup(config, log_level)
-            on_failure = weakref.WeakMethod(self._rank_failed)
-            self.workers.on_failure = lambda reason: (on_failure() or (lambda _: None))(reason)
             weakref.finalize(self, self.workers.shutdown)  # the ranks stop with their driver
         try:
             self.executor = self._start()
@@ -208,25 +198,14 @@ class ModelRunner:
         self.sampling_inputs.drop(scheduled.finished_request_ids)
         if self.workers is None:
             return self._launch(scheduled)
-        self._check_ranks()
         assert self.step_encoder is not None
-        self.step_encoder.finish(scheduled.finished_request_ids)
-        self._in_step = True
-        try:
+        with self.workers.step("a collective"):
+            self.step_encoder.finish(scheduled.finished_request_ids)
             if scheduled.requests:
                 self.workers.send(self.step_encoder.encode(scheduled))
             if self.stage is not None:
                 return self._launch_stage(scheduled)
             return self._launch(scheduled)
-        except RankFailed:
-            self._raised()
-            raise
-        except RuntimeError as error:  # a collective with a dead rank
-            reason = self.workers.wait_for_failure() or f"a collective failed: {error}"
-            self._raised()
-            raise RankFailed(reason) from error
-        finally:
-            self._in_step = False
 
     def _launch(self, scheduled: SchedulerOutput) -> LaunchedStep:
         if not scheduled.requests:
@@ -348,42 +327,9 @@ class ModelRunner:
     def _receive(self, step: LaunchedStep) -> None:
         """Wait for the last pipeline stage's samples of `step`."""
         assert self.workers is not None
-        self._check_ranks()
-        self._in_step = True
-        try:
+        with self.workers.step("a receive"):  # the last stage's
             for work in step.receiving:
                 work.wait()
-        except RuntimeError as error:  # the last stage died
-            reason = self.workers.wait_for_failure() or f"a receive failed: {error}"
-            self._raised()
-            raise RankFailed(reason) from error
-        finally:
-            self._in_step = False
-
-    def _check_ranks(self) -> None:
-        assert self.workers is not None
-        if self.workers.failure is not None:
-            self._raised()
-            raise RankFailed(self.workers.failure)
-
-    def _rank_failed(self, reason: str) -> None:
-        """From the monitor thread: a step stuck on the dead rank that does not raise soon ends
-        the process (an idle driver raises at its next step)."""
-        timer = threading.Timer(FAILURE_EXIT_GRACE_S, self._exit_if_stuck, args=(reason,))
-        timer.daemon = True
-        timer.start()
-        self._failure_timer = timer
-
-    def _exit_if_stuck(self, reason: str) -> None:
-        if self._in_step:
-            log.critical(
-                "%s, and the step did not end in %.0f s: exiting", reason, FAILURE_EXIT_GRACE_S
-            )
-            os._exit(1)
-
-    def _raised(self) -> None:
-        if self._failure_timer is not None:
-            self._failure_timer.cancel()
 
     def shutdown(self) -> None:
         """Stop the other ranks (no-op with one)."""

@@ -3,16 +3,20 @@
 and notice at once when a rank dies or disconnects.
 
 A dead rank is reported by `failure` (and to `on_failure`, from a monitor thread): its exit
-code when it ran on this host, its closed connection otherwise. Collectives with a dead peer
-fail on gloo at once; the caller turns that into `RankFailed` with the reason."""
+code when it ran on this host, its closed connection otherwise. The driver runs each step's
+exchanges with the ranks inside `step()`: collectives with a dead peer fail on gloo at once and
+come out as `RankFailed` with the monitor's reason; one stuck on a dead peer (NCCL's case) ends
+the process after FAILURE_EXIT_GRACE_S instead of hanging it."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, Listener, wait
 from multiprocessing.process import BaseProcess
 from typing import TypeVar
@@ -27,6 +31,10 @@ from kvfleet_engine.parallel.messages import Failed, Hello, Stop
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
+
+# Seconds a step may take to raise once a rank has failed before the process exits (a
+# collective stuck on a dead peer, NCCL's case, would otherwise hang it).
+FAILURE_EXIT_GRACE_S = 20.0
 
 
 class RankFailed(RuntimeError):
@@ -47,6 +55,8 @@ class WorkerGroup:
         self.on_failure: Callable[[str], None] | None = None
         self._stopping = False
         self._monitor: threading.Thread | None = None
+        self._in_step = False  # a step() runs
+        self._exit_timer: threading.Timer | None = None
 
     @property
     def ranks(self) -> list[int]:
@@ -186,8 +196,49 @@ class WorkerGroup:
             return
         self.failure = reason
         log.error("%s: the replica cannot go on", reason)
+        self._arm_exit(reason)
         if self.on_failure is not None:
             self.on_failure(reason)
+
+    @contextlib.contextmanager
+    def step(self, what: str) -> Iterator[None]:
+        """Run a step's exchanges with the other ranks (`what` names them in a reason): raises
+        RankFailed at once if a rank already failed, and for a collective that fails (with the
+        monitor's reason when it has one)."""
+        if self.failure is not None:
+            self._cancel_exit()
+            raise RankFailed(self.failure)
+        self._in_step = True
+        try:
+            yield
+        except RankFailed:
+            self._cancel_exit()
+            raise
+        except RuntimeError as error:  # a collective with a dead rank
+            reason = self.wait_for_failure() or f"{what} failed: {error}"
+            self._cancel_exit()
+            raise RankFailed(reason) from error
+        finally:
+            self._in_step = False
+
+    def _arm_exit(self, reason: str) -> None:
+        """From the monitor thread: a step stuck on the dead rank that does not raise soon ends
+        the process (an idle driver raises at its next step)."""
+        timer = threading.Timer(FAILURE_EXIT_GRACE_S, self._exit_if_stuck, args=(reason,))
+        timer.daemon = True
+        timer.start()
+        self._exit_timer = timer
+
+    def _exit_if_stuck(self, reason: str) -> None:
+        if self._in_step:
+            log.critical(
+                "%s, and the step did not end in %.0f s: exiting", reason, FAILURE_EXIT_GRACE_S
+            )
+            os._exit(1)
+
+    def _cancel_exit(self) -> None:
+        if self._exit_timer is not None:
+            self._exit_timer.cancel()
 
     def wait_for_failure(self, timeout_s: float = 2.0) -> str | None:
         """The failure's reason, giving the monitor up to `timeout_s` to find it (a collective
