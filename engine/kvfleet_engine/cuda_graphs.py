@@ -195,8 +195,8 @@ class DecodeGraphs(_StepGraphs):
             self.shared[: 2 + num_seqs].copy_(meta.shared_prefix)
             shared = True
         self.graphs[size, shared].replay()
-        logits, greedy = self.outputs[size, shared]
-        return logits[:num_seqs], greedy[:num_seqs]
+        logits, argmax_ids = self.outputs[size, shared]
+        return logits[:num_seqs], argmax_ids[:num_seqs]
 
 
 class PromptGraphs(_StepGraphs):

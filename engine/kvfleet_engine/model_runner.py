@@ -212,8 +212,8 @@ class ModelRunner:
             return LaunchedStep([], [], None, None, None)
         inputs = self.prepare_inputs(scheduled)
         assert inputs.sampling is not None and inputs.num_logprobs is not None
-        logits, greedy = self.executor.forward(inputs)
-        sampled = self.sampler(logits, inputs.sampling, greedy)
+        logits, argmax_ids = self.executor.forward(inputs)
+        sampled = self.sampler(logits, inputs.sampling, argmax_ids)
         if self.groups is not None:  # the other ranks' next pending inputs
             self.groups.broadcast_from_driver(sampled.token_ids)
         # May be a decode graph's output buffer, which the next replay overwrites: the next step

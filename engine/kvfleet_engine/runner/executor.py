@@ -292,10 +292,10 @@ class ModelExecutor:
                 self.last_samples,
             )
             if graph_out is not None:
-                logits, greedy = graph_out
+                logits, argmax_ids = graph_out
                 if len(inputs.sampling_request_ids) == logits.shape[0]:
-                    return logits, greedy  # every row samples (the usual decode step), in order
-                return logits[inputs.logits_indices], greedy[inputs.logits_indices]
+                    return logits, argmax_ids  # every row samples (the usual decode step), in order
+                return logits[inputs.logits_indices], argmax_ids[inputs.logits_indices]
         if self.prompt_graphs is not None and not inputs.attention.is_decode:
             hidden = self.prompt_graphs.run(
                 inputs.input_ids,
