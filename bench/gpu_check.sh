@@ -17,7 +17,8 @@ for step in $STEPS; do
   echo "=== $step ($(date +%T))"
   case $step in
     tests) $PY -m pytest -m gpu tests/kernels tests/perf -q -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
-    engine-tests) $PY -m pytest -m gpu tests/engine/test_gpu.py -q -p no:cacheprovider 2>&1 \
+    engine-tests) $PY -m pytest -m gpu tests/engine/test_gpu.py tests/engine/test_pipeline_graphs.py \
+        tests/perf/test_cuda_graphs.py -q -p no:cacheprovider 2>&1 \
         | tee "$OUT/engine-tests.log" | tail -15 ;;
     kernels) $PY -m kvfleet_engine.bench.kernels --output-dir "$OUT" 2>&1 | tee "$OUT/kernels.log" | grep -v Warning ;;
     profile) $PY -m kvfleet_engine.bench.profile --shape "$SHAPE" ${PROFILE_ARGS:-} --output-dir "$OUT" 2>&1 \

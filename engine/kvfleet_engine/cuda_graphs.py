@@ -14,17 +14,25 @@ sequences have a second graph per size, for steps whose sequences share a prefix
 DECODES_APART_MIN_SEQS have a second graph per size too when the backend sends a mixed step's
 one-token sequences to its decode kernels (`runner.inputs`), with the shared prefix read once
 where the runner finds one (a prefix of 0 tokens when it finds none).
+
+Under pipeline parallelism each stage captures its own part of the step (`GraphStage`): the
+first stage from the input ids, the others from the previous stage's hidden state and residual,
+which each step copies into one more persistent buffer; every stage but the last ends at its
+output for the next stage, the last at the logits (decode) or the final norm (prompt steps).
+The send and receive between stages stay outside the graphs.
 """
 
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvfleet_engine.layers.attention import AttentionMetadata
+from kvfleet_engine.parallel.pipeline import StageLayers, intermediate_shape
 from kvfleet_engine.runner.inputs import (
     DECODES_APART_MIN_SEQS,
     SHARED_PREFIX_MIN_SEQS,
@@ -55,16 +63,63 @@ def prompt_bucket_sizes(max_tokens: int) -> list[int]:
     return [*below, limit]
 
 
+@dataclass(frozen=True)
+class GraphStage:
+    """What a pipeline stage's graphs need: its layers, and the shape of what stages pass on."""
+
+    layers: StageLayers
+    hidden_size: int
+    dtype: torch.dtype
+
+
 class _StepGraphs(ABC):
     """Graphs of one kind of step, one per key (a size, or a size and a variant), captured
-    largest first into one memory pool (replays never overlap)."""
+    largest first into one memory pool (replays never overlap). `rows`: the most token rows a
+    step has (the input buffers' length)."""
 
     kind = ""
 
-    def __init__(self, sizes: list[int]) -> None:
+    def __init__(
+        self,
+        sizes: list[int],
+        model: Any,
+        rows: int,
+        device: torch.device,
+        stage: GraphStage | None,
+    ) -> None:
         self.sizes = sizes
+        self.model = model
         self.graphs: dict[Any, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[Any, Any] = {}
+        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)  # [rows]
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)  # [rows]
+        self.slot_mapping = torch.full((rows,), -1, dtype=torch.int64, device=device)  # [rows]
+        self.stage = stage.layers if stage is not None else None
+        # [2, rows, hidden]: the previous stage's output, past the first stage (rows past a
+        # step's tokens keep stale values, which only padding rows read).
+        self.previous: torch.Tensor | None = None
+        if stage is not None and not stage.layers.is_first:
+            shape = intermediate_shape(rows, stage.hidden_size)
+            self.previous = torch.zeros(shape, dtype=stage.dtype, device=device)
+
+    @property
+    def ends_at_hidden(self) -> bool:
+        """Whether the graphs end at the stage's output for the next stage (not the last)."""
+        return self.stage is not None and not self.stage.is_last
+
+    def _model(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
+        """The model, or this stage's layers, on the first `size` rows of the buffers."""
+        ids, positions = self.input_ids[:size], self.positions[:size]
+        if self.stage is None:
+            return self.model(ids, positions, meta)
+        previous = self.previous[:, :size] if self.previous is not None else None
+        return self.model.forward_stage(ids, positions, meta, previous)
+
+    def _load_previous(self, previous: torch.Tensor | None) -> None:
+        """Copy the previous stage's output [2, num_tokens, hidden] in (stages past the first)."""
+        if self.previous is not None:
+            assert previous is not None, "a stage past the first needs the previous one's output"
+            self.previous[:, : previous.shape[1]].copy_(previous)
 
     def _keys(self) -> list[Any]:
         """What `capture` captures, in order: the sizes, largest first."""
@@ -96,6 +151,12 @@ class _StepGraphs(ABC):
     def _size(self, needed: int) -> int | None:
         return next((s for s in self.sizes if s >= needed), None)
 
+    def replay(self, key: Any) -> Any:
+        """Replay `key`'s graph (its inputs loaded): its outputs, for all its rows (graph
+        memory, which the next replay overwrites)."""
+        self.graphs[key].replay()
+        return self.outputs[key]
+
 
 class DecodeGraphs(_StepGraphs):
     """Keyed (size, shared): `shared` graphs read the step's shared prefix from `self.shared`
@@ -110,9 +171,10 @@ class DecodeGraphs(_StepGraphs):
         max_blocks_per_seq: int,
         device: torch.device,
         shared_prefix: bool = False,  # capture the shared-prefix variants too
+        stage: GraphStage | None = None,  # pipeline parallelism: this rank's stage
     ) -> None:
-        super().__init__(bucket_sizes(max_num_seqs))
-        self.model = model
+        sizes = bucket_sizes(max_num_seqs)
+        super().__init__(sizes, model, sizes[-1], device, stage)
         self.shared_prefix = shared_prefix
         # [2 + n]: the shared prefix, as `kernels.shared_prefix` reads it; rows past a step's
         # sequences keep stale shares, read for padding rows only (context 0: nothing read).
@@ -122,9 +184,6 @@ class DecodeGraphs(_StepGraphs):
         # the first, uncaptured forward.
         self.logits: torch.Tensor | None = None
         n = self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)  # [n]
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)  # [n]
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)  # [n]
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)  # [n]
         self.cu_query_lens = torch.arange(n + 1, dtype=torch.int32, device=device)  # [n + 1]
         # [n, max_blocks_per_seq]: rows are overwritten up to each step's width; stale entries
@@ -141,9 +200,9 @@ class DecodeGraphs(_StepGraphs):
         keys = [(s, True) for s in shared] + [(s, False) for s in self.sizes]
         return sorted(keys, reverse=True)  # largest first, its shared variant before it
 
-    def _forward(self, key: tuple[int, bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, key: tuple[int, bool]) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
         """[size, vocab] float32 logits and [size] int64 argmax (greedy rows' tokens without a
-        launch of their own)."""
+        launch of their own); a stage before the last: its output [2, size, hidden]."""
         size, shared = key
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:size],
@@ -153,7 +212,9 @@ class DecodeGraphs(_StepGraphs):
             is_decode=True,
             shared_prefix=self.shared[: 2 + size] if shared else None,
         )
-        hidden = self.model(self.input_ids[:size], self.positions[:size], meta)
+        hidden = self._model(size, meta)
+        if self.ends_at_hidden:
+            return hidden
         model_logits = self.model.compute_logits(hidden)  # [size, vocab] in the model's dtype
         if self.logits is None:
             rows, vocab = self.sizes[-1], model_logits.shape[1]
@@ -162,15 +223,17 @@ class DecodeGraphs(_StepGraphs):
         logits.copy_(model_logits)  # the float32 cast the sampler reads, in place
         return logits, logits.argmax(dim=-1)
 
-    def run(
+    def load(
         self,
         input_ids: torch.Tensor,  # [num_seqs] int64
         positions: torch.Tensor,  # [num_seqs] int64
         meta: AttentionMetadata,  # a decode step: one query token per sequence
         pending_sources: torch.Tensor | None = None,  # [num_seqs] row in samples, -1 = known
         samples: torch.Tensor | None = None,  # the previous step's sampled tokens
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """([num_seqs, vocab] float32 logits, [num_seqs] int64 argmax), or None if no graph fits."""
+        previous: torch.Tensor | None = None,  # [2, num_seqs, hidden]: the previous stage's
+    ) -> tuple[int, bool] | None:
+        """Copy the step into the buffers: the key of the graph to replay, or None if none
+        fits."""
         from kvfleet_engine.kernels.graph_inputs import fill_graph_inputs
 
         num_seqs = input_ids.shape[0]
@@ -190,12 +253,28 @@ class DecodeGraphs(_StepGraphs):
             size,
             size,
         )
+        self._load_previous(previous)
         shared = False
         if meta.shared_prefix is not None and (size, True) in self.graphs:
             self.shared[: 2 + num_seqs].copy_(meta.shared_prefix)
             shared = True
-        self.graphs[size, shared].replay()
-        logits, argmax_ids = self.outputs[size, shared]
+        return size, shared
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        pending_sources: torch.Tensor | None = None,
+        samples: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """([num_seqs, vocab] float32 logits, [num_seqs] int64 argmax) of the whole model, or
+        None if no graph fits (`load`'s arguments)."""
+        key = self.load(input_ids, positions, meta, pending_sources, samples)
+        if key is None:
+            return None
+        logits, argmax_ids = self.replay(key)
+        num_seqs = input_ids.shape[0]
         return logits[:num_seqs], argmax_ids[:num_seqs]
 
 
@@ -215,19 +294,17 @@ class PromptGraphs(_StepGraphs):
         max_blocks_per_seq: int,
         device: torch.device,
         features: AttentionFeatures,
+        stage: GraphStage | None = None,  # pipeline parallelism: this rank's stage
     ) -> None:
-        super().__init__(prompt_bucket_sizes(max_num_batched_tokens))
-        self.model = model
+        sizes = prompt_bucket_sizes(max_num_batched_tokens)
+        super().__init__(sizes, model, sizes[-1], device, stage)
         self.features = features
-        t, s = self.sizes[-1], max_num_seqs
+        s = max_num_seqs
         # [2 + s]: the shared prefix of an `apart` step (`kernels.shared_prefix`), zeros when it
         # has none (always, without the shared-prefix feature: the kernels' mixed variant reads
         # a description either way); rows past a step's sequences have no query tokens and read
         # nothing.
         self.shared = torch.zeros(2 + s, dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(t, dtype=torch.int64, device=device)  # [t]
-        self.positions = torch.zeros(t, dtype=torch.int64, device=device)  # [t]
-        self.slot_mapping = torch.full((t,), -1, dtype=torch.int64, device=device)  # [t]
         self.context_lens = torch.zeros(s, dtype=torch.int32, device=device)  # [s]
         self.cu_query_lens = torch.zeros(s + 1, dtype=torch.int32, device=device)  # [s + 1]
         self.block_tables = torch.zeros(s, max_blocks_per_seq, dtype=torch.int32, device=device)
@@ -243,7 +320,8 @@ class PromptGraphs(_StepGraphs):
         return sorted([(s, True) for s in apart] + [(s, False) for s in self.sizes], reverse=True)
 
     def _forward(self, key: tuple[int, bool]) -> torch.Tensor:
-        """[size, hidden]: the final norm's output of every token row."""
+        """[size, hidden]: the final norm's output of every token row; a stage before the last:
+        its output [2, size, hidden]."""
         size, apart = key
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:size],
@@ -254,7 +332,7 @@ class PromptGraphs(_StepGraphs):
             shared_prefix=self.shared if apart else None,  # zeros: no prefix (see load)
             decodes_apart=apart,
         )
-        return self.model(self.input_ids[:size], self.positions[:size], meta)
+        return self._model(size, meta)
 
     def load(
         self,
@@ -263,6 +341,7 @@ class PromptGraphs(_StepGraphs):
         meta: AttentionMetadata,  # a step with prompt tokens
         pending_sources: torch.Tensor | None = None,  # [num_tokens] row in samples, -1 = known
         samples: torch.Tensor | None = None,  # the previous step's sampled tokens
+        previous: torch.Tensor | None = None,  # [2, num_tokens, hidden]: the previous stage's
     ) -> tuple[int, bool] | None:
         """Copy the step into the buffers: the key of the graph to replay, or None if none
         fits."""
@@ -289,6 +368,7 @@ class PromptGraphs(_StepGraphs):
             size,
             self.context_lens.shape[0],
         )
+        self._load_previous(previous)
         apart = meta.decodes_apart and (size, True) in self.graphs
         if apart and self.features.shared_prefix_min:
             if meta.shared_prefix is None:
@@ -305,9 +385,9 @@ class PromptGraphs(_StepGraphs):
         pending_sources: torch.Tensor | None = None,
         samples: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """[num_tokens, hidden], or None if no graph fits (`load`'s arguments)."""
+        """[num_tokens, hidden] of the whole model, or None if no graph fits (`load`'s
+        arguments)."""
         key = self.load(input_ids, positions, meta, pending_sources, samples)
         if key is None:
             return None
-        self.graphs[key].replay()
-        return self.outputs[key][: input_ids.shape[0]]
+        return self.replay(key)[: input_ids.shape[0]]

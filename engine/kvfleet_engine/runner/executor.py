@@ -1,8 +1,8 @@
 """One rank's model: its weights (its part of them under tensor parallelism, its stage's layers
 under pipeline parallelism), its KV cache (its own layers only), its CUDA graphs (decode steps,
-short prompt steps) and the forward pass to logits. Every rank has one; the driver samples, or
-under pipeline parallelism the last stage's first rank. Pipeline stages run eagerly (no graphs
-yet)."""
+short prompt steps; under pipeline parallelism its stage's part of them) and the forward pass
+to logits. Every rank has one; the driver samples, or under pipeline parallelism the last
+stage's first rank."""
 
 from __future__ import annotations
 
@@ -11,7 +11,12 @@ import logging
 import torch
 
 from kvfleet_engine.config import EngineConfig
-from kvfleet_engine.cuda_graphs import DecodeGraphs, PromptGraphs, prompt_bucket_sizes
+from kvfleet_engine.cuda_graphs import (
+    DecodeGraphs,
+    GraphStage,
+    PromptGraphs,
+    prompt_bucket_sizes,
+)
 from kvfleet_engine.layers.attention import Attention, AttentionMetadata, load_backend
 from kvfleet_engine.layers.attention_torch import FP8_DTYPE
 from kvfleet_engine.layers.sampler import Sampler, SamplingMetadata
@@ -142,33 +147,40 @@ class ModelExecutor:
         self.num_blocks = num_blocks
         self.kv_caches = self._allocate(num_blocks)
         if self.captures_graphs:
-            max_blocks = -(-self.config.model.max_model_len // self.block_size)
-            scheduler = self.config.scheduler
-            self.decode_graphs = DecodeGraphs(
-                self.model,
-                scheduler.max_num_seqs,
-                max_blocks,
-                self.device,
-                shared_prefix=self.attention_features.shared_prefix_min > 0,
-            )
+            self.decode_graphs, self.prompt_graphs = self.make_graphs()
             self.decode_graphs.capture()
-            self.prompt_graphs = PromptGraphs(
-                self.model,
-                scheduler.max_num_batched_tokens,
-                scheduler.max_num_seqs,
-                max_blocks,
-                self.device,
-                self.attention_features,
-            )
             self.prompt_graphs.capture()
+
+    def make_graphs(self) -> tuple[DecodeGraphs, PromptGraphs]:
+        """This rank's decode and prompt graphs, not captured yet (under pipeline parallelism
+        its stage's part of each step)."""
+        max_blocks = -(-self.config.model.max_model_len // self.block_size)
+        scheduler = self.config.scheduler
+        stage = None
+        if self.stage is not None:
+            stage = GraphStage(self.stage, self.hidden_size, self.dtype)
+        decode = DecodeGraphs(
+            self.model,
+            scheduler.max_num_seqs,
+            max_blocks,
+            self.device,
+            shared_prefix=self.attention_features.shared_prefix_min > 0,
+            stage=stage,
+        )
+        prompt = PromptGraphs(
+            self.model,
+            scheduler.max_num_batched_tokens,
+            scheduler.max_num_seqs,
+            max_blocks,
+            self.device,
+            self.attention_features,
+            stage=stage,
+        )
+        return decode, prompt
 
     @property
     def captures_graphs(self) -> bool:
-        return (
-            self.device.type == "cuda"
-            and not self.config.runner.enforce_eager
-            and self.stage is None
-        )
+        return self.device.type == "cuda" and not self.config.runner.enforce_eager
 
     @property
     def block_bytes(self) -> int:
@@ -318,13 +330,28 @@ class ModelExecutor:
     def forward_stage(self, inputs: ModelInputs, previous: torch.Tensor | None) -> torch.Tensor:
         """This pipeline stage's part of the step, from the previous stage's output [2,
         num_tokens, hidden] (None on the first stage, which embeds the input ids): the output
-        for the next stage, or on the last stage the [num_sampling_rows, vocab] float32 logits."""
-        out = self.model.forward_stage(
-            inputs.input_ids, inputs.positions, inputs.attention, previous
-        )
-        assert self.stage is not None
-        if not self.stage.is_last:
-            return out
+        for the next stage (the caller's to keep: an asynchronous send may read it while the
+        next step runs), or on the last stage the [num_sampling_rows, vocab] float32 logits.
+        Through this stage's graphs where one fits the step."""
+        stage = self.stage
+        assert stage is not None
+        meta, rows = inputs.attention, inputs.input_ids.shape[0]
+        graphs = self.decode_graphs if meta.is_decode else self.prompt_graphs
+        key = None
+        if graphs is not None:
+            key = graphs.load(inputs.input_ids, inputs.positions, meta, previous=previous)
+        if key is None:
+            out = self.model.forward_stage(inputs.input_ids, inputs.positions, meta, previous)
+            if not stage.is_last:
+                return out
+        else:
+            assert graphs is not None
+            graphed = graphs.replay(key)
+            if not stage.is_last:
+                return graphed[:, :rows].clone()  # graph memory: the next replay overwrites it
+            if meta.is_decode:  # the decode graph's float32 logits, every row's
+                return graphed[0][inputs.logits_indices]
+            out = graphed[:rows]
         return self.model.compute_logits(out[inputs.logits_indices]).float()
 
     def keep_samples(self, token_ids: torch.Tensor, request_ids: list[str]) -> None:
