@@ -87,11 +87,13 @@ def test_fp8_cache_for_the_triton_kernels_lays_v_out_token_major(
 def test_fp8_greedy_tokens_follow_the_exact_cache(make_llm: Callable[..., Any]) -> None:
     """A tiny random model's next-token distribution is nearly flat, so e4m3 rounding flips its
     argmax now and then; where it does, the exact cache had rated both tokens within a fraction
-    of a nat. Measured on these prompts: the first token equal on 27 of 32, the largest gap at a
-    first divergence 0.14 nats."""
+    of a nat (its top 20 logprobs hold them: the distribution is that flat). Measured on these
+    prompts with K stored rotated (`kv_rotation`): the first token equal on 30 of 32, the largest
+    gap at a first divergence 0.10 nats, 13 prompts equal on all 16 tokens (unrotated: 27, 0.14
+    and 11)."""
     rnd = random.Random(5)
     prompts = random_prompts([rnd.randint(1, 120) for _ in range(32)], seed=7)
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=20)
     outputs = {}
     for kv_cache_dtype in ("auto", "fp8"):
         llm = make_llm("qwen3", max_model_len=256, kv_cache_dtype=kv_cache_dtype)
@@ -104,7 +106,7 @@ def test_fp8_greedy_tokens_follow_the_exact_cache(make_llm: Callable[..., Any]) 
     gaps = _gaps_at_first_divergence(outputs["auto"], outputs["fp8"])
     assert first_equal >= 26
     assert max(gaps) < 0.2, sorted(gaps)
-    assert len(gaps) <= 24, "at least 8 prompts agree on all 16 tokens (measured: 11)"
+    assert len(gaps) <= 24, "at least 8 prompts agree on all 16 tokens (measured: 13)"
 
 
 TRITON_SCRIPT = """

@@ -16,10 +16,14 @@ import numpy as np
 import pytest
 import torch
 from paged_cases import PagedCase, dense_attention, make_paged_case, relative_error
-from test_triton_kernels import ON_GPU  # TRITON_INTERPRET and the interpreter's scalar patch
+from test_triton_kernels import (  # TRITON_INTERPRET and the interpreter's scalar patch
+    ON_GPU,
+    _rotary_table,
+    _rotate_half_reference,
+)
 
 from kvfleet_engine.kernels.checks import to_token_major, token_major
-from kvfleet_engine.layers import attention_sdpa
+from kvfleet_engine.layers import attention_sdpa, kv_rotation
 from kvfleet_engine.layers import attention_torch as ref
 from kvfleet_engine.layers.attention_torch import FP8_DTYPE, dequantize_kv, quantize_kv
 
@@ -54,12 +58,12 @@ def _convert_fp8_like_a_gpu() -> None:
 def _kernel_modules():
     """kv_fp8's helpers and the kernel modules calling them, made in this run's mode: a kernel
     module binds the helpers when imported, so a stale kv_fp8 is reloaded before them."""
-    names = ["kv_fp8", "kv_store", "decode_attention", "prefill_attention", "fused"]
+    names = ["kv_fp8", "hadamard", "kv_store", "decode_attention", "prefill_attention", "fused"]
     modules = [importlib.import_module(f"kvfleet_engine.kernels.{name}") for name in names]
     interpreted = type(modules[0].quantize_rows).__name__ == "InterpretedFunction"
     if interpreted == ON_GPU:
         modules = [importlib.reload(module) for module in modules]
-    return modules[1:]
+    return modules[2:]
 
 
 if not ON_GPU:
@@ -248,6 +252,59 @@ def test_rotary_store_kv_quantizes_the_rotated_key(
                  k_scales=want["k_scales"], v_scales=want["v_scales"])  # fmt: skip
     for name in want:
         assert _same_bits(got[name], want[name]), name
+
+
+@pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
+@V_LAYOUTS
+def test_rotary_store_kv_with_hadamard_rotates_q_and_k_by_h_and_keeps_the_scores(
+    device, dtype, tol, sizes, v_layout
+) -> None:
+    """hadamard=True: q and k in place are RoPE'd then times H (`kv_rotation.rotate`), the cache
+    holds what store_kv writes for that k, v unrotated; q · k of every pair is RoPE's."""
+    _skip_if_unavailable(device)
+    heads, kv_heads, dim = sizes["num_q_heads"], sizes["num_kv_heads"], sizes["head_dim"]
+    case = make_paged_case([23, 9], [1, 1], heads, kv_heads, dim, dtype=dtype, device=device)
+    slots = case.slot_mapping.clone()
+    slots[::4] = -1
+    num_tokens = slots.shape[0]
+    gen = torch.Generator().manual_seed(15)
+    q, k, v = (
+        torch.randn(num_tokens, n, dim, generator=gen).to(device, dtype)
+        for n in (heads, kv_heads, kv_heads)
+    )
+    angles, cos_sin = _rotary_table(dim, seed=16)
+    positions = torch.randint(0, 100, (num_tokens,), generator=gen)
+    roped_q = _rotate_half_reference(q, angles, positions)
+    roped_k = _rotate_half_reference(k, angles, positions)
+    got = _empty_fp8_cache(case, v_layout)
+    fused.rotary_store_kv(positions.to(device), q, k, v, cos_sin.float().to(device),
+                          got["k_cache"], got["v_cache"], slots, k_scales=got["k_scales"],
+                          v_scales=got["v_scales"], hadamard=True)  # fmt: skip
+    assert relative_error(q, kv_rotation.rotate(roped_q)) < tol
+    assert relative_error(k, kv_rotation.rotate(roped_k)) < tol
+    scores = torch.einsum("thd,tgd->thg", q.double().cpu(), k.double().cpu())
+    assert relative_error(scores, torch.einsum("thd,tgd->thg", roped_q, roped_k)) < tol
+    want = _empty_fp8_cache(case, "rows")
+    ref.store_kv(k, v, want["k_cache"], want["v_cache"], slots,
+                 k_scales=want["k_scales"], v_scales=want["v_scales"])  # fmt: skip
+    for name in want:
+        assert _same_bits(got[name], want[name]), name
+
+
+def test_rotary_store_kv_rejects_hadamard_for_a_head_size_not_a_power_of_two() -> None:
+    q, k = torch.zeros(1, 2, 48), torch.zeros(1, 1, 48)
+    cache = torch.zeros(2, 16, 1, 48)
+    with pytest.raises(ValueError, match="power-of-two head size, got 48"):
+        fused.rotary_store_kv(torch.zeros(1, dtype=torch.int64), q, k, k.clone(),
+                              torch.zeros(100, 48), cache, cache.clone(),
+                              torch.zeros(1, dtype=torch.int64), hadamard=True)  # fmt: skip
+
+
+def test_kv_rotation_is_orthonormal_and_only_for_fp8_caches_of_power_of_two_heads() -> None:
+    h = kv_rotation.hadamard_matrix(64, torch.device("cpu"))
+    assert torch.allclose(h @ h.T, torch.eye(64), atol=1e-6)
+    assert kv_rotation.rotates(64, True) and kv_rotation.rotates(128, True)
+    assert not kv_rotation.rotates(128, False) and not kv_rotation.rotates(96, True)
 
 
 # ---- attention over an fp8 cache ---------------------------------------------------------------

@@ -16,6 +16,7 @@ from kvfleet_engine.kernels.checks import (
     check_rotary_store,
     next_power_of_2,
 )
+from kvfleet_engine.kernels.hadamard import hadamard_halves
 from kvfleet_engine.kernels.kv_fp8 import fp8_scales, row_amax, to_fp8
 from kvfleet_engine.kernels.pdl import _start, launch_options
 
@@ -44,8 +45,10 @@ def _rotate_heads_(
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    HADAMARD: tl.constexpr = False,
 ):
-    """Rotate in place this token's heads of x ([tokens, heads, head_dim] by its strides); returns
+    """Rotate in place this token's heads of x ([tokens, heads, head_dim] by its strides), then
+    with HADAMARD times the Hadamard matrix (`layers.kv_rotation`; BLOCK_HALF == HALF); returns
     the head indices [BLOCK_H, 1], their mask and the two rotated halves, rounded to x's dtype."""
     cols = tl.arange(0, BLOCK_HALF)[None, :]
     heads = tl.arange(0, BLOCK_H)[:, None]
@@ -54,8 +57,10 @@ def _rotate_heads_(
     x1 = tl.load(first, mask=mask, other=0.0)
     x2 = tl.load(first + HALF, mask=mask, other=0.0)
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    out1 = (f1 * cos - f2 * sin).to(x1.dtype)
-    out2 = (f2 * cos + f1 * sin).to(x1.dtype)
+    r1, r2 = f1 * cos - f2 * sin, f2 * cos + f1 * sin
+    if HADAMARD:
+        r1, r2 = hadamard_halves(r1, r2, BLOCK_H, BLOCK_HALF)
+    out1, out2 = r1.to(x1.dtype), r2.to(x1.dtype)
     tl.store(first, out1, mask=mask)
     tl.store(first + HALF, out2, mask=mask)
     return heads, mask, out1, out2
@@ -127,17 +132,20 @@ def _rotary_store_kv_kernel(
     BLOCK_KVH: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     FP8: tl.constexpr,
+    HADAMARD: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     _start(PDL)
     token = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin(positions_ptr, token, cos_sin_ptr, stride_cs, HALF, BLOCK_HALF)
     _rotate_heads_(
-        query_ptr, token, stride_qt, stride_qh, num_q_heads, cos, sin, HALF, BLOCK_QH, BLOCK_HALF
-    )
+        query_ptr, token, stride_qt, stride_qh, num_q_heads, cos, sin, HALF, BLOCK_QH, BLOCK_HALF,
+        HADAMARD,
+    )  # fmt: skip
     heads, mask, k1, k2 = _rotate_heads_(
-        key_ptr, token, stride_kt, stride_kh, num_kv_heads, cos, sin, HALF, BLOCK_KVH, BLOCK_HALF
-    )
+        key_ptr, token, stride_kt, stride_kh, num_kv_heads, cos, sin, HALF, BLOCK_KVH, BLOCK_HALF,
+        HADAMARD,
+    )  # fmt: skip
 
     cols = tl.arange(0, BLOCK_HALF)[None, :]
     slot = tl.load(slot_mapping_ptr + token)
@@ -207,12 +215,15 @@ def rotary_store_kv(
     *,
     k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: fp8 cache
     v_scales: torch.Tensor | None = None,
+    hadamard: bool = False,  # q and k also times the Hadamard matrix (`layers.kv_rotation`)
 ) -> None:
     """`rotary_embedding_` then `store_kv` of the rotated key and the value, in one launch: the
     decoder layer's two smallest kernels, each a few microseconds of launch latency at batch 1."""
     check_cache(k_cache, v_cache, k_scales, v_scales)
     check_rotary_store(positions, query, key, value, cos_sin, k_cache, slot_mapping)
     num_tokens, num_q_heads, head_dim = query.shape
+    if hadamard and head_dim & (head_dim - 1):
+        raise ValueError(f"hadamard=True needs a power-of-two head size, got {head_dim}")
     if num_tokens == 0:
         return
     num_kv_heads = key.shape[1]
@@ -248,5 +259,6 @@ def rotary_store_kv(
         BLOCK_KVH=next_power_of_2(num_kv_heads),
         BLOCK_HALF=next_power_of_2(head_dim // 2),
         FP8=k_scales is not None,
+        HADAMARD=hadamard,
         **launch_options(query.device),
     )

@@ -6,6 +6,9 @@ Format (`layers.attention_torch.quantize_kv` defines it bit for bit; every kerne
   head_dim];
 - scales: bfloat16 [num_blocks, kv_heads, block_size] beside each of K and V, one per token and
   kv head: value = code * scale.
+- K is stored rotated by the Hadamard matrix after RoPE, the queries likewise
+  (`layers.kv_rotation`, done by the attention layer and `fused.rotary_store_kv`): what is
+  quantized here is already rotated; these helpers do not know.
 
 Why:
 - Dynamic scales per (token, kv head), computed as each row is stored: no calibration, nothing

@@ -5,7 +5,10 @@ does the rotation and the store in one launch, and one that offers `rotary_decod
 decode step's rotation, store and attention in one. With an fp8 cache every one of them also takes
 the layer's `k_scales` and `v_scales` (keywords; None for a cache in the model's dtype), a
 backend with `SHARED_PREFIX` its decode functions the step's `shared_prefix` when it has one, and
-one with `DECODES_APART` a mixed step's one-token sequences to its decode function."""
+one with `DECODES_APART` a mixed step's one-token sequences to its decode function. An fp8 cache
+stores K rotated (`kv_rotation`): the layer rotates q and k after RoPE (the backend's
+`rotary_store_kv(hadamard=True)`, or torch), so decode steps take that path, not the one-call
+`rotary_decode_attention`."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from kvfleet_engine.layers import kv_rotation
 from kvfleet_engine.layers.rotary import RotaryEmbedding
 
 BACKEND_MODULES = {
@@ -84,6 +88,8 @@ class Attention(nn.Module):
         # The backend's fused rotary + store_kv, and rotary + store_kv + decode attention.
         self.rotary_store_kv: Callable[..., None] | None = None
         self.rotary_decode_attention: Callable[..., torch.Tensor] | None = None
+        # q and k times the Hadamard matrix after RoPE (an fp8 cache: `kv_rotation`).
+        self.rotates = False
 
     def bind(
         self,
@@ -99,6 +105,9 @@ class Attention(nn.Module):
         self.k_scales, self.v_scales = k_scales, v_scales
         self.rotary_store_kv = getattr(backend, "rotary_store_kv", None)
         self.rotary_decode_attention = getattr(backend, "rotary_decode_attention", None)
+        self.rotates = kv_rotation.rotates(self.head_dim, k_scales is not None)
+        if self.rotates:  # the one-call decode does not rotate by H
+            self.rotary_decode_attention = None
 
     def forward(
         self,
@@ -129,9 +138,12 @@ class Attention(nn.Module):
             )
             return out.reshape(out.shape[0], -1)
         if self.rotary_store_kv is not None:  # rotates query and key in place
-            self.rotary_store_kv(*new_tokens, meta.slot_mapping, **scales)
+            rotation = {"hadamard": True} if self.rotates else {}
+            self.rotary_store_kv(*new_tokens, meta.slot_mapping, **scales, **rotation)
         else:
             query, key = rotary(positions, query, key)
+            if self.rotates:
+                query, key = kv_rotation.rotate(query), kv_rotation.rotate(key)
             backend.store_kv(key, value, self.k_cache, self.v_cache, meta.slot_mapping, **scales)
         if meta.is_decode:
             out = backend.paged_decode_attention(
