@@ -7,10 +7,10 @@ a step that mixes them, a padded decode — and each step's logits are compared.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 import torch
+from test_step_inputs import Item  # one sequence's share of a step, as build_inputs reads it
 
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.parallel.groups import Groups, RankPlace
@@ -22,17 +22,6 @@ BLOCK_SIZE = 16
 SETTINGS: dict[str, Any] = dict(
     max_model_len=256, max_num_batched_tokens=64, max_num_seqs=4, kv_cache_blocks=16
 )
-
-
-@dataclass
-class Item:
-    """One sequence's share of a step (what `build_inputs` reads)."""
-
-    request_id: str
-    token_ids: list[int]
-    start_position: int
-    block_ids: list[int]
-    sample: bool = True
 
 
 def steps(seed: int = 3) -> list[list[Item]]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_cases import ARCHITECTURES, write_checkpoint
+from engine_cases import ARCHITECTURES
 from pipeline_steps import (
     SETTINGS,
     count_replays,
@@ -27,6 +27,7 @@ from pipeline_steps import (
     steps,
     whole_executor,
 )
+from test_gpu import gpu_checkpoints  # noqa: F401 (the tiny checkpoints, made once)
 from test_triton_backend import PATCH
 
 from conftest import Checkpoints
@@ -96,17 +97,6 @@ def test_stage_graphs_forward_gives_the_whole_models_logits(
 BF16_LOGITS = 0.1
 
 
-@pytest.fixture(scope="module")
-def gpu_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("pipeline-graph-checkpoints")
-    paths = {}
-    for name in ARCHITECTURES:
-        paths[name] = root / name
-        paths[name].mkdir()
-        write_checkpoint(name, paths[name])
-    return paths
-
-
 def _agree(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert got.shape == want.shape, what
     diff = float((got - want).abs().max())
@@ -120,7 +110,8 @@ def _agree(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_stage_graphs_replay_the_whole_models_logits_on_gpu(
-    name: str, gpu_checkpoints: dict[str, Path]
+    name: str,
+    gpu_checkpoints: dict[str, Path],  # noqa: F811 (the fixture imported above)
 ) -> None:
     path = str(gpu_checkpoints[name])
     config = EngineConfig.create(path, device="cuda", **SETTINGS)
