@@ -6,7 +6,7 @@
 # throughput-1k-fp8 runs the weights in QUANTS (default none; QUANTS=none,fp8 adds fp8 weights
 # over the fp8 cache in the same process, the TensorRT-LLM comparison).
 # tests: the gpu-marked tests of tests/kernels/test_kv_fp8.py (store, decode, prefill, fused
-# kernels at Llama sizes against the dequantized reference) and tests/engine/test_kv_cache_fp8.py
+# kernels at Llama sizes against the dequantized reference) and tests/engine/test_kv_cache_quantized.py
 # (the fp8 cache in the decode CUDA graphs). kernels: the attention microbenchmark over a bf16 and an
 # fp8 cache (decode 64 x 4k GB/s against copy bandwidth, batch-1 decode, prefill). Logs and
 # results JSON go to $OUT; STEP_TIMEOUT (seconds, default 590) caps each step.
@@ -23,7 +23,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --form
 for step in $STEPS; do
   echo "=== $step ($(date +%T))"
   case $step in
-    tests) $PY -m pytest -m gpu tests/kernels/test_kv_fp8.py tests/engine/test_kv_cache_fp8.py -q \
+    tests) $PY -m pytest -m gpu tests/kernels/test_kv_fp8.py tests/engine/test_kv_cache_quantized.py -q \
         -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     kernels) $PY -m kvfleet_engine.bench.kernels --output-dir "$OUT" 2>&1 | tee "$OUT/kernels.log" \
         | grep -v Warning ;;

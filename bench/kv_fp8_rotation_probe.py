@@ -1,16 +1,23 @@
-"""What an fp8 KV cache loses in perplexity, and what transforms of K and V before quantizing
-recover (a probe: the engine does not do these yet). On the reference backend (`attention_torch`,
-float32, the CPU), every store and attention call of one `LLM` is wrapped:
+"""What an 8-bit KV cache loses in perplexity, and what transforms of K and V before rounding
+recover (a probe). On the reference backend (`attention_torch`, float32, the CPU), every store
+and attention call of one `LLM` is wrapped. Since 594f199 the engine itself stores an fp8 cache's
+K rotated by the normalised Hadamard matrix H after RoPE (queries likewise, `layers.kv_rotation`),
+so the wrapped calls see q H and k H; H H = I undoes it where a mode needs the plain K.
 
-- `fp8`: the cache as the engine stores it (e4m3, a scale per token and kv head);
-- `fp8-kmean`: each layer's mean post-RoPE K (per kv head and channel, from a teacher-forced pass
-  over stdlib docstrings, never the evaluation text) subtracted before quantizing; softmax
-  ignores a per-query constant, so q · (k - m) ranks the keys as q · k does;
-- `fp8-hadamard-k`: post-RoPE q and k both multiplied by the normalised Hadamard matrix H
-  (orthonormal, so (qH) · (kH) = q · k), which spreads a channel's outlier over all of them
-  before the per-token scale is taken; no calibration;
-- `fp8-kmean-hadamard-k`: both;
-- `fp8-hadamard-kv`: H on V as well, the attention output multiplied back by H (H H = I).
+- `fp8`: the cache as the engine stores it (e4m3, a scale per token and kv head, K rotated);
+- `fp8-unrotated`: the same codes of the plain K (the engine before 594f199);
+- `fp8-signs`: K and q times D H instead of H, D a fixed random ±1 diagonal (QuaRot's form);
+- `fake-k`, `fake-v`: a cache in the model's dtype holding K (or V) rounded as the fp8 cache
+  rounds it and the other exact, which splits the gap between the two; `fake-k-hadamard`: K
+  rotated, then rounded;
+- `fake-k-int8-hadamard`, `fake-k-e3m4-hadamard`: K rotated, then rounded to other 8-bit codes
+  with a scale per token and kv head: symmetric integers (amax -> 127), or a float with 3
+  exponent and 4 mantissa bits (amax -> 31, subnormals below 1/4); `fake-v-int8`: V as integers.
+
+The modes of session 18 (`fp8-kmean`: each layer's mean K subtracted; `fp8-hadamard-k`: the
+rotation the engine now does; `fp8-hadamard-kv`: V rotated as well) ran on the tree before
+594f199 (this file at 91cccdd; their JSON:
+bench/results/2026-12-04-cpu-kv-fp8-rotation-probe-smollm2-8k.json).
 
     PYTHONPATH=engine python bench/kv_fp8_rotation_probe.py MODEL [--max-tokens 8192] [--out F]
 
@@ -20,45 +27,21 @@ every 1,024 over the first MAX_TOKENS tokens of pydoc_data.topics).
 
 from __future__ import annotations
 
-import argparse
-import collections
 import dataclasses
-import email
 import functools
-import inspect
-import itertools
-import json
-import logging
-import pathlib
-import re
 import sys
-import time
-import typing
-import unittest
 from collections.abc import Callable
 from typing import Any
 
+import probe_modes
 import torch
 
 from kvfleet_engine import LLM
 from kvfleet_engine.bench.perplexity import evaluation_tokens, perplexity
 from kvfleet_engine.layers import attention_torch as reference
 
-MODES = ("auto", "fp8", "fp8-kmean", "fp8-hadamard-k", "fp8-kmean-hadamard-k", "fp8-hadamard-kv")
-CALIBRATION_TOKENS = 2048
-
-
-def calibration_text() -> str:
-    """Docstrings of a few stdlib modules and their classes and functions."""
-    modules = [collections, dataclasses, email, functools, inspect, itertools, json, logging]
-    modules += [pathlib, re, typing, unittest, argparse]
-    docs = []
-    for module in modules:
-        docs.append(module.__doc__ or "")
-        for _, obj in sorted(vars(module).items()):
-            if (inspect.isfunction(obj) or inspect.isclass(obj)) and isinstance(obj.__doc__, str):
-                docs.append(obj.__doc__)
-    return "\n\n".join(docs)
+MODES = ("auto", "fp8", "fp8-unrotated", "fp8-signs", "fake-k", "fake-v", "fake-k-hadamard")
+MODES += ("fake-k-int8-hadamard", "fake-k-e3m4-hadamard", "fake-v-int8")
 
 
 @functools.cache
@@ -70,17 +53,58 @@ def hadamard(dim: int) -> torch.Tensor:
     return h / dim**0.5
 
 
+@functools.cache
+def signs(dim: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(dim)
+    return torch.randint(0, 2, (dim,), generator=generator).float() * 2 - 1
+
+
 def rotate(x: torch.Tensor) -> torch.Tensor:  # [..., dim] @ H
     return (x.float() @ hadamard(x.shape[-1])).to(x.dtype)
 
 
+def resign(x: torch.Tensor) -> torch.Tensor:
+    """x H (as the engine rotated it) -> x D H: times H (undoing it), D, then H again."""
+    dim = x.shape[-1]
+    return (((x.float() @ hadamard(dim)) * signs(dim)) @ hadamard(dim)).to(x.dtype)
+
+
+def fake_fp8(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the fp8 cache stores it (codes times their row's scale)."""
+    codes, scale = reference.quantize_kv(x)
+    return reference.dequantize_kv(codes, scale).to(x.dtype)
+
+
+def fake_codes(x: torch.Tensor, codes: str) -> torch.Tensor:
+    """x rounded to 8-bit `codes` ("int8" or "e3m4") with a scale per row (its amax maps to the
+    largest code), back in x's dtype."""
+    f = x.float()
+    amax = f.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+    if codes == "int8":
+        scale = amax / 127
+        return ((f / scale).round().clamp(-127, 127) * scale).to(x.dtype)
+    top = 31.0  # e3m4 with bias 3: (1 + m / 16) * 2^(e - 3), e = 1..7; subnormals below 2^-2
+    y = f / (amax / top)
+    exponent = torch.floor(torch.log2(y.abs().clamp(min=1e-30))).clamp(min=-2)
+    step = torch.exp2(exponent - 4)
+    return ((y / step).round() * step).clamp(-top, top).mul(amax / top).to(x.dtype)
+
+
 @dataclasses.dataclass
 class Probe:
-    """The transforms of the current mode, keyed by each layer's K cache tensor."""
+    """The transforms of the current mode."""
 
     mode: str = "auto"
-    recording: dict[int, list[Any]] | None = None
-    k_mean: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def transform_k(self, key: torch.Tensor, fp8: bool) -> torch.Tensor:
+        """What this mode does to a key (or query) the engine hands over (rotated if fp8)."""
+        if fp8 and self.mode == "fp8-unrotated":
+            return rotate(key)
+        if fp8 and self.mode == "fp8-signs":
+            return resign(key)
+        if not fp8 and self.mode.startswith("fake") and "hadamard" in self.mode:
+            return rotate(key)
+        return key
 
     def store(
         self,
@@ -94,35 +118,23 @@ class Probe:
         v_scales: torch.Tensor | None = None,
     ) -> None:
         """`attention_torch.store_kv`, after this mode's transforms of K and V."""
-        layer = id(k_cache)
-        if self.recording is not None:
-            keep = slot_mapping >= 0
-            total = self.recording.setdefault(layer, [0, 0.0])
-            total[0] += int(keep.sum())
-            total[1] = total[1] + key[keep].double().sum(0)
-        if k_scales is not None:
-            if "kmean" in self.mode:
-                key = key - self.k_mean[layer].to(key.dtype)
-            if "hadamard" in self.mode:
-                key = rotate(key)
-            if self.mode == "fp8-hadamard-kv":
-                value = rotate(value)
+        key = self.transform_k(key, k_scales is not None)
+        if self.mode.startswith("fake"):
+            codes = next((c for c in ("int8", "e3m4") if c in self.mode), None)
+            fake = fake_fp8 if codes is None else functools.partial(fake_codes, codes=codes)
+            key = fake(key) if "-k" in self.mode else key
+            value = fake(value) if "-v" in self.mode else value
         STORE(key, value, k_cache, v_cache, slot_mapping, k_scales=k_scales, v_scales=v_scales)
 
     def attention(self, function: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        """`function` (an attention call) with this mode's transforms of q and the output."""
+        """`function` (an attention call) with this mode's transform of q."""
 
         def call(
             query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *args: Any,
             **kwargs: Any,
         ) -> torch.Tensor:  # fmt: skip
-            fp8 = kwargs.get("k_scales") is not None
-            if fp8 and "hadamard" in self.mode:
-                query = rotate(query)
-            out = function(query, k_cache, v_cache, *args, **kwargs)
-            if fp8 and self.mode == "fp8-hadamard-kv":
-                out = rotate(out)
-            return out
+            query = self.transform_k(query, kwargs.get("k_scales") is not None)
+            return function(query, k_cache, v_cache, *args, **kwargs)
 
         return call
 
@@ -135,48 +147,18 @@ reference.prefill_attention = PROBE.attention(reference.prefill_attention)
 
 
 def run(model: str, mode: str, max_tokens: int) -> float:
-    cache = "auto" if mode == "auto" else "fp8"
+    cache = "fp8" if mode.startswith("fp8") else "auto"
     llm = LLM(
         model, device="cpu", attention_backend="torch", kv_cache_dtype=cache, max_model_len=2048
     )
-    tokenizer = llm.get_tokenizer()
-    PROBE.mode, PROBE.k_mean = "auto", {}
-    if "kmean" in mode:
-        PROBE.recording = {}
-        ids = tokenizer.encode(calibration_text())[:CALIBRATION_TOKENS]
-        perplexity(llm, ids, CALIBRATION_TOKENS, CALIBRATION_TOKENS // 2)
-        PROBE.k_mean = {layer: (s / n).float() for layer, (n, s) in PROBE.recording.items()}
-        PROBE.recording = None
     PROBE.mode = mode
-    return perplexity(llm, evaluation_tokens(tokenizer, max_tokens), 2048, 1024).perplexity
+    tokens = evaluation_tokens(llm.get_tokenizer(), max_tokens)
+    return perplexity(llm, tokens, 2048, 1024).perplexity
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("model")
-    parser.add_argument("--max-tokens", type=int, default=8192)
-    parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--out", help="write the results JSON here")
-    args = parser.parse_args(argv)
     torch.manual_seed(0)
-    rows = {}
-    for mode in args.modes.split(","):
-        started = time.perf_counter()
-        rows[mode] = run(args.model, mode, args.max_tokens)
-        gap = (rows[mode] / rows["auto"] - 1) * 100 if "auto" in rows else float("nan")
-        print(f"{mode:22s} {rows[mode]:.4f} {gap:+.2f}%  ({time.perf_counter() - started:.0f} s)")
-    result = {
-        "command": "PYTHONPATH=engine python bench/kv_fp8_rotation_probe.py " + " ".join(argv),
-        "model": pathlib.Path(args.model).name,
-        "max_tokens": args.max_tokens,
-        "perplexity": rows,
-        "vs_auto_percent": {m: (v / rows["auto"] - 1) * 100 for m, v in rows.items()}
-        if "auto" in rows
-        else None,
-    }
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+    return probe_modes.main(argv, "kv_fp8_rotation_probe.py", __doc__.split("\n\n")[0], MODES, run)
 
 
 if __name__ == "__main__":

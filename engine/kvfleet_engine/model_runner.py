@@ -28,7 +28,7 @@ import torch
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.cuda_graphs import DecodeGraphs
 from kvfleet_engine.layers.attention import Attention
-from kvfleet_engine.layers.attention_torch import FP8_DTYPE
+from kvfleet_engine.layers.attention_torch import CODE_MAX
 from kvfleet_engine.outputs import ModelRunnerOutput
 from kvfleet_engine.parallel.groups import Groups, RankPlace
 from kvfleet_engine.parallel.messages import Allocate, Loaded, Measure, Measured, Ready
@@ -126,7 +126,7 @@ class ModelRunner:
             self.num_blocks,
             self.block_size,
             self.kv_cache_dtype,
-            " with bfloat16 scales per token and kv head" if self._fp8_cache else "",
+            " with bfloat16 scales per token and kv head" if self._quantized_cache else "",
             f", {parallel.world_size} ranks (tensor parallel {parallel.tensor_parallel_size}, "
             f"pipeline parallel {parallel.pipeline_parallel_size})"
             if self.workers is not None
@@ -183,8 +183,8 @@ class ModelRunner:
         return self.config.parallel.world_size
 
     @property
-    def _fp8_cache(self) -> bool:
-        return self.kv_cache_dtype == FP8_DTYPE
+    def _quantized_cache(self) -> bool:
+        return self.kv_cache_dtype in CODE_MAX
 
     # ---- the step -------------------------------------------------------------------------
 

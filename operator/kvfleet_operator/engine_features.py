@@ -5,7 +5,7 @@ hand it: `--tensor-parallel-size` 1, 2, 4 or 8, on one node or several (`--nnode
 whose ranks outgrow a node's devices); `--pipeline-parallel-size` any size (the plan refuses
 one larger than the model's layers, and the engine checks it again); `--quantization` int8,
 fp8, awq and gptq (render.py maps the CRD's names onto the engine's), none of them for a GGUF
-file; `--kv-cache-dtype` auto or fp8.
+file; `--kv-cache-dtype` auto, fp8 or int8.
 
 The CRD accepts the full API so that plans for larger topologies are computed and reported; an
 InferenceDeployment that needs a value outside these sets is reported as Stalled with reason
@@ -18,7 +18,7 @@ from kvfleet_operator.models import InferenceDeploymentSpec
 
 TENSOR_PARALLEL_SIZES = frozenset({1, 2, 4, 8})
 WEIGHT_QUANTIZATIONS = frozenset({"none", "int8", "fp8", "int4-awq", "int4-gptq"})
-KV_CACHE_QUANTIZATIONS = frozenset({"auto", "fp8"})
+KV_CACHE_QUANTIZATIONS = frozenset({"auto", "fp8", "int8"})
 # Whether a GGUF file's weights stay in their quantized blocks in GPU memory: the engine keeps
 # the block linears (q, k, v, o, gate, up, down) of the GGUF_KEPT_QUANTIZED types quantized on
 # CUDA, so the memory plan counts each header tensor at its engine bytes (plan.py).

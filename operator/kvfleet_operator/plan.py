@@ -46,10 +46,10 @@ GIB = 1024**3
 RUNTIME_RESERVE_GIB = 1.5
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 UNQUANTIZED_BYTES = 2  # bf16: every weight of `none`, and what a quantized model keeps unquantized
-KV_ELEMENT_BYTES = {"auto": 2, "fp8": 1}
-# The e4m3 KV cache keeps one bfloat16 scale per (token, KV head) beside the blocks, for K and V
-# (engine kernels/kv_fp8.py).
-KV_SCALE_BYTES = {"auto": 0, "fp8": 2}
+KV_ELEMENT_BYTES = {"auto": 2, "fp8": 1, "int8": 1}
+# A quantized KV cache (e4m3 or int8 codes) keeps one bfloat16 scale per (token, KV head) beside
+# the blocks, for K and V (engine kernels/kv_fp8.py).
+KV_SCALE_BYTES = {"auto": 0, "fp8": 2, "int8": 2}
 INT4_GROUP_SIZE = 128  # input columns per int4 scale and offset (AWQ's and GPTQ's usual group)
 # Startup probe budget: loading reads weights from local disk or a volume.
 STARTUP_BASE_SECONDS = 120
@@ -231,10 +231,12 @@ def check_quantization(
     gpu = spec.resources.accelerator
     if PRODUCT_LABEL in profile.node_selector:
         gpu += f" ({profile.node_selector[PRODUCT_LABEL]})"
+    hint = {"quantization.kvCache=fp8": " (quantization.kvCache=int8 runs on any GPU)"}
     return [
         Problem(
             "UnsupportedQuantization",
-            f"{field} needs compute capability >= {need}; {gpu} has {profile.compute_capability}",
+            f"{field} needs compute capability >= {need}; {gpu} has {profile.compute_capability}"
+            + hint.get(field, ""),
         )
         for field in fp8_fields
     ]

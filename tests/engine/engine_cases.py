@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,3 +134,17 @@ def assert_greedy_equal(
 def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(256) for _ in range(n)] for n in lengths]
+
+
+def run_interpreted(script: str, *args: str, timeout: int) -> Any:
+    """`python -c script args` with the Triton kernels under the interpreter (a fresh process:
+    TRITON_INTERPRET is read at import); the JSON of its last line of output."""
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

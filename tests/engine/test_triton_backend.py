@@ -11,14 +11,11 @@ engine runs in a fresh subprocess."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from engine_cases import assert_greedy_equal, random_prompts
+from engine_cases import assert_greedy_equal, random_prompts, run_interpreted
 
 from conftest import Checkpoints
 
@@ -59,15 +56,7 @@ print(json.dumps([o.outputs[0].token_ids for o in outputs]))
 def test_triton_backend_matches_transformers(checkpoints: Checkpoints) -> None:
     prompts = random_prompts([1, 17, 40, 5], seed=31)
     path: Path = checkpoints.path("qwen3")
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(path), json.dumps(prompts)],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    tokens = json.loads(proc.stdout.strip().splitlines()[-1])
+    tokens = run_interpreted(SCRIPT, str(path), json.dumps(prompts), timeout=300)
     for prompt, engine_tokens in zip(prompts, tokens, strict=True):
         ref = checkpoints.reference("qwen3", prompt, 5)
         assert_greedy_equal(engine_tokens, ref, f"prompt of {len(prompt)}")
@@ -126,15 +115,7 @@ print(json.dumps({"size": size, "apart": apart, "rows": list(padded.shape), "unt
 
 
 def test_prompt_graph_padded_forward_matches_the_eager_forward(checkpoints: Checkpoints) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c", PADDED_SCRIPT, str(checkpoints.path("llama3"))],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_interpreted(PADDED_SCRIPT, str(checkpoints.path("llama3")), timeout=300)
     assert result["size"] == 32 and result["rows"][0] == 3 and result["untouched"]
     assert not result["apart"]  # one decode: the prefill kernel's
     assert result["max_abs_diff"] <= 1e-5 * max(1.0, result["scale"]), result
@@ -174,16 +155,9 @@ print(json.dumps(runs))
 
 def test_decode_over_a_shared_cached_prefix_gives_the_same_tokens(checkpoints: Checkpoints) -> None:
     prefix, *tails = random_prompts([40, *range(3, 19)], seed=33)
-    proc = subprocess.run(
-        [sys.executable, "-c", SHARED_SCRIPT, str(checkpoints.path("llama3")),
-         json.dumps([prefix, tails])],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = json.loads(proc.stdout.strip().splitlines()[-1])
+    runs = run_interpreted(
+        SHARED_SCRIPT, str(checkpoints.path("llama3")), json.dumps([prefix, tails]), timeout=300
+    )
     shared, plain = runs["32"], runs["0"]
     assert shared["shared_steps"] >= 5 and plain["shared_steps"] == 0, runs
     # The engine's counter (kvfleet_shared_prefix_steps_total) counts those steps, no others.
@@ -230,16 +204,9 @@ def test_mixed_steps_give_the_same_tokens_with_their_decodes_apart(
     checkpoints: Checkpoints,
 ) -> None:
     prefix, *tails = random_prompts([40, *range(10, 30)], seed=34)
-    proc = subprocess.run(
-        [sys.executable, "-c", MIXED_SCRIPT, str(checkpoints.path("llama3")),
-         json.dumps([prefix, tails])],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = json.loads(proc.stdout.strip().splitlines()[-1])
+    runs = run_interpreted(
+        MIXED_SCRIPT, str(checkpoints.path("llama3")), json.dumps([prefix, tails]), timeout=300
+    )
     apart, together = runs["true"], runs["false"]
     # Steps with 16+ decodes beside a prompt chunk happened, some over the shared prefix.
     assert apart["apart_steps"] >= 3 and apart["apart_shared_steps"] >= 1, runs

@@ -1,6 +1,7 @@
-"""The fp8 KV cache: the quantization rule (`attention_torch.quantize_kv`), the store kernels that
-must follow it bit for bit, and every attention implementation reading an fp8 cache against
-dense attention over the dequantized K/V (and, more loosely, over the exact K/V).
+"""The quantized KV caches (fp8: e4m3 codes; int8: integer codes): the quantization rule
+(`attention_torch.quantize_kv`), the store kernels that must follow it bit for bit, and every
+attention implementation reading a quantized cache against dense attention over the dequantized
+K/V (and, more loosely, over the exact K/V). The tests marked with CODES run for both.
 
 Without a GPU the Triton kernels run under the interpreter (set up by test_triton_kernels) on
 small sizes; with one, the `gpu` cases run them in bf16 at Llama-like sizes.
@@ -84,6 +85,10 @@ FP8_ATTENTION_ERROR = 0.05
 BACKENDS = pytest.mark.parametrize("backend", [ref, attention_sdpa], ids=["torch", "sdpa"])
 # The V cache token major (what the engine allocates for the Triton backend) or in K's row layout.
 V_LAYOUTS = pytest.mark.parametrize("v_layout", ["tokens", "rows"])
+# The code types of a quantized cache: kv_cache_dtype fp8 and int8.
+CODES = pytest.mark.parametrize("codes", [FP8_DTYPE, torch.int8], ids=["e4m3", "int8"])
+# A code the int8 rule never writes (codes are -127..127): what an int8 cache starts filled with.
+INT8_UNWRITTEN = -128
 
 
 def _laid_out(cache: torch.Tensor, v_layout: str) -> torch.Tensor:
@@ -109,15 +114,17 @@ class Fp8Case:
         return {"k_scales": self.k_scales, "v_scales": self.v_scales}
 
 
-def _fp8_case(exact: PagedCase, v_layout: str = "tokens") -> Fp8Case:
-    """The case's cache quantized slot by slot (unused NaN slots stay NaN in codes and scales),
-    V laid out as v_layout says."""
-    k_cache, k_scales = quantize_kv(exact.k_cache)
-    v_cache, v_scales = quantize_kv(exact.v_cache)
+def _fp8_case(
+    exact: PagedCase, v_layout: str = "tokens", codes: torch.dtype = FP8_DTYPE
+) -> Fp8Case:
+    """The case's cache quantized slot by slot to `codes` (unused NaN slots stay NaN in the
+    scales, and in e4m3 codes), V laid out as v_layout says."""
+    k_cache, k_scales = quantize_kv(exact.k_cache, codes)
+    v_cache, v_scales = quantize_kv(exact.v_cache, codes)
     case = dataclasses.replace(
         exact,
-        keys=[dequantize_kv(*quantize_kv(k)) for k in exact.keys],
-        values=[dequantize_kv(*quantize_kv(v)) for v in exact.values],
+        keys=[dequantize_kv(*quantize_kv(k, codes)) for k in exact.keys],
+        values=[dequantize_kv(*quantize_kv(v, codes)) for v in exact.values],
     )
     return Fp8Case(
         case,
@@ -161,6 +168,30 @@ def test_quantize_kv_keeps_each_row_within_e4m3_rounding_and_never_clips() -> No
     assert row_error[others].max() < 0.05, "every other row keeps e4m3's precision"
 
 
+def test_quantize_kv_int8_rounds_each_row_to_nearest_even_on_its_own_grid() -> None:
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randn(64, 4, 128, generator=gen) * torch.logspace(-4, 3, 64)[:, None, None]
+    rows[0, 0] = 0.0  # an all-zero row
+    rows[1, 1, 7] = 1e4  # an outlier coarsens its own row only
+    codes, scales = quantize_kv(rows, torch.int8)
+    assert codes.dtype == torch.int8 and codes.shape == rows.shape
+    assert scales.dtype == torch.bfloat16 and scales.shape == rows.shape[:2]
+    assert codes.abs().max() <= 127, "-128 is never written"
+    assert (scales.float() * 127 >= rows.abs().amax(-1)).all(), "a scale below amax / 127 clips"
+    back = dequantize_kv(codes, scales)
+    assert torch.equal(back[0, 0], torch.zeros(128))
+    # Every element within half a step of its row's grid (and float32's rounding before it).
+    step = scales.float()[..., None]
+    assert ((back - rows).abs() <= step * (0.5 + 1e-5)).all()
+    # Ties go to the even code: a row of amax 127 * 2^-3 has scale 2^-3 exactly.
+    tie = torch.tensor([[127.0, 2.5, 3.5, -2.5, -0.5, 0.5, 1.5]]) / 8
+    assert quantize_kv(tie, torch.int8)[0].tolist() == [[127, 2, 4, -2, 0, 0, 2]]
+    others = torch.ones(64, 4, dtype=torch.bool)
+    others[1, 1] = False
+    row_error = (back - rows).norm(dim=-1) / rows.norm(dim=-1).clamp(min=1e-30)
+    assert row_error[others].max() < 0.02, "integers on the row's grid: ~0.6% on normal rows"
+
+
 @pytest.mark.parametrize(
     "device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)], ids=["cpu", "gpu"]
 )
@@ -185,11 +216,17 @@ def test_quantize_kv_scale_is_the_correctly_rounded_quotient_on_every_device(dev
 # ---- the store kernels ------------------------------------------------------------------------
 
 
-def _empty_fp8_cache(case: PagedCase, v_layout: str = "tokens") -> dict[str, torch.Tensor]:
-    """Codes and scales filled with NaN, so a skipped or missing store shows."""
+def _empty_fp8_cache(
+    case: PagedCase, v_layout: str = "tokens", codes_dtype: torch.dtype = FP8_DTYPE
+) -> dict[str, torch.Tensor]:
+    """Codes and scales filled with NaN (int8 codes with INT8_UNWRITTEN), so a skipped or missing
+    store shows."""
     num_blocks, block_size, num_kv_heads, _ = case.k_cache.shape
     device = case.k_cache.device
-    codes = torch.full(case.k_cache.shape, float("nan"), device=device).to(FP8_DTYPE)
+    if codes_dtype == torch.int8:
+        codes = torch.full(case.k_cache.shape, INT8_UNWRITTEN, dtype=torch.int8, device=device)
+    else:
+        codes = torch.full(case.k_cache.shape, float("nan"), device=device).to(FP8_DTYPE)
     scales = torch.full((num_blocks, num_kv_heads, block_size), float("nan"), device=device)
     return {
         "k_cache": codes,
@@ -201,8 +238,9 @@ def _empty_fp8_cache(case: PagedCase, v_layout: str = "tokens") -> dict[str, tor
 
 @pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
 @V_LAYOUTS
+@CODES
 def test_store_kv_writes_the_reference_codes_and_scales(
-    device, dtype, tol, sizes, v_layout
+    device, dtype, tol, sizes, v_layout, codes
 ) -> None:
     _skip_if_unavailable(device)
     case = make_paged_case([23, 9], [23, 9], **sizes, dtype=dtype, device=device, seed=1)
@@ -210,7 +248,7 @@ def test_store_kv_writes_the_reference_codes_and_scales(
     key[3, 1, 5] = 300.0  # an outlier in one row
     slots = case.slot_mapping.clone()
     slots[::5] = -1
-    want, got = _empty_fp8_cache(case, "rows"), _empty_fp8_cache(case, v_layout)
+    want, got = _empty_fp8_cache(case, "rows", codes), _empty_fp8_cache(case, v_layout, codes)
     assert token_major(got["v_cache"]) == (v_layout == "tokens")
     ref.store_kv(key, value, want["k_cache"], want["v_cache"], slots,
                  k_scales=want["k_scales"], v_scales=want["v_scales"])  # fmt: skip
@@ -225,8 +263,9 @@ def test_store_kv_writes_the_reference_codes_and_scales(
 @pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
 @pytest.mark.parametrize(("group", "head_dim_scale"), [(None, 1), (3, 1.5)])
 @V_LAYOUTS
+@CODES
 def test_rotary_store_kv_quantizes_the_rotated_key(
-    device, dtype, tol, sizes, group, head_dim_scale, v_layout
+    device, dtype, tol, sizes, group, head_dim_scale, v_layout, codes
 ) -> None:
     _skip_if_unavailable(device)
     kv_heads = sizes["num_kv_heads"]
@@ -244,10 +283,10 @@ def test_rotary_store_kv_quantizes_the_rotated_key(
     angles = torch.rand(100, dim // 2, generator=gen, dtype=torch.float64) * 6.3
     cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).float().to(device)
     positions = torch.randint(0, 100, (num_tokens,), generator=gen).to(device)
-    got = _empty_fp8_cache(case, v_layout)
+    got = _empty_fp8_cache(case, v_layout, codes)
     fused.rotary_store_kv(positions, q, k, v, cos_sin, got["k_cache"], got["v_cache"], slots,
                           k_scales=got["k_scales"], v_scales=got["v_scales"])  # fmt: skip
-    want = _empty_fp8_cache(case, "rows")  # what store_kv writes for the key as rotated
+    want = _empty_fp8_cache(case, "rows", codes)  # what store_kv writes for the key as rotated
     ref.store_kv(k, v, want["k_cache"], want["v_cache"], slots,
                  k_scales=want["k_scales"], v_scales=want["v_scales"])  # fmt: skip
     for name in want:
@@ -256,8 +295,9 @@ def test_rotary_store_kv_quantizes_the_rotated_key(
 
 @pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
 @V_LAYOUTS
+@CODES
 def test_rotary_store_kv_with_hadamard_rotates_q_and_k_by_h_and_keeps_the_scores(
-    device, dtype, tol, sizes, v_layout
+    device, dtype, tol, sizes, v_layout, codes
 ) -> None:
     """hadamard=True: q and k in place are RoPE'd then times H (`kv_rotation.rotate`), the cache
     holds what store_kv writes for that k, v unrotated; q · k of every pair is RoPE's."""
@@ -276,7 +316,7 @@ def test_rotary_store_kv_with_hadamard_rotates_q_and_k_by_h_and_keeps_the_scores
     positions = torch.randint(0, 100, (num_tokens,), generator=gen)
     roped_q = _rotate_half_reference(q, angles, positions)
     roped_k = _rotate_half_reference(k, angles, positions)
-    got = _empty_fp8_cache(case, v_layout)
+    got = _empty_fp8_cache(case, v_layout, codes)
     fused.rotary_store_kv(positions.to(device), q, k, v, cos_sin.float().to(device),
                           got["k_cache"], got["v_cache"], slots, k_scales=got["k_scales"],
                           v_scales=got["v_scales"], hadamard=True)  # fmt: skip
@@ -284,7 +324,7 @@ def test_rotary_store_kv_with_hadamard_rotates_q_and_k_by_h_and_keeps_the_scores
     assert relative_error(k, kv_rotation.rotate(roped_k)) < tol
     scores = torch.einsum("thd,tgd->thg", q.double().cpu(), k.double().cpu())
     assert relative_error(scores, torch.einsum("thd,tgd->thg", roped_q, roped_k)) < tol
-    want = _empty_fp8_cache(case, "rows")
+    want = _empty_fp8_cache(case, "rows", codes)
     ref.store_kv(k, v, want["k_cache"], want["v_cache"], slots,
                  k_scales=want["k_scales"], v_scales=want["v_scales"])  # fmt: skip
     for name in want:
@@ -300,7 +340,7 @@ def test_rotary_store_kv_rejects_hadamard_for_a_head_size_not_a_power_of_two() -
                               torch.zeros(1, dtype=torch.int64), hadamard=True)  # fmt: skip
 
 
-def test_kv_rotation_is_orthonormal_and_only_for_fp8_caches_of_power_of_two_heads() -> None:
+def test_kv_rotation_is_orthonormal_and_only_for_quantized_caches_of_power_of_two_heads() -> None:
     h = kv_rotation.hadamard_matrix(64, torch.device("cpu"))
     assert torch.allclose(h @ h.T, torch.eye(64), atol=1e-6)
     assert kv_rotation.rotates(64, True) and kv_rotation.rotates(128, True)
@@ -313,11 +353,14 @@ def test_kv_rotation_is_orthonormal_and_only_for_fp8_caches_of_power_of_two_head
 @pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
 @pytest.mark.parametrize("num_splits", [None, 1, 5])
 @V_LAYOUTS
-def test_decode_reads_the_fp8_cache(device, dtype, tol, sizes, num_splits, v_layout) -> None:
+@CODES
+def test_decode_reads_the_quantized_cache(
+    device, dtype, tol, sizes, num_splits, v_layout, codes
+) -> None:
     _skip_if_unavailable(device)
     lens = [1, 17, 64, 130] if device == "cpu" else [1, 17, 300, 2049, 4096]
     exact = make_paged_case(lens, [1] * len(lens), **sizes, dtype=dtype, device=device)
-    fp8 = _fp8_case(exact, v_layout)
+    fp8 = _fp8_case(exact, v_layout, codes)
     case = fp8.case
     out = decode.paged_decode_attention(
         case.query, fp8.k_cache, fp8.v_cache, case.block_tables, case.context_lens, case.scale,
@@ -421,8 +464,9 @@ def test_fp16_attention_over_small_values_keeps_fp16_precision(device, sizes) ->
     ],
 )
 @V_LAYOUTS
-def test_prefill_reads_the_fp8_cache(
-    device, dtype, tol, sizes, context_lens, query_lens, block_size, group, v_layout
+@CODES
+def test_prefill_reads_the_quantized_cache(
+    device, dtype, tol, sizes, context_lens, query_lens, block_size, group, v_layout, codes
 ) -> None:
     _skip_if_unavailable(device)
     if device == "cuda":  # long prompts and prefixes on the GPU
@@ -433,7 +477,7 @@ def test_prefill_reads_the_fp8_cache(
     exact = make_paged_case(
         context_lens, query_lens, **sizes, block_size=block_size, dtype=dtype, device=device
     )
-    fp8 = _fp8_case(exact, v_layout)
+    fp8 = _fp8_case(exact, v_layout, codes)
     case = fp8.case
     out = prefill.prefill_attention(
         case.query, fp8.k_cache, fp8.v_cache, case.block_tables, case.cu_query_lens,
@@ -446,8 +490,9 @@ def test_prefill_reads_the_fp8_cache(
 @pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
 @V_LAYOUTS
+@CODES
 def test_rotary_decode_attention_equals_rotary_store_then_decode(
-    device, dtype, tol, sizes, num_splits, v_layout
+    device, dtype, tol, sizes, num_splits, v_layout, codes
 ) -> None:
     """One launch stores the new token's codes and scales and attends, as rotary_store_kv then
     paged_decode_attention do, a padding row (length 0, slot -1) included."""
@@ -455,7 +500,7 @@ def test_rotary_decode_attention_equals_rotary_store_then_decode(
     heads, kv_heads, dim = sizes["num_q_heads"], sizes["num_kv_heads"], sizes["head_dim"]
     lens = [1, 17, 64, 130, 1] if device == "cpu" else [1, 17, 300, 2049, 4096, 1]
     exact = make_paged_case(lens, [1] * len(lens), **sizes, dtype=dtype, device=device)
-    fp8 = _fp8_case(exact, v_layout)
+    fp8 = _fp8_case(exact, v_layout, codes)
     case = fp8.case
     cu = torch.tensor([0, *lens]).cumsum(0)
     slots = case.slot_mapping[cu[1:] - 1].clone()  # each sequence's newest position
@@ -600,19 +645,28 @@ def test_prefill_of_fresh_prompts_reads_the_fp8_cache_at_the_engine_shapes(
 @BACKENDS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @V_LAYOUTS
-def test_backend_stores_then_attends_over_the_fp8_cache(backend, dtype, v_layout) -> None:
+@CODES
+def test_backend_stores_then_attends_over_the_quantized_cache(
+    backend, dtype, v_layout, codes
+) -> None:
     """The reference and CPU backends: store_kv quantizes, decode and prefill read the codes and
     scales (V in either layout); slots past each sequence hold NaN and never count."""
     exact = make_paged_case([30, 7, 64], [5, 1, 64], dtype=dtype, seed=21)
-    fp8 = _fp8_case(exact, v_layout)
+    fp8 = _fp8_case(exact, v_layout, codes)
     case = fp8.case
-    cache = _empty_fp8_cache(case, v_layout)
+    cache = _empty_fp8_cache(case, v_layout, codes)
     key, value = torch.cat(exact.keys), torch.cat(exact.values)
     backend.store_kv(key, value, cache["k_cache"], cache["v_cache"], case.slot_mapping,
                      k_scales=cache["k_scales"], v_scales=cache["v_scales"])  # fmt: skip
+    num_blocks, block_size = case.k_cache.shape[:2]
+    stored = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    stored[case.slot_mapping] = True
+    stored = stored.view(num_blocks, block_size)
     for name in cache:  # what the store wrote where the case's cache has data
-        written = ~vars(fp8)[name].float().isnan()
-        assert _same_bits(cache[name][written], vars(fp8)[name][written]), name
+        wanted = vars(fp8)[name]
+        written = stored[:, None, :] if name.endswith("scales") else stored[:, :, None, None]
+        written = written.expand(wanted.shape)
+        assert _same_bits(cache[name][written], wanted[written]), name
     scales = {"k_scales": cache["k_scales"], "v_scales": cache["v_scales"]}
     tables, lens = case.block_tables, case.context_lens
     out = backend.prefill_attention(
@@ -633,7 +687,7 @@ def test_wrappers_reject_an_fp8_cache_without_its_scales() -> None:
     fp8 = _fp8_case(make_paged_case([8], [1]))
     case = fp8.case
     args = (case.query, fp8.k_cache, fp8.v_cache, case.block_tables, case.context_lens, case.scale)
-    with pytest.raises(ValueError, match="an fp8 cache needs k_scales/v_scales"):
+    with pytest.raises(ValueError, match="a quantized cache needs k_scales/v_scales"):
         decode.paged_decode_attention(*args)
     with pytest.raises(
         ValueError, match=r"k_scales must be \[num_blocks, num_kv_heads, block_size\]"
@@ -652,7 +706,7 @@ def test_wrappers_reject_an_fp8_cache_without_its_scales() -> None:
     )
     with pytest.raises(ValueError, match="v_cache must have the strides of k_cache, or be token"):
         decode.paged_decode_attention(*args[:2], misaligned, *args[3:], **fp8.cache)
-    with pytest.raises(ValueError, match="only an fp8 cache has k_scales/v_scales"):
+    with pytest.raises(ValueError, match="only a quantized cache has k_scales/v_scales"):
         kv_store.store_kv(
             case.keys[0], case.values[0], case.k_cache, case.v_cache, case.slot_mapping,
             **fp8.cache,
@@ -662,8 +716,9 @@ def test_wrappers_reject_an_fp8_cache_without_its_scales() -> None:
 @pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
 @pytest.mark.parametrize("num_splits", [None, 1])
 @V_LAYOUTS
-def test_decode_over_a_shared_prefix_reads_the_fp8_cache(
-    device, dtype, tol, sizes, num_splits, v_layout
+@CODES
+def test_decode_over_a_shared_prefix_reads_the_quantized_cache(
+    device, dtype, tol, sizes, num_splits, v_layout, codes
 ) -> None:
     """The prefix kernel reads an fp8 cache's shared blocks (scales per token, either V layout)
     as the split kernel reads the rest: dense attention over the dequantized cache."""
@@ -673,7 +728,7 @@ def test_decode_over_a_shared_prefix_reads_the_fp8_cache(
     exact = make_paged_case(
         lens, [1] * len(lens), **sizes, dtype=dtype, device=device, seed=41, shared_blocks=shared
     )
-    fp8 = _fp8_case(exact, v_layout)
+    fp8 = _fp8_case(exact, v_layout, codes)
     case = fp8.case
     tokens = shared * 16
     described = torch.tensor([tokens, 1, *[tokens] * len(lens)], dtype=torch.int32, device=device)
@@ -686,8 +741,9 @@ def test_decode_over_a_shared_prefix_reads_the_fp8_cache(
 
 @pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
 @V_LAYOUTS
-def test_a_mixed_step_reads_the_fp8_cache_in_both_kernels(
-    device, dtype, tol, sizes, v_layout
+@CODES
+def test_a_mixed_step_reads_the_quantized_cache_in_both_kernels(
+    device, dtype, tol, sizes, v_layout, codes
 ) -> None:
     """A step with prompt tokens over an fp8 cache: the prefill kernel attends the chunks, the
     decode kernels the one-token sequences (over their shared prefix), one output."""
@@ -698,7 +754,7 @@ def test_a_mixed_step_reads_the_fp8_cache_in_both_kernels(
     exact = make_paged_case(
         lens, queries, **sizes, dtype=dtype, device=device, seed=42, shared_blocks=shared
     )
-    fp8 = _fp8_case(exact, v_layout)
+    fp8 = _fp8_case(exact, v_layout, codes)
     case = fp8.case
     tokens = shared * 16
     shares = [tokens * (n == 1) for n in queries]

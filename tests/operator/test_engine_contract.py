@@ -53,17 +53,20 @@ def test_a_gguf_file_is_passed_as_the_model_path(make_spec) -> None:
 
 
 @pytest.mark.parametrize("weights", sorted(ENGINE_QUANTIZATION))
-def test_quantized_args_parse_with_the_engine_parser(make_spec, weights: str) -> None:
+@pytest.mark.parametrize("kv_cache", ["fp8", "int8"])
+def test_quantized_args_parse_with_the_engine_parser(
+    make_spec, weights: str, kv_cache: str
+) -> None:
     parser = cli.build_parser()
     if "--kv-cache-dtype" not in parser.format_help():
         pytest.skip("this engine's `kvfleet serve` has no --kv-cache-dtype yet")
-    spec = make_spec(quantization={"weights": weights, "kvCache": "fp8"})
+    spec = make_spec(quantization={"weights": weights, "kvCache": kv_cache})
     profile = resolve_accelerator("h100-80gb", {})
     cluster = ClusterFeatures(leader_worker_set=False, service_monitor=False)
     plan = plan_deployment("x", spec, profile, model_architecture(spec.model), cluster)
     assert plan.ok, plan.problems
     args = parser.parse_args(engine_args(spec, plan, "/models/model"))
-    assert (args.quantization, args.kv_cache_dtype) == (ENGINE_QUANTIZATION[weights], "fp8")
+    assert (args.quantization, args.kv_cache_dtype) == (ENGINE_QUANTIZATION[weights], kv_cache)
 
 
 @pytest.mark.parametrize("leader_worker_set", [False, True])

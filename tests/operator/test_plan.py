@@ -120,12 +120,13 @@ def test_without_the_mlp_width_every_parameter_counts_as_quantized(make_spec) ->
     assert weight_bytes(numbers, "int4-awq") == LLAMA_8B_LINEAR * 0.53125 + LLAMA_8B_REST_BYTES
 
 
-def test_fp8_kv_cache_halves_the_cache_plus_its_scales(make_spec) -> None:
+@pytest.mark.parametrize("kv_cache", ["fp8", "int8"])
+def test_quantized_kv_cache_halves_the_cache_plus_its_scales(make_spec, kv_cache: str) -> None:
     long = {"model": {"maxModelLen": 131072}, "sla": {"concurrentSequences": 8}}
     auto = plan(make_spec(**long)).memory
-    fp8 = plan(make_spec(**long, quantization={"kvCache": "fp8"})).memory
-    # 2 × 32 layers × 8 KV heads × 128 × 2 B × 131072 × 8 = 128 GiB; e4m3: 1 B per element and
-    # a bfloat16 scale per (token, KV head) for K and V: × (128 + 2) / 256 = 65 GiB.
+    fp8 = plan(make_spec(**long, quantization={"kvCache": kv_cache})).memory
+    # 2 × 32 layers × 8 KV heads × 128 × 2 B × 131072 × 8 = 128 GiB; e4m3 or int8: 1 B per
+    # element and a bfloat16 scale per (token, KV head) for K and V: × (128 + 2) / 256 = 65 GiB.
     assert (auto.kv_cache_gib, fp8.kv_cache_gib) == (128.0, 65.0)
     assert fp8.required_gib == pytest.approx(fp8.weights_gib + 65.0 + 1.5, abs=0.01)
 
@@ -134,14 +135,15 @@ def test_fp8_needs_compute_capability_8_9(make_spec) -> None:
     both = {"weights": "fp8", "kvCache": "fp8"}
     p = plan(make_spec(quantization=both, resources={"accelerator": "a100-80gb"}))
     assert reasons(p) == ["UnsupportedQuantization", "UnsupportedQuantization"]
+    a100 = "a100-80gb (NVIDIA-A100-SXM4-80GB) has 8.0"
     assert [problem.message for problem in p.problems] == [
-        f"quantization.{field}=fp8 needs compute capability >= 8.9; a100-80gb "
-        "(NVIDIA-A100-SXM4-80GB) has 8.0"
-        for field in ("weights", "kvCache")
+        f"quantization.weights=fp8 needs compute capability >= 8.9; {a100}",
+        f"quantization.kvCache=fp8 needs compute capability >= 8.9; {a100} "
+        "(quantization.kvCache=int8 runs on any GPU)",
     ]
-    # int4 and int8 run on Ampere; fp8 from Ada (L4, 8.9) and Hopper on.
+    # int4 and int8 run on Ampere (an int8 KV cache too); fp8 from Ada (L4, 8.9) and Hopper on.
     for weights in ("int8", "int4-awq", "int4-gptq"):
-        assert plan(make_spec(quantization={"weights": weights},
+        assert plan(make_spec(quantization={"weights": weights, "kvCache": "int8"},
                               resources={"accelerator": "a100-80gb"})).ok  # fmt: skip
     for accelerator in ("l4", "h100-80gb", "b200"):
         spec = make_spec(
@@ -152,7 +154,9 @@ def test_fp8_needs_compute_capability_8_9(make_spec) -> None:
     ampere = AcceleratorProfileSpec(memory_gib=24, compute_capability="8.6")
     spec = make_spec(quantization={"kvCache": "fp8"}, resources={"accelerator": "lab-a10"})
     p = plan(spec, profiles={"lab-a10": ampere})
-    assert p.problems[0].message.endswith("lab-a10 has 8.6")
+    assert p.problems[0].message.endswith(
+        "lab-a10 has 8.6 (quantization.kvCache=int8 runs on any GPU)"
+    )
 
 
 def test_every_crd_quantization_is_served(make_spec) -> None:

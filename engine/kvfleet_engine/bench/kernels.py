@@ -1,10 +1,11 @@
 """Kernel microbenchmark: the paged decode attention kernel (64 sequences × 4k context, Llama-3.1-8B
 heads, bf16 queries) against the measured copy bandwidth, over a few tile/split/warp settings;
-plus batch-1 decode at 4k and a prefill step. Each runs over a bf16 cache and over an fp8 one
-(e4m3 codes + a bf16 scale per token and kv head, `kernels/kv_fp8.py`): the KV bytes a decode step
-reads (scales included) per second, against copy bandwidth, and the speed-up of fp8 over bf16.
+plus batch-1 decode at 4k and a prefill step. Each runs over a bf16 cache and over the quantized
+ones (e4m3 or int8 codes + a bf16 scale per token and kv head, `kernels/kv_fp8.py`): the KV bytes
+a decode step reads (scales included) per second, against copy bandwidth, and the speed-up of
+each over bf16.
 
-    python -m kvfleet_engine.bench.kernels --output-dir bench/results [--kv-cache-dtype fp8] \\
+    python -m kvfleet_engine.bench.kernels --output-dir bench/results [--kv-cache-dtype int8] \\
         [--cases decode prefill]
 """
 
@@ -19,10 +20,11 @@ import torch
 
 
 def _paged_kv(
-    num_seqs: int, context: int, num_kv_heads: int, head_dim: int, block_size: int, fp8: bool
+    num_seqs: int, context: int, num_kv_heads: int, head_dim: int, block_size: int, cache: str
 ):
-    """Random K/V in shuffled blocks: bf16, or quantized to e4m3 codes with their scales."""
-    from kvfleet_engine.layers.attention_torch import quantize_kv
+    """Random K/V in shuffled blocks: bf16 (cache "auto"), or quantized to e4m3 ("fp8") or int8
+    codes with their scales."""
+    from kvfleet_engine.layers.attention_torch import FP8_DTYPE, quantize_kv
 
     blocks_per_seq = -(-context // block_size)
     num_blocks = num_seqs * blocks_per_seq
@@ -30,8 +32,10 @@ def _paged_kv(
     k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     scales: dict[str, torch.Tensor] = {}
-    if fp8:  # scales [num_blocks, num_kv_heads, block_size]
-        (k_cache, k_scales), (v_cache, v_scales) = quantize_kv(k_cache), quantize_kv(v_cache)
+    if cache != "auto":  # scales [num_blocks, num_kv_heads, block_size]
+        codes = {"fp8": FP8_DTYPE, "int8": torch.int8}[cache]
+        (k_cache, k_scales) = quantize_kv(k_cache, codes)
+        (v_cache, v_scales) = quantize_kv(v_cache, codes)
         scales = {
             "k_scales": k_scales.transpose(1, 2).contiguous(),
             "v_scales": v_scales.transpose(1, 2).contiguous(),
@@ -50,7 +54,7 @@ def _split_layout(variant: dict, fp8: bool) -> tuple[dict, str]:
 
 
 def _kv_bytes(num_tokens: int, num_kv_heads: int, head_dim: int, fp8: bool) -> int:
-    """K and V of num_tokens tokens: bf16 rows, or e4m3 rows and a 2-byte scale each."""
+    """K and V of num_tokens tokens: bf16 rows, or 8-bit rows and a 2-byte scale each."""
     row = head_dim + 2 if fp8 else 2 * head_dim
     return 2 * num_tokens * num_kv_heads * row
 
@@ -70,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument(
         "--kv-cache-dtype",
-        choices=("all", "auto", "fp8"),
+        choices=("all", "auto", "fp8", "int8"),
         default="all",
-        help="cache of the runs: bf16 (auto), fp8, or both (all)",
+        help="cache of the runs: bf16 (auto), fp8, int8, or the three (all)",
     )
     parser.add_argument(
         "--cases",
@@ -80,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         choices=("decode", "prefill"),
         default=["decode", "prefill"],
         help="which kernels to time (default: both)",
+    )
+    parser.add_argument(
+        "--engine-only",
+        action="store_true",
+        help="time only what the engine launches (no sweep of tiles, splits and warps)",
     )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -94,11 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     lines = []
 
     def decode_case(
-        num_seqs: int, context: int, label: str, variants: list[dict], fp8: bool
+        num_seqs: int, context: int, label: str, variants: list[dict], cache: str
     ) -> float:
         """Best time (ms) over the variants; rows for the best and for the engine's settings."""
+        fp8 = cache != "auto"  # a quantized cache (fp8 or int8)
         k_cache, v_cache, block_tables, context_lens, scales = _paged_kv(
-            num_seqs, context, num_kv_heads, head_dim, block_size, fp8
+            num_seqs, context, num_kv_heads, head_dim, block_size, cache
         )
         query = torch.randn(num_seqs, num_q_heads, head_dim, device="cuda", dtype=torch.bfloat16)
         kv_bytes = _kv_bytes(num_seqs * context, num_kv_heads, head_dim, fp8)
@@ -140,11 +150,12 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"{label}: best {best[1]}")
         return best[0]
 
-    def prefill_case(label: str, fp8: bool, variants: list[dict]) -> float:
+    def prefill_case(label: str, cache: str, variants: list[dict]) -> float:
         """8 prompts of 1024 tokens, compute-bound: TFLOP/s (causal: half the square)."""
         num_seqs, q_len = 8, 1024
+        fp8 = cache != "auto"  # a quantized cache (fp8 or int8)
         k_cache, v_cache, block_tables, _, scales = _paged_kv(
-            num_seqs, q_len, num_kv_heads, head_dim, block_size, fp8
+            num_seqs, q_len, num_kv_heads, head_dim, block_size, cache
         )
         query = torch.randn(
             num_seqs * q_len, num_q_heads, head_dim, device="cuda", dtype=torch.bfloat16
@@ -242,30 +253,34 @@ def main(argv: list[str] | None = None) -> int:
         {"num_stages": 3},
         {"block_m": 128, "num_stages": 3},
     ]
-    dtypes = {"all": (False, True), "auto": (False,), "fp8": (True,)}[args.kv_cache_dtype]
+    if args.engine_only:
+        sweep = fp8_sweep = prefill_sweep = fp8_prefill_sweep = [{}]
+    all_caches = ("auto", "fp8", "int8")
+    caches = all_caches if args.kv_cache_dtype == "all" else (args.kv_cache_dtype,)
     big = f"decode_{args.num_seqs}x{args.context // 1024}k"
-    times: dict[bool, float] = {}
-    prefill_times: dict[bool, float] = {}
-    for fp8 in dtypes:
-        suffix = "_fp8" if fp8 else ""
+    times: dict[str, float] = {}
+    prefill_times: dict[str, float] = {}
+    for cache in caches:
+        suffix = "" if cache == "auto" else f"_{cache}"
+        quantized = cache != "auto"
         if "decode" in args.cases:
-            times[fp8] = decode_case(
-                args.num_seqs, args.context, big + suffix, fp8_sweep if fp8 else sweep, fp8
+            times[cache] = decode_case(
+                args.num_seqs, args.context, big + suffix, fp8_sweep if quantized else sweep, cache
             )
             one = [{}, {"block_n": 32}, {"num_splits": 64}]
-            decode_case(1, args.context, f"decode_1x{args.context // 1024}k{suffix}", one, fp8)
+            decode_case(1, args.context, f"decode_1x{args.context // 1024}k{suffix}", one, cache)
         if "prefill" in args.cases:
-            prefill_times[fp8] = prefill_case(
-                f"prefill_8x1k{suffix}", fp8, fp8_prefill_sweep if fp8 else prefill_sweep
+            prefill_times[cache] = prefill_case(
+                f"prefill_8x1k{suffix}", cache, fp8_prefill_sweep if quantized else prefill_sweep
             )
-    if len(times) == 2:
-        speedup = times[False] / times[True]
-        rows.append(Row("kvfleet", f"{big}_fp8_speedup_over_bf16", speedup, "x"))
-        lines.append(f"{big}: fp8 cache {speedup:.2f}x the bf16 cache's speed")
-    if len(prefill_times) == 2:
-        prefill_ratio = prefill_times[False] / prefill_times[True]
-        rows.append(Row("kvfleet", "prefill_8x1k_fp8_speed_of_bf16", prefill_ratio, "x"))
-        lines.append(f"prefill_8x1k: fp8 cache {prefill_ratio:.2f}x the bf16 cache's speed")
+    for cache in caches[1:] if "auto" in times else ():
+        speedup = times["auto"] / times[cache]
+        rows.append(Row("kvfleet", f"{big}_{cache}_speedup_over_bf16", speedup, "x"))
+        lines.append(f"{big}: {cache} cache {speedup:.2f}x the bf16 cache's speed")
+    for cache in caches[1:] if "auto" in prefill_times else ():
+        prefill_ratio = prefill_times["auto"] / prefill_times[cache]
+        rows.append(Row("kvfleet", f"prefill_8x1k_{cache}_speed_of_bf16", prefill_ratio, "x"))
+        lines.append(f"prefill_8x1k: {cache} cache {prefill_ratio:.2f}x the bf16 cache's speed")
 
     print("\n".join(lines))
     command = "python -m kvfleet_engine.bench.kernels " + shlex.join(argv or sys.argv[1:])
@@ -276,8 +291,12 @@ def main(argv: list[str] | None = None) -> int:
         "block_size": block_size,
         "dtype": "bfloat16",
         "kv_cache_dtypes": [
-            {False: "bfloat16", True: "fp8 (e4m3 + bfloat16 scale per token and kv head)"}[fp8]
-            for fp8 in dtypes
+            {
+                "auto": "bfloat16",
+                "fp8": "fp8 (e4m3 + bfloat16 scale per token and kv head)",
+                "int8": "int8 (integer codes + bfloat16 scale per token and kv head)",
+            }[cache]
+            for cache in caches
         ],
     }
     path = write_results(

@@ -44,6 +44,8 @@ SCHEMES: dict[str, Scheme] = {
     "gptq-w4a16-actorder": Scheme("gptq", 4, "int", "group", symmetric=True, actorder="weight"),
     "awq-w4a16": Scheme("awq", 4, "int", "group", symmetric=False),
     "fp8-dynamic": Scheme("rtn", 8, "float", "channel", True, dynamic_fp8_activations=True),
+    # The same format, each weight column rounded by GPTQ against the calibration Hessian.
+    "gptq-fp8-dynamic": Scheme("gptq", 8, "float", "channel", True, dynamic_fp8_activations=True),
     "w8a16": Scheme("gptq", 8, "int", "group", symmetric=True),
     "w8a16-channel": Scheme("rtn", 8, "int", "channel", symmetric=True),
 }

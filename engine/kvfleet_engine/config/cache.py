@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 
 
 @dataclass(frozen=True)
@@ -18,5 +18,6 @@ class CacheConfig:
     # Reuse the KV of full blocks shared with earlier prompts.
     enable_prefix_caching: bool = True
     # KV cache element type: auto (the model's dtype) | fp8 (e4m3 values with a scale per token
-    # and kv head: about twice the tokens in the same memory).
+    # and kv head: about twice the tokens in the same memory) | int8 (the same with integer
+    # codes: as many tokens, closer to the model's dtype, no e4m3 hardware needed).
     kv_cache_dtype: str = "auto"

@@ -71,7 +71,8 @@ FLAGS = (
     Flag("enable_prefix_caching", "reuse KV of shared prompt prefixes", _SWITCH),
     Flag(
         "kv_cache_dtype",
-        "KV cache element type (auto: the model's dtype; fp8: e4m3 with per-token scales)",
+        "KV cache element type (auto: the model's dtype; fp8: e4m3, int8: integers, each with a "
+        "scale per token and kv head)",
         {"choices": KV_CACHE_DTYPES},
     ),
     Flag(

@@ -6,8 +6,8 @@ reference (`kvfleet_engine.layers.attention_torch`, whose docstring gives the ca
 `store_kv` (one launch, not two), and `rotary_decode_attention` the one a decode step uses in
 place of all three.
 
-`FP8_V_TOKEN_MAJOR`: the cache allocator lays an fp8 cache's V out token major for this backend
-(`checks.token_major`; `kv_fp8` says why). The kernels read and write either layout.
+`QUANTIZED_V_TOKEN_MAJOR`: the cache allocator lays a quantized cache's V out token major for this
+backend (`checks.token_major`; `kv_fp8` says why). The kernels read and write either layout.
 `SHARED_PREFIX`: the decode functions take a `shared_prefix`, the prefix many of the batch's
 sequences share (`shared_prefix` says how it is described).
 `DECODES_APART`: in a step with prompt tokens, `prefill_attention(decodes_apart=True)` leaves the
@@ -19,13 +19,13 @@ from kvfleet_engine.kernels.fused import rotary_store_kv
 from kvfleet_engine.kernels.kv_store import store_kv
 from kvfleet_engine.kernels.prefill_attention import prefill_attention
 
-FP8_V_TOKEN_MAJOR = True
+QUANTIZED_V_TOKEN_MAJOR = True
 SHARED_PREFIX = True
 DECODES_APART = True
 
 __all__ = [
     "DECODES_APART",
-    "FP8_V_TOKEN_MAJOR",
+    "QUANTIZED_V_TOKEN_MAJOR",
     "SHARED_PREFIX",
     "paged_decode_attention",
     "prefill_attention",

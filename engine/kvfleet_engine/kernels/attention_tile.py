@@ -10,12 +10,13 @@ import triton
 import triton.language as tl
 
 from kvfleet_engine.kernels.kv_fp8 import (
-    V_SCALE_BOOST,
+    codes_as,
     prefetched_scales,
     swapped_pairs,
     tile_block_ids,
     tile_scales,
     v_rows_valid,
+    v_scale_boost,
     v_tile,
 )
 
@@ -125,8 +126,8 @@ def fp8_pv(
 ):  # fmt: skip
     """P · V of an fp8 tile in dot_like's dtype: the per-token V scales (boosted, undone after
     the loop) go into P."""
-    weighted = (p * (v_scale * V_SCALE_BOOST)[None, :]).to(dot_like.dtype)
-    v = v_rows_valid(v.to(dot_like.dtype), valid, V_ROWS)
+    weighted = (p * (v_scale * v_scale_boost(v.dtype))[None, :]).to(dot_like.dtype)
+    v = v_rows_valid(codes_as(v, dot_like.dtype), valid, V_ROWS)
     if EARLY_V:  # columns swapped in pairs (undone at the store): see swapped_pairs
         v = swapped_pairs(v)
     return tl.dot(weighted, v, input_precision=DOT_PRECISION)

@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import torch
 
-from kvfleet_engine.layers.attention_torch import FP8_DTYPE, SCALE_DTYPE
+from kvfleet_engine.layers.attention_torch import CODE_MAX, SCALE_DTYPE
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+CODE_DTYPES = tuple(CODE_MAX)  # a quantized cache's element types: e4m3, int8
 LOG2E = 1.4426950408889634  # the attention kernels compute exp2(x * scale * LOG2E) = e^(x * scale)
 
 
 def token_major(v_cache: torch.Tensor) -> bool:
     """A V cache laid out [num_blocks, num_kv_heads, head_dim, block_size] in memory (a permuted
     view of that, so its shape is the K cache's): each dimension's values of one block's tokens
-    are one contiguous run (`kv_memory` allocates an fp8 cache's V so, `kv_fp8` says why)."""
+    are one contiguous run (`kv_memory` allocates a quantized cache's V so, `kv_fp8` says why)."""
     return v_cache.stride(1) == 1 and v_cache.stride(-1) != 1
 
 
@@ -35,13 +36,13 @@ def check_cache(
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
 ) -> None:
-    """A float cache without scales, or an fp8 cache with its scales."""
+    """A float cache without scales, or a quantized cache (fp8, int8) with its scales."""
     require(k_cache.dim() == 4, "k_cache must be [num_blocks, block_size, num_kv_heads, head_dim]")
     require(v_cache.shape == k_cache.shape, "v_cache must have the shape of k_cache")
     require(k_cache.dtype == v_cache.dtype, "k_cache and v_cache must share a dtype")
     require(
-        k_cache.dtype in (*FLOAT_DTYPES, FP8_DTYPE),
-        f"cache dtype must be one of {(*FLOAT_DTYPES, FP8_DTYPE)}",
+        k_cache.dtype in (*FLOAT_DTYPES, *CODE_DTYPES),
+        f"cache dtype must be one of {(*FLOAT_DTYPES, *CODE_DTYPES)}",
     )
     require(k_cache.stride(-1) == 1, "k_cache must be contiguous in head_dim")
     block_size = k_cache.shape[1]
@@ -52,10 +53,14 @@ def check_cache(
         "blocks a multiple of block_size apart)",
     )
     require(block_size & (block_size - 1) == 0, "block_size must be a power of two")
-    if k_cache.dtype != FP8_DTYPE:
-        require(k_scales is None and v_scales is None, "only an fp8 cache has k_scales/v_scales")
+    if k_cache.dtype not in CODE_DTYPES:
+        require(
+            k_scales is None and v_scales is None, "only a quantized cache has k_scales/v_scales"
+        )
         return
-    require(k_scales is not None and v_scales is not None, "an fp8 cache needs k_scales/v_scales")
+    require(
+        k_scales is not None and v_scales is not None, "a quantized cache needs k_scales/v_scales"
+    )
     assert k_scales is not None and v_scales is not None
     num_blocks, _, num_kv_heads, _ = k_cache.shape
     require(
@@ -78,7 +83,7 @@ def check_cache(
 
 def check_heads(x: torch.Tensor, name: str, k_cache: torch.Tensor, per_kv_head: bool) -> None:
     """x: [num_tokens, num_heads, head_dim] on the cache's device, in the cache's dtype (any float
-    dtype for an fp8 cache)."""
+    dtype for a quantized cache)."""
     _, _, num_kv_heads, head_dim = k_cache.shape
     require(x.dim() == 3, f"{name} must be [num_tokens, num_heads, head_dim]")
     require(x.shape[2] == head_dim, f"{name} head_dim {x.shape[2]} != cache head_dim {head_dim}")
@@ -86,7 +91,7 @@ def check_heads(x: torch.Tensor, name: str, k_cache: torch.Tensor, per_kv_head: 
         require(x.shape[1] == num_kv_heads, f"{name} must have {num_kv_heads} kv heads")
     else:
         require(x.shape[1] % num_kv_heads == 0, f"{name} heads must be a multiple of kv heads")
-    if k_cache.dtype == FP8_DTYPE:
+    if k_cache.dtype in CODE_DTYPES:
         require(x.dtype in FLOAT_DTYPES, f"{name} dtype must be one of {FLOAT_DTYPES}")
     else:
         require(x.dtype == k_cache.dtype, f"{name} dtype {x.dtype} != cache dtype {k_cache.dtype}")

@@ -22,9 +22,10 @@ from kvfleet_engine.kernels.attention_tile import (
     softmax_tile,
 )
 from kvfleet_engine.kernels.kv_fp8 import (
-    V_SCALE_BOOST,
+    codes_as,
     f16_rows,
     quantize_rows,
+    v_scale_boost,
 )
 from kvfleet_engine.kernels.pdl import _start
 
@@ -160,8 +161,8 @@ def decode_split_kernel(
         dst = block * stride_cb + offset * stride_cs + kv_offset
         v_dst = block * stride_cvb + offset * stride_cvs + v_offset
         if FP8:
-            k_new, k_new_scale = quantize_rows(k_new)  # [1, BLOCK_D] codes, [1] scale
-            v_new, v_new_scale = quantize_rows(v_new)
+            k_new, k_new_scale = quantize_rows(k_new, k_cache_ptr.dtype.element_ty)  # [1, BLOCK_D]
+            v_new, v_new_scale = quantize_rows(v_new, v_cache_ptr.dtype.element_ty)
             scale_dst = block * stride_sb + kv_head * stride_sh + offset + tl.arange(0, 1)
             tl.store(k_scales_ptr + scale_dst, k_new_scale, mask=store)
             tl.store(v_scales_ptr + scale_dst, v_new_scale, mask=store)
@@ -199,7 +200,7 @@ def decode_split_kernel(
                 tile_start, end, kv_head, stride_sb, stride_sh, BLOCK_N, BLOCK_SIZE,
                 PREFETCH_SCALES,
             )  # fmt: skip
-            k = k.to(q_dot.dtype)
+            k = codes_as(k, q_dot.dtype)
             if TRANSPOSE_SCORES:  # K as the first operand: [BLOCK_N, GROUP_PAD]
                 scores = tl.trans(tl.dot(k, q_dot_t, input_precision=DOT_PRECISION))
             else:
@@ -217,7 +218,7 @@ def decode_split_kernel(
         m_i = m_new
 
     if FP8:
-        acc = acc * (1.0 / V_SCALE_BOOST)
+        acc = acc * (1.0 / v_scale_boost(v_cache_ptr.dtype.element_ty))
         if EARLY_V:
             dims = dims ^ 1
     nonempty = l_i > 0

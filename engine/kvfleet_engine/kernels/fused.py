@@ -1,6 +1,6 @@
 """Fused element-wise kernels for the decoder layer: rotary embedding applied in place to q and
-k, alone or together with the store of k and v into the paged cache (quantized for an fp8 cache,
-as `kv_store` does). Each replaces a chain of small torch ops or kernels (one launch and one
+k, alone or together with the store of k and v into the paged cache (quantized for an fp8 or int8
+cache, as `kv_store` does). Each replaces a chain of small torch ops or kernels (one launch and one
 round trip to memory each) that dominates a batch-1 step's non-matmul time; the residual add +
 RMSNorm is `rms_norm`'s."""
 
@@ -17,7 +17,7 @@ from kvfleet_engine.kernels.checks import (
     next_power_of_2,
 )
 from kvfleet_engine.kernels.hadamard import hadamard_halves
-from kvfleet_engine.kernels.kv_fp8 import fp8_scales, row_amax, to_fp8
+from kvfleet_engine.kernels.kv_fp8 import kv_scales, row_amax, to_codes
 from kvfleet_engine.kernels.pdl import _start, launch_options
 
 
@@ -106,7 +106,7 @@ def _rotary_store_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
-    k_scales_ptr,  # FP8 only: [num_blocks, num_kv_heads, block_size] bfloat16
+    k_scales_ptr,  # a quantized cache only: [num_blocks, num_kv_heads, block_size] bfloat16
     v_scales_ptr,
     stride_qt,
     stride_qh,
@@ -158,14 +158,16 @@ def _rotary_store_kv_kernel(
     v_first = value_ptr + token * stride_vt + heads * stride_vh + cols
     v1 = tl.load(v_first, mask=mask, other=0.0)
     v2 = tl.load(v_first + HALF, mask=mask, other=0.0)
-    if FP8:  # each head's scale covers both of its halves
-        k_scale, k_inverse = fp8_scales(tl.maximum(row_amax(k1), row_amax(k2)))
-        v_scale, v_inverse = fp8_scales(tl.maximum(row_amax(v1), row_amax(v2)))
+    if FP8:  # a quantized cache: each head's scale covers both of its halves
+        k_ty = k_cache_ptr.dtype.element_ty
+        v_ty = v_cache_ptr.dtype.element_ty
+        k_scale, k_inverse = kv_scales(tl.maximum(row_amax(k1), row_amax(k2)), k_ty)
+        v_scale, v_inverse = kv_scales(tl.maximum(row_amax(v1), row_amax(v2)), v_ty)
         scale_dst = block * stride_sb + heads * stride_sh + offset  # [BLOCK_KVH, 1]
         tl.store(k_scales_ptr + scale_dst, k_scale.to(tl.bfloat16)[:, None], mask=row_mask)
         tl.store(v_scales_ptr + scale_dst, v_scale.to(tl.bfloat16)[:, None], mask=row_mask)
-        k1, k2 = to_fp8(k1, k_inverse[:, None]), to_fp8(k2, k_inverse[:, None])
-        v1, v2 = to_fp8(v1, v_inverse[:, None]), to_fp8(v2, v_inverse[:, None])
+        k1, k2 = to_codes(k1, k_inverse[:, None], k_ty), to_codes(k2, k_inverse[:, None], k_ty)
+        v1, v2 = to_codes(v1, v_inverse[:, None], v_ty), to_codes(v2, v_inverse[:, None], v_ty)
     tl.store(k_cache_ptr + dst + cols, k1, mask=mask)
     tl.store(k_cache_ptr + dst + HALF + cols, k2, mask=mask)
     tl.store(v_cache_ptr + v_dst + cols * stride_cvd, v1, mask=mask)
@@ -213,7 +215,7 @@ def rotary_store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 skips the store, not the rotation
     *,
-    k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: fp8 cache
+    k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: quantized
     v_scales: torch.Tensor | None = None,
     hadamard: bool = False,  # q and k also times the Hadamard matrix (`layers.kv_rotation`)
 ) -> None:

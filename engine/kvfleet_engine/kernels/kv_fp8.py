@@ -1,14 +1,16 @@
-"""The fp8 KV cache (`kv_cache_dtype="fp8"`): the format, and the Triton helpers with which the
-store kernels quantize and the attention kernels read it.
+"""The quantized KV caches (`kv_cache_dtype="fp8"` and `"int8"`): the formats, and the Triton
+helpers with which the store kernels quantize and the attention kernels read them.
 
 Format (`layers.attention_torch.quantize_kv` defines it bit for bit; every kernel matches it):
-- codes: float8_e4m3fn in the cache tensors' own layout, [num_blocks, block_size, kv_heads,
-  head_dim];
+- codes: float8_e4m3fn (fp8) or int8 (int8: -127..127, rounded to nearest even) in the cache
+  tensors' own layout, [num_blocks, block_size, kv_heads, head_dim];
 - scales: bfloat16 [num_blocks, kv_heads, block_size] beside each of K and V, one per token and
   kv head: value = code * scale.
 - K is stored rotated by the Hadamard matrix after RoPE, the queries likewise
   (`layers.kv_rotation`, done by the attention layer and `fused.rotary_store_kv`): what is
   quantized here is already rotated; these helpers do not know.
+The kernels tell the two apart by the cache tensors' element type (a compile-time constant), so
+every kernel that reads or writes one reads or writes the other.
 
 Why:
 - Dynamic scales per (token, kv head), computed as each row is stored: no calibration, nothing
@@ -17,6 +19,12 @@ Why:
   scale and spends the format's range on rows that do not need it.
 - e4m3, not e5m2: with a scale per row the range is not needed, the mantissa bit is (relative
   rounding error 2^-4 instead of 2^-3).
+- int8: a float code's relative rounding does not depend on its scale, so e4m3's 3 mantissa bits
+  bound what any scale or rotation can recover (on SmolLM2 the rotated e4m3 K still costs +0.56%
+  perplexity over 65k tokens). After the rotation a row of K is close to Gaussian, with no
+  outlier channel; an even grid of 255 steps rounds such a row with a quarter of e4m3's error
+  (0.6% against 2.5% relative RMS on Gaussian rows), and the gap vanishes (bench/NOTES.md section
+  16). Integer codes convert to float16 exactly, and need no e4m3 type: any GPU.
 - The scale is the row's largest magnitude / 448 rounded *up* to a bfloat16, and the codes are the
   row times the reciprocal of that rounded scale: no code exceeds 448 (nothing clips) and the
   rounding of the scale costs no accuracy. Two bytes per row instead of float32's four: head_dim
@@ -32,22 +40,22 @@ Why:
   kernels at 42% of copy bandwidth); bfloat16 queries are rescaled by a power of two per row into
   float16's range first (exact), undone on the scores. The weighted values must stay below
   65504: values up to ~57000 in magnitude. fp32 queries keep fp32 dots.
-- V is token major in memory for the Triton kernels (`checks.token_major`: [num_blocks,
-  kv_heads, head_dim, block_size] under a view of K's shape; the allocator does it where the
-  backend sets `FP8_V_TOKEN_MAJOR`). Tensor cores take V with the context as the reduction axis,
-  so each thread needs consecutive tokens of one dimension: in float16 the operand loads
-  transpose rows on the way (ldmatrix.trans), in e4m3 they cannot. With V in K's row layout the
-  kernels converted each tile to float16 and sent it through shared memory again to transpose
-  it (`swapped_pairs`, the early_v variant): Nsight Compute on the H200 (512 x 1.5k decode) saw
-  shared memory as the limit (L1 81% busy against DRAM 47%; 4-way bank conflicts on those
-  transposing loads). Token major, V's codes take K's path: one asynchronous copy into shared
-  memory, loaded as operands and converted in registers. The kernels read and write either
-  layout (strides), so a row-layout V (the torch and sdpa backends') still works.
+- V is token major in memory for the Triton kernels (`checks.token_major`: [num_blocks, kv_heads,
+  head_dim, block_size] under a view of K's shape; the allocator does it where the backend sets
+  `QUANTIZED_V_TOKEN_MAJOR`). Tensor cores take V with the context as the reduction axis, so each
+  thread needs consecutive tokens of one dimension: in float16 the operand loads transpose rows on
+  the way (ldmatrix.trans), in 8-bit codes they cannot. With V in K's row layout the kernels
+  converted each tile to float16 and sent it through shared memory again to transpose it
+  (`swapped_pairs`, the early_v variant): Nsight Compute on the H200 (512 x 1.5k decode) saw shared
+  memory as the limit (L1 81% busy against DRAM 47%; 4-way bank conflicts on those transposing
+  loads). Token major, V's codes take K's path: one asynchronous copy into shared memory, loaded as
+  operands and converted in registers. The kernels read and write either layout (strides), so a
+  row-layout V (the torch and sdpa backends') still works.
 
 Hardware: Triton has an e4m3 type (float8e4nv) only on compute capability >= 8.9 (Ada, Hopper) and
 refuses to compile it below (A100), so the engine refuses kv_cache_dtype=fp8 with the triton
-backend there, at start-up. The torch and sdpa backends use torch's own e4m3 casts and read an
-fp8 cache on any device.
+backend there, at start-up (int8 runs anywhere). The torch and sdpa backends use torch's own
+e4m3 casts and read an fp8 cache on any device.
 """
 
 from __future__ import annotations
@@ -55,14 +63,26 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvfleet_engine.layers.attention_torch import AMAX_FLOOR, FP8_MAX
+from kvfleet_engine.layers.attention_torch import AMAX_FLOOR, FP8_MAX, INT8_MAX
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
+_INT8_MAX = tl.constexpr(INT8_MAX)
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
-# A scale is ~1/448 of its row's largest value, so softmax weights times v's scales would fall
-# among fp16's subnormals for small values; the attention kernels weight by scale * 2^9 instead
-# and take 2^-9 of the sum, exactly.
-V_SCALE_BOOST = tl.constexpr(512.0)
+_ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: (x + _ROUND) - _ROUND rounds |x| < 2^22 to even
+
+
+@triton.jit
+def v_scale_boost(codes_ty: tl.constexpr):
+    """A scale is ~1/448 (e4m3) or ~1/127 (int8) of its row's largest value, so softmax weights
+    times V's scales would fall among fp16's subnormals for small values; the attention kernels
+    weight by scale * this power of two instead (2^9 for e4m3, 2^7 for int8: the weighted rows
+    stay below ~1.14 times V's largest magnitude) and multiply the sum back, exactly. codes_ty:
+    the V cache's element type."""
+    if codes_ty == tl.int8:
+        boost = 128.0
+    else:
+        boost = 512.0
+    return boost
 
 
 @triton.jit
@@ -72,28 +92,57 @@ def row_amax(x):
 
 
 @triton.jit
-def fp8_scales(amax):
-    """Each row's scale, float32 holding a bfloat16 (amax / 448 rounded up), and its reciprocal:
-    `quantize_kv`'s rule, in the same IEEE operations."""
+def code_max(codes_ty: tl.constexpr):
+    """The largest code of a cache whose element type is codes_ty: 127 (int8) or 448 (e4m3)."""
+    if codes_ty == tl.int8:
+        top = _INT8_MAX
+    else:
+        top = _FP8_MAX
+    return top
+
+
+@triton.jit
+def kv_scales(amax, codes_ty: tl.constexpr):
+    """Each row's scale, float32 holding a bfloat16 (amax / the largest code, rounded up), and its
+    reciprocal: `quantize_kv`'s rule, in the same IEEE operations."""
     amax = tl.maximum(amax, _AMAX_FLOOR)
-    bits = tl.math.div_rn(amax, _FP8_MAX).to(tl.uint32, bitcast=True)
+    bits = tl.math.div_rn(amax, code_max(codes_ty)).to(tl.uint32, bitcast=True)
     scale = ((bits + 0xFFFF) & 0xFFFF0000).to(tl.float32, bitcast=True)
     return scale, tl.math.div_rn(1.0, scale)
 
 
 @triton.jit
-def to_fp8(x, inverse_scale):
-    """Codes of x (float rows) times their scale's reciprocal (broadcast against x)."""
+def to_codes(x, inverse_scale, codes_ty: tl.constexpr):
+    """Codes of x (float rows) times their scale's reciprocal (broadcast against x): e4m3, or
+    integers rounded to nearest even."""
     scaled = x.to(tl.float32) * inverse_scale
-    return tl.clamp(scaled, -_FP8_MAX, _FP8_MAX).to(tl.float8e4nv)
+    if codes_ty == tl.int8:
+        # Clamped before the rounding (the same codes): the product does not feed the addition
+        # directly, so it cannot become one fused multiply-add, which would round x * inverse
+        # to an integer in one step where the reference rounds it to float32 first.
+        scaled = tl.clamp(scaled, -_INT8_MAX, _INT8_MAX)
+        codes = ((scaled + _ROUND) - _ROUND).to(tl.int8)
+    else:
+        codes = tl.clamp(scaled, -_FP8_MAX, _FP8_MAX).to(tl.float8e4nv)
+    return codes
 
 
 @triton.jit
-def quantize_rows(x):
-    """x [rows, cols] (masked-out elements 0) -> codes [rows, cols] e4m3 and scales [rows]
-    bfloat16."""
-    scale, inverse = fp8_scales(row_amax(x))
-    return to_fp8(x, inverse[:, None]), scale.to(tl.bfloat16)
+def codes_as(x, dtype: tl.constexpr):
+    """A tile of cache codes (e4m3 or int8) as `dtype` (a float type; exact): the one place the
+    attention kernels convert codes. int8 converts with one I2F per code (the decode loop's SASS
+    on sm_90, `bench.kernel_asm`: 1,654 instructions a tile against e4m3's 1,259, which converts
+    pairs); going through float16's bits instead (0x6400 | (c + 128) is 1024 + c + 128, one
+    subtraction leaves c) compiled to 1,906, the byte ops done one code at a time."""
+    return x.to(dtype)
+
+
+@triton.jit
+def quantize_rows(x, codes_ty: tl.constexpr):
+    """x [rows, cols] (masked-out elements 0) -> codes [rows, cols] of codes_ty (the cache's
+    element type) and scales [rows] bfloat16."""
+    scale, inverse = kv_scales(row_amax(x), codes_ty)
+    return to_codes(x, inverse[:, None], codes_ty), scale.to(tl.bfloat16)
 
 
 @triton.jit

@@ -1,5 +1,6 @@
 """Write each token's K and V rows into its cache slot (`slot_mapping`; -1 skips the token); into
-an fp8 cache as e4m3 codes and a scale per row (`kv_fp8`)."""
+a quantized cache as 8-bit codes (e4m3 or int8, the cache's type) and a scale per row
+(`kv_fp8`)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def _store_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
-    k_scales_ptr,  # FP8 only: [num_blocks, num_kv_heads, block_size] bfloat16
+    k_scales_ptr,  # a quantized cache only: [num_blocks, num_kv_heads, block_size] bfloat16
     v_scales_ptr,
     stride_kt,
     stride_kh,
@@ -53,8 +54,8 @@ def _store_kv_kernel(
     key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask, other=0.0)
     value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask, other=0.0)
     if FP8:
-        key, k_scale = quantize_rows(key)
-        value, v_scale = quantize_rows(value)
+        key, k_scale = quantize_rows(key, k_cache_ptr.dtype.element_ty)
+        value, v_scale = quantize_rows(value, v_cache_ptr.dtype.element_ty)
         scale_dst = block * stride_sb + heads * stride_sh + offset  # [BLOCK_H, 1]
         tl.store(k_scales_ptr + scale_dst, k_scale[:, None], mask=row_mask)
         tl.store(v_scales_ptr + scale_dst, v_scale[:, None], mask=row_mask)
@@ -69,7 +70,7 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 skips the token
     *,
-    k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: fp8 cache
+    k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: quantized
     v_scales: torch.Tensor | None = None,
 ) -> None:
     check_cache(k_cache, v_cache, k_scales, v_scales)

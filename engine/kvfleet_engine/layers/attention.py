@@ -2,13 +2,13 @@
 with one backend (`attention_torch`, the reference; `attention_sdpa`, the CPU one; the Triton
 kernels on a GPU), all with the reference's signatures. A backend that offers `rotary_store_kv`
 does the rotation and the store in one launch, and one that offers `rotary_decode_attention` a
-decode step's rotation, store and attention in one. With an fp8 cache every one of them also takes
-the layer's `k_scales` and `v_scales` (keywords; None for a cache in the model's dtype), a
-backend with `SHARED_PREFIX` its decode functions the step's `shared_prefix` when it has one, and
-one with `DECODES_APART` a mixed step's one-token sequences to its decode function. An fp8 cache
-stores K rotated (`kv_rotation`): the layer rotates q and k after RoPE (the backend's
-`rotary_store_kv(hadamard=True)`, or torch), so decode steps take that path, not the one-call
-`rotary_decode_attention`."""
+decode step's rotation, store and attention in one. With a quantized cache (fp8 or int8) every
+one of them also takes the layer's `k_scales` and `v_scales` (keywords; None for a cache in the
+model's dtype), a backend with `SHARED_PREFIX` its decode functions the step's `shared_prefix`
+when it has one, and one with `DECODES_APART` a mixed step's one-token sequences to its decode
+function. A quantized cache stores K rotated (`kv_rotation`): the layer rotates q and k after
+RoPE (the backend's `rotary_store_kv(hadamard=True)`, or torch), so decode steps take that path,
+not the one-call `rotary_decode_attention`."""
 
 from __future__ import annotations
 
@@ -81,14 +81,14 @@ class Attention(nn.Module):
         self.scale = scale
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
-        # fp8 cache only: the scale of each slot's K and V, [num_blocks, kv_heads, block_size].
+        # A quantized cache only: each slot's K and V scale, [num_blocks, kv_heads, block_size].
         self.k_scales: torch.Tensor | None = None
         self.v_scales: torch.Tensor | None = None
         self.backend: ModuleType | None = None
         # The backend's fused rotary + store_kv, and rotary + store_kv + decode attention.
         self.rotary_store_kv: Callable[..., None] | None = None
         self.rotary_decode_attention: Callable[..., torch.Tensor] | None = None
-        # q and k times the Hadamard matrix after RoPE (an fp8 cache: `kv_rotation`).
+        # q and k times the Hadamard matrix after RoPE (a quantized cache: `kv_rotation`).
         self.rotates = False
 
     def bind(
@@ -100,7 +100,7 @@ class Attention(nn.Module):
         v_scales: torch.Tensor | None = None,
     ) -> None:
         """Attach this layer's slice of the KV cache, [num_blocks, block_size, kv_heads, dim]
-        (and, for an fp8 cache, its scales)."""
+        (and, for a quantized cache, its scales)."""
         self.k_cache, self.v_cache, self.backend = k_cache, v_cache, backend
         self.k_scales, self.v_scales = k_scales, v_scales
         self.rotary_store_kv = getattr(backend, "rotary_store_kv", None)
@@ -123,7 +123,7 @@ class Attention(nn.Module):
         # This step's tokens: rotated, and their K/V stored in the cache.
         new_tokens = (positions, query, key, value, rotary.cos_sin, self.k_cache, self.v_cache)
         scales: dict[str, torch.Tensor | None] = {}
-        if self.k_scales is not None:  # an fp8 cache: its scales go to every backend call
+        if self.k_scales is not None:  # a quantized cache: its scales go to every backend call
             scales = {"k_scales": self.k_scales, "v_scales": self.v_scales}
         shared = {} if meta.shared_prefix is None else {"shared_prefix": meta.shared_prefix}
         if meta.is_decode and self.rotary_decode_attention is not None:

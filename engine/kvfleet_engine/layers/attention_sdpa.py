@@ -4,7 +4,7 @@ A decode step is one attention call for the whole batch: every sequence's slots 
 one padded [num_seqs, context, kv_heads, head_dim] batch, the padding masked. A prompt step is one
 call per sequence (its query is the last tokens of its context: causal from the bottom right).
 Grouped-query heads are shared, not copied (`enable_gqa`). Same signatures and cache layout as the
-reference, `attention_torch`, whose `store_kv` it uses; an fp8 cache is dequantized (to the
+reference, `attention_torch`, whose `store_kv` it uses; a quantized cache is dequantized (to the
 query's dtype) as it is gathered.
 
 `rotary_decode_attention` is a decode step's rotation, store and attention in one call, with what
@@ -34,7 +34,7 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # [num_seqs] int32, including the new token
     scale: float,
     *,
-    k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: fp8 cache
+    k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: quantized
     v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
     block_size = k_cache.shape[1]
@@ -75,7 +75,7 @@ def prefill_attention(
     context_lens: torch.Tensor,  # [num_seqs] int32 = cached prefix + this step's query tokens
     scale: float,
     *,
-    k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: fp8 cache
+    k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: quantized
     v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     return prefill_each_sequence(
@@ -96,7 +96,7 @@ def _attend(
     scale: float,
 ) -> torch.Tensor:  # [q_len, num_q_heads, head_dim]
     q_len, context_len = query.shape[0], key.shape[0]
-    key, value = key.to(query.dtype), value.to(query.dtype)  # float32 from an fp8 cache
+    key, value = key.to(query.dtype), value.to(query.dtype)  # float32 from a quantized cache
     mask = None
     if q_len < context_len:  # query i sees the context up to its own position
         positions = torch.arange(context_len - q_len, context_len, device=query.device)
@@ -168,7 +168,7 @@ def rotary_decode_attention(
     context_lens: torch.Tensor,  # [num_seqs] int32, including the new token
     scale: float,
     *,
-    k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: fp8 cache
+    k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: quantized
     v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
     """A decode step's attention layer: rotate query and key, store key and value, attend.
@@ -177,7 +177,9 @@ def rotary_decode_attention(
     step = _decode_step(positions, cos_sin, slot_mapping, block_tables, context_lens, block_size)
     cos, sin = step.cos.to(query.dtype), step.sin.to(query.dtype)
     query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
-    if k_scales is not None:  # an fp8 cache: quantized as it is stored, dequantized as gathered
+    if (
+        k_scales is not None
+    ):  # a quantized cache: quantized as it is stored, dequantized as gathered
         store_kv(key, value, k_cache, v_cache, slot_mapping, k_scales=k_scales, v_scales=v_scales)
         return paged_decode_attention(
             query, k_cache, v_cache, block_tables, context_lens, scale,

@@ -5,10 +5,11 @@ Runs on CPU and GPU in any float dtype (softmax in float32).
 Cache layout: [num_blocks, block_size, num_kv_heads, head_dim] per layer for K and for V; a
 token's slot is block_id * block_size + offset. Every backend takes these signatures.
 
-An fp8 cache (`kv_cache_dtype="fp8"`, the format is argued in `kernels/kv_fp8.py`) holds e4m3
-codes, and beside each of K and V a scales tensor [num_blocks, num_kv_heads, block_size] bfloat16:
-one scale per token and kv head, value = code * scale. `quantize_kv` is the rule every store
-follows bit for bit; the attention functions read `dequantize_kv` of the cache.
+A quantized cache (`kv_cache_dtype="fp8"` or `"int8"`, the formats are argued in
+`kernels/kv_fp8.py`) holds 8-bit codes (e4m3, or integers), and beside each of K and V a scales
+tensor [num_blocks, num_kv_heads, block_size] bfloat16: one scale per token and kv head,
+value = code * scale. `quantize_kv` is the rule every store follows bit for bit; the attention
+functions read `dequantize_kv` of the cache.
 """
 
 from __future__ import annotations
@@ -17,32 +18,40 @@ from collections.abc import Callable
 
 import torch
 
-# k_cache, v_cache and, for an fp8 cache, k_scales and v_scales (else None).
+# k_cache, v_cache and, for a quantized cache, k_scales and v_scales (else None).
 KVCache = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
+INT8_MAX = 127.0  # symmetric integer codes: -127..127
+# A quantized cache's code dtypes and their largest code (a row's largest magnitude maps to it).
+CODE_MAX = {FP8_DTYPE: FP8_MAX, torch.int8: INT8_MAX}
 SCALE_DTYPE = torch.bfloat16
 AMAX_FLOOR = 1e-12  # an all-zero row gets a tiny scale instead of a division by zero
 
 
 def quantize_kv(
     x: torch.Tensor,  # [..., head_dim], any float dtype
-) -> tuple[torch.Tensor, torch.Tensor]:  # codes [..., head_dim] e4m3fn, scales [...] bfloat16
-    """Each row's scale is its largest magnitude / 448, rounded up to a bfloat16; the codes are
-    the row times 1 / scale (float32, rounded to nearest even), so no code exceeds 448."""
+    codes_dtype: torch.dtype = FP8_DTYPE,  # a CODE_MAX key
+) -> tuple[torch.Tensor, torch.Tensor]:  # codes [..., head_dim], scales [...] bfloat16
+    """Each row's scale is its largest magnitude / the largest code (448 for e4m3, 127 for int8),
+    rounded up to a bfloat16; the codes are the row times 1 / scale (float32), rounded to nearest
+    even (e4m3's cast, or integers), so no code exceeds the largest."""
+    top = CODE_MAX[codes_dtype]
     amax = x.float().abs().amax(dim=-1).clamp(min=AMAX_FLOOR)
     # A tensor divisor, not a Python float: CUDA torch divides by a scalar as a multiplication by
     # its float32 reciprocal, one ulp off the IEEE quotient (a scale one bfloat16 step too large
     # wherever amax / 448 is exactly a bfloat16); the kernels divide correctly rounded (div_rn).
-    bits = (amax / amax.new_full((), FP8_MAX)).view(torch.int32)
+    bits = (amax / amax.new_full((), top)).view(torch.int32)
     scale = ((bits + 0xFFFF) & -0x10000).view(torch.float32)  # exactly a bfloat16
-    codes = (x.float() * (1.0 / scale)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return codes, scale.to(SCALE_DTYPE)
+    scaled = x.float() * (1.0 / scale)[..., None]
+    if codes_dtype == torch.int8:
+        scaled = scaled.round()
+    return scaled.clamp(-top, top).to(codes_dtype), scale.to(SCALE_DTYPE)
 
 
 def dequantize_kv(
-    codes: torch.Tensor,  # [..., head_dim] e4m3fn
+    codes: torch.Tensor,  # [..., head_dim] e4m3fn or int8
     scales: torch.Tensor,  # [...]
 ) -> torch.Tensor:  # [..., head_dim] float32
     return codes.float() * scales.float()[..., None]
@@ -55,7 +64,7 @@ def store_kv(
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64: block_id * block_size + offset; -1 skips
     *,
-    k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: fp8 cache
+    k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: quantized
     v_scales: torch.Tensor | None = None,
 ) -> None:
     keep = slot_mapping >= 0
@@ -66,15 +75,15 @@ def store_kv(
         if scales is None:
             cache[blocks, offsets] = rows.to(cache.dtype)
         else:
-            cache[blocks, offsets], scales[blocks, :, offsets] = quantize_kv(rows)
+            cache[blocks, offsets], scales[blocks, :, offsets] = quantize_kv(rows, cache.dtype)
 
 
 def gather_kv(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_table: torch.Tensor,  # [max_blocks_per_seq] int32
     context_len: int,
-    scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: fp8 cache
-) -> torch.Tensor:  # [context_len, num_kv_heads, head_dim]; float32 from an fp8 cache
+    scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: quantized
+) -> torch.Tensor:  # [context_len, num_kv_heads, head_dim]; float32 from a quantized cache
     block_size = cache.shape[1]
     num_blocks = -(-context_len // block_size)
     blocks = block_table[:num_blocks].long()
@@ -112,7 +121,7 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # [num_seqs] int32, including the new token
     scale: float,
     *,
-    k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: fp8 cache
+    k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: quantized
     v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
     out = torch.empty_like(query)
@@ -132,7 +141,7 @@ def prefill_attention(
     context_lens: torch.Tensor,  # [num_seqs] int32 = cached prefix + this step's query tokens
     scale: float,
     *,
-    k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: fp8 cache
+    k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: quantized
     v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     return prefill_each_sequence(
@@ -157,7 +166,7 @@ def prefill_each_sequence(
 ) -> torch.Tensor:
     """prefill_attention's loop: each sequence's query tokens attend (with `attend(query [q_len,
     heads, dim], key, value [context_len, kv_heads, dim], scale)`) to its gathered context
-    (float32 from an fp8 cache)."""
+    (float32 from a quantized cache)."""
     k_cache, v_cache, k_scales, v_scales = cache
     out = torch.empty_like(query)
     starts = cu_query_lens.tolist()

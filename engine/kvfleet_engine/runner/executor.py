@@ -46,10 +46,13 @@ FP8_TRITON_MIN_CAPABILITY = (8, 9)
 def resolve_kv_cache_dtype(
     setting: str, model_dtype: torch.dtype, device: torch.device, backend_name: str
 ) -> torch.dtype:
-    """The cache's element type: the model's (auto), or e4m3 (fp8). The torch and sdpa backends
-    read an fp8 cache on any device; the Triton kernels need an e4m3 type the GPU has."""
+    """The cache's element type: the model's (auto), e4m3 (fp8) or int8. The torch and sdpa
+    backends read an fp8 cache on any device; the Triton kernels need an e4m3 type the GPU has.
+    int8 runs everywhere."""
     if setting == "auto":
         return model_dtype
+    if setting == "int8":
+        return torch.int8
     if device.type == "cuda" and backend_name == "triton":
         capability = torch.cuda.get_device_capability(device)
         if capability < FP8_TRITON_MIN_CAPABILITY:

@@ -1,5 +1,5 @@
 """The KV cache tensors of one rank: how many blocks fit, and each attention layer's K/V (and,
-for an fp8 cache, scales) bound to it. A rank holds only its own layers and KV heads."""
+for a quantized cache, scales) bound to it. A rank holds only its own layers and KV heads."""
 
 from __future__ import annotations
 
@@ -8,18 +8,18 @@ from types import ModuleType
 import torch
 
 from kvfleet_engine.layers.attention import Attention
-from kvfleet_engine.layers.attention_torch import FP8_DTYPE, SCALE_DTYPE
+from kvfleet_engine.layers.attention_torch import CODE_MAX, SCALE_DTYPE
 
 # KV cache memory when sizing it on the CPU (there is no memory probe worth trusting).
 CPU_KV_CACHE_BYTES = 2 << 30
 
 
 def block_bytes(layers: list[Attention], block_size: int, kv_cache_dtype: torch.dtype) -> int:
-    """K and V of one block in each of `layers`, with an fp8 cache's scales."""
+    """K and V of one block in each of `layers`, with a quantized cache's scales."""
     total = 0
     for layer in layers:
         row_bytes = layer.head_dim * kv_cache_dtype.itemsize  # one token's K of one kv head
-        if kv_cache_dtype == FP8_DTYPE:
+        if kv_cache_dtype in CODE_MAX:
             row_bytes += SCALE_DTYPE.itemsize
         total += 2 * layer.num_kv_heads * row_bytes * block_size
     return total
@@ -33,11 +33,13 @@ def allocate_kv_cache(
     backend: ModuleType,
     device: torch.device,
 ) -> list[tuple[torch.Tensor, ...]]:
-    """Each layer's K and V caches [num_blocks, block_size, kv_heads, head_dim] and, for an
-    fp8 cache, their scales [num_blocks, kv_heads, block_size], bound to the layer. An fp8
-    cache's V is token major in memory where the backend asks for it (`FP8_V_TOKEN_MAJOR`):
-    a permuted view of [num_blocks, kv_heads, head_dim, block_size], the same shape as K."""
-    token_major = kv_cache_dtype == FP8_DTYPE and getattr(backend, "FP8_V_TOKEN_MAJOR", False)
+    """Each layer's K and V caches [num_blocks, block_size, kv_heads, head_dim] and, for a
+    quantized cache (fp8, int8), their scales [num_blocks, kv_heads, block_size], bound to the
+    layer. A quantized cache's V is token major in memory where the backend asks for it
+    (`QUANTIZED_V_TOKEN_MAJOR`): a permuted view of [num_blocks, kv_heads, head_dim,
+    block_size], the same shape as K."""
+    quantized = kv_cache_dtype in CODE_MAX
+    token_major = quantized and getattr(backend, "QUANTIZED_V_TOKEN_MAJOR", False)
     caches: list[tuple[torch.Tensor, ...]] = []
     for layer in layers:
         shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
@@ -49,7 +51,7 @@ def allocate_kv_cache(
         else:
             v_cache = torch.zeros(shape, dtype=kv_cache_dtype, device=device)
         scales: tuple[torch.Tensor, ...] = ()
-        if kv_cache_dtype == FP8_DTYPE:
+        if quantized:
             scales_shape = (num_blocks, layer.num_kv_heads, block_size)
             k_scales = torch.zeros(scales_shape, dtype=SCALE_DTYPE, device=device)
             scales = (k_scales, torch.zeros_like(k_scales))

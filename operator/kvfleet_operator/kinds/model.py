@@ -24,7 +24,7 @@ GGUF_URI_MESSAGE = (
 
 WeightQuantization = Literal["none", "int8", "fp8", "int4-awq", "int4-gptq"]
 
-KVCacheQuantization = Literal["auto", "fp8"]
+KVCacheQuantization = Literal["auto", "fp8", "int8"]
 
 
 class SecretReference(Model):
@@ -131,5 +131,7 @@ class QuantizationSpec(Model):
         default="none", description="Weight format: none (bf16), int8, fp8, int4-awq, int4-gptq."
     )
     kv_cache: KVCacheQuantization = Field(
-        default="auto", description="KV-cache format: auto (model dtype) or fp8."
+        default="auto",
+        description="KV-cache format: auto (model dtype), fp8 (e4m3) or int8 (integer codes; any "
+        "GPU): 8-bit codes with a scale per token and KV head, about twice the tokens.",
     )
