@@ -24,7 +24,7 @@ def _paged_kv(
 ):
     """Random K/V in shuffled blocks: bf16 (cache "auto"), or quantized to e4m3 ("fp8") or int8
     codes with their scales."""
-    from kvfleet_engine.layers.attention_torch import FP8_DTYPE, quantize_kv
+    from kvfleet_engine.layers.attention_torch import KV_CODES, quantize_kv
 
     blocks_per_seq = -(-context // block_size)
     num_blocks = num_seqs * blocks_per_seq
@@ -33,9 +33,8 @@ def _paged_kv(
     v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     scales: dict[str, torch.Tensor] = {}
     if cache != "auto":  # scales [num_blocks, num_kv_heads, block_size]
-        codes = {"fp8": FP8_DTYPE, "int8": torch.int8}[cache]
-        (k_cache, k_scales) = quantize_kv(k_cache, codes)
-        (v_cache, v_scales) = quantize_kv(v_cache, codes)
+        k_cache, k_scales = quantize_kv(k_cache, KV_CODES[cache])
+        v_cache, v_scales = quantize_kv(v_cache, KV_CODES[cache])
         scales = {
             "k_scales": k_scales.transpose(1, 2).contiguous(),
             "v_scales": v_scales.transpose(1, 2).contiguous(),

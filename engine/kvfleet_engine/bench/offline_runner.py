@@ -60,6 +60,7 @@ def setup(args: argparse.Namespace) -> Iterator[Setup]:
     import torch
 
     from kvfleet_engine.bench import roofline, shapes
+    from kvfleet_engine.layers.attention_torch import KV_CODES
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -74,7 +75,7 @@ def setup(args: argparse.Namespace) -> Iterator[Setup]:
     torch.manual_seed(args.seed)
     model = shapes.build_random_model(args.shape, dtype, device)
     kv_bytes_per_token = shapes.kv_bytes_per_token(args.shape, dtype.itemsize)
-    if args.kv_cache_dtype in ("fp8", "int8"):  # 8-bit codes and a 2-byte scale per head_dim
+    if args.kv_cache_dtype in KV_CODES:  # 8-bit codes and a 2-byte scale per head_dim
         head_dim = shapes.SHAPES[args.shape][1]["head_dim"]
         kv_bytes_per_token = shapes.kv_bytes_per_token(args.shape, 1) * (head_dim + 2) // head_dim
     group_size = int4_group_size(args.shape)

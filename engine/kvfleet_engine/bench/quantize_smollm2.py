@@ -39,8 +39,13 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SCHEMES = ("gptq-w4a16", "awq-w4a16", "fp8-dynamic", "w8a16")
 # Accuracy-bench config name per scheme, and its perplexity bound in percent over bf16.
-CONFIG_NAMES = {"gptq-w4a16": "gptq", "awq-w4a16": "awq", "fp8-dynamic": "fp8", "w8a16": "int8"}
-CONFIG_NAMES["gptq-fp8-dynamic"] = "fp8gptq"
+CONFIG_NAMES = {
+    "gptq-w4a16": "gptq",
+    "awq-w4a16": "awq",
+    "fp8-dynamic": "fp8",
+    "gptq-fp8-dynamic": "fp8gptq",
+    "w8a16": "int8",
+}
 BOUNDS = {"gptq": 8.0, "awq": 8.0, "fp8": 1.5, "fp8gptq": 1.5, "int8": 1.5, "fp8kv": 0.5}
 
 

@@ -10,7 +10,6 @@ import triton
 import triton.language as tl
 
 from kvfleet_engine.kernels.kv_fp8 import (
-    codes_as,
     prefetched_scales,
     swapped_pairs,
     tile_block_ids,
@@ -127,7 +126,7 @@ def fp8_pv(
     """P · V of an fp8 tile in dot_like's dtype: the per-token V scales (boosted, undone after
     the loop) go into P."""
     weighted = (p * (v_scale * v_scale_boost(v.dtype))[None, :]).to(dot_like.dtype)
-    v = v_rows_valid(codes_as(v, dot_like.dtype), valid, V_ROWS)
+    v = v_rows_valid(v.to(dot_like.dtype), valid, V_ROWS)
     if EARLY_V:  # columns swapped in pairs (undone at the store): see swapped_pairs
         v = swapped_pairs(v)
     return tl.dot(weighted, v, input_precision=DOT_PRECISION)

@@ -22,7 +22,6 @@ from kvfleet_engine.kernels.attention_tile import (
     softmax_tile,
 )
 from kvfleet_engine.kernels.kv_fp8 import (
-    codes_as,
     f16_rows,
     quantize_rows,
     v_scale_boost,
@@ -200,7 +199,7 @@ def decode_split_kernel(
                 tile_start, end, kv_head, stride_sb, stride_sh, BLOCK_N, BLOCK_SIZE,
                 PREFETCH_SCALES,
             )  # fmt: skip
-            k = codes_as(k, q_dot.dtype)
+            k = k.to(q_dot.dtype)
             if TRANSPOSE_SCORES:  # K as the first operand: [BLOCK_N, GROUP_PAD]
                 scores = tl.trans(tl.dot(k, q_dot_t, input_precision=DOT_PRECISION))
             else:

@@ -128,16 +128,6 @@ def to_codes(x, inverse_scale, codes_ty: tl.constexpr):
 
 
 @triton.jit
-def codes_as(x, dtype: tl.constexpr):
-    """A tile of cache codes (e4m3 or int8) as `dtype` (a float type; exact): the one place the
-    attention kernels convert codes. int8 converts with one I2F per code (the decode loop's SASS
-    on sm_90, `bench.kernel_asm`: 1,654 instructions a tile against e4m3's 1,259, which converts
-    pairs); going through float16's bits instead (0x6400 | (c + 128) is 1024 + c + 128, one
-    subtraction leaves c) compiled to 1,906, the byte ops done one code at a time."""
-    return x.to(dtype)
-
-
-@triton.jit
 def quantize_rows(x, codes_ty: tl.constexpr):
     """x [rows, cols] (masked-out elements 0) -> codes [rows, cols] of codes_ty (the cache's
     element type) and scales [rows] bfloat16."""

@@ -29,7 +29,7 @@ from kvfleet_engine.kernels.checks import (
     next_power_of_2,
     require,
 )
-from kvfleet_engine.kernels.kv_fp8 import codes_as, f16_rows, v_scale_boost
+from kvfleet_engine.kernels.kv_fp8 import f16_rows, v_scale_boost
 
 
 @triton.jit
@@ -55,7 +55,7 @@ def _prefill_tile(
             prefetched, k_scales_ptr, v_scales_ptr, block_table, block_ids, positions, valid,
             tile_start, end, kv_head, stride_sb, stride_sh, BLOCK_N, BLOCK_SIZE, PREFETCH_SCALES,
         )  # fmt: skip
-        scores = tl.dot(q, tl.trans(codes_as(k, q.dtype)), input_precision=DOT_PRECISION)
+        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
         scores = scores * row_scale[:, None] * k_scale[None, :]
     else:
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2

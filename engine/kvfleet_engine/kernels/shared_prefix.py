@@ -40,7 +40,7 @@ from kvfleet_engine.kernels.attention_tile import (
 )
 from kvfleet_engine.kernels.checks import LOG2E, dot_precision, next_power_of_2
 from kvfleet_engine.kernels.decode_kernels import rotated
-from kvfleet_engine.kernels.kv_fp8 import codes_as, f16_rows, v_scale_boost
+from kvfleet_engine.kernels.kv_fp8 import f16_rows, v_scale_boost
 from kvfleet_engine.kernels.pdl import _start, launch_options
 from kvfleet_engine.layers.attention_torch import KVCache
 
@@ -166,7 +166,7 @@ def shared_prefix_kernel(
                 k_scales_ptr, v_scales_ptr, block_ids, kv_head, positions, valid, stride_sb,
                 stride_sh, BLOCK_SIZE,
             )  # fmt: skip
-            k = codes_as(k, q_dot.dtype)
+            k = k.to(q_dot.dtype)
             scores = tl.dot(q_dot, tl.trans(k), input_precision=DOT_PRECISION)
             scores = scores * row_scale[:, None] * k_scale[None, :]
         else:

@@ -26,6 +26,8 @@ FP8_MAX = 448.0  # largest finite e4m3fn value
 INT8_MAX = 127.0  # symmetric integer codes: -127..127
 # A quantized cache's code dtypes and their largest code (a row's largest magnitude maps to it).
 CODE_MAX = {FP8_DTYPE: FP8_MAX, torch.int8: INT8_MAX}
+# The kv_cache_dtype settings of a quantized cache and their code dtypes.
+KV_CODES = {"fp8": FP8_DTYPE, "int8": torch.int8}
 SCALE_DTYPE = torch.bfloat16
 AMAX_FLOOR = 1e-12  # an all-zero row gets a tiny scale instead of a division by zero
 

@@ -18,7 +18,7 @@ from kvfleet_engine.cuda_graphs import (
     prompt_bucket_sizes,
 )
 from kvfleet_engine.layers.attention import Attention, AttentionMetadata, load_backend
-from kvfleet_engine.layers.attention_torch import FP8_DTYPE
+from kvfleet_engine.layers.attention_torch import FP8_DTYPE, KV_CODES
 from kvfleet_engine.layers.sampler import Sampler, SamplingMetadata
 from kvfleet_engine.models.loader import load_model, serving_dtype
 from kvfleet_engine.parallel.groups import Groups
@@ -51,18 +51,17 @@ def resolve_kv_cache_dtype(
     int8 runs everywhere."""
     if setting == "auto":
         return model_dtype
-    if setting == "int8":
-        return torch.int8
-    if device.type == "cuda" and backend_name == "triton":
+    codes = KV_CODES[setting]
+    if codes == FP8_DTYPE and device.type == "cuda" and backend_name == "triton":
         capability = torch.cuda.get_device_capability(device)
         if capability < FP8_TRITON_MIN_CAPABILITY:
             need = ".".join(map(str, FP8_TRITON_MIN_CAPABILITY))
             raise ValueError(
                 f"kv_cache_dtype=fp8 needs compute capability >= {need} for the triton attention "
                 f"backend; {device} ({torch.cuda.get_device_name(device)}) has "
-                f"{capability[0]}.{capability[1]}: use kv_cache_dtype=auto"
+                f"{capability[0]}.{capability[1]}: use kv_cache_dtype=int8 or auto"
             )
-    return FP8_DTYPE
+    return codes
 
 
 def resolve_device(name: str, local_rank: int = 0, ranks_per_node: int = 1) -> torch.device:
