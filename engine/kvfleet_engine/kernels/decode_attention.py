@@ -55,6 +55,12 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# One-warp programs (`TOKEN_MAJOR_FP8_TILES`) hold ~255 registers a thread: 8 fit on an SM at once.
+ONE_WARP_PROGRAMS_PER_SM = 8
+# What a program costs beyond its tiles (its query, the merge's share), in tiles.
+PROGRAM_COST_TILES = 2
+
+
 def choose_num_splits(
     num_seqs: int,
     num_kv_heads: int,
@@ -63,13 +69,24 @@ def choose_num_splits(
     num_sms: int,
     num_warps: int = 4,
 ) -> int:
-    """Enough (sequence, kv head, split) programs for about two waves of 4-warp programs over
-    the SMs (as many warps in fewer-warp programs), never more splits than the longest possible
-    context has tiles. Depends on shapes only."""
-    per_sm = 2 * max(1, 4 // num_warps)
-    wanted = -(-per_sm * num_sms // max(num_seqs * num_kv_heads, 1))
+    """Splits of each (sequence, kv head)'s context, never more than the longest possible context
+    has tiles. Depends on shapes only. 4-warp programs: about two waves of them over the SMs.
+    One-warp programs: the splits that take the least time in waves of the programs that fit at
+    once, each wave as long as a program's tiles and its fixed cost (64 x 4k on the H200, fp8
+    cache: 3 splits, 1.45 waves, 245 us; 2 splits, one wave, 215 us)."""
+    pairs = max(num_seqs * num_kv_heads, 1)
     max_tiles = max(-(-max_context // block_n), 1)
-    return max(1, min(wanted, max_tiles, 64))
+    most = min(max_tiles, 64)
+    if num_warps == 1:
+        slots = ONE_WARP_PROGRAMS_PER_SM * num_sms
+
+        def time(splits: int) -> tuple[int, int]:
+            waves = -(-pairs * splits // slots)
+            return waves * (-(-max_tiles // splits) + PROGRAM_COST_TILES), splits
+
+        return min(range(1, most + 1), key=time)
+    wanted = -(-2 * max(1, 4 // num_warps) * num_sms // pairs)
+    return max(1, min(wanted, most))
 
 
 # A mixed step's splits (the split kernel's are compile-time constants, and a mixed step's
@@ -126,6 +143,9 @@ class _Launch:
     prefetch_scales: bool
     # ptxas's register cap per thread (None: its own choice); fewer registers, more programs per SM
     max_registers: int | None = None
+    # rescale the accumulator only when a row's max grew (None: for one-warp programs, where
+    # the test is one warp's; `attention_tile.attend_tile`)
+    lazy_rescale: bool | None = None
 
 
 def paged_decode_attention(
@@ -149,10 +169,13 @@ def paged_decode_attention(
     early_v: bool = True,
     prefetch_scales: bool = True,
     max_registers: int | None = None,
+    lazy_rescale: bool | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim] (a mixed step: [num_tokens, ...])
     check_paged_attention(query, k_cache, v_cache, block_tables, context_lens, k_scales, v_scales)
     tiles = (num_splits, block_n, num_warps, num_stages)
-    launch = _Launch(*tiles, transpose_scores, early_v, prefetch_scales, max_registers)
+    launch = _Launch(
+        *tiles, transpose_scores, early_v, prefetch_scales, max_registers, lazy_rescale
+    )
     cache = (k_cache, v_cache, k_scales, v_scales)
     rows = _Rows(cu_query_lens, out)
     return _decode(
@@ -184,6 +207,7 @@ def rotary_decode_attention(
     early_v: bool = True,
     prefetch_scales: bool = True,
     max_registers: int | None = None,
+    lazy_rescale: bool | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
     """A decode step's whole attention in one launch: rotary on q and k, the store of the new k
     and v in the cache (`rotary_store_kv`), then `paged_decode_attention` — at batch 1 each of
@@ -192,7 +216,9 @@ def rotary_decode_attention(
     check_rotary_store(positions, query, key, value, cos_sin, k_cache, slot_mapping)
     new = _NewToken(key, value, positions, cos_sin, slot_mapping)
     tiles = (num_splits, block_n, num_warps, num_stages)
-    launch = _Launch(*tiles, transpose_scores, early_v, prefetch_scales, max_registers)
+    launch = _Launch(
+        *tiles, transpose_scores, early_v, prefetch_scales, max_registers, lazy_rescale
+    )
     cache = (k_cache, v_cache, k_scales, v_scales)
     rows = _Rows(None, None)
     return _decode(
@@ -332,6 +358,7 @@ def _decode(
         V_RUN=min(block_n, block_size),
         PREFETCH_SCALES=launch.prefetch_scales,
         DOT_PRECISION=dot_precision(query.dtype),
+        LAZY_RESCALE=num_warps == 1 if launch.lazy_rescale is None else launch.lazy_rescale,
         num_warps=num_warps,
         num_stages=launch.num_stages,
         maxnreg=launch.max_registers,

@@ -14,13 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvfleet_engine.kernels.attention_tile import (
-    fp8_pv,
-    fp8_scales_ahead,
-    fp8_tile_scales,
-    kv_tile,
-    softmax_tile,
-)
+from kvfleet_engine.kernels.attention_tile import attend_tile, fp8_scales_ahead, whole_end
 from kvfleet_engine.kernels.kv_fp8 import (
     f16_rows,
     quantize_rows,
@@ -107,6 +101,7 @@ def decode_split_kernel(
     V_RUN: tl.constexpr,
     PREFETCH_SCALES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,  # one-warp programs (`attention_tile.attend_tile`)
     PDL: tl.constexpr = False,
 ):
     _start(PDL)
@@ -170,15 +165,16 @@ def decode_split_kernel(
         tl.debug_barrier()  # the stores above are visible to this program's loads below
     else:
         q = tl.load(q_rows, mask=q_mask, other=0.0)
+    q_dot = q
+    q_t = q
+    row_scale = tl.full([GROUP_PAD], 1.0, tl.float32) * scale_log2
+    prefetched = (row_scale, row_scale, rows)  # never read without an fp8 cache
     if FP8:
         if F16_DOTS:  # 16-bit queries: e4m3 converts to float16 in one instruction per pair
             q_dot, q_factor = f16_rows(q)
             row_scale = q_factor * scale_log2
-        else:
-            q_dot = q
-            row_scale = tl.full([GROUP_PAD], 1.0, tl.float32) * scale_log2
         if TRANSPOSE_SCORES:
-            q_dot_t = tl.trans(q_dot)  # [BLOCK_D, GROUP_PAD]
+            q_t = tl.trans(q_dot)  # [BLOCK_D, GROUP_PAD]
         prefetched = fp8_scales_ahead(
             k_scales_ptr, v_scales_ptr, block_table, start, end, kv_head, stride_sb, stride_sh,
             BLOCK_N, BLOCK_SIZE, PREFETCH_SCALES,
@@ -187,34 +183,26 @@ def decode_split_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
-    for tile_start in range(start, end, BLOCK_N):
-        positions, valid, block_ids, k, v = kv_tile(
-            k_cache_ptr, v_cache_ptr, block_table, tile_start, end, kv_offset, kv_head, dims,
-            dim_mask, stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, BLOCK_N,
-            BLOCK_SIZE, V_ROWS, V_RUN,
+    state = (m_i, l_i, acc, prefetched)
+    # Whole tiles, then at most one partial tile (`attention_tile`: only that one needs masks).
+    whole = whole_end(start, end, BLOCK_N)
+    for tile_start in range(start, whole, BLOCK_N):
+        state = attend_tile(
+            state, q_dot, q_t, row_scale, row_scale, k_cache_ptr, v_cache_ptr, k_scales_ptr,
+            v_scales_ptr, block_table, tile_start, end, kv_offset, kv_head, dims, dim_mask,
+            stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, stride_sb, stride_sh,
+            BLOCK_N, BLOCK_SIZE, FP8, EARLY_V, V_ROWS, V_RUN, PREFETCH_SCALES, DOT_PRECISION,
+            TRANSPOSE_SCORES, False, True, LAZY_RESCALE,
         )  # fmt: skip
-        if FP8:
-            k_scale, v_scale, prefetched = fp8_tile_scales(
-                prefetched, k_scales_ptr, v_scales_ptr, block_table, block_ids, positions, valid,
-                tile_start, end, kv_head, stride_sb, stride_sh, BLOCK_N, BLOCK_SIZE,
-                PREFETCH_SCALES,
-            )  # fmt: skip
-            k = k.to(q_dot.dtype)
-            if TRANSPOSE_SCORES:  # K as the first operand: [BLOCK_N, GROUP_PAD]
-                scores = tl.trans(tl.dot(k, q_dot_t, input_precision=DOT_PRECISION))
-            else:
-                scores = tl.dot(q_dot, tl.trans(k), input_precision=DOT_PRECISION)
-            scores = scores * row_scale[:, None] * k_scale[None, :]
-        else:
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new, alpha, p, l_i = softmax_tile(scores, m_i, l_i)
-        if FP8:
-            pv = fp8_pv(p, v, v_scale, valid, q_dot, V_ROWS, EARLY_V, DOT_PRECISION)
-        else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    for tile_start in range(whole, end, BLOCK_N):
+        state = attend_tile(
+            state, q_dot, q_t, row_scale, row_scale, k_cache_ptr, v_cache_ptr, k_scales_ptr,
+            v_scales_ptr, block_table, tile_start, end, kv_offset, kv_head, dims, dim_mask,
+            stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, stride_sb, stride_sh,
+            BLOCK_N, BLOCK_SIZE, FP8, EARLY_V, V_ROWS, V_RUN, PREFETCH_SCALES, DOT_PRECISION,
+            TRANSPOSE_SCORES, False, False, LAZY_RESCALE,
+        )  # fmt: skip
+    m_i, l_i, acc = state[0], state[1], state[2]
 
     if FP8:
         acc = acc * (1.0 / v_scale_boost(v_cache_ptr.dtype.element_ty))

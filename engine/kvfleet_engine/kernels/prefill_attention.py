@@ -14,13 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet_engine.kernels.attention_tile import (
-    fp8_pv,
-    fp8_scales_ahead,
-    fp8_tile_scales,
-    kv_tile,
-    softmax_tile,
-)
+from kvfleet_engine.kernels.attention_tile import attend_tile, fp8_scales_ahead
 from kvfleet_engine.kernels.checks import (
     LOG2E,
     check_index,
@@ -30,44 +24,6 @@ from kvfleet_engine.kernels.checks import (
     require,
 )
 from kvfleet_engine.kernels.kv_fp8 import f16_rows, v_scale_boost
-
-
-@triton.jit
-def _prefill_tile(
-    state, q, row_scale, row_positions, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr,
-    block_table, tile_start, end, kv_offset, kv_head, dims, dim_mask, scale_log2, stride_cb,
-    stride_cs, stride_cvb, stride_cvh, stride_cvd, stride_sb, stride_sh,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, EARLY_V: tl.constexpr,
-    V_ROWS: tl.constexpr, V_RUN: tl.constexpr, PREFETCH_SCALES: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
-):  # fmt: skip
-    """One context tile into the online softmax: `state` is (row max, row sum, accumulator, and
-    for an fp8 cache with PREFETCH_SCALES what `fp8_tile_scales` carries to the next tile);
-    CAUSAL masks each row to the positions up to its own and to the end."""
-    m_i, l_i, acc, prefetched = state
-    positions, valid, block_ids, k, v = kv_tile(
-        k_cache_ptr, v_cache_ptr, block_table, tile_start, end, kv_offset, kv_head, dims,
-        dim_mask, stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, BLOCK_N, BLOCK_SIZE,
-        V_ROWS, V_RUN,
-    )  # fmt: skip
-    if FP8:
-        k_scale, v_scale, prefetched = fp8_tile_scales(
-            prefetched, k_scales_ptr, v_scales_ptr, block_table, block_ids, positions, valid,
-            tile_start, end, kv_head, stride_sb, stride_sh, BLOCK_N, BLOCK_SIZE, PREFETCH_SCALES,
-        )  # fmt: skip
-        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-        scores = scores * row_scale[:, None] * k_scale[None, :]
-    else:
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-    if CAUSAL:
-        visible = valid[None, :] & (positions[None, :] <= row_positions[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-    m_new, alpha, p, l_i = softmax_tile(scores, m_i, l_i)
-    if FP8:
-        pv = fp8_pv(p, v, v_scale, valid, q, V_ROWS, EARLY_V, DOT_PRECISION)
-    else:
-        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc * alpha[:, None] + pv, prefetched
 
 
 # Values that change from step to step are not specialised on (that would recompile mid-run).
@@ -172,24 +128,24 @@ def _prefill_kernel(
         )  # fmt: skip
         state = (m_i, l_i, acc, prefetched)
         # Tiles that end at or before the first row's own position are seen whole by every row:
-        # no causal mask (nor the end's: they end before it). Tile 0 holds position 0, visible to
-        # every row, so m_i is finite from the first tile on.
+        # no causal mask, nor the end's (WHOLE: they end before it). Tile 0 holds position 0,
+        # visible to every row, so m_i is finite from the first tile on.
         unmasked_end = (prefix_len + first_token + 1) // BLOCK_N * BLOCK_N
         for tile_start in range(0, unmasked_end, BLOCK_N):
-            state = _prefill_tile(
-                state, q, row_scale, row_positions, k_cache_ptr, v_cache_ptr, k_scales_ptr,
+            state = attend_tile(
+                state, q, q, row_scale, row_positions, k_cache_ptr, v_cache_ptr, k_scales_ptr,
                 v_scales_ptr, block_table, tile_start, end, kv_offset, kv_head, dims, dim_mask,
-                scale_log2, stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, stride_sb,
-                stride_sh, BLOCK_N, BLOCK_SIZE, FP8, EARLY_V, V_ROWS, V_RUN, PREFETCH_SCALES,
-                DOT_PRECISION, False,
+                stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, stride_sb, stride_sh,
+                BLOCK_N, BLOCK_SIZE, FP8, EARLY_V, V_ROWS, V_RUN, PREFETCH_SCALES, DOT_PRECISION,
+                False, False, True,
             )  # fmt: skip
         for tile_start in range(unmasked_end, end, BLOCK_N):
-            state = _prefill_tile(
-                state, q, row_scale, row_positions, k_cache_ptr, v_cache_ptr, k_scales_ptr,
+            state = attend_tile(
+                state, q, q, row_scale, row_positions, k_cache_ptr, v_cache_ptr, k_scales_ptr,
                 v_scales_ptr, block_table, tile_start, end, kv_offset, kv_head, dims, dim_mask,
-                scale_log2, stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, stride_sb,
-                stride_sh, BLOCK_N, BLOCK_SIZE, FP8, EARLY_V, V_ROWS, V_RUN, PREFETCH_SCALES,
-                DOT_PRECISION, True,
+                stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, stride_sb, stride_sh,
+                BLOCK_N, BLOCK_SIZE, FP8, EARLY_V, V_ROWS, V_RUN, PREFETCH_SCALES, DOT_PRECISION,
+                False, True, False,
             )  # fmt: skip
         m_i, l_i, acc = state[0], state[1], state[2]
 

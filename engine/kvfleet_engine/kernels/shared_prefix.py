@@ -32,12 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet_engine.kernels.attention_tile import (
-    fp8_pv,
-    kv_tile,
-    kv_tile_scales,
-    softmax_tile,
-)
+from kvfleet_engine.kernels.attention_tile import attend_tile, whole_end
 from kvfleet_engine.kernels.checks import LOG2E, dot_precision, next_power_of_2
 from kvfleet_engine.kernels.decode_kernels import rotated
 from kvfleet_engine.kernels.kv_fp8 import f16_rows, v_scale_boost
@@ -143,42 +138,36 @@ def shared_prefix_kernel(
     else:
         q = tl.load(q_rows, mask=q_mask, other=0.0)
     kv_offset = kv_head * stride_ch + dims[None, :]
-    if FP8:
-        if F16_DOTS:  # 16-bit queries: e4m3 converts to float16 in one instruction per pair
-            q_dot, q_factor = f16_rows(q)
-            row_scale = q_factor * scale_log2
-        else:
-            q_dot = q
-            row_scale = tl.full([BLOCK_Q], 1.0, tl.float32) * scale_log2
+    q_dot = q
+    row_scale = tl.full([BLOCK_Q], 1.0, tl.float32) * scale_log2
+    if FP8 and F16_DOTS:  # 16-bit queries: e4m3 converts to float16 in one instruction per pair
+        q_dot, q_factor = f16_rows(q)
+        row_scale = q_factor * scale_log2
 
     block_table = block_tables_ptr + holder.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
-    for tile_start in range(start, end, BLOCK_N):
-        positions, valid, block_ids, k, v = kv_tile(
-            k_cache_ptr, v_cache_ptr, block_table, tile_start, end, kv_offset, kv_head, dims,
-            dim_mask, stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, BLOCK_N,
-            BLOCK_SIZE, V_ROWS, V_RUN,
+    state = (m_i, l_i, acc, (row_scale, row_scale, rows))  # no scales carried between tiles
+    # Whole tiles, then at most one partial tile (`attention_tile`: only that one needs masks).
+    whole = whole_end(start, end, BLOCK_N)
+    for tile_start in range(start, whole, BLOCK_N):
+        state = attend_tile(
+            state, q_dot, q_dot, row_scale, row_scale, k_cache_ptr, v_cache_ptr, k_scales_ptr,
+            v_scales_ptr, block_table, tile_start, end, kv_offset, kv_head, dims, dim_mask,
+            stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, stride_sb, stride_sh,
+            BLOCK_N, BLOCK_SIZE, FP8, False, V_ROWS, V_RUN, False, DOT_PRECISION, False, False,
+            True,
         )  # fmt: skip
-        if FP8:
-            k_scale, v_scale = kv_tile_scales(
-                k_scales_ptr, v_scales_ptr, block_ids, kv_head, positions, valid, stride_sb,
-                stride_sh, BLOCK_SIZE,
-            )  # fmt: skip
-            k = k.to(q_dot.dtype)
-            scores = tl.dot(q_dot, tl.trans(k), input_precision=DOT_PRECISION)
-            scores = scores * row_scale[:, None] * k_scale[None, :]
-        else:
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new, alpha, p, l_i = softmax_tile(scores, m_i, l_i)
-        if FP8:
-            pv = fp8_pv(p, v, v_scale, valid, q_dot, V_ROWS, False, DOT_PRECISION)
-        else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    for tile_start in range(whole, end, BLOCK_N):
+        state = attend_tile(
+            state, q_dot, q_dot, row_scale, row_scale, k_cache_ptr, v_cache_ptr, k_scales_ptr,
+            v_scales_ptr, block_table, tile_start, end, kv_offset, kv_head, dims, dim_mask,
+            stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, stride_sb, stride_sh,
+            BLOCK_N, BLOCK_SIZE, FP8, False, V_ROWS, V_RUN, False, DOT_PRECISION, False, False,
+            False,
+        )  # fmt: skip
+    m_i, l_i, acc = state[0], state[1], state[2]
     if FP8:
         acc = acc * (1.0 / v_scale_boost(v_cache_ptr.dtype.element_ty))
 

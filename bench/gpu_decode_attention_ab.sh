@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Device calls (run tool) for the attention tile loop of 2026-12-05 (whole tiles without masks,
+# one-warp splits in whole waves, lazy rescale), against another tree in the same call:
+#   AB_TREE=.ab/old bash bench/gpu_decode_attention_ab.sh tests kernels      # call 1
+#   bash bench/gpu_decode_attention_ab.sh throughput-1k-bf16 throughput-1k-fp8kv     # call 2
+#   AB_TREE=.ab/old bash bench/gpu_decode_attention_ab.sh throughput-1k-fp8-fp8kv throughput-1k-fp8kv-old
+# (.ab/old: `git archive REV engine | tar -x -C .ab/old`, git-ignored, carried.)
+# Steps:
+#   tests      gpu-marked kernel tests of decode / prefill / shared-prefix / mixed attention over
+#              bf16, fp8 and int8 caches, and the engine's quantized-cache CUDA-graph tests
+#   kernels    bench.kernels decode: 64 x 4k (bf16, fp8, int8 caches, the sweep), 512 x 1.5k (fp8,
+#              int8), this tree; AB_TREE's engine launches (--engine-only) in the same call
+#   throughput-1k-bf16 / -fp8kv / -fp8-fp8kv   offline 1000 x (1000 in, 1000 out), Llama-3.1-8B
+#              shape: bf16 weights + bf16 cache (384 sequences), + fp8 cache (768), fp8 weights +
+#              fp8 cache (768); -fp8kv-old: AB_TREE's engine, bf16 weights + fp8 cache
+# Logs and JSON under $OUT; STEP_TIMEOUT (seconds, default 280) caps each step.
+set -uo pipefail
+OUT=${OUT:-/tmp/kvfleet-decode-attention-ab}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY="timeout -k 5 ${STEP_TIMEOUT:-280} python3"
+ROOT=$PWD
+OLD=${AB_TREE:+$(cd "$AB_TREE" && pwd)/engine}
+THROUGHPUT_1K="-m kvfleet_cli.main bench throughput --shape llama-3.1-8b --num-prompts 1000
+  --input-len 1000 --output-len 1000 --max-num-batched-tokens 16384"
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv
+tree() {  # the engine tree a step runs: this one, or AB_TREE's
+  export PYTHONPATH="$1:$ROOT/operator"
+}
+for step in "$@"; do
+  echo "=== $step ($(date +%T))"
+  tree "$ROOT/engine"
+  case $step in
+    tests) $PY -m pytest -m gpu tests/kernels/test_kv_fp8.py tests/kernels/test_triton_kernels.py \
+        -k "decode or prefill or prefix or mixed or lazy" -q -p no:cacheprovider -x 2>&1 \
+        | tee "$OUT/tests-kernels.log" | tail -6
+      $PY -m pytest -m gpu tests/engine/test_kv_cache_quantized.py -q -p no:cacheprovider 2>&1 \
+        | tee "$OUT/tests-engine.log" | tail -6 ;;
+    kernels)
+      $PY -m kvfleet_engine.bench.kernels --output-dir "$OUT/new" --cases decode \
+        --num-seqs 64 --context 4096 2>&1 | tee "$OUT/kernels-new.log" | grep -v Warning | tail -60
+      $PY -m kvfleet_engine.bench.kernels --output-dir "$OUT/new" --cases decode --engine-only \
+        --num-seqs 512 --context 1536 2>&1 | tee -a "$OUT/kernels-new.log" | grep -v Warning | tail -25
+      if [ -n "$OLD" ]; then
+        tree "$OLD"
+        for shape in "64 4096" "512 1536"; do
+          set -- $shape
+          $PY -m kvfleet_engine.bench.kernels --output-dir "$OUT/old" --cases decode --engine-only \
+            --num-seqs "$1" --context "$2" 2>&1 | tee -a "$OUT/kernels-old.log" | grep -v Warning | tail -25
+        done
+      fi ;;
+    throughput-1k-bf16) $PY $THROUGHPUT_1K --max-num-seqs 384 --output-dir "$OUT/1k-bf16" 2>&1 \
+        | tee "$OUT/1k-bf16.log" | grep -v 'it/s\]\|req/s\]' | tail -16 ;;
+    throughput-1k-fp8kv|throughput-1k-fp8kv-old)
+      [ "$step" = throughput-1k-fp8kv-old ] && tree "$OLD"
+      $PY $THROUGHPUT_1K --max-num-seqs 768 --kv-cache-dtype fp8 --output-dir "$OUT/${step#throughput-}" \
+        2>&1 | tee "$OUT/$step.log" | grep -v 'it/s\]\|req/s\]' | tail -16 ;;
+    throughput-1k-fp8-fp8kv) $PY $THROUGHPUT_1K --max-num-seqs 768 --kv-cache-dtype fp8 \
+        --quantization fp8 --output-dir "$OUT/1k-fp8-fp8kv" 2>&1 | tee "$OUT/$step.log" \
+        | grep -v 'it/s\]\|req/s\]' | tail -16 ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
+echo "=== done ($(date +%T))"
