@@ -665,19 +665,17 @@ def test_a_mixed_step_attends_its_one_token_sequences_with_the_decode_kernels(
 
 
 @pytest.mark.parametrize(
-    ("num_seqs", "context", "expected"),
-    [
-        (64, 4096, 2),  # 512 (sequence, kv head) pairs: 2 splits are one wave of 1,056 programs
-        (512, 1536, 1),  # 4,096 pairs: more than a wave already
-        (16, 2048, 8),  # 128 pairs x 8 = 1,024 programs, one wave (9 would spill into a second)
-        (1, 4096, 64),  # batch 1: as many splits as allowed
-        (1, 64, 2),  # never more splits than the context has tiles
-    ],
+    ("num_seqs", "context"), [(64, 4096), (512, 1536), (16, 2048), (768, 2048), (1, 4096), (1, 64)]
 )
-def test_one_warp_decode_programs_split_into_whole_waves(num_seqs, context, expected) -> None:
-    """A token-major quantized cache's one-warp decode programs (8 fit on an SM): the splits
-    that fill whole waves of the 132 SMs of an H100 / H200 without more programs than pay."""
+def test_one_warp_decode_programs_split_into_whole_waves(num_seqs, context) -> None:
+    """A token-major quantized cache's one-warp decode programs: splits that fill the waves of
+    programs the 132 SMs of an H100 / H200 hold at once (the last wave at least 90% full) unless
+    the split cap (64) or the context's tiles stop them first. 64 x 4k: not the 3 splits that
+    ran 1.45 waves (245 us against 215 for one full wave, H200)."""
+    tiles = -(-context // 32)
     splits = decode.choose_num_splits(num_seqs, 8, context, 32, 132, num_warps=1)
-    assert splits == expected
+    assert 1 <= splits <= min(tiles, 64)
+    slots = decode.ONE_WARP_PROGRAMS_PER_SM * 132
     programs = num_seqs * 8 * splits
-    assert programs <= decode.ONE_WARP_PROGRAMS_PER_SM * 132 or splits == 1
+    waves = -(-programs // slots)
+    assert programs / (waves * slots) >= 0.9 or splits == min(tiles, 64)

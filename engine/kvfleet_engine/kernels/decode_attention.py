@@ -55,8 +55,11 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# One-warp programs (`TOKEN_MAJOR_FP8_TILES`) hold ~255 registers a thread: 8 fit on an SM at once.
-ONE_WARP_PROGRAMS_PER_SM = 8
+# One-warp programs (`TOKEN_MAJOR_FP8_TILES`) are capped at 192 registers a thread, so 10 fit on an
+# SM at once (uncapped, the partial tile's masks took 255: 8). The whole-tile loop needs 192 and
+# spills nothing under the cap (sm_90 compile, fp8 cache: 749 instructions per tile either way).
+ONE_WARP_REGISTERS = 192
+ONE_WARP_PROGRAMS_PER_SM = 65536 // (32 * ONE_WARP_REGISTERS)
 # What a program costs beyond its tiles (its query, the merge's share), in tiles.
 PROGRAM_COST_TILES = 2
 
@@ -141,7 +144,8 @@ class _Launch:
     transpose_scores: bool
     early_v: bool
     prefetch_scales: bool
-    # ptxas's register cap per thread (None: its own choice); fewer registers, more programs per SM
+    # ptxas's register cap per thread (None: ONE_WARP_REGISTERS for one-warp programs, else
+    # ptxas's own choice); fewer registers, more programs per SM
     max_registers: int | None = None
     # rescale the accumulator only when a row's max grew (None: for one-warp programs, where
     # the test is one warp's; `attention_tile.attend_tile`)
@@ -361,7 +365,7 @@ def _decode(
         LAZY_RESCALE=num_warps == 1 if launch.lazy_rescale is None else launch.lazy_rescale,
         num_warps=num_warps,
         num_stages=launch.num_stages,
-        maxnreg=launch.max_registers,
+        maxnreg=launch.max_registers or (ONE_WARP_REGISTERS if num_warps == 1 else None),
         **launch_options(query.device),
     )
     if join_prefix is not None:
