@@ -55,11 +55,24 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# One-warp programs (`TOKEN_MAJOR_FP8_TILES`) are capped at 192 registers a thread, so 10 fit on an
-# SM at once (uncapped, the partial tile's masks took 255: 8). The whole-tile loop needs 192 and
-# spills nothing under the cap (sm_90 compile, fp8 cache: 749 instructions per tile either way).
-ONE_WARP_REGISTERS = 192
-ONE_WARP_PROGRAMS_PER_SM = 65536 // (32 * ONE_WARP_REGISTERS)
+# One-warp programs (`TOKEN_MAJOR_FP8_TILES`) over e4m3 codes are capped at 192 registers a thread,
+# so 10 fit on an SM at once (uncapped, the partial tile's masks took 255: 8); their whole-tile
+# loop spills nothing under the cap (sm_90 compile: 749 instructions per tile either way). int8
+# codes convert one by one and would spill under it (280 bytes): uncapped, 8 an SM.
+E4M3_ONE_WARP_REGISTERS = 192
+
+
+def one_warp_registers(codes: torch.dtype) -> int | None:
+    """The register cap of one-warp decode programs over a cache of `codes` (None: ptxas's own
+    choice, up to 255)."""
+    return E4M3_ONE_WARP_REGISTERS if codes == torch.float8_e4m3fn else None
+
+
+def programs_per_sm(registers: int | None) -> int:
+    """One-warp programs of `registers` a thread (None: 255) that fit on an SM at once."""
+    return 65536 // (32 * (registers or 256))
+
+
 # What a program costs beyond its tiles (its query, the merge's share), in tiles.
 PROGRAM_COST_TILES = 2
 
@@ -71,17 +84,18 @@ def choose_num_splits(
     block_n: int,
     num_sms: int,
     num_warps: int = 4,
+    registers: int | None = None,
 ) -> int:
     """Splits of each (sequence, kv head)'s context, never more than the longest possible context
     has tiles. Depends on shapes only. 4-warp programs: about two waves of them over the SMs.
-    One-warp programs: the splits that take the least time in waves of the programs that fit at
-    once, each wave as long as a program's tiles and its fixed cost (64 x 4k on the H200, fp8
-    cache: 3 splits, 1.45 waves, 245 us; 2 splits, one wave, 215 us)."""
+    One-warp programs (of `registers` a thread): the splits that take the least time in waves of
+    the programs that fit at once, each wave as long as a program's tiles and its fixed cost
+    (64 x 4k on the H200, fp8 cache: 3 splits, 1.45 waves, 245 us; 2 splits, one wave, 215 us)."""
     pairs = max(num_seqs * num_kv_heads, 1)
     max_tiles = max(-(-max_context // block_n), 1)
     most = min(max_tiles, 64)
     if num_warps == 1:
-        slots = ONE_WARP_PROGRAMS_PER_SM * num_sms
+        slots = programs_per_sm(registers) * num_sms
 
         def time(splits: int) -> tuple[int, int]:
             waves = -(-pairs * splits // slots)
@@ -144,7 +158,7 @@ class _Launch:
     transpose_scores: bool
     early_v: bool
     prefetch_scales: bool
-    # ptxas's register cap per thread (None: ONE_WARP_REGISTERS for one-warp programs, else
+    # ptxas's register cap per thread (None: `one_warp_registers` for one-warp programs, else
     # ptxas's own choice); fewer registers, more programs per SM
     max_registers: int | None = None
     # rescale the accumulator only when a row's max grew (None: for one-warp programs, where
@@ -273,6 +287,9 @@ def _decode(
     )
     block_n = launch.block_n or default_n
     num_warps = launch.num_warps or default_warps
+    registers = launch.max_registers
+    if registers is None and num_warps == 1:
+        registers = one_warp_registers(k_cache.dtype)
     num_splits = launch.num_splits
     prefix_splits = 0
     if mixed is not None:  # fixed, so every mixed step, eager or captured, runs one compile
@@ -284,7 +301,7 @@ def _decode(
         num_sms = _num_sms(query.device)
         if num_splits is None:
             num_splits = choose_num_splits(
-                num_seqs, num_kv_heads, max_context, block_n, num_sms, num_warps
+                num_seqs, num_kv_heads, max_context, block_n, num_sms, num_warps, registers
             )
         if shared_prefix is not None:
             prefix_splits = prefix_kernel.choose_prefix_splits(
@@ -365,7 +382,7 @@ def _decode(
         LAZY_RESCALE=num_warps == 1 if launch.lazy_rescale is None else launch.lazy_rescale,
         num_warps=num_warps,
         num_stages=launch.num_stages,
-        maxnreg=launch.max_registers or (ONE_WARP_REGISTERS if num_warps == 1 else None),
+        maxnreg=registers,
         **launch_options(query.device),
     )
     if join_prefix is not None:
