@@ -8,8 +8,9 @@
 # Steps:
 #   tests      gpu-marked kernel tests of decode / prefill / shared-prefix / mixed attention over
 #              bf16, fp8 and int8 caches, and the engine's quantized-cache CUDA-graph tests
-#   kernels    bench.kernels decode: 64 x 4k (bf16, fp8, int8 caches) and 512 x 1.5k (fp8), each with
-#              its sweep, this tree; AB_TREE's engine launches (--engine-only) in the same call
+#   kernels    bench.kernels: decode 64 x 4k (bf16, fp8, int8 caches) and 512 x 1.5k (fp8), each with
+#              its sweep, and prefill 8 x 1k, this tree; AB_TREE's engine launches (--engine-only)
+#              in the same call
 #   throughput-1k-bf16 / -fp8kv / -fp8-fp8kv   offline 1000 x (1000 in, 1000 out), Llama-3.1-8B
 #              shape: bf16 weights + bf16 cache (384 sequences), + fp8 cache (768), fp8 weights +
 #              fp8 cache (768); -fp8kv-old: AB_TREE's engine, bf16 weights + fp8 cache
@@ -37,7 +38,7 @@ for step in "$@"; do
       $PY -m pytest -m gpu tests/engine/test_kv_cache_quantized.py -q -p no:cacheprovider 2>&1 \
         | tee "$OUT/tests-engine.log" | tail -6 ;;
     kernels)
-      $PY -m kvfleet_engine.bench.kernels --output-dir "$OUT/new" --cases decode \
+      $PY -m kvfleet_engine.bench.kernels --output-dir "$OUT/new" --cases decode prefill \
         --num-seqs 64 --context 4096 2>&1 | tee "$OUT/kernels-new.log" | grep -v Warning | tail -60
       $PY -m kvfleet_engine.bench.kernels --output-dir "$OUT/new" --cases decode --kv-cache-dtype fp8 \
         --num-seqs 512 --context 1536 2>&1 | tee -a "$OUT/kernels-new.log" | grep -v Warning | tail -40
@@ -45,8 +46,8 @@ for step in "$@"; do
         tree "$OLD"
         for shape in "64 4096" "512 1536"; do
           set -- $shape
-          $PY -m kvfleet_engine.bench.kernels --output-dir "$OUT/old" --cases decode --engine-only \
-            --num-seqs "$1" --context "$2" 2>&1 | tee -a "$OUT/kernels-old.log" | grep -v Warning | tail -25
+          $PY -m kvfleet_engine.bench.kernels --output-dir "$OUT/old" --cases decode prefill \
+            --engine-only --num-seqs "$1" --context "$2" 2>&1 | tee -a "$OUT/kernels-old.log" | grep -v Warning | tail -25
         done
       fi ;;
     throughput-1k-bf16) $PY $THROUGHPUT_1K --max-num-seqs 384 --output-dir "$OUT/1k-bf16" 2>&1 \

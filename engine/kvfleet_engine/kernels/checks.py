@@ -4,6 +4,8 @@ the attention wrappers share."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvfleet_engine.layers.attention_torch import CODE_MAX, SCALE_DTYPE
@@ -23,6 +25,15 @@ def token_major(v_cache: torch.Tensor) -> bool:
 def to_token_major(cache: torch.Tensor) -> torch.Tensor:
     """A copy of the cache's values laid out token major (`token_major`), as a view of its shape."""
     return cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """The device's streaming multiprocessors (4 off a GPU: the interpreter, where a few programs
+    of work exercise the splits)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def require(condition: bool, message: str) -> None:

@@ -28,7 +28,6 @@ one program per sequence and 16 query rows wide, spend on them.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -41,78 +40,20 @@ from kvfleet_engine.kernels.checks import (
     check_rotary_store,
     dot_precision,
     next_power_of_2,
+    num_sms,
     require,
 )
 from kvfleet_engine.kernels.decode_kernels import decode_merge_kernel, decode_split_kernel
+from kvfleet_engine.kernels.decode_plan import (
+    DEFAULT_TILES,
+    MIXED_PREFIX_SPLITS,
+    MIXED_SPLITS,
+    TOKEN_MAJOR_FP8_TILES,
+    choose_num_splits,
+    one_warp_registers,
+)
 from kvfleet_engine.kernels.pdl import launch_options
 from kvfleet_engine.layers.attention_torch import KVCache
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-# One-warp programs (`TOKEN_MAJOR_FP8_TILES`) over e4m3 codes are capped at 192 registers a thread,
-# so 10 fit on an SM at once (uncapped, the partial tile's masks took 255: 8); their whole-tile
-# loop spills nothing under the cap (sm_90 compile: 749 instructions per tile either way). int8
-# codes convert one by one and would spill under it (280 bytes): uncapped, 8 an SM.
-E4M3_ONE_WARP_REGISTERS = 192
-
-
-def one_warp_registers(codes: torch.dtype) -> int | None:
-    """The register cap of one-warp decode programs over a cache of `codes` (None: ptxas's own
-    choice, up to 255)."""
-    return E4M3_ONE_WARP_REGISTERS if codes == torch.float8_e4m3fn else None
-
-
-def programs_per_sm(registers: int | None) -> int:
-    """One-warp programs of `registers` a thread (None: 255) that fit on an SM at once."""
-    return 65536 // (32 * (registers or 256))
-
-
-# What a program costs beyond its tiles (its query, the merge's share), in tiles.
-PROGRAM_COST_TILES = 2
-
-
-def choose_num_splits(
-    num_seqs: int,
-    num_kv_heads: int,
-    max_context: int,
-    block_n: int,
-    num_sms: int,
-    num_warps: int = 4,
-    registers: int | None = None,
-) -> int:
-    """Splits of each (sequence, kv head)'s context, never more than the longest possible context
-    has tiles. Depends on shapes only. 4-warp programs: about two waves of them over the SMs.
-    One-warp programs (of `registers` a thread): the splits that take the least time in waves of
-    the programs that fit at once, each wave as long as a program's tiles and its fixed cost
-    (64 x 4k on the H200, fp8 cache: 3 splits, 1.45 waves, 245 us; 2 splits, one wave, 215 us)."""
-    pairs = max(num_seqs * num_kv_heads, 1)
-    max_tiles = max(-(-max_context // block_n), 1)
-    most = min(max_tiles, 64)
-    if num_warps == 1:
-        slots = programs_per_sm(registers) * num_sms
-
-        def time(splits: int) -> tuple[int, int]:
-            waves = -(-pairs * splits // slots)
-            return waves * (-(-max_tiles // splits) + PROGRAM_COST_TILES), splits
-
-        return min(range(1, most + 1), key=time)
-    wanted = -(-2 * max(1, 4 // num_warps) * num_sms // pairs)
-    return max(1, min(wanted, most))
-
-
-# A mixed step's splits (the split kernel's are compile-time constants, and a mixed step's
-# sequence count and block-table width vary from step to step where a captured decode step's do
-# not): one per decode row over its context (mixed steps hold 16+ of them beside prompt chunks,
-# which the prefill kernel attends before), the shared prefix in 4 per tile of rows (a prefix of
-# no tokens when there is none, so that one variant serves both).
-MIXED_SPLITS = 1
-MIXED_PREFIX_SPLITS = 4
 
 
 @dataclass(frozen=True)
@@ -125,14 +66,6 @@ class _NewToken:
     positions: torch.Tensor
     cos_sin: torch.Tensor
     slot_mapping: torch.Tensor
-
-
-# Tiles and warps where the caller leaves them (None): a token-major fp8 cache is read fastest by
-# one-warp programs over 32-token tiles (H200, 512 x 1.5k: 69% of copy bandwidth, against 49-54%
-# for the 4-warp, 64-token default, whose softmax reductions cross warps through shared memory);
-# every other cache by 4 warps over 64 tokens.
-TOKEN_MAJOR_FP8_TILES = (32, 1)
-DEFAULT_TILES = (64, 4)
 
 
 @dataclass(frozen=True)
@@ -298,14 +231,14 @@ def _decode(
         if shared_prefix is None:  # a prefix of 0 tokens: the same variant as with one
             shared_prefix = torch.zeros(2 + num_seqs, dtype=torch.int32, device=query.device)
     else:
-        num_sms = _num_sms(query.device)
+        sms = num_sms(query.device)
         if num_splits is None:
             num_splits = choose_num_splits(
-                num_seqs, num_kv_heads, max_context, block_n, num_sms, num_warps, registers
+                num_seqs, num_kv_heads, max_context, block_n, sms, num_warps, registers
             )
         if shared_prefix is not None:
             prefix_splits = prefix_kernel.choose_prefix_splits(
-                num_seqs, group, num_kv_heads, max_context, num_sms
+                num_seqs, group, num_kv_heads, max_context, sms
             )
     slots = num_splits + prefix_splits
     partial_out = torch.empty(

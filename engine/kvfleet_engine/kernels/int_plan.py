@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import triton
 
-from kvfleet_engine.kernels.checks import next_power_of_2
+from kvfleet_engine.kernels.checks import next_power_of_2, num_sms
 
 # The shape tables below follow the sweeps on the H200 (bench.quant_sweep; Llama-3.1-8B products).
 GEMV_MAX_ROWS = 1  # up to this many rows the GEMV (2 rows and more: the split-K dot was faster)
@@ -53,16 +53,9 @@ class MatmulPlan:
                 "maxnreg": self.max_registers}  # fmt: skip
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: a few programs of work, so split-K is exercised
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def split_for(n_blocks: int, k_steps: int, device: torch.device, per_sm: int = 4) -> int:
     """Slices of K that give about `per_sm` programs per SM (at least 2 steps per slice)."""
-    wanted = max(1, per_sm * _num_sms(device) // max(1, n_blocks))
+    wanted = max(1, per_sm * num_sms(device) // max(1, n_blocks))
     return max(1, min(wanted, k_steps // 2))
 
 

@@ -1,0 +1,74 @@
+"""How paged decode attention is launched (`decode_attention`): tiles and warps per cache, the
+register cap of one-warp programs, and how many splits each (sequence, kv head)'s context takes.
+Pure functions of shapes and dtypes: a captured decode graph's launch depends on nothing else."""
+
+from __future__ import annotations
+
+import torch
+
+# Tiles and warps where the caller leaves them (None): a token-major fp8 cache is read fastest by
+# one-warp programs over 32-token tiles (H200, 512 x 1.5k: 69% of copy bandwidth, against 49-54%
+# for the 4-warp, 64-token default, whose softmax reductions cross warps through shared memory);
+# every other cache by 4 warps over 64 tokens.
+TOKEN_MAJOR_FP8_TILES = (32, 1)
+DEFAULT_TILES = (64, 4)
+
+
+# One-warp programs (`TOKEN_MAJOR_FP8_TILES`) over e4m3 codes are capped at 192 registers a thread,
+# so 10 fit on an SM at once (uncapped, the partial tile's masks took 255: 8); their whole-tile
+# loop spills nothing under the cap (sm_90 compile: 749 instructions per tile either way). int8
+# codes convert one by one and would spill under it (280 bytes): uncapped, 8 an SM.
+E4M3_ONE_WARP_REGISTERS = 192
+
+
+def one_warp_registers(codes: torch.dtype) -> int | None:
+    """The register cap of one-warp decode programs over a cache of `codes` (None: ptxas's own
+    choice, up to 255)."""
+    return E4M3_ONE_WARP_REGISTERS if codes == torch.float8_e4m3fn else None
+
+
+def programs_per_sm(registers: int | None) -> int:
+    """One-warp programs of `registers` a thread (None: 255) that fit on an SM at once."""
+    return 65536 // (32 * (registers or 256))
+
+
+# What a program costs beyond its tiles (its query, the merge's share), in tiles.
+PROGRAM_COST_TILES = 2
+
+
+def choose_num_splits(
+    num_seqs: int,
+    num_kv_heads: int,
+    max_context: int,
+    block_n: int,
+    num_sms: int,
+    num_warps: int = 4,
+    registers: int | None = None,
+) -> int:
+    """Splits of each (sequence, kv head)'s context, never more than the longest possible context
+    has tiles. Depends on shapes only. 4-warp programs: about two waves of them over the SMs.
+    One-warp programs (of `registers` a thread): the splits that take the least time in waves of
+    the programs that fit at once, each wave as long as a program's tiles and its fixed cost
+    (64 x 4k on the H200, fp8 cache: 3 splits, 1.45 waves, 245 us; 2 splits, one wave, 215 us)."""
+    pairs = max(num_seqs * num_kv_heads, 1)
+    max_tiles = max(-(-max_context // block_n), 1)
+    most = min(max_tiles, 64)
+    if num_warps == 1:
+        slots = programs_per_sm(registers) * num_sms
+
+        def time(splits: int) -> tuple[int, int]:
+            waves = -(-pairs * splits // slots)
+            return waves * (-(-max_tiles // splits) + PROGRAM_COST_TILES), splits
+
+        return min(range(1, most + 1), key=time)
+    wanted = -(-2 * max(1, 4 // num_warps) * num_sms // pairs)
+    return max(1, min(wanted, most))
+
+
+# A mixed step's splits (the split kernel's are compile-time constants, and a mixed step's
+# sequence count and block-table width vary from step to step where a captured decode step's do
+# not): one per decode row over its context (mixed steps hold 16+ of them beside prompt chunks,
+# which the prefill kernel attends before), the shared prefix in 4 per tile of rows (a prefix of
+# no tokens when there is none, so that one variant serves both).
+MIXED_SPLITS = 1
+MIXED_PREFIX_SPLITS = 4
