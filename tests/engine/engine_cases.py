@@ -138,7 +138,9 @@ def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 def run_interpreted(script: str, *args: str, timeout: int) -> Any:
     """`python -c script args` with the Triton kernels under the interpreter (a fresh process:
-    TRITON_INTERPRET is read at import); the JSON of its last line of output."""
+    TRITON_INTERPRET is read at import); the JSON of its last line of output. `timeout` guards
+    against a hang, not speed: an interpreted engine run takes 4-5 minutes on a 2-core machine
+    whose other core runs the other test worker."""
     proc = subprocess.run(
         [sys.executable, "-c", script, *args],
         env={**os.environ, "TRITON_INTERPRET": "1"},

@@ -56,7 +56,7 @@ print(json.dumps([o.outputs[0].token_ids for o in outputs]))
 def test_triton_backend_matches_transformers(checkpoints: Checkpoints) -> None:
     prompts = random_prompts([1, 17, 40, 5], seed=31)
     path: Path = checkpoints.path("qwen3")
-    tokens = run_interpreted(SCRIPT, str(path), json.dumps(prompts), timeout=300)
+    tokens = run_interpreted(SCRIPT, str(path), json.dumps(prompts), timeout=600)
     for prompt, engine_tokens in zip(prompts, tokens, strict=True):
         ref = checkpoints.reference("qwen3", prompt, 5)
         assert_greedy_equal(engine_tokens, ref, f"prompt of {len(prompt)}")
@@ -115,7 +115,7 @@ print(json.dumps({"size": size, "apart": apart, "rows": list(padded.shape), "unt
 
 
 def test_prompt_graph_padded_forward_matches_the_eager_forward(checkpoints: Checkpoints) -> None:
-    result = run_interpreted(PADDED_SCRIPT, str(checkpoints.path("llama3")), timeout=300)
+    result = run_interpreted(PADDED_SCRIPT, str(checkpoints.path("llama3")), timeout=600)
     assert result["size"] == 32 and result["rows"][0] == 3 and result["untouched"]
     assert not result["apart"]  # one decode: the prefill kernel's
     assert result["max_abs_diff"] <= 1e-5 * max(1.0, result["scale"]), result
@@ -156,7 +156,7 @@ print(json.dumps(runs))
 def test_decode_over_a_shared_cached_prefix_gives_the_same_tokens(checkpoints: Checkpoints) -> None:
     prefix, *tails = random_prompts([40, *range(3, 19)], seed=33)
     runs = run_interpreted(
-        SHARED_SCRIPT, str(checkpoints.path("llama3")), json.dumps([prefix, tails]), timeout=300
+        SHARED_SCRIPT, str(checkpoints.path("llama3")), json.dumps([prefix, tails]), timeout=600
     )
     shared, plain = runs["32"], runs["0"]
     assert shared["shared_steps"] >= 5 and plain["shared_steps"] == 0, runs
@@ -205,7 +205,7 @@ def test_mixed_steps_give_the_same_tokens_with_their_decodes_apart(
 ) -> None:
     prefix, *tails = random_prompts([40, *range(10, 30)], seed=34)
     runs = run_interpreted(
-        MIXED_SCRIPT, str(checkpoints.path("llama3")), json.dumps([prefix, tails]), timeout=300
+        MIXED_SCRIPT, str(checkpoints.path("llama3")), json.dumps([prefix, tails]), timeout=600
     )
     apart, together = runs["true"], runs["false"]
     # Steps with 16+ decodes beside a prompt chunk happened, some over the shared prefix.
