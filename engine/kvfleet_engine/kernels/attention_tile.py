@@ -190,6 +190,39 @@ def attend_tile(
 
 
 @triton.jit
+def attend_range(
+    state, q, q_t, row_scale, row_positions, k_cache_ptr, v_cache_ptr, k_scales_ptr,
+    v_scales_ptr, block_table, start, split, end, kv_offset, kv_head, dims, dim_mask, stride_cb,
+    stride_cs, stride_cvb, stride_cvh, stride_cvd, stride_sb, stride_sh,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, EARLY_V: tl.constexpr,
+    V_ROWS: tl.constexpr, V_RUN: tl.constexpr, PREFETCH_SCALES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TRANSPOSE_SCORES: tl.constexpr, CAUSAL: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr = False,
+):  # fmt: skip
+    """The context [start, end) into the online softmax (`attend_tile`, whose arguments these
+    are): the tiles before `split` whole, with no mask (the caller knows they end at or before
+    `end` and that every row sees them all), then the rest with the end's mask and, with CAUSAL,
+    each row's own (decode: split = `whole_end(start, end)`)."""
+    for tile_start in range(start, split, BLOCK_N):
+        state = attend_tile(
+            state, q, q_t, row_scale, row_positions, k_cache_ptr, v_cache_ptr, k_scales_ptr,
+            v_scales_ptr, block_table, tile_start, end, kv_offset, kv_head, dims, dim_mask,
+            stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, stride_sb, stride_sh,
+            BLOCK_N, BLOCK_SIZE, FP8, EARLY_V, V_ROWS, V_RUN, PREFETCH_SCALES, DOT_PRECISION,
+            TRANSPOSE_SCORES, False, True, LAZY_RESCALE,
+        )  # fmt: skip
+    for tile_start in range(split, end, BLOCK_N):
+        state = attend_tile(
+            state, q, q_t, row_scale, row_positions, k_cache_ptr, v_cache_ptr, k_scales_ptr,
+            v_scales_ptr, block_table, tile_start, end, kv_offset, kv_head, dims, dim_mask,
+            stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, stride_sb, stride_sh,
+            BLOCK_N, BLOCK_SIZE, FP8, EARLY_V, V_ROWS, V_RUN, PREFETCH_SCALES, DOT_PRECISION,
+            TRANSPOSE_SCORES, CAUSAL, False, LAZY_RESCALE,
+        )  # fmt: skip
+    return state
+
+
+@triton.jit
 def whole_end(start, end, BLOCK_N: tl.constexpr):
     """Where the whole tiles from `start` stop: the rest of [start, end) is at most one partial
     tile (none when end <= start)."""

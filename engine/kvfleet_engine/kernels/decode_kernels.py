@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvfleet_engine.kernels.attention_tile import attend_tile, fp8_scales_ahead, whole_end
+from kvfleet_engine.kernels.attention_tile import attend_range, fp8_scales_ahead, whole_end
 from kvfleet_engine.kernels.kv_fp8 import (
     f16_rows,
     quantize_rows,
@@ -185,23 +185,13 @@ def decode_split_kernel(
     acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
     state = (m_i, l_i, acc, prefetched)
     # Whole tiles, then at most one partial tile (`attention_tile`: only that one needs masks).
-    whole = whole_end(start, end, BLOCK_N)
-    for tile_start in range(start, whole, BLOCK_N):
-        state = attend_tile(
-            state, q_dot, q_t, row_scale, row_scale, k_cache_ptr, v_cache_ptr, k_scales_ptr,
-            v_scales_ptr, block_table, tile_start, end, kv_offset, kv_head, dims, dim_mask,
-            stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, stride_sb, stride_sh,
-            BLOCK_N, BLOCK_SIZE, FP8, EARLY_V, V_ROWS, V_RUN, PREFETCH_SCALES, DOT_PRECISION,
-            TRANSPOSE_SCORES, False, True, LAZY_RESCALE,
-        )  # fmt: skip
-    for tile_start in range(whole, end, BLOCK_N):
-        state = attend_tile(
-            state, q_dot, q_t, row_scale, row_scale, k_cache_ptr, v_cache_ptr, k_scales_ptr,
-            v_scales_ptr, block_table, tile_start, end, kv_offset, kv_head, dims, dim_mask,
-            stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, stride_sb, stride_sh,
-            BLOCK_N, BLOCK_SIZE, FP8, EARLY_V, V_ROWS, V_RUN, PREFETCH_SCALES, DOT_PRECISION,
-            TRANSPOSE_SCORES, False, False, LAZY_RESCALE,
-        )  # fmt: skip
+    state = attend_range(
+        state, q_dot, q_t, row_scale, row_scale, k_cache_ptr, v_cache_ptr, k_scales_ptr,
+        v_scales_ptr, block_table, start, whole_end(start, end, BLOCK_N), end, kv_offset, kv_head,
+        dims, dim_mask, stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, stride_sb,
+        stride_sh, BLOCK_N, BLOCK_SIZE, FP8, EARLY_V, V_ROWS, V_RUN, PREFETCH_SCALES,
+        DOT_PRECISION, TRANSPOSE_SCORES, False, LAZY_RESCALE,
+    )  # fmt: skip
     m_i, l_i, acc = state[0], state[1], state[2]
 
     if FP8:

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet_engine.kernels.attention_tile import attend_tile, fp8_scales_ahead
+from kvfleet_engine.kernels.attention_tile import attend_range, fp8_scales_ahead
 from kvfleet_engine.kernels.checks import (
     LOG2E,
     check_index,
@@ -131,22 +131,13 @@ def _prefill_kernel(
         # no causal mask, nor the end's (WHOLE: they end before it). Tile 0 holds position 0,
         # visible to every row, so m_i is finite from the first tile on.
         unmasked_end = (prefix_len + first_token + 1) // BLOCK_N * BLOCK_N
-        for tile_start in range(0, unmasked_end, BLOCK_N):
-            state = attend_tile(
-                state, q, q, row_scale, row_positions, k_cache_ptr, v_cache_ptr, k_scales_ptr,
-                v_scales_ptr, block_table, tile_start, end, kv_offset, kv_head, dims, dim_mask,
-                stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, stride_sb, stride_sh,
-                BLOCK_N, BLOCK_SIZE, FP8, EARLY_V, V_ROWS, V_RUN, PREFETCH_SCALES, DOT_PRECISION,
-                False, False, True,
-            )  # fmt: skip
-        for tile_start in range(unmasked_end, end, BLOCK_N):
-            state = attend_tile(
-                state, q, q, row_scale, row_positions, k_cache_ptr, v_cache_ptr, k_scales_ptr,
-                v_scales_ptr, block_table, tile_start, end, kv_offset, kv_head, dims, dim_mask,
-                stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, stride_sb, stride_sh,
-                BLOCK_N, BLOCK_SIZE, FP8, EARLY_V, V_ROWS, V_RUN, PREFETCH_SCALES, DOT_PRECISION,
-                False, True, False,
-            )  # fmt: skip
+        state = attend_range(
+            state, q, q, row_scale, row_positions, k_cache_ptr, v_cache_ptr, k_scales_ptr,
+            v_scales_ptr, block_table, 0, unmasked_end, end, kv_offset, kv_head, dims, dim_mask,
+            stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, stride_sb, stride_sh,
+            BLOCK_N, BLOCK_SIZE, FP8, EARLY_V, V_ROWS, V_RUN, PREFETCH_SCALES, DOT_PRECISION,
+            False, True,
+        )  # fmt: skip
         m_i, l_i, acc = state[0], state[1], state[2]
 
         if FP8:

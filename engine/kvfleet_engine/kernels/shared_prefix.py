@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet_engine.kernels.attention_tile import attend_tile, whole_end
+from kvfleet_engine.kernels.attention_tile import attend_range, whole_end
 from kvfleet_engine.kernels.checks import LOG2E, dot_precision, next_power_of_2
 from kvfleet_engine.kernels.decode_kernels import rotated
 from kvfleet_engine.kernels.kv_fp8 import f16_rows, v_scale_boost
@@ -150,23 +150,13 @@ def shared_prefix_kernel(
     acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
     state = (m_i, l_i, acc, (row_scale, row_scale, rows))  # no scales carried between tiles
     # Whole tiles, then at most one partial tile (`attention_tile`: only that one needs masks).
-    whole = whole_end(start, end, BLOCK_N)
-    for tile_start in range(start, whole, BLOCK_N):
-        state = attend_tile(
-            state, q_dot, q_dot, row_scale, row_scale, k_cache_ptr, v_cache_ptr, k_scales_ptr,
-            v_scales_ptr, block_table, tile_start, end, kv_offset, kv_head, dims, dim_mask,
-            stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, stride_sb, stride_sh,
-            BLOCK_N, BLOCK_SIZE, FP8, False, V_ROWS, V_RUN, False, DOT_PRECISION, False, False,
-            True,
-        )  # fmt: skip
-    for tile_start in range(whole, end, BLOCK_N):
-        state = attend_tile(
-            state, q_dot, q_dot, row_scale, row_scale, k_cache_ptr, v_cache_ptr, k_scales_ptr,
-            v_scales_ptr, block_table, tile_start, end, kv_offset, kv_head, dims, dim_mask,
-            stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, stride_sb, stride_sh,
-            BLOCK_N, BLOCK_SIZE, FP8, False, V_ROWS, V_RUN, False, DOT_PRECISION, False, False,
-            False,
-        )  # fmt: skip
+    state = attend_range(
+        state, q_dot, q_dot, row_scale, row_scale, k_cache_ptr, v_cache_ptr, k_scales_ptr,
+        v_scales_ptr, block_table, start, whole_end(start, end, BLOCK_N), end, kv_offset, kv_head,
+        dims, dim_mask, stride_cb, stride_cs, stride_cvb, stride_cvh, stride_cvd, stride_sb,
+        stride_sh, BLOCK_N, BLOCK_SIZE, FP8, False, V_ROWS, V_RUN, False, DOT_PRECISION, False,
+        False,
+    )  # fmt: skip
     m_i, l_i, acc = state[0], state[1], state[2]
     if FP8:
         acc = acc * (1.0 / v_scale_boost(v_cache_ptr.dtype.element_ty))
