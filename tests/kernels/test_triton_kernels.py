@@ -668,16 +668,16 @@ def test_a_mixed_step_attends_its_one_token_sequences_with_the_decode_kernels(
     ("num_seqs", "context"), [(64, 4096), (512, 1536), (16, 2048), (768, 2048), (1, 4096), (1, 64)]
 )
 def test_one_warp_decode_programs_split_into_whole_waves(num_seqs, context) -> None:
-    """A token-major quantized cache's one-warp decode programs: splits that fill the waves of
-    programs the 132 SMs of an H100 / H200 hold at once (the last wave at least 90% full) unless
-    the split cap (64) or the context's tiles stop them first. 64 x 4k: not the 3 splits that
-    ran 1.45 waves (245 us against 215 for one full wave, H200)."""
+    """A token-major quantized cache's one-warp decode programs (8 an SM): splits that fill the
+    waves of programs the 132 SMs of an H100 / H200 hold at once (the last wave at least 90%
+    full) unless the split cap (64) or the context's tiles stop them first. 64 x 4k: 2 splits,
+    not the 3 that ran 1.45 waves (245 us against 215 for one full wave, H200)."""
     decode_plan = importlib.import_module("kvfleet_engine.kernels.decode_plan")  # no kernels
+    assert decode_plan.choose_num_splits(64, 8, 4096, 32, 132, 1) == 2
     tiles = -(-context // 32)
-    registers = decode_plan.one_warp_registers(torch.float8_e4m3fn)
-    splits = decode_plan.choose_num_splits(num_seqs, 8, context, 32, 132, 1, registers)
+    splits = decode_plan.choose_num_splits(num_seqs, 8, context, 32, 132, 1)
     assert 1 <= splits <= min(tiles, 64)
-    slots = decode_plan.programs_per_sm(registers) * 132
+    slots = decode_plan.programs_per_sm(None) * 132
     programs = num_seqs * 8 * splits
     waves = -(-programs // slots)
     assert programs / (waves * slots) >= 0.9 or splits == min(tiles, 64)

@@ -50,7 +50,6 @@ from kvfleet_engine.kernels.decode_plan import (
     MIXED_SPLITS,
     TOKEN_MAJOR_FP8_TILES,
     choose_num_splits,
-    one_warp_registers,
 )
 from kvfleet_engine.kernels.pdl import launch_options
 from kvfleet_engine.layers.attention_torch import KVCache
@@ -91,8 +90,7 @@ class _Launch:
     transpose_scores: bool
     early_v: bool
     prefetch_scales: bool
-    # ptxas's register cap per thread (None: `one_warp_registers` for one-warp programs, else
-    # ptxas's own choice); fewer registers, more programs per SM
+    # ptxas's register cap per thread (None: its own choice); fewer registers, more programs per SM
     max_registers: int | None = None
     # rescale the accumulator only when a row's max grew (None: for one-warp programs, where
     # the test is one warp's; `attention_tile.attend_tile`)
@@ -221,8 +219,6 @@ def _decode(
     block_n = launch.block_n or default_n
     num_warps = launch.num_warps or default_warps
     registers = launch.max_registers
-    if registers is None and num_warps == 1:
-        registers = one_warp_registers(k_cache.dtype)
     num_splits = launch.num_splits
     prefix_splits = 0
     if mixed is not None:  # fixed, so every mixed step, eager or captured, runs one compile

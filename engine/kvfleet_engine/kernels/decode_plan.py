@@ -1,10 +1,10 @@
 """How paged decode attention is launched (`decode_attention`): tiles and warps per cache, the
-register cap of one-warp programs, and how many splits each (sequence, kv head)'s context takes.
+programs an SM holds at once, and how many splits each (sequence, kv head)'s context takes.
 Pure functions of shapes and dtypes: a captured decode graph's launch depends on nothing else."""
 
 from __future__ import annotations
 
-import torch
+import functools
 
 # Tiles and warps where the caller leaves them (None): a token-major fp8 cache is read fastest by
 # one-warp programs over 32-token tiles (H200, 512 x 1.5k: 69% of copy bandwidth, against 49-54%
@@ -14,19 +14,10 @@ TOKEN_MAJOR_FP8_TILES = (32, 1)
 DEFAULT_TILES = (64, 4)
 
 
-# One-warp programs (`TOKEN_MAJOR_FP8_TILES`) over e4m3 codes are capped at 192 registers a thread,
-# so 10 fit on an SM at once (uncapped, the partial tile's masks took 255: 8); their whole-tile
-# loop spills nothing under the cap (sm_90 compile: 749 instructions per tile either way). int8
-# codes convert one by one and would spill under it (280 bytes): uncapped, 8 an SM.
-E4M3_ONE_WARP_REGISTERS = 192
-
-
-def one_warp_registers(codes: torch.dtype) -> int | None:
-    """The register cap of one-warp decode programs over a cache of `codes` (None: ptxas's own
-    choice, up to 255)."""
-    return E4M3_ONE_WARP_REGISTERS if codes == torch.float8_e4m3fn else None
-
-
+# One-warp programs (`TOKEN_MAJOR_FP8_TILES`) keep ptxas's own register count (255: 8 an SM). A cap
+# of 192 (10 an SM, no spill in the sm_90 compile) measured slower on an H100 at 512 x 1.5k, fp8
+# cache: 756.5 us capped (3 splits) against 673.0 uncapped (1 split) in one call; 2 splits capped
+# 715.8 (bench/NOTES.md section 17). `registers` below: a launch's own cap (benchmarks).
 def programs_per_sm(registers: int | None) -> int:
     """One-warp programs of `registers` a thread (None: 255) that fit on an SM at once."""
     return 65536 // (32 * (registers or 256))
@@ -36,6 +27,7 @@ def programs_per_sm(registers: int | None) -> int:
 PROGRAM_COST_TILES = 2
 
 
+@functools.cache  # eager steps ask once a layer: 15 us of Python a call at batch 1 uncached
 def choose_num_splits(
     num_seqs: int,
     num_kv_heads: int,
