@@ -218,7 +218,6 @@ def _decode(
     )
     block_n = launch.block_n or default_n
     num_warps = launch.num_warps or default_warps
-    registers = launch.max_registers
     num_splits = launch.num_splits
     prefix_splits = 0
     if mixed is not None:  # fixed, so every mixed step, eager or captured, runs one compile
@@ -230,7 +229,7 @@ def _decode(
         sms = num_sms(query.device)
         if num_splits is None:
             num_splits = choose_num_splits(
-                num_seqs, num_kv_heads, max_context, block_n, sms, num_warps, registers
+                num_seqs, num_kv_heads, max_context, block_n, sms, num_warps, launch.max_registers
             )
         if shared_prefix is not None:
             prefix_splits = prefix_kernel.choose_prefix_splits(
@@ -311,7 +310,7 @@ def _decode(
         LAZY_RESCALE=num_warps == 1 if launch.lazy_rescale is None else launch.lazy_rescale,
         num_warps=num_warps,
         num_stages=launch.num_stages,
-        maxnreg=registers,
+        maxnreg=launch.max_registers,
         **launch_options(query.device),
     )
     if join_prefix is not None:
