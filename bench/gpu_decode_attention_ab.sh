@@ -4,7 +4,9 @@
 #   AB_TREE=.ab/old bash bench/gpu_decode_attention_ab.sh tests kernels      # call 1
 #   bash bench/gpu_decode_attention_ab.sh throughput-1k-bf16 throughput-1k-fp8kv     # call 2
 #   AB_TREE=.ab/old bash bench/gpu_decode_attention_ab.sh throughput-1k-fp8-fp8kv throughput-1k-fp8kv-old
-# (.ab/old: `git archive REV engine | tar -x -C .ab/old`, git-ignored, carried.)
+# (.ab/old: `git archive REV engine | tar -x -C .ab/old`, git-ignored, carried; the engine imports
+# msgspec, which the device lacks: carry .whl too, with its wheels in .whl/server as
+# bench/gpu_serve_core.sh lists them.)
 # Steps:
 #   tests      gpu-marked kernel tests of decode / prefill / shared-prefix / mixed attention over
 #              bf16, fp8 and int8 caches, and the engine's quantized-cache CUDA-graph tests
@@ -21,12 +23,16 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY="timeout -k 5 ${STEP_TIMEOUT:-280} python3"
 ROOT=$PWD
+if compgen -G ".whl/server/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/server/*.whl || exit 1
+fi
 OLD=${AB_TREE:+$(cd "$AB_TREE" && pwd)/engine}
 THROUGHPUT_1K="-m kvfleet_cli.main bench throughput --shape llama-3.1-8b --num-prompts 1000
   --input-len 1000 --output-len 1000 --max-num-batched-tokens 16384"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv
 tree() {  # the engine tree a step runs: this one, or AB_TREE's
-  export PYTHONPATH="$1:$ROOT/operator"
+  export PYTHONPATH="/tmp/site:$1:$ROOT/operator"
 }
 for step in "$@"; do
   echo "=== $step ($(date +%T))"
