@@ -12,7 +12,15 @@ so the wrapped calls see q H and k H; H H = I undoes it where a mode needs the p
   rotated, then rounded;
 - `fake-k-int8-hadamard`, `fake-k-e3m4-hadamard`: K rotated, then rounded to other 8-bit codes
   with a scale per token and kv head: symmetric integers (amax -> 127), or a float with 3
-  exponent and 4 mantissa bits (amax -> 31, subnormals below 1/4); `fake-v-int8`: V as integers.
+  exponent and 4 mantissa bits (amax -> 31, subnormals below 1/4); `fake-v-int8`: V as integers;
+- `fake-k-shaped-hadamard` (session 22): K rotated, then rounded to e4m3 with the error shaped
+  away from where the queries look. A score's error for query q is q . d (d the key's rounding
+  error), whose mean square over queries is d^T M d, M the second moment of the layer's rotated
+  queries in the key's kv-head group (calibrated first on 4,096 tokens of stdlib docstrings,
+  `bench.quantize.calibration_texts`, never the perplexity text; each M over its trace). From
+  round-to-nearest, each row takes up to 16 greedy moves: the one element whose other
+  neighbouring code lowers d^T M d most flips to it (none when no flip lowers it); the engine's
+  `layers.kv_shaping`, which `kv_cache_calibration` turns on.
 
 The modes of session 18 (`fp8-kmean`: each layer's mean K subtracted; `fp8-hadamard-k`: the
 rotation the engine now does; `fp8-hadamard-kv`: V rotated as well) ran on the tree before
@@ -38,10 +46,13 @@ import torch
 
 from kvfleet_engine import LLM
 from kvfleet_engine.bench.perplexity import evaluation_tokens, perplexity
+from kvfleet_engine.bench.quantize import calibration_texts
 from kvfleet_engine.layers import attention_torch as reference
+from kvfleet_engine.layers import kv_shaping
 
 MODES = ("auto", "fp8", "fp8-unrotated", "fp8-signs", "fake-k", "fake-v", "fake-k-hadamard")
-MODES += ("fake-k-int8-hadamard", "fake-k-e3m4-hadamard", "fake-v-int8")
+MODES += ("fake-k-int8-hadamard", "fake-k-e3m4-hadamard", "fake-v-int8", "fake-k-shaped-hadamard")
+CALIBRATION_TOKENS = 4096
 
 
 @functools.cache
@@ -90,11 +101,22 @@ def fake_codes(x: torch.Tensor, codes: str) -> torch.Tensor:
     return ((y / step).round() * step).clamp(-top, top).mul(amax / top).to(x.dtype)
 
 
+def fake_fp8_shaped(x: torch.Tensor, moment: torch.Tensor) -> torch.Tensor:
+    """x rounded as a calibrated fp8 cache stores it (`kv_shaping.shaped_e4m3`), in x's dtype."""
+    nearest, scales = reference.quantize_kv(x)
+    codes = kv_shaping.shaped_e4m3(x, nearest, scales, moment)
+    return reference.dequantize_kv(codes, scales).to(x.dtype)
+
+
 @dataclasses.dataclass
 class Probe:
     """The transforms of the current mode."""
 
     mode: str = "auto"
+    num_layers: int = 0
+    layer: int = -1  # of the last store call (layers store in order, one call a forward each)
+    calibrating: bool = False
+    moments: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # [kv heads, d, d]
 
     def transform_k(self, key: torch.Tensor, fp8: bool) -> torch.Tensor:
         """What this mode does to a key (or query) the engine hands over (rotated if fp8)."""
@@ -118,8 +140,11 @@ class Probe:
         v_scales: torch.Tensor | None = None,
     ) -> None:
         """`attention_torch.store_kv`, after this mode's transforms of K and V."""
+        self.layer = (self.layer + 1) % self.num_layers
         key = self.transform_k(key, k_scales is not None)
-        if self.mode.startswith("fake"):
+        if self.mode == "fake-k-shaped-hadamard" and not self.calibrating:
+            key = fake_fp8_shaped(key, self.moments[self.layer])
+        elif self.mode.startswith("fake"):
             codes = next((c for c in ("int8", "e3m4") if c in self.mode), None)
             fake = fake_fp8 if codes is None else functools.partial(fake_codes, codes=codes)
             key = fake(key) if "-k" in self.mode else key
@@ -134,6 +159,9 @@ class Probe:
             **kwargs: Any,
         ) -> torch.Tensor:  # fmt: skip
             query = self.transform_k(query, kwargs.get("k_scales") is not None)
+            if self.calibrating:
+                moment = kv_shaping.query_moment(query, k_cache.shape[2])
+                self.moments[self.layer] = self.moments.get(self.layer, 0) + moment
             return function(query, k_cache, v_cache, *args, **kwargs)
 
         return call
@@ -151,7 +179,22 @@ def run(model: str, mode: str, max_tokens: int) -> float:
     llm = LLM(
         model, device="cpu", attention_backend="torch", kv_cache_dtype=cache, max_model_len=2048
     )
-    PROBE.mode = mode
+    PROBE.mode, PROBE.layer, PROBE.moments = mode, -1, {}
+    PROBE.num_layers = llm.engine.model_config.hf_config["num_hidden_layers"]
+    if mode == "fake-k-shaped-hadamard":
+        PROBE.calibrating = True
+        text = "\n\n".join(calibration_texts(256))
+        perplexity(
+            llm,
+            llm.get_tokenizer().encode(text, add_special_tokens=False)[:CALIBRATION_TOKENS],
+            2048,
+            1024,
+        )
+        PROBE.calibrating = False
+        for layer, moment in PROBE.moments.items():
+            PROBE.moments[layer] = (
+                moment / torch.diagonal(moment, dim1=-2, dim2=-1).sum(-1)[:, None, None]
+            )
     tokens = evaluation_tokens(llm.get_tokenizer(), max_tokens)
     return perplexity(llm, tokens, 2048, 1024).perplexity
 

@@ -59,12 +59,13 @@ def _convert_fp8_like_a_gpu() -> None:
 def _kernel_modules():
     """kv_fp8's helpers and the kernel modules calling them, made in this run's mode: a kernel
     module binds the helpers when imported, so a stale kv_fp8 is reloaded before them."""
-    names = ["kv_fp8", "hadamard", "kv_store", "decode_attention", "prefill_attention", "fused"]
+    names = ["kv_fp8", "hadamard", "kv_shaping", "kv_store", "decode_attention"]
+    names += ["prefill_attention", "fused"]
     modules = [importlib.import_module(f"kvfleet_engine.kernels.{name}") for name in names]
     interpreted = type(modules[0].quantize_rows).__name__ == "InterpretedFunction"
     if interpreted == ON_GPU:
         modules = [importlib.reload(module) for module in modules]
-    return modules[2:]
+    return modules[3:]
 
 
 if not ON_GPU:
@@ -258,6 +259,55 @@ def test_store_kv_writes_the_reference_codes_and_scales(
         assert _same_bits(got[name], want[name]), name
     written = (~got["k_scales"].isnan()).sum().item()
     assert written == (slots >= 0).sum().item() * sizes["num_kv_heads"]
+
+
+@pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
+def test_store_kv_with_a_moment_writes_the_reference_shaped_codes(device, dtype, tol, sizes):
+    """`kv_cache_calibration`'s store (`kernels.kv_shaping`) against `layers.kv_shaping`: the same
+    scales and V; K's codes the same but where the greedy choice is a near-tie (the gradient's
+    sums run in another order), and moved from nearest."""
+    _skip_if_unavailable(device)
+    case = make_paged_case([23, 9], [23, 9], **sizes, dtype=dtype, device=device, seed=2)
+    key, value = torch.cat(case.keys).to(device), torch.cat(case.values).to(device)
+    slots = case.slot_mapping.clone()
+    slots[::5] = -1
+    num_kv_heads, dim = sizes["num_kv_heads"], sizes["head_dim"]
+    gen = torch.Generator().manual_seed(0)
+    spread = torch.randn(num_kv_heads, dim, dim, generator=gen)
+    shared = torch.randn(num_kv_heads, dim, 1, generator=gen) * 4  # a direction queries share
+    moment = spread @ spread.mT + shared @ shared.mT
+    moment = (moment / torch.diagonal(moment, dim1=1, dim2=2).sum(-1)[:, None, None]).to(device)
+    want, got = _empty_fp8_cache(case, "rows"), _empty_fp8_cache(case, "tokens")
+    nearest = _empty_fp8_cache(case, "rows")
+    ref.store_kv(key, value, want["k_cache"], want["v_cache"], slots, k_scales=want["k_scales"],
+                 v_scales=want["v_scales"], k_moment=moment)  # fmt: skip
+    kv_store.store_kv(key, value, got["k_cache"], got["v_cache"], slots, k_scales=got["k_scales"],
+                      v_scales=got["v_scales"], k_moment=moment)  # fmt: skip
+    ref.store_kv(key, value, nearest["k_cache"], nearest["v_cache"], slots,
+                 k_scales=nearest["k_scales"], v_scales=nearest["v_scales"])  # fmt: skip
+    for name in ("k_scales", "v_cache", "v_scales"):
+        assert _same_bits(got[name], want[name]), name
+    written = ~want["k_cache"].float().isnan()
+    differs = got["k_cache"].view(torch.uint8) != want["k_cache"].view(torch.uint8)
+    assert int(differs[written].sum()) <= 0.01 * int(written.sum())
+    moved = nearest["k_cache"].view(torch.uint8) != got["k_cache"].view(torch.uint8)
+    assert int(moved[written].sum()) > 0.05 * int(written.sum())
+
+
+def test_store_kv_refuses_a_moment_for_an_int8_cache_or_of_the_wrong_shape() -> None:
+    case = make_paged_case([5], [5], **SMALL, dtype=torch.float32, device="cpu", seed=3)
+    key, value = torch.cat(case.keys), torch.cat(case.values)
+    moment = torch.eye(SMALL["head_dim"]).expand(SMALL["num_kv_heads"], -1, -1).contiguous()
+    for codes, bad, says in [
+        (torch.int8, moment, "k_moment needs an fp8 cache"),
+        (FP8_DTYPE, moment[:1], r"k_moment must be \[num_kv_heads, head_dim, head_dim\]"),
+    ]:
+        cache = _empty_fp8_cache(case, "rows", codes)
+        with pytest.raises(ValueError, match=says):
+            kv_store.store_kv(
+                key, value, cache["k_cache"], cache["v_cache"], case.slot_mapping,
+                k_scales=cache["k_scales"], v_scales=cache["v_scales"], k_moment=bad,
+            )  # fmt: skip
 
 
 @pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)

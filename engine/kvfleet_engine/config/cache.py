@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+from kvfleet_engine.config.checks import check
+from kvfleet_engine.config.parallel import ParallelConfig
 
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 
@@ -21,3 +25,27 @@ class CacheConfig:
     # and kv head: about twice the tokens in the same memory) | int8 (the same with integer
     # codes: as many tokens, closer to the model's dtype, no e4m3 hardware needed).
     kv_cache_dtype: str = "auto"
+    # An fp8 cache's K rounded toward the queries: a file of each layer's query moment
+    # (`python -m kvfleet_engine.bench.calibrate_kv`; `layers.kv_shaping`). None: to nearest.
+    kv_cache_calibration: str | None = None
+
+
+def check_calibration(path: str | None, kv_cache_dtype: str, parallel: ParallelConfig) -> None:
+    """`kv_cache_calibration` with the settings it needs: an fp8 cache, one rank, and a file that
+    exists."""
+    if path is None:
+        return
+    name = "kv_cache_calibration"
+    check(
+        kv_cache_dtype == "fp8",
+        name,
+        path,
+        f"used with kv_cache_dtype fp8 (kv_cache_dtype is {kv_cache_dtype!r})",
+    )
+    check(
+        parallel.world_size == 1,
+        name,
+        path,
+        f"used on one rank (tensor and pipeline parallel size 1; {parallel.world_size} ranks)",
+    )
+    check(Path(path).is_file(), name, path, "an existing file")

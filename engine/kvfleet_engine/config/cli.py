@@ -76,6 +76,11 @@ FLAGS = (
         {"choices": KV_CACHE_DTYPES},
     ),
     Flag(
+        "kv_cache_calibration",
+        "fp8 cache: round K toward the queries, by this file of query moments (python -m "
+        "kvfleet_engine.bench.calibrate_kv); one rank",
+    ),
+    Flag(
         "attention_backend",
         "paged attention implementation",
         {"choices": ATTENTION_BACKENDS},

@@ -9,7 +9,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfleet_engine.config.cache import KV_CACHE_DTYPES, CacheConfig
+from kvfleet_engine.config.cache import KV_CACHE_DTYPES, CacheConfig, check_calibration
 from kvfleet_engine.config.checks import check
 from kvfleet_engine.config.cli import QUANTIZATION_CHOICES, add_engine_args, engine_keywords
 from kvfleet_engine.config.model import ModelConfig
@@ -42,6 +42,7 @@ class EngineConfig:
         max_model_len: int | None = None,
         enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
         kv_cache_dtype: str = CacheConfig.kv_cache_dtype,
+        kv_cache_calibration: str | None = CacheConfig.kv_cache_calibration,
         attention_backend: str = RunnerConfig.attention_backend,
         enforce_eager: bool = RunnerConfig.enforce_eager,
         shared_prefix_attention: bool = RunnerConfig.shared_prefix_attention,
@@ -120,6 +121,7 @@ class EngineConfig:
             kv_cache_dtype,
             " | ".join(KV_CACHE_DTYPES),
         )
+        check_calibration(kv_cache_calibration, kv_cache_dtype, parallel)
         model_config = ModelConfig.from_pretrained(
             model, dtype=dtype, max_model_len=max_model_len, quantization=quantization
         )
@@ -132,6 +134,7 @@ class EngineConfig:
                 gpu_memory_utilization=gpu_memory_utilization,
                 enable_prefix_caching=enable_prefix_caching,
                 kv_cache_dtype=kv_cache_dtype,
+                kv_cache_calibration=kv_cache_calibration,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

@@ -1,6 +1,6 @@
 """Write each token's K and V rows into its cache slot (`slot_mapping`; -1 skips the token); into
 a quantized cache as 8-bit codes (e4m3 or int8, the cache's type) and a scale per row
-(`kv_fp8`)."""
+(`kv_fp8`), an fp8 K rounded toward the queries where the layer has a moment (`kv_shaping`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,18 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet_engine.kernels.checks import check_cache, check_heads, check_index, next_power_of_2
-from kvfleet_engine.kernels.kv_fp8 import quantize_rows
+from kvfleet_engine.kernels.checks import (
+    check_cache,
+    check_heads,
+    check_index,
+    next_power_of_2,
+    require,
+)
+from kvfleet_engine.kernels.kv_fp8 import kv_scales, quantize_rows, row_amax
+from kvfleet_engine.kernels.kv_shaping import shaped_e4m3
+from kvfleet_engine.layers.kv_shaping import SHAPE_STEPS
+
+_SHAPE_STEPS = tl.constexpr(SHAPE_STEPS)
 
 
 @triton.jit
@@ -21,6 +31,7 @@ def _store_kv_kernel(
     slot_mapping_ptr,
     k_scales_ptr,  # a quantized cache only: [num_blocks, num_kv_heads, block_size] bfloat16
     v_scales_ptr,
+    k_moment_ptr,  # SHAPED only: [num_kv_heads, HEAD_DIM, HEAD_DIM] float32
     stride_kt,
     stride_kh,
     stride_vt,
@@ -40,6 +51,7 @@ def _store_kv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     FP8: tl.constexpr,
+    SHAPED: tl.constexpr = False,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
@@ -53,8 +65,15 @@ def _store_kv_kernel(
     v_dst = block * stride_cvb + offset * stride_cvs + heads * stride_cvh
     key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask, other=0.0)
     value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask, other=0.0)
+    if SHAPED:
+        k_scale, k_inverse = kv_scales(row_amax(key), k_cache_ptr.dtype.element_ty)
+        key = shaped_e4m3(
+            key, k_inverse[:, None], k_moment_ptr, heads, dims, mask, HEAD_DIM, _SHAPE_STEPS
+        )
+        k_scale = k_scale.to(tl.bfloat16)
     if FP8:
-        key, k_scale = quantize_rows(key, k_cache_ptr.dtype.element_ty)
+        if not SHAPED:
+            key, k_scale = quantize_rows(key, k_cache_ptr.dtype.element_ty)
         value, v_scale = quantize_rows(value, v_cache_ptr.dtype.element_ty)
         scale_dst = block * stride_sb + heads * stride_sh + offset  # [BLOCK_H, 1]
         tl.store(k_scales_ptr + scale_dst, k_scale[:, None], mask=row_mask)
@@ -72,6 +91,7 @@ def store_kv(
     *,
     k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: quantized
     v_scales: torch.Tensor | None = None,
+    k_moment: torch.Tensor | None = None,  # [num_kv_heads, dim, dim] float32: K shaped by it
 ) -> None:
     check_cache(k_cache, v_cache, k_scales, v_scales)
     check_heads(key, "key", k_cache, per_kv_head=True)
@@ -80,6 +100,19 @@ def store_kv(
     num_tokens, num_kv_heads, head_dim = key.shape
     if value.shape != key.shape or slot_mapping.shape[0] != num_tokens:
         raise ValueError("key, value and slot_mapping must have the same number of tokens")
+    if k_moment is not None:
+        require(
+            k_cache.dtype == torch.float8_e4m3fn and k_scales is not None,
+            "k_moment needs an fp8 cache",
+        )
+        require(
+            k_moment.shape == (num_kv_heads, head_dim, head_dim)
+            and k_moment.dtype == torch.float32
+            and k_moment.is_contiguous()
+            and k_moment.device == k_cache.device,
+            "k_moment must be [num_kv_heads, head_dim, head_dim] float32, contiguous, on the "
+            "cache's device",
+        )
     if num_tokens == 0:
         return
     # Without scales (a float cache) their pointers are the cache's and strides 0: never used.
@@ -93,6 +126,7 @@ def store_kv(
         slot_mapping,
         k_scales_arg,
         v_scales_arg,
+        k_moment if k_moment is not None else k_cache,  # never read without
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -109,4 +143,5 @@ def store_kv(
         BLOCK_H=next_power_of_2(num_kv_heads),
         BLOCK_D=next_power_of_2(head_dim),
         FP8=k_scales is not None,
+        SHAPED=k_moment is not None,
     )

@@ -20,7 +20,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from kvfleet_engine.layers import kv_rotation
+from kvfleet_engine.layers import kv_rotation, kv_shaping
 from kvfleet_engine.layers.rotary import RotaryEmbedding
 
 BACKEND_MODULES = {
@@ -90,6 +90,12 @@ class Attention(nn.Module):
         self.rotary_decode_attention: Callable[..., torch.Tensor] | None = None
         # q and k times the Hadamard matrix after RoPE (a quantized cache: `kv_rotation`).
         self.rotates = False
+        # An fp8 cache's K rounded toward the queries (`kv_shaping`): their second moment,
+        # [num_kv_heads, head_dim, head_dim] float32 (`kv_calibration.bind_moments`), or None.
+        self.k_moment: torch.Tensor | None = None
+        # While calibrating (`bench.calibrate_kv`): the running sum of the rotated queries'
+        # `kv_shaping.query_moment`; None otherwise.
+        self.query_moments: torch.Tensor | None = None
 
     def bind(
         self,
@@ -144,7 +150,12 @@ class Attention(nn.Module):
             query, key = rotary(positions, query, key)
             if self.rotates:
                 query, key = kv_rotation.rotate(query), kv_rotation.rotate(key)
-            backend.store_kv(key, value, self.k_cache, self.v_cache, meta.slot_mapping, **scales)
+            shaped = {} if self.k_moment is None else {"k_moment": self.k_moment}
+            backend.store_kv(
+                key, value, self.k_cache, self.v_cache, meta.slot_mapping, **scales, **shaped
+            )
+        if self.query_moments is not None:
+            self.query_moments += kv_shaping.query_moment(query, self.num_kv_heads)
         if meta.is_decode:
             out = backend.paged_decode_attention(
                 query,

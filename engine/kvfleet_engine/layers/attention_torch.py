@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 
+from kvfleet_engine.layers import kv_shaping
+
 # k_cache, v_cache and, for a quantized cache, k_scales and v_scales (else None).
 KVCache = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
@@ -68,6 +70,7 @@ def store_kv(
     *,
     k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: quantized
     v_scales: torch.Tensor | None = None,
+    k_moment: torch.Tensor | None = None,  # [num_kv_heads, dim, dim]: an fp8 K shaped by it
 ) -> None:
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
@@ -77,7 +80,10 @@ def store_kv(
         if scales is None:
             cache[blocks, offsets] = rows.to(cache.dtype)
         else:
-            cache[blocks, offsets], scales[blocks, :, offsets] = quantize_kv(rows, cache.dtype)
+            codes, row_scales = quantize_kv(rows, cache.dtype)
+            if k_moment is not None and cache is k_cache:  # `kv_shaping`
+                codes = kv_shaping.shaped_e4m3(rows, codes, row_scales, k_moment)
+            cache[blocks, offsets], scales[blocks, :, offsets] = codes, row_scales
 
 
 def gather_kv(

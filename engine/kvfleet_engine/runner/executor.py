@@ -24,7 +24,7 @@ from kvfleet_engine.models.loader import load_model, serving_dtype
 from kvfleet_engine.parallel.groups import Groups
 from kvfleet_engine.parallel.pipeline import StageLayers, intermediate_shape
 from kvfleet_engine.quant.linear import QuantLinear
-from kvfleet_engine.runner import kv_memory
+from kvfleet_engine.runner import kv_calibration, kv_memory
 from kvfleet_engine.runner.inputs import (
     SHARED_PREFIX_MIN_TOKENS,
     AttentionFeatures,
@@ -148,6 +148,10 @@ class ModelExecutor:
         check_holds_a_sequence(num_blocks, self.block_size, self.config.model.max_model_len)
         self.num_blocks = num_blocks
         self.kv_caches = self._allocate(num_blocks)
+        if self.config.cache.kv_cache_calibration is not None:
+            kv_calibration.bind_moments(
+                self.attention_layers, self.config.cache.kv_cache_calibration, self.device
+            )
         if self.captures_graphs:
             self.decode_graphs, self.prompt_graphs = self.make_graphs()
             self.decode_graphs.capture()

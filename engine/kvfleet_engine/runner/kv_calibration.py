@@ -1,0 +1,87 @@
+"""The file behind `kv_cache_calibration`: each attention layer's query moment, which an fp8
+cache's K rounding is shaped by (`layers.kv_shaping`). Written by
+`python -m kvfleet_engine.bench.calibrate_kv`, read at start-up and bound to the layers.
+
+A safetensors file: `layers.{i}.k_moment` [num_kv_heads, head_dim, head_dim] float32 for each
+attention layer i (model order), each over its trace; metadata `format` (FORMAT), `version`,
+`num_layers`, `num_kv_heads`, `head_dim`, `tokens` (how many calibration tokens it saw), `model`
+(its file or directory name, for people)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kvfleet_engine.layers.attention import Attention
+
+FORMAT = "kvfleet-kv-calibration"
+VERSION = "1"
+
+
+def tensor_name(layer: int) -> str:
+    return f"layers.{layer}.k_moment"
+
+
+def save(path: Path, moments: list[torch.Tensor], model: str, tokens: int) -> None:
+    """Write `moments` (one [kv heads, dim, dim] sum of q q^T per layer), each over its trace."""
+    from safetensors.torch import save_file
+
+    normalised = {}
+    for i, moment in enumerate(moments):
+        trace = torch.diagonal(moment, dim1=-2, dim2=-1).sum(-1).clamp(min=1e-30)
+        normalised[tensor_name(i)] = (moment / trace[:, None, None]).float().cpu().contiguous()
+    num_kv_heads, head_dim, _ = moments[0].shape
+    metadata = {
+        "format": FORMAT,
+        "version": VERSION,
+        "num_layers": str(len(moments)),
+        "num_kv_heads": str(num_kv_heads),
+        "head_dim": str(head_dim),
+        "tokens": str(tokens),
+        "model": model,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(normalised, str(path), metadata=metadata)
+
+
+def load(path: str) -> tuple[list[torch.Tensor], dict[str, str]]:
+    """The file's moments in layer order and its metadata; ValueError naming the file when it
+    is not one `save` wrote."""
+    from safetensors import SafetensorError, safe_open
+
+    where = f"kv_cache_calibration {path!r}"
+    try:
+        with safe_open(path, framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            if metadata.get("format") != FORMAT:
+                raise ValueError(f"{where}: not a KV calibration file (no format={FORMAT})")
+            if metadata.get("version") != VERSION:
+                raise ValueError(f"{where}: version {metadata.get('version')}, not {VERSION}")
+            names = [tensor_name(i) for i in range(int(metadata["num_layers"]))]
+            missing = sorted(set(names) - set(handle.keys()))
+            if missing:
+                raise ValueError(f"{where}: lacks {missing[:3]}")
+            return [handle.get_tensor(name) for name in names], metadata
+    except (OSError, SafetensorError) as error:
+        raise ValueError(f"{where}: {error}") from error
+
+
+def bind_moments(layers: list[Attention], path: str, device: torch.device) -> None:
+    """Give each attention layer its moment (after the KV cache is bound): its store rounds K by
+    it, through the backend's `store_kv` (not a fused rotary + store)."""
+    moments, metadata = load(path)
+    where = f"kv_cache_calibration {path!r} (calibrated on {metadata.get('model', '?')})"
+    if len(moments) != len(layers):
+        raise ValueError(f"{where}: {len(moments)} layers, the model has {len(layers)}")
+    for i, (layer, moment) in enumerate(zip(layers, moments, strict=True)):
+        want = (layer.num_kv_heads, layer.head_dim, layer.head_dim)
+        if tuple(moment.shape) != want:
+            raise ValueError(
+                f"{where}: layer {i} is {list(moment.shape)}, the model's {list(want)}"
+            )
+        if layer.k_scales is None or layer.k_cache.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{where}: needs kv_cache_dtype fp8")
+        layer.k_moment = moment.to(device)
+        layer.rotary_store_kv = None
+        layer.rotary_decode_attention = None
