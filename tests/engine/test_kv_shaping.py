@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from engine_cases import random_prompts
+from parallel_cases import SETTINGS, assert_same_greedy, generate_twice
 
 from conftest import Checkpoints
 from kvfleet_engine import SamplingParams
@@ -140,10 +141,9 @@ def test_the_engine_stores_k_shaped_by_the_calibration(
     [
         ({"kv_cache_dtype": "auto"}, "used with kv_cache_dtype fp8"),
         ({"kv_cache_dtype": "int8"}, "used with kv_cache_dtype fp8"),
-        ({"kv_cache_dtype": "fp8", "tensor_parallel_size": 2}, "on one rank"),
     ],
 )
-def test_calibration_needs_an_fp8_cache_and_one_rank(
+def test_calibration_needs_an_fp8_cache(
     calibration: Path, make_llm: Callable[..., Any], settings: dict[str, Any], says: str
 ) -> None:
     with pytest.raises(ValueError, match="kv_cache_calibration") as raised:
@@ -167,3 +167,19 @@ def test_a_calibration_file_must_be_one_and_fit_the_model(
     kv_calibration.save(fewer, moments[:-1], "fewer", 256)
     with pytest.raises(ValueError, match=rf"{len(moments) - 1} layers, the model has"):
         make_llm("llama3", kv_cache_dtype="fp8", kv_cache_calibration=str(fewer))
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_tensor_and_pipeline_parallel_ranks_round_by_their_part_of_the_file(
+    calibration: Path, world: Callable[..., Any], make_llm: Callable[..., Any], tp: int, pp: int
+) -> None:
+    """Each rank binds its kv heads' (TP) or its layers' (PP) moments: the greedy tokens are one
+    rank's, and rank 0's first layer holds the file's first kv head."""
+    settings = dict(SETTINGS, kv_cache_dtype="fp8", kv_cache_calibration=str(calibration))
+    reference = generate_twice(make_llm("llama3", **settings))
+    llm = world("llama3", tp, pp, kv_cache_dtype="fp8", kv_cache_calibration=str(calibration))
+    assert_same_greedy(generate_twice(llm), reference, f"calibrated tp{tp} pp{pp}")
+    moments, _ = kv_calibration.load(str(calibration))
+    first = llm.engine.model_runner.attention_layers[0]
+    assert first.k_moment is not None
+    assert torch.equal(first.k_moment, moments[0][: first.num_kv_heads])

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvfleet_engine.config.checks import check
-from kvfleet_engine.config.parallel import ParallelConfig
 
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 
@@ -30,9 +29,8 @@ class CacheConfig:
     kv_cache_calibration: str | None = None
 
 
-def check_calibration(path: str | None, kv_cache_dtype: str, parallel: ParallelConfig) -> None:
-    """`kv_cache_calibration` with the settings it needs: an fp8 cache, one rank, and a file that
-    exists."""
+def check_calibration(path: str | None, kv_cache_dtype: str) -> None:
+    """`kv_cache_calibration` with what it needs: an fp8 cache and a file that exists."""
     if path is None:
         return
     name = "kv_cache_calibration"
@@ -41,11 +39,5 @@ def check_calibration(path: str | None, kv_cache_dtype: str, parallel: ParallelC
         name,
         path,
         f"used with kv_cache_dtype fp8 (kv_cache_dtype is {kv_cache_dtype!r})",
-    )
-    check(
-        parallel.world_size == 1,
-        name,
-        path,
-        f"used on one rank (tensor and pipeline parallel size 1; {parallel.world_size} ranks)",
     )
     check(Path(path).is_file(), name, path, "an existing file")

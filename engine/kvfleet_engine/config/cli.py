@@ -78,7 +78,7 @@ FLAGS = (
     Flag(
         "kv_cache_calibration",
         "fp8 cache: round K toward the queries, by this file of query moments (python -m "
-        "kvfleet_engine.bench.calibrate_kv); one rank",
+        "kvfleet_engine.bench.calibrate_kv)",
     ),
     Flag(
         "attention_backend",

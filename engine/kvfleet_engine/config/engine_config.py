@@ -121,7 +121,7 @@ class EngineConfig:
             kv_cache_dtype,
             " | ".join(KV_CACHE_DTYPES),
         )
-        check_calibration(kv_cache_calibration, kv_cache_dtype, parallel)
+        check_calibration(kv_cache_calibration, kv_cache_dtype)
         model_config = ModelConfig.from_pretrained(
             model, dtype=dtype, max_model_len=max_model_len, quantization=quantization
         )

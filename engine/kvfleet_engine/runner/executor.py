@@ -149,8 +149,14 @@ class ModelExecutor:
         self.num_blocks = num_blocks
         self.kv_caches = self._allocate(num_blocks)
         if self.config.cache.kv_cache_calibration is not None:
+            place = self.groups.place if self.groups is not None else None
             kv_calibration.bind_moments(
-                self.attention_layers, self.config.cache.kv_cache_calibration, self.device
+                self.attention_layers,
+                self.config.cache.kv_cache_calibration,
+                self.device,
+                int(self.config.model.hf_config["num_hidden_layers"]),
+                first_layer=self.stage.start if self.stage is not None else 0,
+                tp=(place.tp_rank, place.tp_size) if place is not None else (0, 1),
             )
         if self.captures_graphs:
             self.decode_graphs, self.prompt_graphs = self.make_graphs()

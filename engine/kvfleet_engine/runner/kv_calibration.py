@@ -67,21 +67,37 @@ def load(path: str) -> tuple[list[torch.Tensor], dict[str, str]]:
         raise ValueError(f"{where}: {error}") from error
 
 
-def bind_moments(layers: list[Attention], path: str, device: torch.device) -> None:
-    """Give each attention layer its moment (after the KV cache is bound): its store rounds K by
-    it, through the backend's `store_kv` (not a fused rotary + store)."""
+def bind_moments(
+    layers: list[Attention],
+    path: str,
+    device: torch.device,
+    num_layers: int,
+    first_layer: int = 0,
+    tp: tuple[int, int] = (0, 1),
+) -> None:
+    """Give each of this rank's attention layers its moment (after the KV cache is bound): its
+    store rounds K by it, through the backend's `store_kv` (not a fused rotary + store).
+    `num_layers`: the model's; `first_layer`: the one this rank's first is (a pipeline stage's
+    start); `tp`: this
+    rank's (index, count) of the tensor-parallel split, whose kv heads it keeps (or the one it
+    holds, with fewer kv heads than ranks: `parallel.tensor`)."""
     moments, metadata = load(path)
     where = f"kv_cache_calibration {path!r} (calibrated on {metadata.get('model', '?')})"
-    if len(moments) != len(layers):
-        raise ValueError(f"{where}: {len(moments)} layers, the model has {len(layers)}")
-    for i, (layer, moment) in enumerate(zip(layers, moments, strict=True)):
-        want = (layer.num_kv_heads, layer.head_dim, layer.head_dim)
+    if len(moments) != num_layers:
+        raise ValueError(f"{where}: {len(moments)} layers, the model has {num_layers}")
+    rank, size = tp
+    for i, layer in enumerate(layers, start=first_layer):
+        moment = moments[i]
+        kv_parts = min(size, moment.shape[0])
+        index = rank // (size // kv_parts)
+        local = moment[index * layer.num_kv_heads : (index + 1) * layer.num_kv_heads]
+        want = (layer.num_kv_heads * kv_parts, layer.head_dim, layer.head_dim)
         if tuple(moment.shape) != want:
             raise ValueError(
                 f"{where}: layer {i} is {list(moment.shape)}, the model's {list(want)}"
             )
         if layer.k_scales is None or layer.k_cache.dtype != torch.float8_e4m3fn:
             raise ValueError(f"{where}: needs kv_cache_dtype fp8")
-        layer.k_moment = moment.to(device)
+        layer.k_moment = local.contiguous().to(device)
         layer.rotary_store_kv = None
         layer.rotary_decode_attention = None
