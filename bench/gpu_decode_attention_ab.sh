@@ -16,6 +16,9 @@
 #   throughput-1k-bf16 / -fp8kv / -fp8-fp8kv   offline 1000 x (1000 in, 1000 out), Llama-3.1-8B
 #              shape: bf16 weights + bf16 cache (384 sequences), + fp8 cache (768), fp8 weights +
 #              fp8 cache (768); -fp8kv-old: AB_TREE's engine, bf16 weights + fp8 cache
+#   latency-fp8kv-calibrated   batch 1 and 64 decode, bf16 weights, fp8 cache, rounded to nearest
+#              and calibrated (`kv_cache_calibration`, the file from bench.calibrate_kv on the
+#              random 8B checkpoint of bench/make_checkpoint.py): what the calibrated store costs
 # Logs and JSON under $OUT; STEP_TIMEOUT (seconds, default 280) caps each step.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvfleet-decode-attention-ab}
@@ -39,7 +42,7 @@ for step in "$@"; do
   tree "$ROOT/engine"
   case $step in
     tests) $PY -m pytest -m gpu tests/kernels/test_kv_fp8.py tests/kernels/test_triton_kernels.py \
-        -k "decode or prefill or prefix or mixed or lazy" -q -p no:cacheprovider -x 2>&1 \
+        -k "decode or prefill or prefix or mixed or lazy or moment" -q -p no:cacheprovider -x 2>&1 \
         | tee "$OUT/tests-kernels.log" | tail -6
       $PY -m pytest -m gpu tests/engine/test_kv_cache_quantized.py -q -p no:cacheprovider 2>&1 \
         | tee "$OUT/tests-engine.log" | tail -6 ;;
@@ -65,6 +68,18 @@ for step in "$@"; do
     throughput-1k-fp8-fp8kv) $PY $THROUGHPUT_1K --max-num-seqs 768 --kv-cache-dtype fp8 \
         --quantization fp8 --output-dir "$OUT/1k-fp8-fp8kv" 2>&1 | tee "$OUT/$step.log" \
         | grep -v 'it/s\]\|req/s\]' | tail -16 ;;
+    latency-fp8kv-calibrated)
+      CKPT=/dev/shm/kvfleet-8b-random
+      [ -f "$CKPT/config.json" ] || timeout 150 python3 bench/make_checkpoint.py "$CKPT"
+      $PY -m kvfleet_engine.bench.calibrate_kv "$CKPT" --device cuda \
+        --output "$OUT/8b.kv-calibration.safetensors" 2>&1 | tail -2
+      for bs in 1 64; do
+        for cal in "" "--kv-cache-calibration $OUT/8b.kv-calibration.safetensors"; do
+          $PY -m kvfleet_cli.main bench latency --shape llama-3.1-8b --kv-cache-dtype fp8 \
+            --batch-size $bs $cal --output-dir "$OUT/latency-calibrated" 2>&1 \
+            | tee -a "$OUT/$step.log" | grep -E "output_tokens_per_s|decode_step" | head -3
+        done
+      done ;;
     *) echo "unknown step $step" ;;
   esac
 done

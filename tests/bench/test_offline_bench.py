@@ -59,3 +59,21 @@ def test_bad_input_len_is_rejected_naming_the_flag(capsys) -> None:
         main(["bench", "throughput", "--shape", "tiny", "--input-len", "9:4"])
     assert exit_info.value.code == 2
     assert "--input-len" in capsys.readouterr().err
+
+
+def test_latency_with_a_calibrated_fp8_cache_records_the_file(tmp_path) -> None:
+    import torch
+
+    from kvfleet_engine.runner import kv_calibration
+
+    # The tiny shape: 2 layers, 2 kv heads of 16. Any moments of that shape serve a speed run.
+    moments = [torch.eye(16).expand(2, 16, 16) + 0.1 for _ in range(2)]
+    calibration = tmp_path / "tiny.kv-calibration.safetensors"
+    kv_calibration.save(calibration, moments, "tiny", 0)
+    argv = ["--shape", "tiny", "--input-len", "5", "--output-len", "3", "--kv-cache-dtype", "fp8"]
+    argv += ["--kv-cache-calibration", str(calibration), "--output-dir", str(tmp_path)]
+    assert main(["bench", "latency", *argv]) == 0
+    [path] = tmp_path.glob("*-latency-tiny.json")
+    workload = json.loads(path.read_text())["workload"]
+    assert workload["kv_cache_calibration"] == str(calibration)
+    assert workload["kv_cache_dtype"] == "fp8"

@@ -120,6 +120,7 @@ def _llm(args: argparse.Namespace, s: Setup, max_model_len: int, quantization: s
         async_scheduling=args.async_scheduling,
         seed=args.seed,
         kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_calibration=args.kv_cache_calibration,
     )
 
 

@@ -26,6 +26,12 @@ def int4_group_size(shape: str) -> int:
     )
 
 
+def _existing_file(text: str) -> str:
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+    return text
+
+
 def _quantizations(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in QUANTIZATIONS]
@@ -71,6 +77,13 @@ def common_args(parser: argparse.ArgumentParser) -> None:
         choices=KV_CACHE_DTYPES,
         default=engine["kv_cache_dtype"],
         help="KV cache element type",
+    )
+    parser.add_argument(
+        "--kv-cache-calibration",
+        type=_existing_file,
+        metavar="FILE",
+        help="fp8 cache: round K toward the queries by this file (python -m "
+        "kvfleet_engine.bench.calibrate_kv on a checkpoint of the shape)",
     )
     parser.add_argument(
         "--async-scheduling",
@@ -133,6 +146,7 @@ def throughput_workload(
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_cache_calibration": args.kv_cache_calibration,
         "cuda_graphs": not args.enforce_eager,
         "async_scheduling": args.async_scheduling,
         "quantization": args.quantization,
@@ -173,5 +187,6 @@ def latency_workload(args: argparse.Namespace) -> tuple[list[list[int]], dict[st
         "async_scheduling": args.async_scheduling,
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_cache_calibration": args.kv_cache_calibration,
     }
     return prompts, workload
