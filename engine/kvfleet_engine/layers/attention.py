@@ -114,6 +114,14 @@ class Attention(nn.Module):
         self.rotates = kv_rotation.rotates(self.head_dim, k_scales is not None)
         if self.rotates:  # the one-call decode does not rotate by H
             self.rotary_decode_attention = None
+        if self.k_moment is not None:  # the fused kernels store K to nearest
+            self.rotary_store_kv = self.rotary_decode_attention = None
+
+    def shape_k_by(self, moment: torch.Tensor) -> None:
+        """Round this layer's fp8 K toward the queries of second moment `moment` ([num_kv_heads,
+        head_dim, head_dim] float32, `kv_shaping`): stores go through the backend's `store_kv`."""
+        self.k_moment = moment
+        self.rotary_store_kv = self.rotary_decode_attention = None
 
     def forward(
         self,

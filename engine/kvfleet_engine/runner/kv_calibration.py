@@ -75,12 +75,10 @@ def bind_moments(
     first_layer: int = 0,
     tp: tuple[int, int] = (0, 1),
 ) -> None:
-    """Give each of this rank's attention layers its moment (after the KV cache is bound): its
-    store rounds K by it, through the backend's `store_kv` (not a fused rotary + store).
+    """Give each of this rank's attention layers its moment (`Attention.shape_k_by`).
     `num_layers`: the model's; `first_layer`: the one this rank's first is (a pipeline stage's
-    start); `tp`: this
-    rank's (index, count) of the tensor-parallel split, whose kv heads it keeps (or the one it
-    holds, with fewer kv heads than ranks: `parallel.tensor`)."""
+    start); `tp`: this rank's (index, count) of the tensor-parallel split, whose kv heads it
+    keeps (or the one it holds, with fewer kv heads than ranks: `parallel.tensor`)."""
     moments, metadata = load(path)
     where = f"kv_cache_calibration {path!r} (calibrated on {metadata.get('model', '?')})"
     if len(moments) != num_layers:
@@ -98,6 +96,4 @@ def bind_moments(
             )
         if layer.k_scales is None or layer.k_cache.dtype != torch.float8_e4m3fn:
             raise ValueError(f"{where}: needs kv_cache_dtype fp8")
-        layer.k_moment = local.contiguous().to(device)
-        layer.rotary_store_kv = None
-        layer.rotary_decode_attention = None
+        layer.shape_k_by(local.contiguous().to(device))
