@@ -124,7 +124,7 @@ def test_the_engine_stores_k_shaped_by_the_calibration(
         kv_cache_calibration=str(calibration),
     )
     layer = shaped.engine.model_runner.attention_layers[0]
-    assert layer.k_moment is not None and layer.rotary_store_kv is None
+    assert layer.k_moment is not None and layer.rotary_decode_attention is None
     nearest, codes = _k_codes(plain, prompt), _k_codes(shaped, prompt)
     moved = nearest != codes
     assert int(moved.sum()) > 0

@@ -381,6 +381,40 @@ def test_rotary_store_kv_with_hadamard_rotates_q_and_k_by_h_and_keeps_the_scores
         assert _same_bits(got[name], want[name]), name
 
 
+@pytest.mark.parametrize(("device", "dtype", "tol", "sizes"), TARGETS)
+def test_rotary_store_kv_with_a_moment_stores_what_store_kv_shapes(device, dtype, tol, sizes):
+    """The fused rotary + store with `k_moment` (`kv_cache_calibration`'s decode path) writes
+    the reference's shaped codes for the rotated k, but at near-ties (<= 1% of codes)."""
+    _skip_if_unavailable(device)
+    heads, kv_heads, dim = sizes["num_q_heads"], sizes["num_kv_heads"], sizes["head_dim"]
+    case = make_paged_case([23, 9], [1, 1], heads, kv_heads, dim, dtype=dtype, device=device)
+    slots = case.slot_mapping.clone()
+    slots[::4] = -1
+    gen = torch.Generator().manual_seed(17)
+    q, k, v = (
+        torch.randn(slots.shape[0], n, dim, generator=gen).to(device, dtype)
+        for n in (heads, kv_heads, kv_heads)
+    )
+    _, cos_sin = _rotary_table(dim, seed=18)
+    positions = torch.randint(0, 100, (slots.shape[0],), generator=gen)
+    spread = torch.randn(kv_heads, dim, dim, generator=gen)
+    shared = torch.randn(kv_heads, dim, 1, generator=gen) * 4
+    moment = spread @ spread.mT + shared @ shared.mT
+    moment = (moment / torch.diagonal(moment, dim1=1, dim2=2).sum(-1)[:, None, None]).to(device)
+    got = _empty_fp8_cache(case, "tokens")
+    fused.rotary_store_kv(positions.to(device), q, k, v, cos_sin.float().to(device),
+                          got["k_cache"], got["v_cache"], slots, k_scales=got["k_scales"],
+                          v_scales=got["v_scales"], hadamard=True, k_moment=moment)  # fmt: skip
+    want = _empty_fp8_cache(case, "rows")  # k, rotated in place, stored by the reference
+    ref.store_kv(k, v, want["k_cache"], want["v_cache"], slots, k_scales=want["k_scales"],
+                 v_scales=want["v_scales"], k_moment=moment)  # fmt: skip
+    for name in ("k_scales", "v_cache", "v_scales"):
+        assert _same_bits(got[name], want[name]), name
+    written = ~want["k_cache"].float().isnan()
+    differs = got["k_cache"].view(torch.uint8) != want["k_cache"].view(torch.uint8)
+    assert int(differs[written].sum()) <= 0.01 * int(written.sum())
+
+
 def test_rotary_store_kv_rejects_hadamard_for_a_head_size_not_a_power_of_two() -> None:
     q, k = torch.zeros(1, 2, 48), torch.zeros(1, 1, 48)
     cache = torch.zeros(2, 16, 1, 48)

@@ -187,3 +187,26 @@ def check_rotary_store(
         "query, key, value and slot_mapping must have the same number of tokens",
     )
     require(key.dtype == query.dtype == value.dtype, "query, key and value must share a dtype")
+
+
+def check_moment(
+    moment: torch.Tensor,
+    k_cache: torch.Tensor,
+    k_scales: torch.Tensor | None,
+    num_kv_heads: int,
+    head_dim: int,
+) -> None:
+    """A store's `k_moment` (`kv_shaping`): an fp8 cache's, [kv heads, dim, dim] float32."""
+    require(
+        k_cache.dtype == torch.float8_e4m3fn and k_scales is not None,
+        "k_moment needs an fp8 cache",
+    )
+    require(
+        moment.shape == (num_kv_heads, head_dim, head_dim)
+        and moment.dtype == torch.float32
+        and moment.is_contiguous()
+        and moment.device == k_cache.device
+        and head_dim % 2 == 0,
+        "k_moment must be [num_kv_heads, head_dim, head_dim] float32, contiguous, on the "
+        "cache's device (an even head_dim)",
+    )

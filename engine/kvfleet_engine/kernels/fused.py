@@ -12,12 +12,15 @@ import triton.language as tl
 
 from kvfleet_engine.kernels.checks import (
     check_cache,
+    check_moment,
     check_rotary,
     check_rotary_store,
     next_power_of_2,
 )
 from kvfleet_engine.kernels.hadamard import hadamard_halves
 from kvfleet_engine.kernels.kv_fp8 import kv_scales, row_amax, to_codes
+from kvfleet_engine.kernels.kv_shaping import SHAPE_STEPS as _SHAPE_STEPS
+from kvfleet_engine.kernels.kv_shaping import shaped_e4m3_halves
 from kvfleet_engine.kernels.pdl import _start, launch_options
 
 
@@ -108,6 +111,7 @@ def _rotary_store_kv_kernel(
     slot_mapping_ptr,
     k_scales_ptr,  # a quantized cache only: [num_blocks, num_kv_heads, block_size] bfloat16
     v_scales_ptr,
+    k_moment_ptr,  # SHAPED only: [num_kv_heads, 2 HALF, 2 HALF] float32 (`kv_shaping`)
     stride_qt,
     stride_qh,
     stride_kt,
@@ -133,6 +137,7 @@ def _rotary_store_kv_kernel(
     BLOCK_HALF: tl.constexpr,
     FP8: tl.constexpr,
     HADAMARD: tl.constexpr,
+    SHAPED: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     _start(PDL)
@@ -166,7 +171,13 @@ def _rotary_store_kv_kernel(
         scale_dst = block * stride_sb + heads * stride_sh + offset  # [BLOCK_KVH, 1]
         tl.store(k_scales_ptr + scale_dst, k_scale.to(tl.bfloat16)[:, None], mask=row_mask)
         tl.store(v_scales_ptr + scale_dst, v_scale.to(tl.bfloat16)[:, None], mask=row_mask)
-        k1, k2 = to_codes(k1, k_inverse[:, None], k_ty), to_codes(k2, k_inverse[:, None], k_ty)
+        if SHAPED:  # K rounded toward the queries
+            k1, k2 = shaped_e4m3_halves(
+                k1, k2, k_inverse[:, None], k_moment_ptr, heads, cols, mask, HALF, _SHAPE_STEPS
+            )
+        else:
+            k1 = to_codes(k1, k_inverse[:, None], k_ty)
+            k2 = to_codes(k2, k_inverse[:, None], k_ty)
         v1, v2 = to_codes(v1, v_inverse[:, None], v_ty), to_codes(v2, v_inverse[:, None], v_ty)
     tl.store(k_cache_ptr + dst + cols, k1, mask=mask)
     tl.store(k_cache_ptr + dst + HALF + cols, k2, mask=mask)
@@ -218,6 +229,7 @@ def rotary_store_kv(
     k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: quantized
     v_scales: torch.Tensor | None = None,
     hadamard: bool = False,  # q and k also times the Hadamard matrix (`layers.kv_rotation`)
+    k_moment: torch.Tensor | None = None,  # [num_kv_heads, dim, dim] float32: K shaped by it
 ) -> None:
     """`rotary_embedding_` then `store_kv` of the rotated key and the value, in one launch: the
     decoder layer's two smallest kernels, each a few microseconds of launch latency at batch 1."""
@@ -226,9 +238,11 @@ def rotary_store_kv(
     num_tokens, num_q_heads, head_dim = query.shape
     if hadamard and head_dim & (head_dim - 1):
         raise ValueError(f"hadamard=True needs a power-of-two head size, got {head_dim}")
+    num_kv_heads = key.shape[1]
+    if k_moment is not None:
+        check_moment(k_moment, k_cache, k_scales, num_kv_heads, head_dim)
     if num_tokens == 0:
         return
-    num_kv_heads = key.shape[1]
     _rotary_store_kv_kernel[(num_tokens,)](
         positions,
         query,
@@ -240,6 +254,7 @@ def rotary_store_kv(
         slot_mapping,
         k_scales if k_scales is not None else k_cache,  # a float cache: never read
         v_scales if v_scales is not None else v_cache,
+        k_moment if k_moment is not None else k_cache,  # never read without
         query.stride(0),
         query.stride(1),
         key.stride(0),
@@ -262,5 +277,6 @@ def rotary_store_kv(
         BLOCK_HALF=next_power_of_2(head_dim // 2),
         FP8=k_scales is not None,
         HADAMARD=hadamard,
+        SHAPED=k_moment is not None,
         **launch_options(query.device),
     )

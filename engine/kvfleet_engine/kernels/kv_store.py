@@ -12,14 +12,12 @@ from kvfleet_engine.kernels.checks import (
     check_cache,
     check_heads,
     check_index,
+    check_moment,
     next_power_of_2,
-    require,
 )
 from kvfleet_engine.kernels.kv_fp8 import kv_scales, quantize_rows, row_amax
-from kvfleet_engine.kernels.kv_shaping import shaped_e4m3
-from kvfleet_engine.layers.kv_shaping import SHAPE_STEPS
-
-_SHAPE_STEPS = tl.constexpr(SHAPE_STEPS)
+from kvfleet_engine.kernels.kv_shaping import SHAPE_STEPS as _SHAPE_STEPS
+from kvfleet_engine.kernels.kv_shaping import shaped_e4m3_halves
 
 
 @triton.jit
@@ -65,11 +63,19 @@ def _store_kv_kernel(
     v_dst = block * stride_cvb + offset * stride_cvs + heads * stride_cvh
     key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask, other=0.0)
     value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask, other=0.0)
-    if SHAPED:
+    if SHAPED:  # K as halves (`kv_shaping`), stored here
         k_scale, k_inverse = kv_scales(row_amax(key), k_cache_ptr.dtype.element_ty)
-        key = shaped_e4m3(
-            key, k_inverse[:, None], k_moment_ptr, heads, dims, mask, HEAD_DIM, _SHAPE_STEPS
-        )
+        half = tl.arange(0, BLOCK_D // 2)[None, :]
+        half_mask = row_mask & (half < HEAD_DIM // 2)
+        first = key_ptr + token * stride_kt + heads * stride_kh + half
+        k1 = tl.load(first, mask=half_mask, other=0.0)
+        k2 = tl.load(first + HEAD_DIM // 2, mask=half_mask, other=0.0)
+        k1, k2 = shaped_e4m3_halves(
+            k1, k2, k_inverse[:, None], k_moment_ptr, heads, half, half_mask, HEAD_DIM // 2,
+            _SHAPE_STEPS,
+        )  # fmt: skip
+        tl.store(k_cache_ptr + dst + half, k1, mask=half_mask)
+        tl.store(k_cache_ptr + dst + HEAD_DIM // 2 + half, k2, mask=half_mask)
         k_scale = k_scale.to(tl.bfloat16)
     if FP8:
         if not SHAPED:
@@ -78,7 +84,8 @@ def _store_kv_kernel(
         scale_dst = block * stride_sb + heads * stride_sh + offset  # [BLOCK_H, 1]
         tl.store(k_scales_ptr + scale_dst, k_scale[:, None], mask=row_mask)
         tl.store(v_scales_ptr + scale_dst, v_scale[:, None], mask=row_mask)
-    tl.store(k_cache_ptr + dst + dims, key, mask=mask)
+    if not SHAPED:
+        tl.store(k_cache_ptr + dst + dims, key, mask=mask)
     tl.store(v_cache_ptr + v_dst + dims * stride_cvd, value, mask=mask)
 
 
@@ -101,18 +108,7 @@ def store_kv(
     if value.shape != key.shape or slot_mapping.shape[0] != num_tokens:
         raise ValueError("key, value and slot_mapping must have the same number of tokens")
     if k_moment is not None:
-        require(
-            k_cache.dtype == torch.float8_e4m3fn and k_scales is not None,
-            "k_moment needs an fp8 cache",
-        )
-        require(
-            k_moment.shape == (num_kv_heads, head_dim, head_dim)
-            and k_moment.dtype == torch.float32
-            and k_moment.is_contiguous()
-            and k_moment.device == k_cache.device,
-            "k_moment must be [num_kv_heads, head_dim, head_dim] float32, contiguous, on the "
-            "cache's device",
-        )
+        check_moment(k_moment, k_cache, k_scales, num_kv_heads, head_dim)
     if num_tokens == 0:
         return
     # Without scales (a float cache) their pointers are the cache's and strides 0: never used.

@@ -114,14 +114,14 @@ class Attention(nn.Module):
         self.rotates = kv_rotation.rotates(self.head_dim, k_scales is not None)
         if self.rotates:  # the one-call decode does not rotate by H
             self.rotary_decode_attention = None
-        if self.k_moment is not None:  # the fused kernels store K to nearest
-            self.rotary_store_kv = self.rotary_decode_attention = None
+        if self.k_moment is not None:  # the one-call decode stores K to nearest
+            self.rotary_decode_attention = None
 
     def shape_k_by(self, moment: torch.Tensor) -> None:
         """Round this layer's fp8 K toward the queries of second moment `moment` ([num_kv_heads,
-        head_dim, head_dim] float32, `kv_shaping`): stores go through the backend's `store_kv`."""
+        head_dim, head_dim] float32, `kv_shaping`): every store takes it (`k_moment`)."""
         self.k_moment = moment
-        self.rotary_store_kv = self.rotary_decode_attention = None
+        self.rotary_decode_attention = None
 
     def forward(
         self,
@@ -151,14 +151,14 @@ class Attention(nn.Module):
                 **shared,
             )
             return out.reshape(out.shape[0], -1)
+        shaped = {} if self.k_moment is None else {"k_moment": self.k_moment}
         if self.rotary_store_kv is not None:  # rotates query and key in place
             rotation = {"hadamard": True} if self.rotates else {}
-            self.rotary_store_kv(*new_tokens, meta.slot_mapping, **scales, **rotation)
+            self.rotary_store_kv(*new_tokens, meta.slot_mapping, **scales, **rotation, **shaped)
         else:
             query, key = rotary(positions, query, key)
             if self.rotates:
                 query, key = kv_rotation.rotate(query), kv_rotation.rotate(key)
-            shaped = {} if self.k_moment is None else {"k_moment": self.k_moment}
             backend.store_kv(
                 key, value, self.k_cache, self.v_cache, meta.slot_mapping, **scales, **shaped
             )
