@@ -180,7 +180,7 @@ def run(model: str, mode: str, max_tokens: int) -> float:
         model, device="cpu", attention_backend="torch", kv_cache_dtype=cache, max_model_len=2048
     )
     PROBE.mode, PROBE.layer, PROBE.moments = mode, -1, {}
-    PROBE.num_layers = llm.engine.model_config.hf_config["num_hidden_layers"]
+    PROBE.num_layers = llm.engine.model_config.num_layers
     if mode == "fake-k-shaped-hadamard":
         PROBE.calibrating = True
         text = "\n\n".join(calibration_texts(256))

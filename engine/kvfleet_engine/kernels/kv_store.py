@@ -63,13 +63,14 @@ def _store_kv_kernel(
     v_dst = block * stride_cvb + offset * stride_cvs + heads * stride_cvh
     key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask, other=0.0)
     value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask, other=0.0)
-    if SHAPED:  # K as halves (`kv_shaping`), stored here
-        k_scale, k_inverse = kv_scales(row_amax(key), k_cache_ptr.dtype.element_ty)
+    if SHAPED:  # K as halves (`kv_shaping`), stored here; the full rows go unused
         half = tl.arange(0, BLOCK_D // 2)[None, :]
         half_mask = row_mask & (half < HEAD_DIM // 2)
         first = key_ptr + token * stride_kt + heads * stride_kh + half
         k1 = tl.load(first, mask=half_mask, other=0.0)
         k2 = tl.load(first + HEAD_DIM // 2, mask=half_mask, other=0.0)
+        amax = tl.maximum(row_amax(k1), row_amax(k2))
+        k_scale, k_inverse = kv_scales(amax, k_cache_ptr.dtype.element_ty)
         k1, k2 = shaped_e4m3_halves(
             k1, k2, k_inverse[:, None], k_moment_ptr, heads, half, half_mask, HEAD_DIM // 2,
             _SHAPE_STEPS,

@@ -154,7 +154,7 @@ class ModelExecutor:
                 self.attention_layers,
                 self.config.cache.kv_cache_calibration,
                 self.device,
-                int(self.config.model.hf_config["num_hidden_layers"]),
+                self.config.model.num_layers,
                 first_layer=self.stage.start if self.stage is not None else 0,
                 tp=(place.tp_rank, place.tp_size) if place is not None else (0, 1),
             )

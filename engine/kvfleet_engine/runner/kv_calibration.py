@@ -94,6 +94,4 @@ def bind_moments(
             raise ValueError(
                 f"{where}: layer {i} is {list(moment.shape)}, the model's {list(want)}"
             )
-        if layer.k_scales is None or layer.k_cache.dtype != torch.float8_e4m3fn:
-            raise ValueError(f"{where}: needs kv_cache_dtype fp8")
         layer.shape_k_by(local.contiguous().to(device))
