@@ -16,7 +16,7 @@
 #   throughput-1k-bf16 / -fp8kv / -fp8-fp8kv   offline 1000 x (1000 in, 1000 out), Llama-3.1-8B
 #              shape: bf16 weights + bf16 cache (384 sequences), + fp8 cache (768), fp8 weights +
 #              fp8 cache (768); -fp8kv-old: AB_TREE's engine, bf16 weights + fp8 cache
-#   latency-fp8kv-calibrated   batch 1 and 64 decode, bf16 weights, fp8 cache, rounded to nearest
+#   latency-fp8kv-calibrated   batch 1 and 256 decode, bf16 weights, fp8 cache, rounded to nearest
 #              and calibrated (`kv_cache_calibration`, the file from bench.calibrate_kv on the
 #              random 8B checkpoint of bench/make_checkpoint.py): what the calibrated store costs
 # Logs and JSON under $OUT; STEP_TIMEOUT (seconds, default 280) caps each step.
@@ -73,7 +73,7 @@ for step in "$@"; do
       [ -f "$CKPT/config.json" ] || timeout 150 python3 bench/make_checkpoint.py "$CKPT"
       $PY -m kvfleet_engine.bench.calibrate_kv "$CKPT" --device cuda \
         --output "$OUT/8b.kv-calibration.safetensors" 2>&1 | tail -2
-      for bs in 1 64; do
+      for bs in 1 256; do
         for cal in "" "--kv-cache-calibration $OUT/8b.kv-calibration.safetensors"; do
           $PY -m kvfleet_cli.main bench latency --shape llama-3.1-8b --kv-cache-dtype fp8 \
             --batch-size $bs $cal --output-dir "$OUT/latency-calibrated" 2>&1 \

@@ -39,15 +39,16 @@ def test_other_code_is_the_code_on_the_far_side_of_the_value() -> None:
     assert bool((codes[index + 1] == high[~on_a_code]).all())
 
 
-def _keys_and_queries(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _keys_and_queries(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, kv_shaping.KMoment]:
     """Keys [64, 2, 32]; queries [4096, 2 kv heads, 2, 32] that share a direction per kv head
-    (as real models' do); the moment [2, 32, 32] of their first half, over its trace."""
+    (as real models' do); the moment of their first half, over its trace, factored."""
     generator = torch.Generator().manual_seed(seed)
     keys = torch.randn(64, 2, 32, generator=generator)
     shared = torch.randn(2, 1, 32, generator=generator) * 3
     queries = torch.randn(4096, 2, 2, 32, generator=generator) + shared[None]
     moment = kv_shaping.query_moment(queries[:2048].reshape(2048, 4, 32), 2)
-    return keys, queries, moment / torch.diagonal(moment, dim1=1, dim2=2).sum(-1)[:, None, None]
+    moment = moment / torch.diagonal(moment, dim1=1, dim2=2).sum(-1)[:, None, None]
+    return keys, queries, kv_shaping.factor(moment)
 
 
 def _score_error(keys: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, queries) -> float:
@@ -77,8 +78,26 @@ def test_shaped_keys_score_closer_for_the_queries_they_were_shaped_for() -> None
 def test_no_moment_no_moves() -> None:
     keys, _, moment = _keys_and_queries()
     nearest, scales = attention_torch.quantize_kv(keys)
-    shaped = kv_shaping.shaped_e4m3(keys, nearest, scales, torch.zeros_like(moment))
+    zero = kv_shaping.KMoment(torch.zeros_like(moment.factors), torch.zeros_like(moment.isotropic))
+    shaped = kv_shaping.shaped_e4m3(keys, nearest, scales, zero)
     assert torch.equal(shaped.view(torch.uint8), nearest.view(torch.uint8))
+
+
+def test_the_factored_moment_keeps_the_top_eigenpairs_and_the_trace() -> None:
+    """M ~ W W^T + s I: exact for a moment of rank <= SHAPE_RANK plus a multiple of I; for any
+    moment the same top eigenvalues and the same trace."""
+    generator = torch.Generator().manual_seed(5)
+    dim, rank = 32, kv_shaping.SHAPE_RANK
+    low = torch.randn(2, dim, rank, generator=generator)
+    exact = low @ low.mT + 0.25 * torch.eye(dim)
+    assert torch.allclose(kv_shaping.factor(exact).dense(), exact, atol=1e-4)
+    spread = torch.randn(2, dim, dim, generator=generator)
+    moment = spread @ spread.mT
+    dense = kv_shaping.factor(moment).dense()
+    top = torch.linalg.eigvalsh(moment)[..., -rank:]
+    assert torch.allclose(torch.linalg.eigvalsh(dense)[..., -rank:], top, rtol=1e-4, atol=1e-3)
+    traces = [torch.diagonal(m, dim1=1, dim2=2).sum(-1) for m in (dense, moment)]
+    assert torch.allclose(traces[0], traces[1], rtol=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -109,20 +128,30 @@ def _k_codes(llm: Any, prompt: list[int]) -> torch.Tensor:
     layer = llm.engine.model_runner.attention_layers[0]
     blocks = -(-len(prompt) // layer.k_cache.shape[1])
     # A fresh engine places its one request in its first blocks (the block pool's order).
-    return layer.k_cache[:blocks].flatten(0, 1)[: len(prompt)].float()
+    return layer.k_cache[:blocks].flatten(0, 1)[: len(prompt)].float().cpu()
 
 
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param(
+        "cuda",
+        id="gpu",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_the_engine_stores_k_shaped_by_the_calibration(
-    calibration: Path, make_llm: Callable[..., Any]
+    calibration: Path, make_llm: Callable[..., Any], device: str
 ) -> None:
     prompt = random_prompts([48], seed=3)[0]
-    plain = make_llm("llama3", kv_cache_dtype="fp8", enable_prefix_caching=False)
-    shaped = make_llm(
-        "llama3",
-        kv_cache_dtype="fp8",
-        enable_prefix_caching=False,
-        kv_cache_calibration=str(calibration),
-    )
+    settings = {"device": device, "kv_cache_dtype": "fp8", "enable_prefix_caching": False}
+    plain = make_llm("llama3", **settings)
+    shaped = make_llm("llama3", kv_cache_calibration=str(calibration), **settings)
     layer = shaped.engine.model_runner.attention_layers[0]
     assert layer.k_moment is not None and layer.rotary_decode_attention is None
     nearest, codes = _k_codes(plain, prompt), _k_codes(shaped, prompt)
@@ -182,4 +211,5 @@ def test_tensor_and_pipeline_parallel_ranks_round_by_their_part_of_the_file(
     moments, _ = kv_calibration.load(str(calibration))
     first = llm.engine.model_runner.attention_layers[0]
     assert first.k_moment is not None
-    assert torch.equal(first.k_moment, moments[0][: first.num_kv_heads])
+    want = kv_shaping.factor(moments[0][: first.num_kv_heads])
+    assert torch.equal(first.k_moment.factors.cpu(), want.factors)

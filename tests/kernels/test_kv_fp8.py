@@ -24,7 +24,7 @@ from test_triton_kernels import (  # TRITON_INTERPRET and the interpreter's scal
 )
 
 from kvfleet_engine.kernels.checks import to_token_major, token_major
-from kvfleet_engine.layers import attention_sdpa, kv_rotation
+from kvfleet_engine.layers import attention_sdpa, kv_rotation, kv_shaping
 from kvfleet_engine.layers import attention_torch as ref
 from kvfleet_engine.layers.attention_torch import FP8_DTYPE, dequantize_kv, quantize_kv
 
@@ -276,7 +276,10 @@ def test_store_kv_with_a_moment_writes_the_reference_shaped_codes(device, dtype,
     spread = torch.randn(num_kv_heads, dim, dim, generator=gen)
     shared = torch.randn(num_kv_heads, dim, 1, generator=gen) * 4  # a direction queries share
     moment = spread @ spread.mT + shared @ shared.mT
-    moment = (moment / torch.diagonal(moment, dim1=1, dim2=2).sum(-1)[:, None, None]).to(device)
+    moment = kv_shaping.factor(
+        moment / torch.diagonal(moment, dim1=1, dim2=2).sum(-1)[:, None, None]
+    )
+    moment = moment.to(device)
     want, got = _empty_fp8_cache(case, "rows"), _empty_fp8_cache(case, "tokens")
     nearest = _empty_fp8_cache(case, "rows")
     ref.store_kv(key, value, want["k_cache"], want["v_cache"], slots, k_scales=want["k_scales"],
@@ -297,10 +300,14 @@ def test_store_kv_with_a_moment_writes_the_reference_shaped_codes(device, dtype,
 def test_store_kv_refuses_a_moment_for_an_int8_cache_or_of_the_wrong_shape() -> None:
     case = make_paged_case([5], [5], **SMALL, dtype=torch.float32, device="cpu", seed=3)
     key, value = torch.cat(case.keys), torch.cat(case.values)
-    moment = torch.eye(SMALL["head_dim"]).expand(SMALL["num_kv_heads"], -1, -1).contiguous()
+    eye = torch.eye(SMALL["head_dim"]).expand(SMALL["num_kv_heads"], -1, -1)
+    moment = kv_shaping.factor(eye)
+    one_head = kv_shaping.KMoment(moment.factors[:1], moment.isotropic[:1])
+    odd_rank = kv_shaping.KMoment(moment.factors[..., :3].contiguous(), moment.isotropic)
     for codes, bad, says in [
         (torch.int8, moment, "k_moment needs an fp8 cache"),
-        (FP8_DTYPE, moment[:1], r"k_moment must be \[num_kv_heads, head_dim, head_dim\]"),
+        (FP8_DTYPE, one_head, r"k_moment must hold factors \[num_kv_heads, head_dim, rank\]"),
+        (FP8_DTYPE, odd_rank, r"a power-of-two rank"),
     ]:
         cache = _empty_fp8_cache(case, "rows", codes)
         with pytest.raises(ValueError, match=says):
@@ -400,7 +407,10 @@ def test_rotary_store_kv_with_a_moment_stores_what_store_kv_shapes(device, dtype
     spread = torch.randn(kv_heads, dim, dim, generator=gen)
     shared = torch.randn(kv_heads, dim, 1, generator=gen) * 4
     moment = spread @ spread.mT + shared @ shared.mT
-    moment = (moment / torch.diagonal(moment, dim1=1, dim2=2).sum(-1)[:, None, None]).to(device)
+    moment = kv_shaping.factor(
+        moment / torch.diagonal(moment, dim1=1, dim2=2).sum(-1)[:, None, None]
+    )
+    moment = moment.to(device)
     got = _empty_fp8_cache(case, "tokens")
     fused.rotary_store_kv(positions.to(device), q, k, v, cos_sin.float().to(device),
                           got["k_cache"], got["v_cache"], slots, k_scales=got["k_scales"],

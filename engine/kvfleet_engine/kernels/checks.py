@@ -9,6 +9,7 @@ import functools
 import torch
 
 from kvfleet_engine.layers.attention_torch import CODE_MAX, SCALE_DTYPE
+from kvfleet_engine.layers.kv_shaping import KMoment
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CODE_DTYPES = tuple(CODE_MAX)  # a quantized cache's element types: e4m3, int8
@@ -190,23 +191,28 @@ def check_rotary_store(
 
 
 def check_moment(
-    moment: torch.Tensor,
+    moment: KMoment,
     k_cache: torch.Tensor,
     k_scales: torch.Tensor | None,
     num_kv_heads: int,
     head_dim: int,
 ) -> None:
-    """A store's `k_moment` (`kv_shaping`): an fp8 cache's, [kv heads, dim, dim] float32."""
+    """A store's `k_moment` (`layers.kv_shaping.KMoment`): an fp8 cache's, float32 factors
+    [kv heads, dim, rank] (a power-of-two rank) and isotropic [kv heads]."""
     require(
         k_cache.dtype == torch.float8_e4m3fn and k_scales is not None,
         "k_moment needs an fp8 cache",
     )
+    factors, isotropic = moment.factors, moment.isotropic
+    rank = factors.shape[-1] if factors.dim() == 3 else 0
     require(
-        moment.shape == (num_kv_heads, head_dim, head_dim)
-        and moment.dtype == torch.float32
-        and moment.is_contiguous()
-        and moment.device == k_cache.device
+        factors.shape[:2] == (num_kv_heads, head_dim)
+        and rank > 0
+        and rank & (rank - 1) == 0
+        and isotropic.shape == (num_kv_heads,)
+        and all(t.dtype == torch.float32 and t.is_contiguous() for t in (factors, isotropic))
+        and factors.device == isotropic.device == k_cache.device
         and head_dim % 2 == 0,
-        "k_moment must be [num_kv_heads, head_dim, head_dim] float32, contiguous, on the "
-        "cache's device (an even head_dim)",
+        "k_moment must hold factors [num_kv_heads, head_dim, rank] (a power-of-two rank) and "
+        "isotropic [num_kv_heads], float32, contiguous, on the cache's device (an even head_dim)",
     )

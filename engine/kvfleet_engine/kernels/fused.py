@@ -20,8 +20,9 @@ from kvfleet_engine.kernels.checks import (
 from kvfleet_engine.kernels.hadamard import hadamard_halves
 from kvfleet_engine.kernels.kv_fp8 import kv_scales, row_amax, to_codes
 from kvfleet_engine.kernels.kv_shaping import SHAPE_STEPS as _SHAPE_STEPS
-from kvfleet_engine.kernels.kv_shaping import shaped_e4m3_halves
+from kvfleet_engine.kernels.kv_shaping import shaped_args, shaped_e4m3_halves
 from kvfleet_engine.kernels.pdl import _start, launch_options
+from kvfleet_engine.layers.kv_shaping import KMoment
 
 
 @triton.jit
@@ -111,7 +112,8 @@ def _rotary_store_kv_kernel(
     slot_mapping_ptr,
     k_scales_ptr,  # a quantized cache only: [num_blocks, num_kv_heads, block_size] bfloat16
     v_scales_ptr,
-    k_moment_ptr,  # SHAPED only: [num_kv_heads, 2 HALF, 2 HALF] float32 (`kv_shaping`)
+    k_factors_ptr,  # SHAPED only: [num_kv_heads, HEAD_DIM, RANK] float32 (`kv_shaping.KMoment`)
+    k_isotropic_ptr,  # SHAPED only: [num_kv_heads] float32
     stride_qt,
     stride_qh,
     stride_kt,
@@ -138,6 +140,7 @@ def _rotary_store_kv_kernel(
     FP8: tl.constexpr,
     HADAMARD: tl.constexpr,
     SHAPED: tl.constexpr = False,
+    RANK: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):
     _start(PDL)
@@ -173,8 +176,9 @@ def _rotary_store_kv_kernel(
         tl.store(v_scales_ptr + scale_dst, v_scale.to(tl.bfloat16)[:, None], mask=row_mask)
         if SHAPED:  # K rounded toward the queries
             k1, k2 = shaped_e4m3_halves(
-                k1, k2, k_inverse[:, None], k_moment_ptr, heads, cols, mask, HALF, _SHAPE_STEPS
-            )
+                k1, k2, k_inverse[:, None], k_factors_ptr, k_isotropic_ptr, heads, cols, mask,
+                HALF, _SHAPE_STEPS, RANK,
+            )  # fmt: skip
         else:
             k1 = to_codes(k1, k_inverse[:, None], k_ty)
             k2 = to_codes(k2, k_inverse[:, None], k_ty)
@@ -229,7 +233,7 @@ def rotary_store_kv(
     k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: quantized
     v_scales: torch.Tensor | None = None,
     hadamard: bool = False,  # q and k also times the Hadamard matrix (`layers.kv_rotation`)
-    k_moment: torch.Tensor | None = None,  # [num_kv_heads, dim, dim] float32: K shaped by it
+    k_moment: KMoment | None = None,  # K shaped by it (`layers.kv_shaping`)
 ) -> None:
     """`rotary_embedding_` then `store_kv` of the rotated key and the value, in one launch: the
     decoder layer's two smallest kernels, each a few microseconds of launch latency at batch 1."""
@@ -254,7 +258,7 @@ def rotary_store_kv(
         slot_mapping,
         k_scales if k_scales is not None else k_cache,  # a float cache: never read
         v_scales if v_scales is not None else v_cache,
-        k_moment if k_moment is not None else k_cache,  # never read without
+        *shaped_args(k_moment, k_cache),
         query.stride(0),
         query.stride(1),
         key.stride(0),
@@ -278,5 +282,6 @@ def rotary_store_kv(
         FP8=k_scales is not None,
         HADAMARD=hadamard,
         SHAPED=k_moment is not None,
+        RANK=1 if k_moment is None else k_moment.factors.shape[2],
         **launch_options(query.device),
     )

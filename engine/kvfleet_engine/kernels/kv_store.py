@@ -17,7 +17,8 @@ from kvfleet_engine.kernels.checks import (
 )
 from kvfleet_engine.kernels.kv_fp8 import kv_scales, quantize_rows, row_amax
 from kvfleet_engine.kernels.kv_shaping import SHAPE_STEPS as _SHAPE_STEPS
-from kvfleet_engine.kernels.kv_shaping import shaped_e4m3_halves
+from kvfleet_engine.kernels.kv_shaping import shaped_args, shaped_e4m3_halves
+from kvfleet_engine.layers.kv_shaping import KMoment
 
 
 @triton.jit
@@ -29,7 +30,8 @@ def _store_kv_kernel(
     slot_mapping_ptr,
     k_scales_ptr,  # a quantized cache only: [num_blocks, num_kv_heads, block_size] bfloat16
     v_scales_ptr,
-    k_moment_ptr,  # SHAPED only: [num_kv_heads, HEAD_DIM, HEAD_DIM] float32
+    k_factors_ptr,  # SHAPED only: [num_kv_heads, HEAD_DIM, RANK] float32 (`kv_shaping.KMoment`)
+    k_isotropic_ptr,  # SHAPED only: [num_kv_heads] float32
     stride_kt,
     stride_kh,
     stride_vt,
@@ -50,6 +52,7 @@ def _store_kv_kernel(
     BLOCK_D: tl.constexpr,
     FP8: tl.constexpr,
     SHAPED: tl.constexpr = False,
+    RANK: tl.constexpr = 1,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
@@ -72,8 +75,8 @@ def _store_kv_kernel(
         amax = tl.maximum(row_amax(k1), row_amax(k2))
         k_scale, k_inverse = kv_scales(amax, k_cache_ptr.dtype.element_ty)
         k1, k2 = shaped_e4m3_halves(
-            k1, k2, k_inverse[:, None], k_moment_ptr, heads, half, half_mask, HEAD_DIM // 2,
-            _SHAPE_STEPS,
+            k1, k2, k_inverse[:, None], k_factors_ptr, k_isotropic_ptr, heads, half, half_mask,
+            HEAD_DIM // 2, _SHAPE_STEPS, RANK,
         )  # fmt: skip
         tl.store(k_cache_ptr + dst + half, k1, mask=half_mask)
         tl.store(k_cache_ptr + dst + HEAD_DIM // 2 + half, k2, mask=half_mask)
@@ -99,7 +102,7 @@ def store_kv(
     *,
     k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: quantized
     v_scales: torch.Tensor | None = None,
-    k_moment: torch.Tensor | None = None,  # [num_kv_heads, dim, dim] float32: K shaped by it
+    k_moment: KMoment | None = None,  # K shaped by it (`layers.kv_shaping`)
 ) -> None:
     check_cache(k_cache, v_cache, k_scales, v_scales)
     check_heads(key, "key", k_cache, per_kv_head=True)
@@ -123,7 +126,7 @@ def store_kv(
         slot_mapping,
         k_scales_arg,
         v_scales_arg,
-        k_moment if k_moment is not None else k_cache,  # never read without
+        *shaped_args(k_moment, k_cache),
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -141,4 +144,5 @@ def store_kv(
         BLOCK_D=next_power_of_2(head_dim),
         FP8=k_scales is not None,
         SHAPED=k_moment is not None,
+        RANK=1 if k_moment is None else k_moment.factors.shape[2],
     )

@@ -91,8 +91,8 @@ class Attention(nn.Module):
         # q and k times the Hadamard matrix after RoPE (a quantized cache: `kv_rotation`).
         self.rotates = False
         # An fp8 cache's K rounded toward the queries (`kv_shaping`): their second moment,
-        # [num_kv_heads, head_dim, head_dim] float32 (`kv_calibration.bind_moments`), or None.
-        self.k_moment: torch.Tensor | None = None
+        # factored (`kv_calibration.bind_moments`), or None.
+        self.k_moment: kv_shaping.KMoment | None = None
         # While calibrating (`bench.calibrate_kv`): the running sum of the rotated queries'
         # `kv_shaping.query_moment`; None otherwise.
         self.query_moments: torch.Tensor | None = None
@@ -117,9 +117,9 @@ class Attention(nn.Module):
         if self.k_moment is not None:  # the one-call decode stores K to nearest
             self.rotary_decode_attention = None
 
-    def shape_k_by(self, moment: torch.Tensor) -> None:
-        """Round this layer's fp8 K toward the queries of second moment `moment` ([num_kv_heads,
-        head_dim, head_dim] float32, `kv_shaping`): every store takes it (`k_moment`)."""
+    def shape_k_by(self, moment: kv_shaping.KMoment) -> None:
+        """Round this layer's fp8 K toward the queries of second moment `moment` (`kv_shaping`):
+        every store takes it (`k_moment`)."""
         self.k_moment = moment
         self.rotary_decode_attention = None
 

@@ -70,7 +70,7 @@ def store_kv(
     *,
     k_scales: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, block_size]: quantized
     v_scales: torch.Tensor | None = None,
-    k_moment: torch.Tensor | None = None,  # [num_kv_heads, dim, dim]: an fp8 K shaped by it
+    k_moment: kv_shaping.KMoment | None = None,  # an fp8 K shaped by it
 ) -> None:
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]

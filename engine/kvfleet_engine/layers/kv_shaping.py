@@ -13,9 +13,17 @@ around each element is stored changes, so every reader of the cache is unchanged
 On SmolLM2 (CPU, float32, first 8,192 tokens of the perplexity text) the fp8 cache's gap went
 +0.31% -> +0.12% (bench/NOTES.md section 18). M must come from text: calibrated on random token
 ids it gained nothing. `kvfleet_engine.bench.calibrate_kv` writes it (`runner.kv_calibration`);
-the Triton store kernel does the same moves (`kernels.kv_shaping`)."""
+the Triton store kernel does the same moves (`kernels.kv_shaping`).
+
+The stores use M in factored form (`KMoment`, from `factor`): its top `SHAPE_RANK` eigenpairs and
+the mean of the rest, M ~ W W^T + s I. Then M d = W (W^T d) + s d costs 2 x rank multiply-adds
+per element, and a move updates W^T d by one row of W: nothing per move reads memory, where the
+full M cost the store kernel a 128-step loop over its rows and a dependent read of one per move
+(on an H100, 4 ms per decode step of the 8B shape at any batch)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +31,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 # Moves per row at most: on SmolLM2 (8,192 tokens) 4 moves gave +0.21%, 16 +0.12%, 64 +0.23%
 # (M, estimated from 4,096 tokens, undervalues the directions it saw little of).
 SHAPE_STEPS = 16
+# Eigenpairs of M the stores keep (a power of two: the kernels' tile).
+SHAPE_RANK = 8
 E4M3_TOP_MAGNITUDE = 0x7E  # the bits of 448, e4m3fn's largest finite magnitude
 
 
@@ -40,28 +50,57 @@ def other_code(scaled: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     return torch.where(codes == scaled, codes, other)
 
 
+@dataclass(frozen=True)
+class KMoment:
+    """One layer's query moments as the stores use them: M ~ W W^T + s I per kv head."""
+
+    factors: torch.Tensor  # [num_kv_heads, head_dim, rank] float32: W
+    isotropic: torch.Tensor  # [num_kv_heads] float32: s
+
+    def to(self, device: torch.device | str) -> KMoment:
+        return KMoment(self.factors.to(device), self.isotropic.to(device))
+
+    def dense(self) -> torch.Tensor:
+        """[num_kv_heads, head_dim, head_dim]: W W^T + s I."""
+        eye = torch.eye(self.factors.shape[1], device=self.factors.device)
+        return self.factors @ self.factors.mT + self.isotropic[:, None, None] * eye
+
+
+def factor(moment: torch.Tensor, rank: int = SHAPE_RANK) -> KMoment:
+    """`moment` ([num_kv_heads, dim, dim], symmetric) as s = the mean of its eigenvalues but
+    the top `rank`, and W = their eigenvectors times the roots of their eigenvalues less s: W W^T
+    + s I has M's top eigenpairs and its trace."""
+    values, vectors = torch.linalg.eigh(moment.double())  # ascending
+    rest = values[..., :-rank].clamp(min=0.0).mean(-1)
+    top = (values[..., -rank:] - rest[..., None]).clamp(min=0.0)
+    factors = vectors[..., -rank:] * top.sqrt()[..., None, :]
+    return KMoment(factors.float().contiguous(), rest.float().contiguous())
+
+
 def shaped_e4m3(
     x: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim] (rotated) keys, any float dtype
     nearest: torch.Tensor,  # their e4m3fn codes, rounded to nearest (`quantize_kv`)
     scales: torch.Tensor,  # [num_tokens, num_kv_heads] bfloat16, `quantize_kv`'s
-    moment: torch.Tensor,  # [num_kv_heads, head_dim, head_dim] float32, symmetric
+    moment: KMoment,
     steps: int = SHAPE_STEPS,
 ) -> torch.Tensor:  # e4m3fn codes [num_tokens, num_kv_heads, head_dim]
     """Codes chosen by greedy moves from the nearest ones that lower each row's d^T M d
-    (d = codes - x / scale, M its kv head's moment); the scales stay."""
+    (d = codes - x / scale, M ~ W W^T + s I its kv head's moment); the scales stay."""
+    factors, isotropic = moment.factors, moment.isotropic[None, :, None]
     scaled = x.float() * (1.0 / scales.float())[..., None]  # as quantize_kv scales it
     codes = nearest.float()
     step = other_code(scaled, codes) - codes  # each element's move, 0 where there is none
-    gradient = torch.einsum("thd,hde->the", codes - scaled, moment)  # M d per row
-    diagonal = torch.diagonal(moment, dim1=-2, dim2=-1)[None]
-    heads = torch.arange(moment.shape[0], device=x.device)[None, :].expand(x.shape[0], -1)
+    projected = torch.einsum("thd,hdr->thr", codes - scaled, factors)  # W^T d per row
+    diagonal = (factors * factors).sum(-1)[None] + isotropic  # M's diagonal
+    heads = torch.arange(factors.shape[0], device=x.device)[None, :].expand(x.shape[0], -1)
     for _ in range(steps):
+        gradient = torch.einsum("thr,hdr->thd", projected, factors) + isotropic * (codes - scaled)
         change = (2 * gradient + step * diagonal) * step  # d^T M d's change if that one moves
         best = change.argmin(dim=-1, keepdim=True)
         move = step.gather(-1, best) * (change.gather(-1, best) < 0)
         codes.scatter_add_(-1, best, move)
         step.scatter_(-1, best, torch.where(move != 0, -move, step.gather(-1, best)))
-        gradient += move * moment[heads, best[..., 0]]
+        projected += move * factors[heads, best[..., 0]]
     return codes.to(FP8_DTYPE)
 
 

@@ -3,8 +3,9 @@ cache's K rounding is shaped by (`layers.kv_shaping`). Written by
 `python -m kvfleet_engine.bench.calibrate_kv`, read at start-up and bound to the layers.
 
 A safetensors file: `layers.{i}.k_moment` [num_kv_heads, head_dim, head_dim] float32 for each
-attention layer i (model order), each over its trace; metadata `format` (FORMAT), `version`,
-`num_layers`, `num_kv_heads`, `head_dim`, `tokens` (how many calibration tokens it saw), `model`
+attention layer i (model order), each over its trace (the stores use it factored:
+`kv_shaping.factor`); metadata `format` (FORMAT), `version`, `num_layers`, `num_kv_heads`,
+`head_dim`, `tokens` (how many calibration tokens it saw), `model`
 (its file or directory name, for people)."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from kvfleet_engine.layers import kv_shaping
 from kvfleet_engine.layers.attention import Attention
 
 FORMAT = "kvfleet-kv-calibration"
@@ -94,4 +96,4 @@ def bind_moments(
             raise ValueError(
                 f"{where}: layer {i} is {list(moment.shape)}, the model's {list(want)}"
             )
-        layer.shape_k_by(local.contiguous().to(device))
+        layer.shape_k_by(kv_shaping.factor(local).to(device))
