@@ -45,21 +45,13 @@ def other_code(scaled, codes):
 
 
 @triton.jit
-def _column(x1, x2, cols, j, HALF: tl.constexpr):
-    """Column j of the rows [x1 | x2] ([rows, BLOCK_HALF] halves): [rows]."""
-    return tl.sum(tl.where(cols == j, x1, 0.0), axis=1) + tl.sum(
-        tl.where(cols == j - HALF, x2, 0.0), axis=1
-    )
-
-
-@triton.jit
-def _times_factors(projected, w1, w2, isotropic, error1, error2):
-    """M d as halves: W (W^T d) + s d, from projected = W^T d [rows, RANK]."""
-    weights = projected[:, None, :]
-    return (
-        tl.sum(w1 * weights, axis=2) + isotropic * error1,
-        tl.sum(w2 * weights, axis=2) + isotropic * error2,
-    )
+def _lowest_key(change, index):
+    """int64 keys whose order is (change, index)'s: change's float32 bits made to sort as signed
+    integers, above the index. One min over them gives a row's lowest change and, among equal
+    ones, its first index (as torch's argmin picks)."""
+    bits = change.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # floats' order as signed int32 (-0.0 -> -1)
+    return (ordered.to(tl.int64) << 32) | index.to(tl.int64)
 
 
 @triton.jit
@@ -77,8 +69,8 @@ def shaped_e4m3_halves(
     RANK: tl.constexpr,
 ):
     """e4m3 codes of the rows [x1 | x2] times inverse, as halves, moved from nearest as
-    `layers.kv_shaping.shaped_e4m3` moves them (a row's move goes to its first lowest change,
-    as torch's argmin picks)."""
+    `layers.kv_shaping.shaped_e4m3` moves them. Per move, two reductions along each row: one
+    min over (change, index) keys for the move, one sum for W's row of the moved element."""
     DIM: tl.constexpr = 2 * HALF
     scaled1, scaled2 = x1.to(tl.float32) * inverse, x2.to(tl.float32) * inverse
     codes1 = to_codes(x1, inverse, tl.float8e4nv).to(tl.float32)
@@ -92,25 +84,25 @@ def shaped_e4m3_halves(
     w2 = tl.load(w_rows + HALF * RANK, mask=w_mask, other=0.0)
     isotropic = tl.load(isotropic_ptr + heads + 0 * cols, mask=mask, other=0.0)  # each row's s
     error1, error2 = codes1 - scaled1, codes2 - scaled2
-    projected = tl.sum(error1[:, :, None] * w1, axis=1) + tl.sum(error2[:, :, None] * w2, axis=1)
+    projected = tl.sum(error1[:, :, None] * w1 + error2[:, :, None] * w2, axis=1)  # W^T d
     diagonal1 = tl.sum(w1 * w1, axis=2) + isotropic
     diagonal2 = tl.sum(w2 * w2, axis=2) + isotropic
+    index1, index2 = cols + 0 * heads, cols + HALF + 0 * heads
     for _ in range(STEPS):
-        gradient1, gradient2 = _times_factors(projected, w1, w2, isotropic, error1, error2)
+        weights = projected[:, None, :]  # M d = W (W^T d) + s d
+        gradient1 = tl.sum(w1 * weights, axis=2) + isotropic * error1
+        gradient2 = tl.sum(w2 * weights, axis=2) + isotropic * error2
         change1 = (2.0 * gradient1 + step1 * diagonal1) * step1
         change2 = (2.0 * gradient2 + step2 * diagonal2) * step2
-        lowest1, lowest2 = tl.min(change1, axis=1), tl.min(change2, axis=1)
-        best = tl.where(
-            lowest1 <= lowest2, tl.argmin(change1, axis=1), HALF + tl.argmin(change2, axis=1)
-        )[:, None]
-        at1, at2 = cols == best, cols == best - HALF
-        move = _column(step1, step2, cols, best, HALF)[:, None]
-        move = tl.where(tl.minimum(lowest1, lowest2)[:, None] < 0.0, move, 0.0)
-        codes1, codes2 = tl.where(at1, codes1 + move, codes1), tl.where(at2, codes2 + move, codes2)
+        keys = tl.minimum(_lowest_key(change1, index1), _lowest_key(change2, index2))
+        lowest = tl.min(keys, axis=1)[:, None]
+        best = (lowest & 0x7FFFFFFF).to(tl.int32)
+        lowers = (lowest >> 32).to(tl.int32) < -1  # the change is below -0.0: it lowers d^T M d
+        move1 = tl.where((index1 == best) & lowers, step1, 0.0)
+        move2 = tl.where((index2 == best) & lowers, step2, 0.0)
+        codes1, codes2 = codes1 + move1, codes2 + move2
         error1, error2 = codes1 - scaled1, codes2 - scaled2
-        step1 = tl.where(at1 & (move != 0.0), -step1, step1)
-        step2 = tl.where(at2 & (move != 0.0), -step2, step2)
-        row1 = tl.sum(tl.where(at1[:, :, None], w1, 0.0), axis=1)  # W's row of the move
-        row2 = tl.sum(tl.where(at2[:, :, None], w2, 0.0), axis=1)
-        projected += move * (row1 + row2)
+        step1 = tl.where(move1 != 0.0, -step1, step1)
+        step2 = tl.where(move2 != 0.0, -step2, step2)
+        projected += tl.sum(move1[:, :, None] * w1 + move2[:, :, None] * w2, axis=1)
     return codes1.to(tl.float8e4nv), codes2.to(tl.float8e4nv)
