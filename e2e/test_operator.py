@@ -419,6 +419,16 @@ def test_invalid_specs_are_rejected_or_stalled(
         ),
         "spec.model.uri": llama(model={"uri": "http://example.com/model"}),
         "Unsupported value": llama(quantization={"weights": "int3"}),
+        "quantization.kvCacheCalibration needs quantization.kvCache: fp8": llama(
+            quantization={"kvCacheCalibration": "kv-calibration.safetensors"}
+        ),
+        "a path relative to the model": llama(
+            quantization={"kvCache": "fp8", "kvCacheCalibration": "../other/kv.safetensors"}
+        ),
+        "cannot be used with a file:// .gguf model": llama(
+            model={"uri": "file:///var/models/llama.gguf"},
+            quantization={"kvCache": "fp8", "kvCacheCalibration": "llama.kv.safetensors"},
+        ),
     }
     for message, spec in rejected.items():
         with pytest.raises(KubectlError) as error:

@@ -9,7 +9,7 @@ one field, or the old object, are CEL rules attached with `cel(...)`; they run i
 
 from __future__ import annotations
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from kvfleet_operator.access_spec import AuthSpec, NetworkPolicySpec
 from kvfleet_operator.autoscaling.spec import AutoscalingSpec
@@ -17,6 +17,7 @@ from kvfleet_operator.kinds.accelerator import AcceleratorProfileSpec, Toleratio
 from kvfleet_operator.kinds.autoscaling_rules import AUTOSCALING_RULES
 from kvfleet_operator.kinds.cel import cel
 from kvfleet_operator.kinds.model import (
+    FILE_GGUF_CALIBRATION,
     GGUF_SUFFIX,
     GGUF_URI_MESSAGE,
     GGUF_URI_PATTERN,
@@ -89,6 +90,11 @@ class InferenceDeploymentSpec(Model):
                 "autoscaling.minReplicas must be <= autoscaling.maxReplicas",
             ),
             *AUTOSCALING_RULES,
+            (
+                "!has(self.quantization) || !has(self.quantization.kvCacheCalibration) || "
+                "!(self.model.uri.startsWith('file://') && self.model.uri.endsWith('.gguf'))",
+                FILE_GGUF_CALIBRATION,
+            ),
         )
     )
 
@@ -117,6 +123,14 @@ class InferenceDeploymentSpec(Model):
     network_policy: NetworkPolicySpec = Field(
         default_factory=NetworkPolicySpec, description="Which pods may reach the engines."
     )
+
+    @model_validator(mode="after")
+    def _calibration_reaches_the_pod(self) -> InferenceDeploymentSpec:
+        # The CEL rule above, for objects stored before it existed.
+        file_gguf = self.model.uri.startswith("file://") and self.model.is_gguf
+        if self.quantization.kv_cache_calibration is not None and file_gguf:
+            raise ValueError(FILE_GGUF_CALIBRATION)
+        return self
 
     def effective_replicas(self) -> int | None:
         """Replicas the reconciler writes; None when the autoscaler owns them."""

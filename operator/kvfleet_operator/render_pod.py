@@ -125,6 +125,8 @@ def engine_args(
         args += ["--quantization", ENGINE_QUANTIZATION[spec.quantization.weights]]
     if spec.quantization.kv_cache != "auto":
         args += ["--kv-cache-dtype", spec.quantization.kv_cache]
+    if spec.quantization.kv_cache_calibration is not None:
+        args += ["--kv-cache-calibration", kv_calibration_path(spec, model_path)]
     args.append(
         "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching"
     )
@@ -247,6 +249,13 @@ def _cache_env() -> list[dict[str, str]]:
     ]
 
 
+def kv_calibration_path(spec: InferenceDeploymentSpec, model_path: str) -> str:
+    """Where the engine container finds `quantization.kvCacheCalibration`: inside the model
+    directory, or beside the .gguf file."""
+    directory = posixpath.dirname(model_path) if spec.model.is_gguf else model_path
+    return posixpath.join(directory, str(spec.quantization.kv_cache_calibration))
+
+
 @dataclass(frozen=True)
 class ModelSource:
     """Where the engine finds the weights, and how they get there."""
@@ -254,7 +263,8 @@ class ModelSource:
     path: str  # `--model`: a directory, or a .gguf file, in the engine container
     volume: dict[str, Any]  # the `model` volume
     mount_path: str  # where the engine container mounts that volume (read-only)
-    init_containers: list[dict[str, Any]]  # fetch-model for hf:// and s3://, else none
+    # fetch-model (and fetch-kv-calibration beside an s3:// .gguf) for hf:// and s3://, else none
+    init_containers: list[dict[str, Any]]
 
 
 def _model_source(spec: InferenceDeploymentSpec) -> ModelSource:
@@ -273,10 +283,14 @@ def _model_source(spec: InferenceDeploymentSpec) -> ModelSource:
         return ModelSource(MODEL_DIR, volume, MODEL_DIR, [])
     target = f"{MODEL_DIR}/model"
     path = target
+    calibration = spec.quantization.kv_cache_calibration
+    fetches: dict[str, list[str]] = {}  # init container name -> command
     if scheme == "hf":
-        if model.is_gguf:  # only that file: hf download ORG/REPO FILE.gguf
+        if model.is_gguf:  # only that file (and the calibration beside it): hf download
             repo, file = model.hf_file()
             command = ["hf", "download", repo, file, "--local-dir", target]
+            if calibration is not None:
+                command.insert(4, posixpath.join(posixpath.dirname(file), calibration))
             path = f"{target}/{file}"
         else:
             command = ["hf", "download", rest, "--local-dir", target]
@@ -285,23 +299,30 @@ def _model_source(spec: InferenceDeploymentSpec) -> ModelSource:
         image = spec.engine.image or api.DEFAULT_ENGINE_IMAGE
     else:
         assert scheme == "s3", scheme
-        if model.is_gguf:  # only that object
+        if model.is_gguf:  # only that object (and the calibration beside it)
             path = f"{target}/{posixpath.basename(rest)}"
             command = ["aws", "s3", "cp", model.uri, path, "--no-progress"]
+            if calibration is not None:
+                source = posixpath.join(posixpath.dirname(model.uri), calibration)
+                copy = ["aws", "s3", "cp", source, f"{target}/{calibration}", "--no-progress"]
+                fetches["fetch-kv-calibration"] = copy
         else:
             command = ["aws", "s3", "sync", model.uri, target, "--no-progress"]
         image = S3_IMAGE
-    fetch: dict[str, Any] = {
-        "name": "fetch-model",
-        "image": image,
-        "command": command,
-        "env": _cache_env(),
-        "securityContext": _container_security(),
-        "volumeMounts": [
-            {"name": "tmp", "mountPath": "/tmp"},
-            {"name": "model", "mountPath": MODEL_DIR},
-        ],
-    }
-    if model.credentials_secret is not None:
-        fetch["envFrom"] = [{"secretRef": {"name": model.credentials_secret.name}}]
-    return ModelSource(path, {"name": "model", "emptyDir": {}}, MODEL_DIR, [fetch])
+    containers = []
+    for name, argv in {"fetch-model": command, **fetches}.items():
+        fetch: dict[str, Any] = {
+            "name": name,
+            "image": image,
+            "command": argv,
+            "env": _cache_env(),
+            "securityContext": _container_security(),
+            "volumeMounts": [
+                {"name": "tmp", "mountPath": "/tmp"},
+                {"name": "model", "mountPath": MODEL_DIR},
+            ],
+        }
+        if model.credentials_secret is not None:
+            fetch["envFrom"] = [{"secretRef": {"name": model.credentials_secret.name}}]
+        containers.append(fetch)
+    return ModelSource(path, {"name": "model", "emptyDir": {}}, MODEL_DIR, containers)

@@ -150,3 +150,35 @@ def test_a_gguf_uri_must_name_a_file_in_its_source() -> None:
     # Other URIs stay directories.
     assert not ModelSpec(uri="hf://meta-llama/Llama-3.1-8B-Instruct").is_gguf
     assert not ModelSpec(uri="hf://org/repo.gguf/").is_gguf
+
+
+def test_a_kv_calibration_needs_an_fp8_cache_and_a_path_inside_the_model() -> None:
+    import pytest
+    from pydantic import ValidationError
+
+    from kvfleet_operator.kinds.model import CALIBRATION_MESSAGE, FILE_GGUF_CALIBRATION
+    from kvfleet_operator.models import InferenceDeploymentSpec, QuantizationSpec
+
+    spec = _schema()["properties"]["spec"]
+    quantization = spec["properties"]["quantization"]
+    rules = [rule["message"] for rule in quantization["x-kubernetes-validations"]]
+    assert rules == ["quantization.kvCacheCalibration needs quantization.kvCache: fp8"]
+    field = quantization["properties"]["kvCacheCalibration"]
+    assert [rule["message"] for rule in field["x-kubernetes-validations"]] == [CALIBRATION_MESSAGE]
+    assert FILE_GGUF_CALIBRATION in [rule["message"] for rule in spec["x-kubernetes-validations"]]
+
+    assert QuantizationSpec(kvCache="fp8", kvCacheCalibration="cal/kv.safetensors")
+    with pytest.raises(ValidationError, match=r"needs quantization\.kvCache: fp8"):
+        QuantizationSpec(kvCache="int8", kvCacheCalibration="kv.safetensors")
+    for path in ("../kv.safetensors", "a/./kv.safetensors", "/abs/kv.safetensors", "a//b"):
+        with pytest.raises(ValidationError):
+            QuantizationSpec(kvCache="fp8", kvCacheCalibration=path)
+    base = {"resources": {"accelerator": "h100-80gb"}}
+    calibrated = {"kvCache": "fp8", "kvCacheCalibration": "kv.safetensors"}
+    with pytest.raises(ValidationError, match=r"cannot be used with a file:// \.gguf model"):
+        InferenceDeploymentSpec.model_validate(
+            {**base, "model": {"uri": "file:///m/x.gguf"}, "quantization": calibrated}
+        )
+    InferenceDeploymentSpec.model_validate(
+        {**base, "model": {"uri": "file:///m/llama"}, "quantization": calibrated}
+    )

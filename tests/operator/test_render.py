@@ -226,6 +226,49 @@ def test_awq_weights_with_an_fp8_kv_cache(check_golden, make_spec) -> None:
     assert pod_of(deployment)["containers"][0]["startupProbe"]["failureThreshold"] == 18
 
 
+CALIBRATION = "kv-calibration.safetensors"
+CALIBRATED = {"kvCache": "fp8", "kvCacheCalibration": CALIBRATION}
+
+
+def test_a_kv_calibration_reaches_the_engine_from_the_model_directory(make_spec) -> None:
+    spec = make_spec(quantization=CALIBRATED)
+    args = engine_args_of(children(spec)[0])
+    model = args[args.index("--model") + 1]
+    assert args[args.index("--kv-cache-calibration") + 1] == f"{model}/{CALIBRATION}"
+    assert "--kv-cache-calibration" not in engine_args_of(children(make_spec())[0])
+
+
+def test_a_kv_calibration_beside_a_gguf_file_is_fetched_with_it(make_spec) -> None:
+    beside = {
+        "hf": (HF_GGUF, "/models/model"),
+        "pvc": (f"pvc://models/llama/{GGUF_FILE}", "/models/llama"),
+        "s3": (f"s3://models/llama/{GGUF_FILE}", "/models/model"),
+    }
+    for scheme, (uri, directory) in beside.items():
+        spec = make_spec(model={"uri": uri, "hints": HINTS}, quantization=CALIBRATED)
+        deployment = gguf_deployment(spec)
+        args = engine_args_of(deployment)
+        assert args[args.index("--kv-cache-calibration") + 1] == f"{directory}/{CALIBRATION}"
+        fetches = pod_of(deployment).get("initContainers", [])
+        if scheme == "hf":  # hf download REPO FILE.gguf CALIBRATION --local-dir ...
+            assert fetches[0]["command"][3:5] == [
+                "Meta-Llama-3.1-8B-Instruct-Q4_1.gguf", CALIBRATION
+            ]  # fmt: skip
+        if scheme == "s3":
+            assert [f["name"] for f in fetches] == ["fetch-model", "fetch-kv-calibration"]
+            source, local = f"s3://models/llama/{CALIBRATION}", f"/models/model/{CALIBRATION}"
+            assert fetches[1]["command"][:5] == ["aws", "s3", "cp", source, local]
+    # In a folder of the repository, the calibration is read from beside the file.
+    nested = make_spec(
+        model={"uri": "hf://unsloth/Qwen3-8B-GGUF/Q4_K_M/Qwen3-8B-Q4_K_M.gguf"},
+        quantization=CALIBRATED,
+    )
+    deployment = gguf_deployment(nested)
+    assert pod_of(deployment)["initContainers"][0]["command"][4] == f"Q4_K_M/{CALIBRATION}"
+    args = engine_args_of(deployment)
+    assert args[args.index("--kv-cache-calibration") + 1] == f"/models/model/Q4_K_M/{CALIBRATION}"
+
+
 def test_rendered_weights_reads_the_last_flag_as_the_engine_does() -> None:
     assert rendered_weights(["--quantization", "awq", "--quantization", "gptq"]) == "int4-gptq"
     assert rendered_weights(["--quantization", "awq", "--quantization=int8"]) == "int8"

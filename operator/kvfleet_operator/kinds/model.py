@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from kvfleet_operator.kinds.cel import cel
 from kvfleet_operator.wire import Model
@@ -25,6 +25,19 @@ GGUF_URI_MESSAGE = (
 WeightQuantization = Literal["none", "int8", "fp8", "int4-awq", "int4-gptq"]
 
 KVCacheQuantization = Literal["auto", "fp8", "int8"]
+
+# quantization.kvCacheCalibration: a relative path of plain segments, none of them . or ..
+CALIBRATION_PATTERN = r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$"
+CALIBRATION_DOTS = r"(^|/)[.][.]?(/|$)"
+# A file:// GGUF is mounted alone (hostPath of type File): nothing beside it reaches the pod.
+FILE_GGUF_CALIBRATION = (
+    "quantization.kvCacheCalibration cannot be used with a file:// .gguf model (the pod mounts "
+    "that one file): use a directory, or a pvc://, hf:// or s3:// URI"
+)
+CALIBRATION_MESSAGE = (
+    "quantization.kvCacheCalibration: a path relative to the model (no leading /, no . or .. "
+    "segments)"
+)
 
 
 class SecretReference(Model):
@@ -127,6 +140,15 @@ class ModelSpec(Model):
 
 
 class QuantizationSpec(Model):
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            (
+                "!has(self.kvCacheCalibration) || self.kvCache == 'fp8'",
+                "quantization.kvCacheCalibration needs quantization.kvCache: fp8",
+            )
+        )
+    )
+
     weights: WeightQuantization = Field(
         default="none", description="Weight format: none (bf16), int8, fp8, int4-awq, int4-gptq."
     )
@@ -135,3 +157,27 @@ class QuantizationSpec(Model):
         description="KV-cache format: auto (model dtype), fp8 (e4m3) or int8 (integer codes; any "
         "GPU): 8-bit codes with a scale per token and KV head, about twice the tokens.",
     )
+    kv_cache_calibration: str | None = Field(
+        default=None,
+        max_length=1024,
+        pattern=CALIBRATION_PATTERN,
+        description="kvCache fp8 only: the model's KV calibration file (written by `python -m "
+        "kvfleet_engine.bench.calibrate_kv`), as a path inside the model directory, or beside "
+        "a .gguf file; the cache then rounds K toward the model's queries, not to nearest "
+        "(closer to the model's own perplexity, a slower decode step).",
+        json_schema_extra=cel((f"!self.matches('{CALIBRATION_DOTS}')", CALIBRATION_MESSAGE)),
+    )
+
+    @field_validator("kv_cache_calibration")
+    @classmethod
+    def _calibration_is_inside_the_model(cls, path: str | None) -> str | None:
+        # The CEL rule above, for objects stored before it existed.
+        if path is not None and re.search(CALIBRATION_DOTS, path):
+            raise ValueError(CALIBRATION_MESSAGE)
+        return path
+
+    @model_validator(mode="after")
+    def _calibration_needs_fp8(self) -> QuantizationSpec:
+        if self.kv_cache_calibration is not None and self.kv_cache != "fp8":
+            raise ValueError("quantization.kvCacheCalibration needs quantization.kvCache: fp8")
+        return self
