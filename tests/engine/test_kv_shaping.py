@@ -98,6 +98,11 @@ def test_the_factored_moment_keeps_the_top_eigenpairs_and_the_trace() -> None:
     assert torch.allclose(torch.linalg.eigvalsh(dense)[..., -rank:], top, rtol=1e-4, atol=1e-3)
     traces = [torch.diagonal(m, dim1=1, dim2=2).sum(-1) for m in (dense, moment)]
     assert torch.allclose(traces[0], traces[1], rtol=1e-4)
+    # A head smaller than the rank keeps all of M (a power-of-two rank the kernels can tile).
+    small = spread[:, :6, :6] @ spread[:, :6, :6].mT
+    factored = kv_shaping.factor(small)
+    assert factored.factors.shape == (2, 6, 4) and bool(factored.isotropic.isfinite().all())
+    assert torch.allclose(kv_shaping.factor(small[:, :4, :4]).dense(), small[:, :4, :4], atol=1e-4)
 
 
 @pytest.fixture(scope="module")
