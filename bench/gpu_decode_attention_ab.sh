@@ -19,6 +19,9 @@
 #   latency-fp8kv-calibrated   batch 1 and 256 decode, bf16 weights, fp8 cache, rounded to nearest
 #              and calibrated (`kv_cache_calibration`, the file from bench.calibrate_kv on the
 #              random 8B checkpoint of bench/make_checkpoint.py): what the calibrated store costs
+#   store-probe   bench/kv_store_probe.py: the fused rotary + store alone, nearest against
+#              calibrated (1 and 256 tokens), this tree's kernel as it is, with 8 warps, rank 4 and
+#              8 moves; AB_TREE's kernel as it is (e.g. .ab/c8: `git archive c8abfba engine`)
 # Logs and JSON under $OUT; STEP_TIMEOUT (seconds, default 280) caps each step.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvfleet-decode-attention-ab}
@@ -80,6 +83,14 @@ for step in "$@"; do
             | tee -a "$OUT/$step.log" | grep -E "output_tokens_per_s|decode_step" | head -3
         done
       done ;;
+    store-probe)
+      for variant in "" "--warps 8" "--rank 4" "--steps 8"; do
+        $PY bench/kv_store_probe.py $variant 2>&1 | tail -1 | tee -a "$OUT/$step.log"
+      done
+      if [ -n "$OLD" ]; then
+        tree "$OLD"
+        $PY bench/kv_store_probe.py 2>&1 | tail -1 | sed 's/^/AB_TREE /' | tee -a "$OUT/$step.log"
+      fi ;;
     *) echo "unknown step $step" ;;
   esac
 done
