@@ -20,7 +20,7 @@ the mean of the rest, M ~ W W^T + s I. Then M d = W (W^T d) + s d costs 2 x rank
 per element, and a move updates W^T d by one row of W: nothing per move reads memory, where the
 full M cost the store kernel a 128-step loop over its rows and a dependent read of one per move
 (on an H100, 4 ms per decode step of the 8B shape at any batch). On SmolLM2 over 65,536 tokens
-rank 8 gives +0.29% against the full M's +0.26% (nearest +0.55%; bench/NOTES.md section 19)."""
+rank 8 gives +0.30% against the full M's +0.26% (nearest +0.55%; bench/NOTES.md section 19)."""
 
 from __future__ import annotations
 
