@@ -79,6 +79,8 @@ def test_no_moment_no_moves() -> None:
     keys, _, moment = _keys_and_queries()
     nearest, scales = attention_torch.quantize_kv(keys)
     zero = kv_shaping.KMoment(torch.zeros_like(moment.factors), torch.zeros_like(moment.isotropic))
+    keys[:, :, ::4] = -0.0  # a -0 code stays -0
+    nearest, scales = attention_torch.quantize_kv(keys)
     shaped = kv_shaping.shaped_e4m3(keys, nearest, scales, zero)
     assert torch.equal(shaped.view(torch.uint8), nearest.view(torch.uint8))
 
@@ -102,6 +104,7 @@ def test_the_factored_moment_keeps_the_top_eigenpairs_and_the_trace() -> None:
     small = spread[:, :6, :6] @ spread[:, :6, :6].mT
     factored = kv_shaping.factor(small)
     assert factored.factors.shape == (2, 6, 4) and bool(factored.isotropic.isfinite().all())
+    assert kv_shaping.factor(moment, rank=6).factors.shape == (2, dim, 4)  # a power of two
     assert torch.allclose(kv_shaping.factor(small[:, :4, :4]).dense(), small[:, :4, :4], atol=1e-4)
 
 
@@ -218,3 +221,4 @@ def test_tensor_and_pipeline_parallel_ranks_round_by_their_part_of_the_file(
     assert first.k_moment is not None
     want = kv_shaping.factor(moments[0][: first.num_kv_heads])
     assert torch.equal(first.k_moment.factors.cpu(), want.factors)
+    assert torch.equal(first.k_moment.isotropic.cpu(), want.isotropic)

@@ -297,6 +297,42 @@ def test_store_kv_with_a_moment_writes_the_reference_shaped_codes(device, dtype,
     assert int(moved[written].sum()) > 0.05 * int(written.sum())
 
 
+ODD = {"num_q_heads": 6, "num_kv_heads": 3, "head_dim": 48}  # padded rows and half columns
+
+
+@pytest.mark.parametrize("sizes", [SMALL, ODD], ids=["small", "odd"])
+def test_store_kv_with_a_moment_handles_padding_and_zero_codes(sizes) -> None:
+    """Interpreter: padded kv-head rows and half columns (3 heads of 48), keys with exact +0
+    and -0 elements. A zero moment moves nothing (the codes are nearest's, bit for bit, -0 kept);
+    a real one matches the reference but at near-ties."""
+    case = make_paged_case([21], [21], **sizes, dtype=torch.float32, device="cpu", seed=4)
+    key, value = torch.cat(case.keys), torch.cat(case.values)
+    key[:, :, ::5] = 0.0
+    key[:, :, 1::5] = -0.0
+    num_kv_heads, dim = sizes["num_kv_heads"], sizes["head_dim"]
+    gen = torch.Generator().manual_seed(1)
+    spread = torch.randn(num_kv_heads, dim, dim, generator=gen)
+    real = kv_shaping.factor(spread @ spread.mT)
+    zero = kv_shaping.KMoment(torch.zeros_like(real.factors), torch.zeros_like(real.isotropic))
+    stores = {}
+    for name, moment in (("nearest", None), ("zero", zero), ("real", real)):
+        stores[name] = _empty_fp8_cache(case, "tokens")
+        cache = stores[name]
+        kv_store.store_kv(key, value, cache["k_cache"], cache["v_cache"], case.slot_mapping,
+                          k_scales=cache["k_scales"], v_scales=cache["v_scales"],
+                          k_moment=moment)  # fmt: skip
+    assert _same_bits(stores["zero"]["k_cache"], stores["nearest"]["k_cache"])
+    want = _empty_fp8_cache(case, "rows")
+    ref.store_kv(key, value, want["k_cache"], want["v_cache"], case.slot_mapping,
+                 k_scales=want["k_scales"], v_scales=want["v_scales"], k_moment=real)  # fmt: skip
+    written = ~want["k_cache"].float().isnan()
+    got = stores["real"]["k_cache"]
+    differs = got.view(torch.uint8) != want["k_cache"].view(torch.uint8)
+    assert int(differs[written].sum()) <= 0.01 * int(written.sum())
+    moved = got.view(torch.uint8) != stores["nearest"]["k_cache"].view(torch.uint8)
+    assert int(moved[written].sum()) > 0.05 * int(written.sum())
+
+
 def test_store_kv_refuses_a_moment_for_an_int8_cache_or_of_the_wrong_shape() -> None:
     case = make_paged_case([5], [5], **SMALL, dtype=torch.float32, device="cpu", seed=3)
     key, value = torch.cat(case.keys), torch.cat(case.values)

@@ -236,6 +236,11 @@ def test_a_kv_calibration_reaches_the_engine_from_the_model_directory(make_spec)
     model = args[args.index("--model") + 1]
     assert args[args.index("--kv-cache-calibration") + 1] == f"{model}/{CALIBRATION}"
     assert "--kv-cache-calibration" not in engine_args_of(children(make_spec())[0])
+    directories = {"pvc://models/llama": "/models/llama", "file:///var/llama": "/models"}
+    for uri, directory in directories.items():
+        spec = make_spec(model={"uri": uri, "hints": HINTS}, quantization=CALIBRATED)
+        args = engine_args_of(children(spec)[0])
+        assert args[args.index("--kv-cache-calibration") + 1] == f"{directory}/{CALIBRATION}"
 
 
 def test_a_kv_calibration_beside_a_gguf_file_is_fetched_with_it(make_spec) -> None:

@@ -100,7 +100,9 @@ def shaped_e4m3_halves(
         lowers = (lowest >> 32).to(tl.int32) < -1  # the change is below -0.0: it lowers d^T M d
         move1 = tl.where((index1 == best) & lowers, step1, 0.0)
         move2 = tl.where((index2 == best) & lowers, step2, 0.0)
-        codes1, codes2 = codes1 + move1, codes2 + move2
+        # Only the moved element changes (adding 0 would turn a -0 code into +0).
+        codes1 = tl.where(move1 != 0.0, codes1 + move1, codes1)
+        codes2 = tl.where(move2 != 0.0, codes2 + move2, codes2)
         error1, error2 = codes1 - scaled1, codes2 - scaled2
         step1 = tl.where(move1 != 0.0, -step1, step1)
         step2 = tl.where(move2 != 0.0, -step2, step2)

@@ -69,11 +69,11 @@ class KMoment:
 
 def factor(moment: torch.Tensor, rank: int = SHAPE_RANK) -> KMoment:
     """`moment` ([num_kv_heads, dim, dim], symmetric) as s = the mean of its eigenvalues but
-    the top `rank` (at most the largest power of two <= dim; all of them: s = 0), and W = their
+    the top `rank` (rounded down to a power of two <= dim; all of them: s = 0), and W = their
     eigenvectors times the roots of their eigenvalues less s: W W^T + s I has M's top eigenpairs
     and its trace."""
     dim = moment.shape[-1]
-    rank = min(rank, 1 << (dim.bit_length() - 1))  # a power of two the head holds
+    rank = 1 << (min(rank, dim).bit_length() - 1)  # a power of two (the kernels' tile) <= dim
     values, vectors = torch.linalg.eigh(moment.double())  # ascending
     others = values[..., :-rank].clamp(min=0.0)
     rest = others.mean(-1) if rank < dim else torch.zeros_like(values[..., 0])
@@ -103,7 +103,8 @@ def shaped_e4m3(
         change = (2 * gradient + step * diagonal) * step  # d^T M d's change if that one moves
         best = change.argmin(dim=-1, keepdim=True)
         move = step.gather(-1, best) * (change.gather(-1, best) < 0)
-        codes.scatter_add_(-1, best, move)
+        moved = codes.gather(-1, best)
+        codes.scatter_(-1, best, torch.where(move != 0, moved + move, moved))  # a -0 stays -0
         step.scatter_(-1, best, torch.where(move != 0, -move, step.gather(-1, best)))
         projected += move * factors[heads, best[..., 0]]
     return codes.to(FP8_DTYPE)
