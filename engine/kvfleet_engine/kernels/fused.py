@@ -12,7 +12,6 @@ import triton.language as tl
 
 from kvfleet_engine.kernels.checks import (
     check_cache,
-    check_moment,
     check_rotary,
     check_rotary_store,
     next_power_of_2,
@@ -20,7 +19,7 @@ from kvfleet_engine.kernels.checks import (
 from kvfleet_engine.kernels.hadamard import hadamard_halves
 from kvfleet_engine.kernels.kv_fp8 import kv_scales, row_amax, to_codes
 from kvfleet_engine.kernels.kv_shaping import SHAPE_STEPS as _SHAPE_STEPS
-from kvfleet_engine.kernels.kv_shaping import shaped_args, shaped_e4m3_halves
+from kvfleet_engine.kernels.kv_shaping import shaped_e4m3_halves, shaped_launch
 from kvfleet_engine.kernels.pdl import _start, launch_options
 from kvfleet_engine.layers.kv_shaping import KMoment
 
@@ -243,8 +242,7 @@ def rotary_store_kv(
     if hadamard and head_dim & (head_dim - 1):
         raise ValueError(f"hadamard=True needs a power-of-two head size, got {head_dim}")
     num_kv_heads = key.shape[1]
-    if k_moment is not None:
-        check_moment(k_moment, k_cache, k_scales, num_kv_heads, head_dim)
+    shaped, shaping = shaped_launch(k_moment, k_cache, k_scales, num_kv_heads, head_dim)
     if num_tokens == 0:
         return
     _rotary_store_kv_kernel[(num_tokens,)](
@@ -258,7 +256,7 @@ def rotary_store_kv(
         slot_mapping,
         k_scales if k_scales is not None else k_cache,  # a float cache: never read
         v_scales if v_scales is not None else v_cache,
-        *shaped_args(k_moment, k_cache),
+        *shaped,
         query.stride(0),
         query.stride(1),
         key.stride(0),
@@ -281,7 +279,6 @@ def rotary_store_kv(
         BLOCK_HALF=next_power_of_2(head_dim // 2),
         FP8=k_scales is not None,
         HADAMARD=hadamard,
-        SHAPED=k_moment is not None,
-        RANK=1 if k_moment is None else k_moment.factors.shape[2],
+        **shaping,
         **launch_options(query.device),
     )

@@ -6,10 +6,13 @@ M d = W (W^T d) + s d and adds one row of W to W^T d, all without reading memory
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
+from kvfleet_engine.kernels.checks import check_moment
 from kvfleet_engine.kernels.kv_fp8 import to_codes
 from kvfleet_engine.layers.kv_shaping import E4M3_TOP_MAGNITUDE, KMoment
 from kvfleet_engine.layers.kv_shaping import SHAPE_STEPS as _STEPS
@@ -18,14 +21,19 @@ _TOP_MAGNITUDE = tl.constexpr(E4M3_TOP_MAGNITUDE)
 SHAPE_STEPS = tl.constexpr(_STEPS)  # the store kernels' STEPS
 
 
-def shaped_args(
-    moment: KMoment | None, placeholder: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A store kernel's factors and isotropic arguments (without a moment: `placeholder`, never
-    read)."""
+def shaped_launch(
+    moment: KMoment | None,
+    k_cache: torch.Tensor,
+    k_scales: torch.Tensor | None,
+    num_kv_heads: int,
+    head_dim: int,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], dict[str, Any]]:
+    """A store kernel's factors and isotropic arguments and its SHAPED / RANK options, the
+    moment checked (`checks.check_moment`); without one, the cache in their place (never read)."""
     if moment is None:
-        return placeholder, placeholder
-    return moment.factors, moment.isotropic
+        return (k_cache, k_cache), {"SHAPED": False, "RANK": 1}
+    check_moment(moment, k_cache, k_scales, num_kv_heads, head_dim)
+    return (moment.factors, moment.isotropic), {"SHAPED": True, "RANK": moment.factors.shape[2]}
 
 
 @triton.jit

@@ -12,12 +12,11 @@ from kvfleet_engine.kernels.checks import (
     check_cache,
     check_heads,
     check_index,
-    check_moment,
     next_power_of_2,
 )
 from kvfleet_engine.kernels.kv_fp8 import kv_scales, quantize_rows, row_amax
 from kvfleet_engine.kernels.kv_shaping import SHAPE_STEPS as _SHAPE_STEPS
-from kvfleet_engine.kernels.kv_shaping import shaped_args, shaped_e4m3_halves
+from kvfleet_engine.kernels.kv_shaping import shaped_e4m3_halves, shaped_launch
 from kvfleet_engine.layers.kv_shaping import KMoment
 
 
@@ -64,9 +63,10 @@ def _store_kv_kernel(
     block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     dst = block * stride_cb + offset * stride_cs + heads * stride_ch
     v_dst = block * stride_cvb + offset * stride_cvs + heads * stride_cvh
-    key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask, other=0.0)
     value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask, other=0.0)
-    if SHAPED:  # K as halves (`kv_shaping`), stored here; the full rows go unused
+    if not SHAPED:  # K's full rows, stored below
+        key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask, other=0.0)
+    else:  # K as halves (`kv_shaping`), stored here
         half = tl.arange(0, BLOCK_D // 2)[None, :]
         half_mask = row_mask & (half < HEAD_DIM // 2)
         first = key_ptr + token * stride_kt + heads * stride_kh + half
@@ -111,8 +111,7 @@ def store_kv(
     num_tokens, num_kv_heads, head_dim = key.shape
     if value.shape != key.shape or slot_mapping.shape[0] != num_tokens:
         raise ValueError("key, value and slot_mapping must have the same number of tokens")
-    if k_moment is not None:
-        check_moment(k_moment, k_cache, k_scales, num_kv_heads, head_dim)
+    shaped, shaping = shaped_launch(k_moment, k_cache, k_scales, num_kv_heads, head_dim)
     if num_tokens == 0:
         return
     # Without scales (a float cache) their pointers are the cache's and strides 0: never used.
@@ -126,7 +125,7 @@ def store_kv(
         slot_mapping,
         k_scales_arg,
         v_scales_arg,
-        *shaped_args(k_moment, k_cache),
+        *shaped,
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -143,6 +142,5 @@ def store_kv(
         BLOCK_H=next_power_of_2(num_kv_heads),
         BLOCK_D=next_power_of_2(head_dim),
         FP8=k_scales is not None,
-        SHAPED=k_moment is not None,
-        RANK=1 if k_moment is None else k_moment.factors.shape[2],
+        **shaping,
     )
