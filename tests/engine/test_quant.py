@@ -123,6 +123,12 @@ def test_quantization_at_load_matches_the_rounded_float_model(tmp_path: Path, me
     model = write_checkpoint("qwen2", tmp_path / "float", seed=5)
     llm = LLM(str(tmp_path / "float"), device="cpu", max_model_len=256, quantization=method)
     assert llm.engine.model_config.quantization.method == method
+    # fp8: the norms before qkv and gate_up hand them e4m3 rows (on CUDA); the final norm not
+    runner_model = llm.engine.model_runner.model
+    layer = runner_model.model.layers[0]
+    assert layer.input_layernorm.fp8_rows_out is (method == "fp8")
+    assert layer.post_attention_layernorm.fp8_rows_out is (method == "fp8")
+    assert runner_model.model.norm.fp8_rows_out is False
     with torch.no_grad():
         for name, module in model.named_modules():
             if name.rsplit(".", 1)[-1].endswith("_proj"):

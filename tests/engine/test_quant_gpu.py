@@ -100,6 +100,31 @@ def test_quantized_greedy_matches_dequantized_transformers(tmp_path: Path, name:
         assert_greedy_equal(output.outputs[0].token_ids, ref, f"{name} {len(prompt)}", BF16_TIE)
 
 
+def test_fp8_rows_from_the_norms_change_no_token(tmp_path: Path) -> None:
+    """Norms handing the fp8 linears their rows quantized give the tokens of quantizing in the
+    product (the same e4m3 rows); 40 and 300 prompt tokens take W8A8."""
+    write_checkpoint("llama3", tmp_path / "float", seed=3)
+    prompts = random_prompts([40, 300], seed=6)
+    llm = LLM(
+        str(tmp_path / "float"),
+        dtype="bfloat16",
+        device="cuda",
+        max_model_len=512,
+        quantization="fp8",
+        enforce_eager=True,
+    )
+    model = llm.engine.model_runner.model
+    norms = [m for m in model.modules() if getattr(m, "fp8_rows_out", False)]
+    assert len(norms) == 2 * len(model.model.layers)
+    tokens = []
+    for fp8_rows_out in (True, False):
+        for norm in norms:
+            norm.fp8_rows_out = fp8_rows_out
+        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+        tokens.append([list(o.outputs[0].token_ids) for o in outputs])
+    assert tokens[0] == tokens[1]
+
+
 @pytest.mark.parametrize("method", ["int8", "fp8"])
 def test_quantized_at_load_on_the_gpu_runs_under_cuda_graphs(tmp_path: Path, method: str) -> None:
     """Graphs on and off agree (the kernels capture)."""

@@ -21,8 +21,9 @@ from kvfleet_engine.quant import layout
 def _kernel_modules():
     """The integer and fp8 product modules, made in this run's mode: a module binds the Triton
     helpers of those it imports, so if any kernel is stale all are reloaded, helpers first."""
-    names = ["pdl", "int_codes", "split_k", "int_plan", "int_gemv", "int_dot", "int_mma"]
-    names += ["int4_matmul", "int8_matmul", "fp8_gemv", "fp8_matmul"]
+    names = ["pdl", "activation", "int_codes", "split_k", "int_plan", "int_gemv", "int_dot"]
+    names += ["int_mma", "int4_matmul", "int8_matmul", "fp8_gemv", "fp8_rows", "rms_norm"]
+    names += ["fp8_matmul"]
     modules = [importlib.import_module(f"kvfleet_engine.kernels.{name}") for name in names]
     kernels = [
         value
@@ -35,7 +36,9 @@ def _kernel_modules():
     return modules
 
 
-_, _, splits, int_plan, _, _, _, int4, int8, fp8_gemv, fp8 = _kernel_modules()
+(_, activation, _, splits, int_plan, _, _, _, int4, int8, fp8_gemv, fp8_rows, rms_norm, fp8) = (
+    _kernel_modules()
+)
 MatmulPlan = int_plan.MatmulPlan
 
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -274,6 +277,60 @@ def test_fp8_row_quantization_matches_reference() -> None:
     assert_row_quantization(x, x_q, scale)
 
 
+@on_cpu
+def test_fp8_rows_wider_than_registers_take_two_passes(monkeypatch) -> None:
+    """A row wider than ROW_MAX_COLS is read twice (max, then codes): the same codes."""
+    monkeypatch.setattr(fp8_rows, "ROW_MAX_COLS", 128)
+    x = make_x(3, 300, dtype=torch.bfloat16) * 3
+    x[1, 299] = -500.0  # the max in the last, partial block
+    x_q, scale = fp8_rows.quantize_fp8_rows(x)
+    assert_row_quantization(x, x_q, scale)
+
+
+@on_cpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_and_mul_fp8_equals_the_two_kernels_it_fuses(dtype) -> None:
+    """The down projection's e4m3 rows made with the activation are, bit for bit, those of
+    silu_and_mul then quantize_fp8_rows (inner 300: a masked tail)."""
+    gate_up = make_x(5, 600, dtype=dtype) * 4
+    gate_up[3] = 0  # a zero row: the smallest scale
+    x_q, scale = fp8_rows.silu_and_mul_fp8(gate_up)
+    expected_q, expected_scale = fp8_rows.quantize_fp8_rows(activation.silu_and_mul(gate_up))
+    assert x_q.shape == (5, 300) and scale.shape == (5, 1)
+    assert torch.equal(scale, expected_scale)
+    assert torch.equal(x_q.view(torch.uint8), expected_q.view(torch.uint8))
+    assert_row_quantization(activation.silu_and_mul(gate_up), x_q, scale)
+
+
+@on_cpu
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_fp8_out_equals_quantizing_its_output(with_residual) -> None:
+    """The norm's e4m3 rows are those of quantize_fp8_rows of its 16-bit output, bit for bit;
+    the residual sum comes out as without fp8_out (dim 200: a masked tail)."""
+    x, residual = make_x(6, 200, dtype=torch.bfloat16) * 3, make_x(6, 200, torch.bfloat16, seed=2)
+    weight = make_x(1, 200, dtype=torch.bfloat16, seed=3)[0]
+    added = residual if with_residual else None
+    rows, summed = rms_norm.rms_norm(x, weight, 1e-5, added, fp8_out=True)
+    out, expected_summed = rms_norm.rms_norm(x, weight, 1e-5, added)
+    expected = fp8_rows.quantize_fp8_rows(out)
+    assert isinstance(rows, fp8_rows.Fp8Rows) and rows.codes.shape == (6, 200)
+    assert torch.equal(rows.scale, expected.scale)
+    assert torch.equal(rows.codes.view(torch.uint8), expected.codes.view(torch.uint8))
+    assert summed is None if not with_residual else torch.equal(summed, expected_summed)
+
+
+@on_cpu
+@pytest.mark.parametrize("m", [3, fp8_gemv.GEMV_MAX_ROWS + 1, 40])  # the GEMV, then W8A8
+def test_fp8_silu_and_mul_matmul_equals_the_unfused_product(m) -> None:
+    weight = make_fp8(80, 96)
+    gate_up = make_x(m, 192, dtype=torch.float16)
+    out = fp8.fp8_silu_and_mul_matmul(gate_up, weight.weight, weight.scale, torch.float16)
+    activated = activation.silu_and_mul(gate_up)
+    assert torch.equal(out, fp8.fp8_matmul(activated, weight.weight, weight.scale, torch.float16))
+    with pytest.raises(ValueError, match="weight must be \\[N, 95\\]"):
+        fp8.fp8_silu_and_mul_matmul(gate_up[:, :190], weight.weight, weight.scale, torch.float16)
+
+
 def assert_row_quantization(x: torch.Tensor, x_q: torch.Tensor, scale: torch.Tensor) -> None:
     """scale is amax / 448 correctly rounded (computed in float64, then rounded once: torch's
     CUDA `tensor / 448.0` multiplies by a rounded reciprocal and may be 1 ulp off), and x_q is
@@ -456,6 +513,24 @@ def test_gpu_fp8_w8a8_llama_products(n, k, m, backend) -> None:
         out = fp8.triton_fp8_gemm(x_q, x_scale, weight.weight, weight.scale, torch.bfloat16)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     assert relative_error(out, layout.fp8_linear_reference(x, weight)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [17, 300, 4096])
+def test_gpu_fp8_silu_and_mul_matmul_llama_down(m) -> None:
+    """The down projection of Llama-3.1-8B from [gate | up]: the fused activation's e4m3 rows
+    equal the unfused kernels' bit for bit, so the products are equal."""
+    if not ON_GPU:
+        pytest.skip("needs a CUDA GPU")
+    weight = make_fp8(4096, 14336)
+    gate_up = make_x(m, 2 * 14336, dtype=torch.bfloat16) * 2
+    x_q, scale = fp8_rows.silu_and_mul_fp8(gate_up)
+    activated = activation.silu_and_mul(gate_up)
+    expected_q, expected_scale = fp8_rows.quantize_fp8_rows(activated)
+    assert torch.equal(scale, expected_scale)
+    assert torch.equal(x_q.view(torch.uint8), expected_q.view(torch.uint8))
+    out = fp8.fp8_silu_and_mul_matmul(gate_up, weight.weight, weight.scale, torch.bfloat16)
+    assert torch.equal(out, fp8.fp8_matmul(activated, weight.weight, weight.scale, torch.bfloat16))
 
 
 @pytest.mark.gpu

@@ -30,10 +30,15 @@ def _silu_and_mul_kernel(
     mask = cols < inner
     gate = tl.load(x_ptr + token * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + token * stride_x + inner + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + token * stride_o + cols, _silu_mul(gate, up), mask=mask)
+
+
+@triton.jit
+def _silu_mul(gate, up):
+    """silu(gate) * up in gate's dtype, rounded as eager torch: the SiLU, then the product."""
     g = gate.to(tl.float32)
     activated = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # rounded like torch's F.silu output
-    out = activated.to(tl.float32) * up.to(tl.float32)
-    tl.store(out_ptr + token * stride_o + cols, out.to(gate.dtype), mask=mask)
+    return (activated.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, 2 * inner]

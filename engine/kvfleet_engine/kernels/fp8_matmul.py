@@ -1,11 +1,12 @@
 """fp8 products with e4m3 weights [N, K] and a float32 scale per output channel.
 
 Decode (up to GEMV_MAX_ROWS rows): the weight-only GEMV of `fp8_gemv` (x as it is, no
-activation quantization). More rows, W8A8: x [M, K] is quantized per token to e4m3 by a small
-Triton kernel (row absmax, scale, cast), then multiplied by the weight with rowwise scales,
-either by torch._scaled_mm (cuBLASLt / CUTLASS) or by a Triton fp8 GEMM; `FP8_BACKENDS` says
-which per shape class. out = (x_q · x_scale) @ (w · w_scale)ᵀ, as
-`quant.layout.fp8_linear_reference`.
+activation quantization). More rows, W8A8: x [M, K] is quantized per token to e4m3 (`fp8_rows`:
+row absmax, scale, cast), then multiplied by the weight with rowwise scales, either by
+torch._scaled_mm (cuBLASLt / CUTLASS) or by a Triton fp8 GEMM; `FP8_BACKENDS` says which per
+shape class. out = (x_q · x_scale) @ (w · w_scale)ᵀ, as `quant.layout.fp8_linear_reference`.
+`fp8_silu_and_mul_matmul` is the same product of a gated MLP's silu(gate) * up, whose e4m3 rows
+come from one kernel with the activation.
 """
 
 from __future__ import annotations
@@ -14,9 +15,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet_engine.kernels.checks import next_power_of_2, require
+from kvfleet_engine.kernels.activation import silu_and_mul
+from kvfleet_engine.kernels.checks import require
 from kvfleet_engine.kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv
-from kvfleet_engine.quant.layout import FP8_DTYPE, FP8_MAX
+from kvfleet_engine.kernels.fp8_rows import (
+    ROW_MAX_COLS,
+    Fp8Rows,
+    quantize_fp8_rows,
+    silu_and_mul_fp8,
+)
+from kvfleet_engine.quant.layout import FP8_DTYPE
 
 BACKENDS = ("scaled_mm", "triton")
 DECODE_MAX_ROWS = 16
@@ -24,41 +32,6 @@ BATCH_MAX_ROWS = 128
 # shape class (rows up to DECODE_MAX_ROWS, BATCH_MAX_ROWS, more) -> W8A8 backend, the faster in
 # bench.quant_gemv / quant_sweep on the H200: the Triton GEMM up to 64 rows, cuBLASLt from 256
 FP8_BACKENDS = {"decode": "triton", "batch": "triton", "prompt": "scaled_mm"}
-
-
-@triton.jit
-def _quantize_rows_kernel(
-    x_ptr, x_q_ptr, scale_ptr, K, stride_xm, FP8_MAX_VALUE: tl.constexpr, BLOCK_K: tl.constexpr
-):
-    row = tl.program_id(0).to(tl.int64)
-    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax), 1e-12), FP8_MAX_VALUE)
-    tl.store(scale_ptr + row, scale)
-    for k0 in range(0, K, BLOCK_K):
-        offs = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0)
-        q = tl.math.div_rn(x.to(tl.float32), scale)
-        q = tl.minimum(tl.maximum(q, -FP8_MAX_VALUE), FP8_MAX_VALUE)
-        tl.store(x_q_ptr + row * K + offs, q.to(x_q_ptr.dtype.element_ty), mask=offs < K)
-
-
-def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token e4m3 of x [M, K] -> (x_q [M, K], float32 scale [M, 1]), as the layout's."""
-    require(x.dim() == 2, f"x must be [M, K], got shape {tuple(x.shape)}")
-    require(x.stride(-1) == 1, "x must be contiguous in its last dimension")
-    m, k = x.shape
-    x_q = torch.empty(m, k, device=x.device, dtype=FP8_DTYPE)  # [M, K]
-    scale = torch.empty(m, 1, device=x.device, dtype=torch.float32)  # [M, 1]
-    if m > 0:
-        _quantize_rows_kernel[(m,)](
-            x, x_q, scale, k, x.stride(0), FP8_MAX_VALUE=FP8_MAX,
-            BLOCK_K=min(2048, next_power_of_2(k)),
-        )  # fmt: skip
-    return x_q, scale
 
 
 @triton.jit
@@ -159,13 +132,76 @@ def fp8_matmul(
     """x @ weightᵀ with the weight's scales -> [M, N] in out_dtype (bias is the caller's): the
     weight-only GEMV up to GEMV_MAX_ROWS rows, W8A8 (x quantized per token) above."""
     require(x.dim() == 2, f"x must be [M, K], got shape {tuple(x.shape)}")
+    _check_16_bit(x, "x")
+    _check_operands(x, x.shape[1], weight, weight_scale, out_dtype)
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        return fp8_gemv(x, weight, weight_scale, out_dtype)
+    return _w8a8(*quantize_fp8_rows(x), weight, weight_scale, out_dtype)
+
+
+def takes_fp8_rows(m: int) -> bool:
+    """Whether fp8_matmul quantizes the rows of an [m, K] input (W8A8): a producer may hand
+    them over as Fp8Rows (`fp8_rows_matmul`) instead."""
+    return m > GEMV_MAX_ROWS
+
+
+def fp8_rows_matmul(
+    rows: Fp8Rows,  # per-token e4m3 [M, K] and float32 scales [M, 1]
+    weight: torch.Tensor,  # float8_e4m3fn [N, K]
+    weight_scale: torch.Tensor,  # float32 [N]
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The W8A8 product of rows quantized by their producer (a norm) -> [M, N]: what
+    fp8_matmul computes from the rows' 16-bit form."""
+    codes, scale = rows
+    require(codes.dim() == 2 and codes.dtype == FP8_DTYPE, "rows must be e4m3 [M, K]")
+    require(scale.shape == (codes.shape[0], 1), f"row scales must be [{codes.shape[0]}, 1]")
+    _check_operands(codes, codes.shape[1], weight, weight_scale, out_dtype)
+    return _w8a8(codes, scale, weight, weight_scale, out_dtype)
+
+
+def fp8_silu_and_mul_matmul(
+    gate_up: torch.Tensor,  # [M, 2 * K] bfloat16 / float16: [gate | up]
+    weight: torch.Tensor,  # float8_e4m3fn [N, K]
+    weight_scale: torch.Tensor,  # float32 [N]
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """fp8_matmul(silu(gate) * up, ...) -> [M, N]: above GEMV_MAX_ROWS rows the activation's
+    e4m3 rows come from the kernel that computes it (`fp8_rows.silu_and_mul_fp8`)."""
+    require(gate_up.dim() == 2, f"gate_up must be [M, 2 * K], got shape {tuple(gate_up.shape)}")
+    require(gate_up.shape[1] % 2 == 0, "gate_up must have an even number of columns")
+    inner = gate_up.shape[1] // 2
+    _check_16_bit(gate_up, "gate_up")
+    _check_operands(gate_up, inner, weight, weight_scale, out_dtype)
+    if gate_up.shape[0] <= GEMV_MAX_ROWS or inner > ROW_MAX_COLS:
+        return fp8_matmul(silu_and_mul(gate_up), weight, weight_scale, out_dtype)
+    return _w8a8(*silu_and_mul_fp8(gate_up), weight, weight_scale, out_dtype)
+
+
+def _w8a8(
+    x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    m, k = x_q.shape
+    if fp8_backend(m, weight.shape[0], k, out_dtype) == "scaled_mm":
+        return scaled_mm_fp8(x_q, x_scale, weight, weight_scale)
+    return triton_fp8_gemm(x_q, x_scale, weight, weight_scale, out_dtype)
+
+
+def _check_16_bit(x: torch.Tensor, name: str) -> None:
     require(
-        x.dtype in (torch.bfloat16, torch.float16), f"x must be bfloat16 or float16, got {x.dtype}"
+        x.dtype in (torch.bfloat16, torch.float16),
+        f"{name} must be bfloat16 or float16, got {x.dtype}",
     )
-    m, k = x.shape
+
+
+def _check_operands(
+    x: torch.Tensor, k: int, weight: torch.Tensor, weight_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> None:  # fmt: skip
     require(
         weight.dim() == 2 and weight.shape[1] == k,
-        f"weight must be [N, {k}] for x [M, {k}], got {tuple(weight.shape)}",
+        f"weight must be [N, {k}] for inputs of {k} features, got {tuple(weight.shape)}",
     )
     n = weight.shape[0]
     require(weight.dtype == FP8_DTYPE, f"weight must be {FP8_DTYPE}, got {weight.dtype}")
@@ -185,9 +221,3 @@ def fp8_matmul(
             torch.cuda.get_device_capability(x.device) >= (8, 9),
             "fp8 products need a GPU of compute capability >= 8.9 (Ada, Hopper or newer)",
         )
-    if m <= GEMV_MAX_ROWS:
-        return fp8_gemv(x, weight, weight_scale, out_dtype)
-    x_q, x_scale = quantize_fp8_rows(x)
-    if fp8_backend(m, n, k, out_dtype) == "scaled_mm":
-        return scaled_mm_fp8(x_q, x_scale, weight, weight_scale)
-    return triton_fp8_gemm(x_q, x_scale, weight, weight_scale, out_dtype)

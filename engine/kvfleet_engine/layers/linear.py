@@ -25,6 +25,17 @@ _CPU_ONE_ROW_MIN_OUT = 16384
 CheckpointSlicer = Callable[[str, torch.Tensor, str | None], torch.Tensor]
 
 
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up = [gate | up] [rows, 2 * inner] -> [rows, inner]: one Triton
+    kernel on CUDA, eager torch elsewhere (both round as eager torch does)."""
+    if gate_up.is_cuda:
+        from kvfleet_engine.kernels.activation import silu_and_mul as fused
+
+        return fused(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -60,7 +71,11 @@ class Linear(nn.Module):
         ):
             self.one_row_weight = weight.detach().t().contiguous()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, in_features]
+    def forward(self, x: torch.Tensor, silu_gated: bool = False) -> torch.Tensor:
+        """x [rows, in_features] @ weightᵀ (+ bias); with silu_gated, x is a gated MLP's
+        [gate | up] [rows, 2 * in_features] and the product takes silu(gate) * up."""
+        if silu_gated:
+            x = silu_and_mul(x)
         if self.one_row_weight is not None and x.dim() == 2 and x.shape[0] == 1:
             out = torch.mm(x, self.one_row_weight)  # [1, out_features]
             return out if self.bias is None else out + self.bias

@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvfleet_engine.layers.attention import Attention, AttentionMetadata
@@ -68,15 +67,17 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * inner]: gate | up
-        if gate_up.is_cuda:  # one fused kernel instead of silu, then mul
-            from kvfleet_engine.kernels.activation import silu_and_mul
-
-            return self.down_proj(silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(gate_up, silu_gated=True)  # of silu(gate) * up
 
 
 class LlamaDecoderLayer(nn.Module):
+    # Each norm -> the one linear its output feeds: `quant.swap` lets the norm hand an fp8
+    # linear its rows already quantized.
+    norm_consumers: ClassVar[dict[str, str]] = {
+        "input_layernorm": "self_attn.qkv_proj",
+        "post_attention_layernorm": "mlp.gate_up_proj",
+    }
+
     def __init__(self, cfg: dict[str, Any], arch: str) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, arch)

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 from dataclasses import fields
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from kvfleet_engine.layers.linear import CheckpointSlicer
+from kvfleet_engine.layers.linear import CheckpointSlicer, silu_and_mul
 from kvfleet_engine.quant import formats
 from kvfleet_engine.quant.checkpoint_layout import CheckpointTensor, checkpoint_tensors
 from kvfleet_engine.quant.config import WeightScheme
+
+if TYPE_CHECKING:
+    from kvfleet_engine.kernels.fp8_rows import Fp8Rows
 from kvfleet_engine.quant.layout import (
     Fp8Weight,
     Int4Weight,
@@ -170,27 +174,44 @@ class QuantLinear(nn.Module):
 
     # ---- the product ---------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, in_features]
+    def forward(self, x: torch.Tensor | Fp8Rows, silu_gated: bool = False) -> torch.Tensor:
+        """x [rows, in_features] times the weight (+ bias); with silu_gated, x is a gated MLP's
+        [gate | up] and the product takes silu(gate) * up (fp8 on CUDA: quantized as it is
+        made). An fp8 layer also takes rows its producer quantized (Fp8Rows, on CUDA)."""
         weight, bias = self.packed, self._buffers["bias"]
-        if not x.is_cuda:
-            if isinstance(weight, Int4Weight):
-                return int4_linear_reference(x, weight, bias)
-            if isinstance(weight, Int8Weight):
-                return int8_linear_reference(x, weight, bias)
-            return fp8_linear_reference(x, weight, bias)
+        on_cuda = x[0].is_cuda if isinstance(x, tuple) else x.is_cuda
+        if silu_gated and not (on_cuda and isinstance(weight, Fp8Weight)):
+            assert isinstance(x, torch.Tensor), "silu_gated takes [gate | up] rows"
+            x, silu_gated = silu_and_mul(x), False
+        out = self._cuda_product(x, weight, silu_gated) if on_cuda else self._reference(x, weight)
+        return out if bias is None else out + bias  # out: [rows, out_features]
+
+    def _reference(self, x: torch.Tensor | Fp8Rows, weight: PackedWeight) -> torch.Tensor:
+        assert not isinstance(x, tuple), "e4m3 rows are a CUDA input"
+        if isinstance(weight, Int4Weight):
+            return int4_linear_reference(x, weight)
+        if isinstance(weight, Int8Weight):
+            return int8_linear_reference(x, weight)
+        return fp8_linear_reference(x, weight)
+
+    def _cuda_product(
+        self, x: torch.Tensor | Fp8Rows, weight: PackedWeight, silu_gated: bool
+    ) -> torch.Tensor:
         from kvfleet_engine.kernels import quant_matmul  # type: ignore[attr-defined,unused-ignore]
 
+        if isinstance(x, tuple):  # Fp8Rows from a norm (RMSNorm.fp8_rows_out)
+            assert isinstance(weight, Fp8Weight), "only an fp8 layer takes e4m3 rows"
+            return quant_matmul.fp8_rows_matmul(x, weight.weight, weight.scale, self.dtype)
         if isinstance(weight, Int4Weight):
             if weight.perm is not None:
                 x = x[:, weight.perm]
-            out = quant_matmul.int4_matmul(
+            return quant_matmul.int4_matmul(
                 x, weight.qweight, weight.scales, weight.offsets, weight.group_size
             )
-        elif isinstance(weight, Int8Weight):
-            out = quant_matmul.int8_matmul(x, weight.qweight, weight.scales, weight.group_size)
-        else:
-            out = quant_matmul.fp8_matmul(x, weight.weight, weight.scale, x.dtype)
-        return out if bias is None else out + bias  # out: [rows, out_features]
+        if isinstance(weight, Int8Weight):
+            return quant_matmul.int8_matmul(x, weight.qweight, weight.scales, weight.group_size)
+        fp8_matmul = quant_matmul.fp8_silu_and_mul_matmul if silu_gated else quant_matmul.fp8_matmul
+        return fp8_matmul(x, weight.weight, weight.scale, x.dtype)
 
     def extra_repr(self) -> str:
         return (
