@@ -8,7 +8,7 @@ probe).
 Rows of the table, microseconds per call (median of CUDA-event timings):
 - bf16 product (torch.mm) and the fp8 product alone (`_scaled_mm` of e4m3 rows);
 - quantize: `fp8_rows.quantize_fp8_rows` of the product's input, one pass (the row in
-  registers) and two passes (the kernel before 2026-12-06);
+  registers) and two passes (the kernel before 2026-12-05);
 - norm: the residual add + RMSNorm that makes qkv's and gate_up's input, bf16 out, and the same
   kernel with e4m3 rows out (what a layer pays when the norm quantizes);
 - silu: silu * up alone (bf16 out), and fused with the quantization (`silu_and_mul_fp8`).

@@ -15,7 +15,7 @@
 #              in the same call
 #   throughput-1k-bf16 / -fp8kv / -fp8-fp8kv   offline 1000 x (1000 in, 1000 out), Llama-3.1-8B
 #              shape: bf16 weights + bf16 cache (384 sequences), + fp8 cache (768), fp8 weights +
-#              fp8 cache (768); -fp8kv-old: AB_TREE's engine, bf16 weights + fp8 cache
+#              fp8 cache (768); -fp8kv-old / -fp8-fp8kv-old: AB_TREE's engine
 #   latency-fp8kv-calibrated   batch 1 and 256 decode, bf16 weights, fp8 cache, rounded to nearest
 #              and calibrated (`kv_cache_calibration`, the file from bench.calibrate_kv on the
 #              random 8B checkpoint of bench/make_checkpoint.py): what the calibrated store costs
@@ -68,8 +68,10 @@ for step in "$@"; do
       [ "$step" = throughput-1k-fp8kv-old ] && tree "$OLD"
       $PY $THROUGHPUT_1K --max-num-seqs 768 --kv-cache-dtype fp8 --output-dir "$OUT/${step#throughput-}" \
         2>&1 | tee "$OUT/$step.log" | grep -v 'it/s\]\|req/s\]' | tail -16 ;;
-    throughput-1k-fp8-fp8kv) $PY $THROUGHPUT_1K --max-num-seqs 768 --kv-cache-dtype fp8 \
-        --quantization fp8 --output-dir "$OUT/1k-fp8-fp8kv" 2>&1 | tee "$OUT/$step.log" \
+    throughput-1k-fp8-fp8kv|throughput-1k-fp8-fp8kv-old)
+      [ "$step" = throughput-1k-fp8-fp8kv-old ] && tree "$OLD"
+      $PY $THROUGHPUT_1K --max-num-seqs 768 --kv-cache-dtype fp8 --quantization fp8 \
+        --output-dir "$OUT/${step#throughput-}" 2>&1 | tee "$OUT/$step.log" \
         | grep -v 'it/s\]\|req/s\]' | tail -16 ;;
     latency-fp8kv-calibrated)
       CKPT=/dev/shm/kvfleet-8b-random

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device calls (run tool) for the fp8 prompt path of 2026-12-06 (per-token e4m3 rows made by the
+# Device calls (run tool) for the fp8 prompt path of 2026-12-05 (per-token e4m3 rows made by the
 # kernels that produce them: the norms before qkv / gate_up and silu * up before down; one-pass
 # row quantization), against another tree in the same call:
 #   bash bench/gpu_fp8_prompt.sh tests probe                          # call 1
