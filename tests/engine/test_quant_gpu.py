@@ -100,9 +100,12 @@ def test_quantized_greedy_matches_dequantized_transformers(tmp_path: Path, name:
         assert_greedy_equal(output.outputs[0].token_ids, ref, f"{name} {len(prompt)}", BF16_TIE)
 
 
-def test_fp8_rows_from_the_norms_change_no_token(tmp_path: Path) -> None:
+def test_fp8_rows_from_the_norms_change_no_token(tmp_path: Path, monkeypatch) -> None:
     """Norms handing the fp8 linears their rows quantized give the tokens of quantizing in the
-    product (the same e4m3 rows); 40 and 300 prompt tokens take W8A8."""
+    product (the same e4m3 rows); 40 and 300 prompt tokens take W8A8. Prefix caching off: the
+    second run computes its prompts again instead of reading the first run's cache."""
+    from kvfleet_engine.kernels import quant_matmul
+
     write_checkpoint("llama3", tmp_path / "float", seed=3)
     prompts = random_prompts([40, 300], seed=6)
     llm = LLM(
@@ -112,16 +115,26 @@ def test_fp8_rows_from_the_norms_change_no_token(tmp_path: Path) -> None:
         max_model_len=512,
         quantization="fp8",
         enforce_eager=True,
+        enable_prefix_caching=False,
     )
     model = llm.engine.model_runner.model
     norms = [m for m in model.modules() if getattr(m, "fp8_rows_out", False)]
     assert len(norms) == 2 * len(model.model.layers)
-    tokens = []
+    calls = []
+    rows_matmul = quant_matmul.fp8_rows_matmul
+    monkeypatch.setattr(
+        quant_matmul, "fp8_rows_matmul", lambda rows, *a: calls.append(1) or rows_matmul(rows, *a)
+    )
+    tokens, rows_products = [], []
     for fp8_rows_out in (True, False):
         for norm in norms:
             norm.fp8_rows_out = fp8_rows_out
+        calls.clear()
         outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
         tokens.append([list(o.outputs[0].token_ids) for o in outputs])
+        assert all(o.num_cached_tokens == 0 for o in outputs)
+        rows_products.append(len(calls))
+    assert rows_products[0] >= len(norms) and rows_products[1] == 0
     assert tokens[0] == tokens[1]
 
 

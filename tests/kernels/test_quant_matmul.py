@@ -331,6 +331,20 @@ def test_fp8_silu_and_mul_matmul_equals_the_unfused_product(m) -> None:
         fp8.fp8_silu_and_mul_matmul(gate_up[:, :190], weight.weight, weight.scale, torch.float16)
 
 
+@on_cpu
+def test_fp8_silu_and_mul_matmul_wider_than_registers_quantizes_apart(monkeypatch) -> None:
+    """An activation wider than one program's registers is made, then quantized in two passes:
+    the same product (the fused kernel refuses such rows)."""
+    monkeypatch.setattr(fp8_rows, "ROW_MAX_COLS", 64)
+    weight = make_fp8(80, 96)
+    gate_up = make_x(20, 192, dtype=torch.bfloat16)
+    out = fp8.fp8_silu_and_mul_matmul(gate_up, weight.weight, weight.scale, torch.bfloat16)
+    activated = activation.silu_and_mul(gate_up)
+    assert torch.equal(out, fp8.fp8_matmul(activated, weight.weight, weight.scale, torch.bfloat16))
+    with pytest.raises(ValueError, match=r"inner size 96 is not in 1\.\.64"):
+        fp8_rows.silu_and_mul_fp8(gate_up)
+
+
 def assert_row_quantization(x: torch.Tensor, x_q: torch.Tensor, scale: torch.Tensor) -> None:
     """scale is amax / 448 correctly rounded (computed in float64, then rounded once: torch's
     CUDA `tensor / 448.0` multiplies by a rounded reciprocal and may be 1 ulp off), and x_q is
@@ -531,6 +545,39 @@ def test_gpu_fp8_silu_and_mul_matmul_llama_down(m) -> None:
     assert torch.equal(x_q.view(torch.uint8), expected_q.view(torch.uint8))
     out = fp8.fp8_silu_and_mul_matmul(gate_up, weight.weight, weight.scale, torch.bfloat16)
     assert torch.equal(out, fp8.fp8_matmul(activated, weight.weight, weight.scale, torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("m", [17, 4096])
+def test_gpu_rms_norm_fp8_out_llama(m, with_residual) -> None:
+    """Llama-3.1-8B's norm (4,096 columns) writing e4m3 rows: bit for bit those of quantizing
+    its 16-bit output, and the same residual sum."""
+    if not ON_GPU:
+        pytest.skip("needs a CUDA GPU")
+    x = make_x(m, 4096, dtype=torch.bfloat16) * 3
+    residual = make_x(m, 4096, dtype=torch.bfloat16, seed=2)
+    weight = make_x(1, 4096, dtype=torch.bfloat16, seed=3)[0]
+    added = residual if with_residual else None
+    rows, summed = rms_norm.rms_norm(x, weight, 1e-5, added, fp8_out=True)
+    out, expected_summed = rms_norm.rms_norm(x, weight, 1e-5, added)
+    expected = fp8_rows.quantize_fp8_rows(out)
+    assert torch.equal(rows.scale, expected.scale)
+    assert torch.equal(rows.codes.view(torch.uint8), expected.codes.view(torch.uint8))
+    assert_row_quantization(out, rows.codes, rows.scale)
+    assert summed is None if not with_residual else torch.equal(summed, expected_summed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [4096, 14336, fp8_rows.ROW_MAX_COLS + 3000])  # the last: 2 passes
+def test_gpu_fp8_row_quantization_one_and_two_passes(k) -> None:
+    if not ON_GPU:
+        pytest.skip("needs a CUDA GPU")
+    x = make_x(33, k, dtype=torch.bfloat16) * 3
+    x[5] = 0
+    x[7, k - 1] = -900.0  # the max in the last, partial block
+    x_q, scale = fp8_rows.quantize_fp8_rows(x)
+    assert_row_quantization(x, x_q, scale)
 
 
 @pytest.mark.gpu

@@ -15,15 +15,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet_engine.kernels import fp8_rows
 from kvfleet_engine.kernels.activation import silu_and_mul
 from kvfleet_engine.kernels.checks import require
 from kvfleet_engine.kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv
-from kvfleet_engine.kernels.fp8_rows import (
-    ROW_MAX_COLS,
-    Fp8Rows,
-    quantize_fp8_rows,
-    silu_and_mul_fp8,
-)
+from kvfleet_engine.kernels.fp8_rows import Fp8Rows, quantize_fp8_rows, silu_and_mul_fp8
 from kvfleet_engine.quant.layout import FP8_DTYPE
 
 BACKENDS = ("scaled_mm", "triton")
@@ -156,6 +152,7 @@ def fp8_rows_matmul(
     codes, scale = rows
     require(codes.dim() == 2 and codes.dtype == FP8_DTYPE, "rows must be e4m3 [M, K]")
     require(scale.shape == (codes.shape[0], 1), f"row scales must be [{codes.shape[0]}, 1]")
+    require(codes.is_contiguous() and scale.is_contiguous(), "rows and scales must be contiguous")
     _check_operands(codes, codes.shape[1], weight, weight_scale, out_dtype)
     return _w8a8(codes, scale, weight, weight_scale, out_dtype)
 
@@ -173,7 +170,7 @@ def fp8_silu_and_mul_matmul(
     inner = gate_up.shape[1] // 2
     _check_16_bit(gate_up, "gate_up")
     _check_operands(gate_up, inner, weight, weight_scale, out_dtype)
-    if gate_up.shape[0] <= GEMV_MAX_ROWS or inner > ROW_MAX_COLS:
+    if gate_up.shape[0] <= GEMV_MAX_ROWS or inner > fp8_rows.ROW_MAX_COLS:
         return fp8_matmul(silu_and_mul(gate_up), weight, weight_scale, out_dtype)
     return _w8a8(*silu_and_mul_fp8(gate_up), weight, weight_scale, out_dtype)
 

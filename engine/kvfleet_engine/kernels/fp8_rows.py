@@ -123,9 +123,9 @@ def silu_and_mul_fp8(gate_up: torch.Tensor) -> Fp8Rows:
     require(gate_up.dtype in FLOAT_DTYPES, f"gate_up dtype must be one of {FLOAT_DTYPES}")
     require(gate_up.stride(-1) == 1, "gate_up must be contiguous in its last dimension")
     m, inner = gate_up.shape[0], gate_up.shape[1] // 2
-    require(inner <= ROW_MAX_COLS, f"inner size {inner} is above {ROW_MAX_COLS}")
+    require(0 < inner <= ROW_MAX_COLS, f"inner size {inner} is not in 1..{ROW_MAX_COLS}")
     x_q, scale = fp8_rows_like(gate_up, inner)
-    if m > 0 and inner > 0:
+    if m > 0:
         block = next_power_of_2(inner)
         _silu_and_mul_fp8_kernel[(m,)](
             gate_up, x_q, scale, gate_up.stride(0), inner, FP8_MAX_VALUE=FP8_MAX, BLOCK=block,

@@ -44,4 +44,4 @@ class RMSNorm(nn.Module):
             return False
         from kvfleet_engine.kernels.fp8_matmul import takes_fp8_rows
 
-        return takes_fp8_rows(x.reshape(-1, x.shape[-1]).shape[0])
+        return takes_fp8_rows(x.numel() // x.shape[-1])

@@ -19,9 +19,6 @@ from kvfleet_engine.layers.linear import CheckpointSlicer, silu_and_mul
 from kvfleet_engine.quant import formats
 from kvfleet_engine.quant.checkpoint_layout import CheckpointTensor, checkpoint_tensors
 from kvfleet_engine.quant.config import WeightScheme
-
-if TYPE_CHECKING:
-    from kvfleet_engine.kernels.fp8_rows import Fp8Rows
 from kvfleet_engine.quant.layout import (
     Fp8Weight,
     Int4Weight,
@@ -34,6 +31,9 @@ from kvfleet_engine.quant.layout import (
     quantize_fp8,
     quantize_int8,
 )
+
+if TYPE_CHECKING:
+    from kvfleet_engine.kernels.fp8_rows import Fp8Rows
 
 PackedWeight = Int4Weight | Int8Weight | Fp8Weight
 
