@@ -1,10 +1,12 @@
 """`kvfleet serve` as a real process: 429 under overload, idle connections kept for
---keep-alive-timeout, and a SIGTERM drain that loses nothing."""
+--keep-alive-timeout, and a SIGTERM drain that loses nothing (sent to the whole process group,
+engine core included, as a shell's `kill %1` sends it)."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -33,7 +35,8 @@ def served(
     command += ["--max-num-seqs", "8", "--max-num-batched-tokens", "512"]
     command += ["--max-queued-requests", "1", "--drain-timeout", "60", "--keep-alive-timeout", "8"]
     command += ["--ttft-slo-ms", "60000", "--tpot-slo-ms", "1000"]  # SLA mode, loose targets
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    # a group of its own: the drain test signals the whole group, as a shell's `kill %1` does
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url)
@@ -93,7 +96,7 @@ def test_an_idle_connection_stays_open_for_the_keep_alive_timeout_then_closes(
         conn.close()
 
 
-def test_sigterm_drains_in_flight_requests_then_exits_0(
+def test_sigterm_to_the_process_group_drains_in_flight_requests_then_exits_0(
     served: tuple[str, subprocess.Popen[bytes]],
 ) -> None:
     url, proc = served
@@ -127,7 +130,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(
         workers.append(threading.Thread(target=stream, args=(k,)))
         workers[-1].start()
         assert started[k].wait(60)
-    proc.send_signal(signal.SIGTERM)
+    os.killpg(proc.pid, signal.SIGTERM)  # the engine core too, were it in the group
     ready = httpx.get(f"{url}/ready", timeout=10)
     assert ready.status_code == 503 and ready.json()["status"] == "draining"
     late = httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=10)

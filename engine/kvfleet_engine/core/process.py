@@ -9,8 +9,9 @@
 The loop applies every queued command between steps, then steps while any request is
 unfinished; idle, it blocks on the command queue. The core's life follows its API process:
 end of file on the pipe (the API process exited, however it exited, SIGKILL included) or a
-`Shutdown` ends the loop and the process. It ignores SIGINT (Ctrl-C reaches the whole process
-group; the API process shuts it down).
+`Shutdown` ends the loop and the process. It runs in a session of its own, so a signal to the
+API process's group (Ctrl-C, a shell's `kill %1`, an init that signals the group) reaches only
+the API process, which drains and then shuts the core down.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import gc
 import logging
 import os
 import queue
-import signal
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -58,7 +58,7 @@ def run_engine_core(config: EngineConfig, conn: Connection, log_level: str = "IN
     """The core process's entry point (multiprocessing target)."""
     from kvfleet_engine.core.engine_core import EngineCore  # torch: only in this process
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.setsid()  # out of the API process's group: its SIGTERM drains through this process
     logging.basicConfig(level=log_level.upper(), format=f"[engine-core] {LOG_FORMAT}")
     encode = encoder().encode
     started = time.perf_counter()
