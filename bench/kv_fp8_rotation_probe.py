@@ -101,7 +101,7 @@ def fake_codes(x: torch.Tensor, codes: str) -> torch.Tensor:
     return ((y / step).round() * step).clamp(-top, top).mul(amax / top).to(x.dtype)
 
 
-def fake_fp8_shaped(x: torch.Tensor, moment: torch.Tensor) -> torch.Tensor:
+def fake_fp8_shaped(x: torch.Tensor, moment: kv_shaping.KMoment) -> torch.Tensor:
     """x rounded as a calibrated fp8 cache stores it (`kv_shaping.shaped_e4m3`), in x's dtype."""
     nearest, scales = reference.quantize_kv(x)
     codes = kv_shaping.shaped_e4m3(x, nearest, scales, moment)
@@ -117,6 +117,7 @@ class Probe:
     layer: int = -1  # of the last store call (layers store in order, one call a forward each)
     calibrating: bool = False
     moments: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # [kv heads, d, d]
+    factored: dict[int, kv_shaping.KMoment] = dataclasses.field(default_factory=dict)  # as stored
 
     def transform_k(self, key: torch.Tensor, fp8: bool) -> torch.Tensor:
         """What this mode does to a key (or query) the engine hands over (rotated if fp8)."""
@@ -143,7 +144,7 @@ class Probe:
         self.layer = (self.layer + 1) % self.num_layers
         key = self.transform_k(key, k_scales is not None)
         if self.mode == "fake-k-shaped-hadamard" and not self.calibrating:
-            key = fake_fp8_shaped(key, self.moments[self.layer])
+            key = fake_fp8_shaped(key, self.factored[self.layer])
         elif self.mode.startswith("fake"):
             codes = next((c for c in ("int8", "e3m4") if c in self.mode), None)
             fake = fake_fp8 if codes is None else functools.partial(fake_codes, codes=codes)
@@ -179,7 +180,7 @@ def run(model: str, mode: str, max_tokens: int) -> float:
     llm = LLM(
         model, device="cpu", attention_backend="torch", kv_cache_dtype=cache, max_model_len=2048
     )
-    PROBE.mode, PROBE.layer, PROBE.moments = mode, -1, {}
+    PROBE.mode, PROBE.layer, PROBE.moments, PROBE.factored = mode, -1, {}, {}
     PROBE.num_layers = llm.engine.model_config.num_layers
     if mode == "fake-k-shaped-hadamard":
         PROBE.calibrating = True
@@ -191,10 +192,9 @@ def run(model: str, mode: str, max_tokens: int) -> float:
             1024,
         )
         PROBE.calibrating = False
-        for layer, moment in PROBE.moments.items():
-            PROBE.moments[layer] = (
-                moment / torch.diagonal(moment, dim1=-2, dim2=-1).sum(-1)[:, None, None]
-            )
+        for layer, moment in PROBE.moments.items():  # scaled to trace 1 per head
+            trace = torch.diagonal(moment, dim1=-2, dim2=-1).sum(-1)[:, None, None]
+            PROBE.factored[layer] = kv_shaping.factor(moment / trace)
     tokens = evaluation_tokens(llm.get_tokenizer(), max_tokens)
     return perplexity(llm, tokens, 2048, 1024).perplexity
 

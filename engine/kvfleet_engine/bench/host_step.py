@@ -35,14 +35,18 @@ def _timed(table: dict[str, list[float]], name: str, fn: Callable[..., Any]) -> 
     return wrapper
 
 
+MODEL_PART = "forward"  # the model's forward pass (on a GPU: the graph replay)
+
+
 def _instrument(engine: Any, table: dict[str, list[float]]) -> None:
-    """Wrap the step's parts that exist in this version of the engine (instance attributes)."""
+    """Wrap the step's parts (instance attributes); the model's forward pass must be one."""
+    runner = engine.model_runner
     parts = [
         (engine.scheduler, "schedule"),
         (engine.scheduler, "update"),
-        (engine.model_runner, "prepare_inputs"),
-        (engine.model_runner, "compute_logits"),
-        (engine.model_runner, "sampler"),
+        (runner, "prepare_inputs"),
+        (runner.executor, MODEL_PART),
+        (runner, "sampler"),
         (engine, "_output"),
         (engine, "_outputs"),
     ]
@@ -92,7 +96,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         start = time.thread_time()
         engine.step()
         steps.append(time.thread_time() - start)
-    model = table.pop("compute_logits")
+    model = table.pop(MODEL_PART)
+    if len(model) != len(steps):
+        raise SystemExit(f"the model ran {len(model)} times in {len(steps)} steps")
     host = [s - m for s, m in zip(steps, model, strict=True)]
     ms = 1e3
     parts = {
