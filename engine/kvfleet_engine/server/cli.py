@@ -1,6 +1,6 @@
 """`kvfleet serve`: load a model, warm up, serve it over HTTP; drain on SIGTERM.
 
-    kvfleet serve --model PATH [--served-model-name N] [--host H] [--port P] [engine flags]
+    kvfleet serve [--model PATH] [--served-model-name N] [--host H] [--port P] [engine flags]
 
 Without --model it serves the embedded model, SmolLM2-135M-Instruct (fetched and cached on first
 use: `kvfleet fetch-model`), as "smollm2-135m-instruct".
@@ -116,25 +116,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     parser = build_parser()
-    embedded = not any(a == "--model" or a.startswith("--model=") for a in argv)
-    if embedded and not any(a in ("-h", "--help") for a in argv):
-        from kvfleet_engine.model_store import DEFAULT_MODEL, FetchError, fetch
-
-        try:
-            path = fetch(DEFAULT_MODEL)
-        except FetchError as error:
-            print(f"kvfleet serve: no --model given and {error}", file=sys.stderr)
-            return 1
-        argv = [*argv, "--model", str(path)]
-        if not any(a.startswith("--served-model-name") for a in argv):
-            argv += ["--served-model-name", DEFAULT_MODEL.served_name]
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     if args.drain_timeout < 0:
         parser.error("--drain-timeout: must be >= 0")
-    if embedded:
+    if args.model is None:
+        from kvfleet_engine.model_store import DEFAULT_MODEL, FetchError, fetch
+
+        try:
+            args.model = str(fetch(DEFAULT_MODEL))
+        except FetchError as error:
+            print(f"kvfleet serve: no --model given and {error}", file=sys.stderr)
+            return 1
+        args.served_model_name = args.served_model_name or DEFAULT_MODEL.served_name
         log.info("no --model given: serving the embedded model from %s", args.model)
     return _serve(parser, args)
 
