@@ -417,6 +417,35 @@ def test_invalid_specs_are_rejected_or_stalled(
         "set either replicas or autoscaling, not both": llama(
             replicas=1, autoscaling={"maxReplicas": 2, "targets": {"kvCacheUtilization": 0.7}}
         ),
+        "autoscaling.controller: HPA cannot express targets": llama(
+            autoscaling={
+                "controller": "HPA",
+                "maxReplicas": 2,
+                "targets": {"ttft": {"seconds": 0.5}},
+            }
+        ),
+        "autoscaling.minReplicas: 0 needs controller Builtin": llama(
+            autoscaling={
+                "controller": "HPA",
+                "minReplicas": 0,
+                "maxReplicas": 2,
+                "targets": {"kvCacheUtilization": 0.7},
+            }
+        ),
+        "autoscaling.prometheus.url is required": llama(
+            autoscaling={
+                "controller": "KEDA",
+                "maxReplicas": 2,
+                "targets": {"kvCacheUtilization": 0.7},
+            }
+        ),
+        "at least twice syncPeriodSeconds": llama(
+            autoscaling={
+                "maxReplicas": 2,
+                "targets": {"kvCacheUtilization": 0.7},
+                "behavior": {"syncPeriodSeconds": 10, "panicWindowSeconds": 15},
+            }
+        ),
         "spec.model.uri": llama(model={"uri": "http://example.com/model"}),
         "Unsupported value": llama(quantization={"weights": "int3"}),
         "quantization.kvCacheCalibration needs quantization.kvCache: fp8": llama(

@@ -140,7 +140,7 @@ def test_service_monitor_scrapes_the_operator_metrics_service_with_its_labels() 
 def test_dashboard_configmap_carries_the_dashboard_file_and_the_sidecar_label() -> None:
     assert not [o for o in render() if o["kind"] == "ConfigMap"]  # off by default
     objects = by_key(render("--set", "dashboard.enabled=true"))
-    config_map = objects[("ConfigMap", NAMESPACE, "kvfleet-dashboard")]
+    config_map = objects[("ConfigMap", NAMESPACE, "kvfleet-operator-dashboard")]
     assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
     dashboard = json.loads((MANIFESTS / "dashboards" / "kvfleet.json").read_text())
     assert json.loads(config_map["data"]["kvfleet.json"]) == dashboard
@@ -158,6 +158,39 @@ def test_a_second_install_renames_every_cluster_wide_object() -> None:
     assert binding["subjects"][0]["name"] == "kvfleet-team-a"
     pod = by_key(objects)[("Deployment", NAMESPACE, "kvfleet-team-a")]["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "kvfleet-team-a"
+
+
+def test_two_installs_select_only_their_own_operator() -> None:
+    """Beside the default install, a second one's Deployment, metrics Service and
+    ServiceMonitor select its own pods only, the default's Services do not select its pods,
+    and their dashboards do not collide."""
+    on = ("--set", "serviceMonitor.enabled=true", "--set", "dashboard.enabled=true")
+    first = by_key(render(*on))
+    second = by_key(render(*on, "--set", "name=kvfleet-team-a"))
+
+    def pod_labels(objects: dict[tuple[str, str, str], Any], name: str) -> dict[str, str]:
+        deployment = objects[("Deployment", NAMESPACE, name)]["spec"]
+        labels = deployment["template"]["metadata"]["labels"]
+        assert deployment["selector"]["matchLabels"].items() <= labels.items()
+        return labels
+
+    pods = {"kvfleet-operator": pod_labels(first, "kvfleet-operator")}
+    pods["kvfleet-team-a"] = pod_labels(second, "kvfleet-team-a")
+    for objects, own in ((first, "kvfleet-operator"), (second, "kvfleet-team-a")):
+        selector = objects[("Service", NAMESPACE, f"{own}-metrics")]["spec"]["selector"]
+        selected = {name for name, labels in pods.items() if selector.items() <= labels.items()}
+        assert selected == {own}
+        monitor = objects[("ServiceMonitor", NAMESPACE, own)]["spec"]["selector"]["matchLabels"]
+        services = [o for k, o in {**first, **second}.items() if k[0] == "Service"]
+        matched = [s["metadata"]["name"] for s in services
+                   if monitor.items() <= s["metadata"]["labels"].items()]  # fmt: skip
+        assert matched == [f"{own}-metrics"]
+    dashboards = {k for k in {**first, **second} if k[0] == "ConfigMap"}
+    assert len(dashboards) == 2
+    # The default install's Deployment selector is the one installs had before the instance
+    # label: Kubernetes refuses a change of it on upgrade.
+    default_selector = first[("Deployment", NAMESPACE, "kvfleet-operator")]["spec"]["selector"]
+    assert default_selector == {"matchLabels": {"app.kubernetes.io/name": "kvfleet-operator"}}
 
 
 def test_an_empty_engine_image_is_refused_naming_the_value() -> None:
