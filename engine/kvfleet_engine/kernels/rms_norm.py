@@ -1,8 +1,10 @@
 """Residual add + RMSNorm in one pass (the decoder layer's two norms): eager torch runs the add,
 the mean of squares, the scale and the weight as separate kernels, each a round trip to memory
 and, at batch 1, a few microseconds of launch latency. With `fp8_out`, the normalized rows come
-out as per-token e4m3 (`fp8_rows.Fp8Rows`) for a W8A8 product, equal bit for bit to
-`quantize_fp8_rows` of the 16-bit output, which is then never written."""
+out as per-token e4m3 (`fp8_rows.Fp8Rows`) for a W8A8 product: `quantize_fp8_rows` of the
+16-bit output, which is then never written. On a GPU the two compiled variants may sum a row's
+squares in different orders; where that rounds the row's scale 1/rms apart, a code is the next
+e4m3 value (rare; `test_gpu_rms_norm_fp8_out_llama`)."""
 
 from __future__ import annotations
 

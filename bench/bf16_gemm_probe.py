@@ -1,0 +1,160 @@
+"""Do the decode steps' bf16 products leave time on the table at 64-512 rows? (NOTES section 21.)
+
+A c256 decode step (Llama-3.1-8B shape) spends half its time in four bf16 products per layer
+that cuBLAS runs at 455-560 TFLOP/s on an H100 (bench/overlap_probe.py): at 256 rows they are
+neither bound by the weights' bytes nor by the tensor cores. This probe times each product at
+64-512 rows through cuBLAS (F.linear) and through a Triton GEMM over a small sweep of tiles and
+split-K (the partial sums reduced by a second kernel, counted), 8 weights in rotation so the
+L2 cache holds none of them, each case in a CUDA graph.
+
+    python bench/bf16_gemm_probe.py [--rows 64 128 256] [--output probe.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+WEIGHTS = 8  # in rotation: 8 x >= 33 MB is past any L2
+
+
+@triton.jit
+def _gemm(
+    x_ptr, w_ptr, out_ptr, M, N, K, k_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """out[pid_k] = x[:, ks] @ w[:, ks]^T for pid_k's slice ks of K (SPLIT > 1: float32
+    partials [SPLIT, M, N]; else bf16 [M, N])."""
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    for k0 in range(0, k_per_split, BLOCK_K):
+        ks = k_start + k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=rows[:, None] < M, other=0.0)
+        b = tl.load(w_ptr + cols[:, None] * K + ks[None, :])
+        acc = tl.dot(a, tl.trans(b), acc)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    offsets = rows[:, None] * N + cols[None, :]
+    if SPLIT == 1:
+        tl.store(out_ptr + offsets, acc.to(tl.bfloat16), mask=mask)
+    else:
+        tl.store(out_ptr + pid_k * M * N + offsets, acc, mask=mask)
+
+
+def triton_linear(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...]) -> torch.Tensor:
+    block_m, block_n, block_k, split, warps, stages = config
+    m, k = x.shape
+    n = w.shape[0]
+    k_per_split = k // split
+    grid = (triton.cdiv(m, block_m), n // block_n, split)
+    if split == 1:
+        out = torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
+    else:
+        out = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+    _gemm[grid](
+        x, w, out, m, n, k, k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        SPLIT=split, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out if split == 1 else out.sum(0).to(torch.bfloat16)
+
+
+def graph_us(fn: Callable[[int], object], reps: int = 15) -> float:
+    """Median µs of one call of fn(i), i cycling over the weights, replayed from a graph."""
+    fn(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(4 * WEIGHTS):
+            fn(i % WEIGHTS)
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (4 * WEIGHTS))
+    return sorted(times)[len(times) // 2]
+
+
+def configs(m: int) -> list[tuple[int, ...]]:
+    block_ms = [64] if m <= 64 else [64, 128]
+    return [
+        (bm, bn, 64, split, warps, stages)
+        for bm, bn, split, warps, stages in itertools.product(
+            block_ms, (64, 128, 256), (1, 2, 4), (4, 8), (3, 4)
+        )
+        if not (bn == 256 and warps == 4)
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--output", default="bf16_gemm_probe.json")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    results = []
+    total = {"cublas": {}, "best": {}}
+    for name, (n, k) in SHAPES.items():
+        weights = [
+            torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(WEIGHTS)
+        ]
+        for m in args.rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            reference = F.linear(x, weights[0])
+            cublas = graph_us(lambda i, x=x, ws=weights: F.linear(x, ws[i]))
+            best = (float("inf"), None)
+            for config in configs(m):
+                try:
+                    got = triton_linear(x, weights[0], config)
+                except triton.runtime.errors.OutOfResources:
+                    continue
+                error = ((got.float() - reference.float()).norm() / reference.float().norm()).item()
+                if error > 1e-2:
+                    print(f"{name} m={m} {config}: relative error {error:.3g}, skipped")
+                    continue
+                us = graph_us(lambda i, x=x, ws=weights, c=config: triton_linear(x, ws[i], c))
+                if us < best[0]:
+                    best = (us, config)
+            flops = 2 * m * n * k
+            row = {
+                "product": name, "rows": m, "cublas_us": cublas, "triton_us": best[0],
+                "triton_config": best[1], "cublas_tflops": flops / cublas / 1e6,
+                "triton_tflops": flops / best[0] / 1e6,
+                "weight_bytes_us_at_3350": n * k * 2 / 3.35e6,
+            }  # fmt: skip
+            results.append(row)
+            total["cublas"][m] = total["cublas"].get(m, 0.0) + cublas
+            total["best"][m] = total["best"].get(m, 0.0) + min(cublas, best[0])
+            print(
+                f"{name:<8} m={m:<4} cuBLAS {cublas:7.1f} us ({row['cublas_tflops']:4.0f} TF/s)  "
+                f"Triton {best[0]:7.1f} us ({row['triton_tflops']:4.0f}) {best[1]}"
+            )
+    for m in args.rows:
+        print(f"layer at {m} rows: cuBLAS {total['cublas'][m]:.1f} us, best of both "
+              f"{total['best'][m]:.1f} us")  # fmt: skip
+    record = {
+        "gpu": torch.cuda.get_device_name(),
+        "command": "python bench/bf16_gemm_probe.py --rows " + " ".join(map(str, args.rows)),
+        "results": results,
+        "layer_us": total,
+    }
+    with open(args.output, "w") as handle:
+        json.dump(record, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
