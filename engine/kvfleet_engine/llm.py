@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from kvfleet_engine.config import EngineConfig
@@ -40,31 +40,44 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, or token ids); returns outputs in input order, each
-        with n completions. Runs the engine until all of them finish."""
+        with n completions. Runs the engine until all of them finish. Bad input raises
+        TypeError or ValueError naming the argument; whatever fails, this call's requests are
+        aborted, so the LLM stays usable."""
         texts, token_lists = self._prompts(prompts, prompt_token_ids)
         params_list = self._params(sampling_params, len(token_lists))
-        priorities = list(priority) if priority is not None else [0] * len(token_lists)
-        if len(priorities) != len(token_lists):
-            raise ValueError(
-                f"priority has {len(priorities)} entries for {len(token_lists)} prompts"
-            )
-        parents: list[tuple[str, list[str]]] = []
+        priorities = self._priorities(priority, len(token_lists))
+        child_ids: list[str] = []
         try:
-            for text, token_ids, params, prio in zip(
-                texts, token_lists, params_list, priorities, strict=True
-            ):
-                parent_id = str(next(self._request_counter))
-                child_ids = [f"{parent_id}-{i}" for i in range(params.n)]
-                for index, child_id in enumerate(child_ids):
-                    self.engine.add_request(
-                        child_id, list(token_ids), params.for_child(index), prio, prompt=text
-                    )
-                parents.append((parent_id, child_ids))
-        except ValueError:
-            self.engine.abort_request(i for _, ids in parents for i in ids)
+            parents = [
+                self._add(text, token_ids, params, prio, child_ids)
+                for text, token_ids, params, prio in zip(
+                    texts, token_lists, params_list, priorities, strict=True
+                )
+            ]
+            finals = self._run(len(child_ids), use_tqdm)
+        except BaseException:
+            self.engine.abort_request(child_ids)
             raise
-        finals = self._run(sum(len(ids) for _, ids in parents), use_tqdm)
         return [self._merge(parent_id, [finals[i] for i in ids]) for parent_id, ids in parents]
+
+    def _add(
+        self,
+        text: str | None,
+        token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        added_ids: list[str],
+    ) -> tuple[str, list[str]]:
+        """Queue one prompt's n completions (their ids also go to `added_ids` as each is
+        queued, for the abort on failure); returns the prompt's id and theirs."""
+        parent_id = str(next(self._request_counter))
+        child_ids = [f"{parent_id}-{i}" for i in range(params.n)]
+        for index, child_id in enumerate(child_ids):
+            self.engine.add_request(
+                child_id, token_ids, params.for_child(index), priority, prompt=text
+            )
+            added_ids.append(child_id)
+        return parent_id, child_ids
 
     def _run(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         from tqdm.auto import tqdm
@@ -111,10 +124,12 @@ class LLM:
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompts or prompt_token_ids")
         if prompt_token_ids is not None:
-            token_lists = [list(ids) for ids in prompt_token_ids]
+            token_lists = _token_lists(prompt_token_ids)
             return [None] * len(token_lists), token_lists
-        assert prompts is not None
-        texts = [prompts] if isinstance(prompts, str) else list(prompts)
+        expected = "a string or a list of strings"
+        texts = [prompts] if isinstance(prompts, str) else _items(prompts, "prompts", expected)
+        if not all(isinstance(text, str) for text in texts):
+            raise TypeError(f"prompts must be {expected}, got {prompts!r}")
         tokenizer = self.engine.tokenizer
         return list(texts), [tokenizer.encode(text) for text in texts]
 
@@ -126,7 +141,36 @@ class LLM:
             return [SamplingParams()] * num_prompts
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * num_prompts
-        params = list(sampling_params)
+        expected = "a SamplingParams or a list of them (one per prompt)"
+        params = _items(sampling_params, "sampling_params", expected)
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise TypeError(f"sampling_params must be {expected}, got {sampling_params!r}")
         if len(params) != num_prompts:
             raise ValueError(f"sampling_params has {len(params)} entries for {num_prompts} prompts")
         return params
+
+    @staticmethod
+    def _priorities(priority: Sequence[int] | None, num_prompts: int) -> list[int]:
+        if priority is None:
+            return [0] * num_prompts
+        priorities = _items(priority, "priority", "a list of ints (one per prompt)")
+        for index, value in enumerate(priorities):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"priority[{index}] must be int, got {value!r}")
+        if len(priorities) != num_prompts:
+            raise ValueError(f"priority has {len(priorities)} entries for {num_prompts} prompts")
+        return priorities
+
+
+def _items(value: object, name: str, expected: str) -> list[Any]:
+    """A list argument's items; TypeError naming it for a string, a mapping or a scalar."""
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
+    return list(value)
+
+
+def _token_lists(prompt_token_ids: object) -> list[list[Any]]:
+    """One token-id list per prompt (lists, tuples or arrays of integers)."""
+    expected = "a list of token-id lists (one per prompt)"
+    rows = _items(prompt_token_ids, "prompt_token_ids", expected)
+    return [_items(row, "prompt_token_ids", expected) for row in rows]

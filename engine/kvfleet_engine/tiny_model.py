@@ -115,7 +115,11 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        print(f"kvfleet tiny-model: cannot create {directory}: {error.strerror}", file=sys.stderr)
+        return 2
     write_tiny_model(directory, seed=args.seed)
     print(f"wrote a tiny random Llama to {directory}")
     return 0

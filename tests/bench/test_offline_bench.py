@@ -77,3 +77,29 @@ def test_latency_with_a_calibrated_fp8_cache_records_the_file(tmp_path) -> None:
     workload = json.loads(path.read_text())["workload"]
     assert workload["kv_cache_calibration"] == str(calibration)
     assert workload["kv_cache_dtype"] == "fp8"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--block-size", "3"], "argument --block-size: expected a power of two in [1, 256]"),
+        (["--input-len", "100000"], "--input-len + --output-len must be <= 4096"),
+        (["--output-dir", "/proc/x"], "argument --output-dir: cannot write to '/proc/x'"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
+        (["--max-num-seqs", "8", "--max-num-batched-tokens", "4"], "--max-num-batched-tokens"),
+    ],
+)
+@pytest.mark.parametrize("command", ["throughput", "latency"])
+def test_bad_engine_flag_exits_2_before_a_model_is_built(
+    command: str, flags: list[str], message: str, monkeypatch, capsys
+) -> None:
+    from kvfleet_engine.bench import offline
+
+    def no_model(args):
+        raise AssertionError("a model was built before the flags were checked")
+
+    monkeypatch.setattr(offline, "setup", no_model)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", command, "--shape", "tiny", *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

@@ -334,7 +334,6 @@ def _auth() -> Iterator[Case]:
         "",
         "Bearer",
         "Bearer wrong",
-        f"bearer {AUTH['Authorization'][7:]}",
         f"Basic {AUTH['Authorization'][7:]}",
         AUTH["Authorization"] + "x",
         AUTH["Authorization"][:-1],

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvfleet_engine.bench import accuracy
+from kvfleet_engine.bench import accuracy, accuracy_config
 from kvfleet_engine.bench.perplexity import evaluation_tokens, perplexity, windows
 
 
@@ -86,13 +86,47 @@ def test_command_prints_table_and_writes_json(checkpoints: Any, tmp_path: Path, 
 )
 def test_bad_config_is_rejected_with_its_problem(text: str, message: str):
     with pytest.raises(ValueError, match=message):
-        accuracy.parse_config(text)
+        accuracy_config.parse_config(text)
 
 
 def test_config_options_are_typed():
-    config = accuracy.parse_config(
+    config = accuracy_config.parse_config(
         "sdpa=/models/x:attention_backend=sdpa,block_size=32,enforce_eager=true"
     )
-    assert config == accuracy.Config(
+    assert config == accuracy_config.Config(
         "sdpa", "/models/x", {"attention_backend": "sdpa", "block_size": 32, "enforce_eager": True}
     )
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--config", "a=/nonexistent"], "--config a: model: "),
+        (["--config", "a={path}:block_size=abc"], "--config a: block_size takes an integer"),
+        (["--config", "a={path}:block_size=3"], "--config a: block_size"),
+        (["--config", "a={path}", "--window", "100000"], "--window (100000) must be <="),
+        (["--config", "a={path}", "--device", "gpu"], "argument --device: expected auto"),
+        (["--config", "a={path}", "--window", "16", "--stride", "8"], "--window (16) must be >"),
+    ],
+)
+def test_bad_config_or_flag_exits_2_before_a_model_loads(
+    checkpoints: Any, monkeypatch: Any, capsys: Any, flags: list[str], message: str
+):
+    import kvfleet_engine
+
+    def no_model(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a model was built before the flags were checked")
+
+    monkeypatch.setattr(kvfleet_engine, "LLM", no_model)
+    path = checkpoints.path("llama3")
+    with pytest.raises(SystemExit) as exit_info:
+        accuracy.main([flag.format(path=path) for flag in flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unwritable_output_exits_2(checkpoints: Any, capsys: Any):
+    with pytest.raises(SystemExit) as exit_info:
+        accuracy.main(["--config", f"a={checkpoints.path('llama3')}", "--output", "/proc/x"])
+    assert exit_info.value.code == 2
+    assert "argument --output: cannot write to '/proc/x'" in capsys.readouterr().err

@@ -33,3 +33,9 @@ def test_tiny_model_loads_chats_and_generates(
     completion = output.outputs[0]
     assert len(completion.token_ids) == 5
     assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+
+
+def test_an_uncreatable_directory_exits_2_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["/proc/nope"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("kvfleet tiny-model: cannot create /proc/nope: ")

@@ -53,8 +53,10 @@ class LiveServer:
 
 
 @contextlib.contextmanager
-def serve_in_thread(tiny_model_dir: Path, **overrides: object) -> Iterator[LiveServer]:
-    """The tiny model's engine core and the app in a uvicorn thread; `overrides` set
+def serve_in_thread(
+    tiny_model_dir: Path, *, max_model_len: int = 512, **overrides: object
+) -> Iterator[LiveServer]:
+    """The tiny model's engine core and the app in a uvicorn thread, ready; `overrides` set
     ServerSettings fields (api_key, max_request_body_bytes, log_requests, ...)."""
     from kvfleet_engine.async_engine import AsyncEngine
     from kvfleet_engine.client.core_client import CoreClient
@@ -71,7 +73,7 @@ def serve_in_thread(tiny_model_dir: Path, **overrides: object) -> Iterator[LiveS
         kv_cache_blocks=256,
         max_num_seqs=32,
         max_num_batched_tokens=1024,
-        max_model_len=512,
+        max_model_len=max_model_len,
     )
     client = CoreClient(config, log_level="warning")
     client.start()

@@ -53,6 +53,23 @@ def test_sla_budget_holds_tpot_and_ttft_rejects_work_that_would_miss() -> None:
     assert p.calibrate(MODEL) == 400
     assert MODEL.step_seconds(p.token_budget) <= 0.050
     assert p.check(QueueSnapshot(0, 0, 0), 300) is None  # 1 step = 50 ms
-    rejection = p.check(QueueSnapshot(5, 2000, 0), 100)  # 6 steps = 300 ms > 200 ms
+    rejection = p.check(QueueSnapshot(5, 2000, 0), 100)  # 6 steps: 60 + 210 ms > 200 ms
     assert rejection is not None and rejection.reason == "ttft_slo"
     assert "exceeds the 200 ms target" in rejection.message
+
+
+def test_ttft_estimate_charges_the_queued_tokens_not_a_full_budget_step() -> None:
+    # 15 tokens in one step beside 4 decodes: 10 ms + (4 + 15) * 0.1 ms, not a 2,048-token step.
+    ttft = estimate_ttft_s(QueueSnapshot(1, 10, 4), 5, MODEL, token_budget=2048)
+    assert math.isclose(ttft, MODEL.step_seconds(19))
+
+
+def test_a_tight_ttft_target_refuses_only_behind_a_queue() -> None:
+    """--ttft-slo-ms 2 on a server whose steps take 10 ms: nothing could meet it, but an idle
+    server must still serve (waiting would not help); behind a queue, the target refuses."""
+    p = policy(ttft_slo_s=0.002)
+    p.calibrate(MODEL)
+    assert p.check(QueueSnapshot(0, 0, 0), 5) is None
+    assert p.check(QueueSnapshot(0, 0, 3), 5_000) is None
+    rejection = p.check(QueueSnapshot(1, 5, 0), 5)
+    assert rejection is not None and rejection.reason == "ttft_slo"

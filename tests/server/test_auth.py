@@ -63,6 +63,24 @@ def test_probes_and_metrics_are_open_and_everything_else_is_not(guarded: LiveSer
     assert r.status_code == 401
 
 
+@pytest.mark.parametrize("scheme", ["bearer", "BEARER", "Bearer "])
+def test_the_bearer_scheme_is_case_insensitive(guarded: LiveServer, scheme: str) -> None:
+    headers = {"Authorization": f"{scheme} {API_KEY}"}
+    assert httpx.get(f"{guarded.url}/v1/models", headers=headers, timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("authorization", [API_KEY, f"Basic {API_KEY}", "Bearer"])
+def test_a_key_without_the_bearer_scheme_says_how_to_send_it(
+    guarded: LiveServer, authorization: str
+) -> None:
+    headers = {"Authorization": authorization}
+    r = httpx.get(f"{guarded.url}/v1/models", headers=headers, timeout=10)
+    assert r.status_code == 401
+    error = r.json()["error"]
+    assert error["code"] == "invalid_api_key"
+    assert "expected 'Authorization: Bearer <key>'" in error["message"]
+
+
 def test_a_body_over_the_limit_is_413_declared_or_chunked(guarded: LiveServer) -> None:
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     body = json.dumps({"model": MODEL_NAME, "prompt": "z" * BODY_LIMIT}).encode()

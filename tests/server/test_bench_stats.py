@@ -39,6 +39,28 @@ def test_random_dataset_lengths_and_bad_flags() -> None:
     assert exc.value.code == 2
 
 
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("--percentiles=150", "argument --percentiles: expected P,P,... each in [0, 100]"),
+        ("--percentiles=50,x", "argument --percentiles: expected P,P,..."),
+        ("--timeout=0", "argument --timeout: expected a positive number"),
+        ("--timeout=-1", "argument --timeout: expected a positive number"),
+        ("--random-token-range=50:10", "argument --random-token-range: expected 0 <= LOW <= HIGH"),
+        ("--random-token-range=-5:10", "argument --random-token-range: expected 0 <= LOW"),
+        ("--random-token-range=a:b", "argument --random-token-range: expected LOW:HIGH"),
+        ("--goodput=ttft:-5", "argument --goodput: ttft: expected a positive number"),
+    ],
+)
+def test_bad_flag_exits_2_naming_it_before_any_request(
+    flag: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--url", "http://127.0.0.1:9", "--concurrency", "1", flag])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 VLLM_METRICS = """\
 # HELP vllm:prefix_cache_queries_total Prefix cache queries, in tokens.
 # TYPE vllm:prefix_cache_queries_total counter

@@ -13,6 +13,11 @@ import pytest
     ("flags", "message"),
     [
         (["--max-queued-requests", "0"], "--max-queued-requests: expected a positive integer"),
+        (["--port", "99999"], "--port: expected a port number in 1..65535, got 99999"),
+        (["--port", "-5"], "--port: expected a port number in 1..65535, got -5"),
+        (["--port", "0"], "--port: expected a port number in 1..65535, got 0"),
+        (["--drain-timeout", "nan"], "--drain-timeout: expected a finite number >= 0, got 'nan'"),
+        (["--drain-timeout", "-1"], "--drain-timeout: expected a finite number >= 0, got '-1'"),
         (
             ["--tensor-parallel-size", "3"],
             "tensor_parallel_size=3 does not divide the model's num_attention_heads",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -21,6 +22,8 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
         ("completions", {**GOOD, "max_tokens": 600}, 400, "max_tokens"),
         ("completions", {**GOOD, "prompt": [1, 99999]}, 400, "prompt"),
         ("completions", {**GOOD, "prompt": []}, 400, "prompt"),
+        ("completions", {**GOOD, "prompt": ["a", ""]}, 400, "prompt.1"),
+        ("completions", {**GOOD, "prompt": ["hi", "x" * 600]}, 400, "prompt.1"),
         ("completions", {**GOOD, "temperature": -1}, 400, "temperature"),
         ("completions", {**GOOD, "top_p": 0}, 400, "top_p"),
         ("completions", {**GOOD, "n": 0}, 400, "n"),
@@ -63,3 +66,99 @@ def test_malformed_json_and_unknown_route(live_server) -> None:  # type: ignore[
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     missing = httpx.get(f"{live_server.url}/v1/nothing-here", timeout=30)
     assert missing.status_code == 404 and "error" in missing.json()
+
+
+TOKEN_FORMS = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "message"),
+    [
+        # JSON's own types only: no strings for numbers, no numbers for booleans or token ids
+        ("completions", {**GOOD, "max_tokens": "5"}, "max_tokens", "valid integer"),
+        ("completions", {**GOOD, "stream": "yes"}, "stream", "valid boolean"),
+        ("completions", {**GOOD, "n": 1.0}, "n", "valid integer"),
+        ("completions", {**GOOD, "prompt": [True, False]}, "prompt", TOKEN_FORMS),
+        ("completions", {**GOOD, "prompt": [1.0, 2.0]}, "prompt", TOKEN_FORMS),
+        ("completions", {**GOOD, "temperature": "0.5"}, "temperature", "valid number"),
+        # a union field that gets none of its forms says all of them
+        ("completions", {**GOOD, "prompt": 5}, "prompt", TOKEN_FORMS),
+        ("completions", {**GOOD, "prompt": None}, "prompt", TOKEN_FORMS),
+        ("completions", {**GOOD, "prompt": [[[1]]]}, "prompt", TOKEN_FORMS),
+        ("completions", {**GOOD, "prompt": [1, "a"]}, "prompt", TOKEN_FORMS),
+        ("completions", {**GOOD, "stop": [1, 2]}, "stop", "must be a string or a list of strings"),
+        (
+            "chat/completions",
+            {**CHAT, "messages": [{"role": "user", "content": 5}]},
+            "messages.0.content",
+            'must be a string, a list of {"type": "text", "text": "..."} parts, or null',
+        ),
+        # stop strings are bounded in number and length, messages in number
+        ("completions", {**GOOD, "stop": ["x"] * 17}, "stop", "at most 16 items"),
+        ("completions", {**GOOD, "stop": "x" * 1025}, "stop", "at most 1024 characters"),
+        ("completions", {**GOOD, "stop": ["x", ""]}, "stop.1", "at least 1 character"),
+        ("chat/completions", {**CHAT, "messages": CHAT["messages"] * 4097}, "messages", "4096"),
+    ],
+)
+def test_a_value_of_the_wrong_type_or_size_is_named_with_what_the_field_takes(
+    live_server, path: str, body: dict[str, Any], param: str, message: str
+) -> None:  # type: ignore[no-untyped-def]
+    r = httpx.post(f"{live_server.url}/v1/{path}", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    assert error["message"].startswith(f"{param}: ") and message in error["message"], error
+
+
+def test_numbers_that_are_still_accepted(live_server) -> None:  # type: ignore[no-untyped-def]
+    """An integer for a float field is a number all the same; the stop strings' bound is 16."""
+    body = {**GOOD, "temperature": 1, "top_p": 1, "stop": ["x" * 1024] * 16, "prompt": [1, 2]}
+    r = httpx.post(f"{live_server.url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    ("content", "param", "message"),
+    [
+        ('{"model": "m", "prompt": "hi", "temperature": NaN}', "temperature", "finite number"),
+        ('{"model": "m", "prompt": "hi", "top_p": Infinity}', "top_p", "finite number"),
+        (
+            '{"model": "m", "prompt": "hi", "logit_bias": {"\\ud800": 1}}',
+            "logit_bias",
+            "lone UTF-16 surrogate",
+        ),
+        ('{"model": "m", "prompt": "hi", "stop": ["x", "\\ud800"]}', "stop.1", "lone UTF-16"),
+        ('{"model": "m", "prompt": "hi", "seed": ' + "9" * 5000 + "}", "body", "4300 digits"),
+        ("[" * 100_000 + "]" * 100_000, "body", "nests arrays or objects too deeply"),
+        (b'{"model": "\xff"}', "body", "not UTF-8 text (invalid byte at offset 11)"),
+        ("", "body", "request body is empty: send a JSON object with Content-Type"),
+        ("[1]", "body", "must be a JSON object: send a JSON object with Content-Type"),
+    ],
+)
+def test_json_the_server_cannot_take_is_explained(
+    live_server, content: str | bytes, param: str, message: str
+) -> None:  # type: ignore[no-untyped-def]
+    r = httpx.post(
+        f"{live_server.url}/v1/completions",
+        content=content,
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and message in error["message"], error
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_a_body_sent_as_something_other_than_json_says_to_send_json(
+    live_server, content_type: str | None
+) -> None:  # type: ignore[no-untyped-def]
+    headers = {} if content_type is None else {"content-type": content_type}
+    content = json.dumps(GOOD)
+    r = httpx.post(f"{live_server.url}/v1/completions", content=content, headers=headers)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "body", error
+    given = f"Content-Type: {content_type}" if content_type else "no Content-Type"
+    assert f"({given})" in error["message"]
+    assert "send a JSON object with Content-Type: application/json" in error["message"]

@@ -24,73 +24,14 @@ import json
 import re
 import shlex
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from kvfleet_engine.argtypes import positive_int
-
-# Fixed chat prompts: everyday questions, instructions and short tasks.
-PROMPTS = (
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain what a hash table is.",
-    "Give me three tips for sleeping better.",
-    "Why is the sky blue?",
-    "What does a compiler do?",
-    "Summarise the plot of Romeo and Juliet.",
-    "What is photosynthesis?",
-    "How do I boil an egg?",
-    "Name three planets in the solar system.",
-    "What is the difference between a virus and a bacterium?",
-    "Write a short poem about autumn leaves.",
-    "How does a refrigerator keep food cold?",
-    "What is a prime number?",
-    "Translate 'good morning' into Spanish.",
-    "Give me a recipe for a simple salad.",
-    "What causes rain?",
-    "Explain gravity to a child.",
-    "What are the primary colours?",
-    "How many days are there in a leap year?",
-    "What is the largest ocean on Earth?",
-    "Describe a cat in two sentences.",
-    "What is an API?",
-    "Why do we have seasons?",
-    "List four common fruits.",
-    "What does a doctor do?",
-    "Explain what recursion means in programming.",
-    "How do bees make honey?",
-    "What is the boiling point of water?",
-    "Write a sentence using the word 'serendipity'.",
-    "What is the role of the heart in the human body?",
-    "Give me two reasons to learn a second language.",
-    "What is a noun?",
-    "How does the internet work, briefly?",
-    "What is the tallest mountain in the world?",
-    "Suggest a name for a pet goldfish.",
-    "What is democracy?",
-    "Why should we drink water every day?",
-    "What is the speed of light?",
-    "How do plants grow from seeds?",
-    "Write a friendly greeting for a birthday card.",
-    "What is a sorting algorithm?",
-    "Explain what a museum is.",
-    "What do pandas eat?",
-    "How can I save money each month?",
-    "What is the moon made of?",
-    "Describe the colour blue to someone.",
-    "What is a volcano?",
-    "Give me a fun fact about octopuses.",
-    "What is the purpose of a library?",
-)
-
-
-@dataclass(frozen=True)
-class Config:
-    name: str
-    path: str
-    # LLM() keywords given on the command line.
-    options: dict[str, Any] = field(default_factory=dict)
+from kvfleet_engine.bench.accuracy_config import Config, device_choice, parse_bound, parse_config
+from kvfleet_engine.bench.accuracy_prompts import PROMPTS, chat_prompts
+from kvfleet_engine.bench.results import writable_dir
 
 
 @dataclass
@@ -119,49 +60,6 @@ class Result:
     tokens_digest: str = ""
 
 
-def parse_config(text: str) -> Config:
-    """NAME=PATH[:KEY=VALUE,...] -> Config; ValueError naming the problem."""
-    from kvfleet_engine.config import EngineConfig
-
-    name, sep, rest = text.partition("=")
-    if not sep or not name or not rest:
-        raise ValueError(f"--config must be NAME=PATH[:KEY=VALUE,...], got {text!r}")
-    path, _, option_text = rest.partition(":")
-    options: dict[str, Any] = {}
-    allowed = EngineConfig.keyword_names() - {"model"}
-    for item in filter(None, option_text.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--config {name}: option {item!r} is not KEY=VALUE")
-        if key not in allowed:
-            raise ValueError(f"--config {name}: unknown option {key!r}; one of {sorted(allowed)}")
-        options[key] = _value(value)
-    return Config(name, path, options)
-
-
-def _value(text: str) -> Any:
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parse_bound(text: str) -> tuple[str, float]:
-    """NAME=PERCENT -> (name, percent); ValueError naming the problem."""
-    name, sep, value = text.partition("=")
-    try:
-        percent = float(value)
-    except ValueError:
-        percent = None
-    if not sep or not name or percent is None:
-        raise ValueError(f"--bound must be NAME=PERCENT, got {text!r}")
-    return name, percent
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="kvfleet bench accuracy",
@@ -174,14 +72,16 @@ def main(argv: list[str]) -> int:
         "--baseline", help="the config the others are compared with (default: first)"
     )
     parser.add_argument("--bound", action="append", default=[], metavar="NAME=PERCENT")
-    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    parser.add_argument(
+        "--device", type=device_choice, default="auto", help="auto | cpu | cuda | cuda:N"
+    )
     parser.add_argument("--max-tokens", type=positive_int, default=65536, help="text tokens")
     parser.add_argument("--window", type=positive_int, default=2048, help="tokens per window")
     parser.add_argument("--stride", type=positive_int, default=1024, help="window step")
     parser.add_argument("--chunk", type=positive_int, default=512, help="prefill chunk")
     parser.add_argument("--prompts", type=positive_int, default=len(PROMPTS))
     parser.add_argument("--new-tokens", type=positive_int, default=64)
-    parser.add_argument("--output", type=Path, default=Path("bench/results"))
+    parser.add_argument("--output", type=writable_dir, default="bench/results")
     args = parser.parse_args(argv)
     try:
         configs = [parse_config(text) for text in args.config]
@@ -199,6 +99,11 @@ def main(argv: list[str]) -> int:
         parser.error(f"--stride ({args.stride}) must be < --window ({args.window})")
     if args.prompts > len(PROMPTS):
         parser.error(f"--prompts must be <= {len(PROMPTS)}")
+    try:
+        for config in configs:
+            check_config(config, args)
+    except ValueError as error:
+        parser.error(str(error))
 
     results = [run_config(config, args) for config in configs]
     compare(results, next(r for r in results if r.config == baseline), bounds)
@@ -206,6 +111,34 @@ def main(argv: list[str]) -> int:
     path = write_json(args, argv, results, baseline)
     print(f"wrote {path}")
     return 1 if any(r.within_bound is False for r in results) else 0
+
+
+def check_config(config: Config, args: argparse.Namespace) -> None:
+    """What LLM(...) and the chat prompts would fail on, from the config file and tokenizer
+    alone (no weights loaded); ValueError naming the --config or the flag."""
+    from kvfleet_engine.config import EngineConfig
+    from kvfleet_engine.tokenizer import load_tokenizer
+
+    try:
+        engine = EngineConfig.create(config.path, **{"device": args.device, **config.options})
+        prompts = chat_prompts(load_tokenizer(engine.model), args.prompts)
+    except (ValueError, TypeError, OSError) as error:
+        raise ValueError(f"--config {config.name}: {error}") from None
+    limit = engine.model.max_model_len
+    if args.window > limit:
+        raise ValueError(f"--window ({args.window}) must be <= {limit} (--config {config.name})")
+    # The run's max_model_len: the config's own, else --window.
+    setting, max_model_len = (
+        (f"--config {config.name}: max_model_len", limit)
+        if "max_model_len" in config.options
+        else ("--window", args.window)
+    )
+    longest = max(len(prompt) for prompt in prompts)
+    if longest >= max_model_len:
+        raise ValueError(
+            f"{setting} ({max_model_len}) must be > {longest}, the longest chat prompt of "
+            f"--config {config.name} in tokens"
+        )
 
 
 def run_config(config: Config, args: argparse.Namespace) -> Result:
@@ -224,14 +157,7 @@ def run_config(config: Config, args: argparse.Namespace) -> Result:
     tokenizer = llm.get_tokenizer()
     token_ids = evaluation_tokens(tokenizer, args.max_tokens)
     scored = perplexity(llm, token_ids, args.window, args.stride, args.chunk)
-    prompts = [
-        tokenizer.encode(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
-            )
-        )
-        for question in PROMPTS[: args.prompts]
-    ]
+    prompts = chat_prompts(tokenizer, args.prompts)
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     answers = [list(out.outputs[0].token_ids) for out in outputs]

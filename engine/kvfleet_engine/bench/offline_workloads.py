@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfleet_engine.argtypes import positive_int
+from kvfleet_engine.bench.results import writable_dir
 from kvfleet_engine.bench.shapes import SHAPES
 from kvfleet_engine.config import KV_CACHE_DTYPES, EngineConfig
 
@@ -43,6 +44,13 @@ def _quantizations(text: str) -> list[str]:
     return names
 
 
+def _block_size(text: str) -> int:
+    size = positive_int(text)
+    if size > 256 or size & (size - 1):
+        raise argparse.ArgumentTypeError(f"expected a power of two in [1, 256], got {size}")
+    return size
+
+
 def length_range(text: str) -> tuple[int, int]:
     """ "N" or "LOW:HIGH" (uniform, inclusive)."""
     try:
@@ -67,7 +75,7 @@ def common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-num-batched-tokens", type=positive_int, default=engine["max_num_batched_tokens"]
     )
-    parser.add_argument("--block-size", type=positive_int, default=engine["block_size"])
+    parser.add_argument("--block-size", type=_block_size, default=engine["block_size"])
     parser.add_argument(
         "--gpu-memory-utilization", type=float, default=engine["gpu_memory_utilization"]
     )
@@ -107,8 +115,26 @@ def common_args(parser: argparse.ArgumentParser) -> None:
         help="after the timed run, profile N more steps of the workload and print the host calls",
     )
     parser.add_argument(
-        "--output-dir", type=Path, default=Path("bench/results"), help="where the JSON goes"
+        "--output-dir", type=writable_dir, default="bench/results", help="where the JSON goes"
     )
+
+
+def check_engine_flags(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, longest_input: int
+) -> None:
+    """The engine settings' rules that span flags, checked before a model is built."""
+    limit = SHAPES[args.shape][1]["max_position_embeddings"]
+    if longest_input + args.output_len > limit:
+        parser.error(
+            f"--input-len + --output-len must be <= {limit} (the {args.shape} shape's longest "
+            f"sequence), got {longest_input} + {args.output_len}"
+        )
+    if args.max_num_batched_tokens < args.max_num_seqs:
+        parser.error(f"--max-num-batched-tokens must be >= --max-num-seqs ({args.max_num_seqs})")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        parser.error("--gpu-memory-utilization must be in (0, 1]")
+    if args.kv_cache_calibration and args.kv_cache_dtype != "fp8":
+        parser.error("--kv-cache-calibration needs --kv-cache-dtype fp8")
 
 
 def throughput_args(argv: list[str]) -> argparse.Namespace:
@@ -126,7 +152,9 @@ def throughput_args(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="run the peer on the first N prompts only (default: all)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_engine_flags(parser, args, longest_input=args.input_len[1])
+    return args
 
 
 def throughput_workload(
@@ -168,6 +196,7 @@ def latency_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.output_len < 2:
         parser.error("--output-len must be >= 2 (a decode rate needs two tokens)")
+    check_engine_flags(parser, args, longest_input=args.input_len)
     return args
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import re
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,23 @@ class Row:
                 f"system must be one of {SYSTEMS} (kvfleet and roofline may end in -"
                 f"{'|'.join(QUANTIZATIONS)}), got {self.system!r}"
             )
+
+
+def writable_dir(text: str) -> Path:
+    """argparse type of an output directory (created when the results are written): its
+    nearest existing ancestor must be a directory we can write in, so that a run never ends
+    unable to save its results."""
+    path = Path(text)
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write to {text!r}: {existing} is not a directory")
+    try:
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as error:
+        raise argparse.ArgumentTypeError(
+            f"cannot write to {text!r}: {existing} is not writable ({error.strerror or error})"
+        ) from None
+    return path
 
 
 def gpu_name(device: Any) -> str:

@@ -48,9 +48,32 @@ def _goodput(text: str) -> tuple[str, float]:
     if name not in ("ttft", "tpot", "e2el") or not value:
         raise argparse.ArgumentTypeError(f"expected ttft:MS, tpot:MS or e2el:MS, got {text!r}")
     try:
-        return name, float(value)
+        return name, positive_float(value)
+    except argparse.ArgumentTypeError as error:
+        raise argparse.ArgumentTypeError(f"{name}: {error} (milliseconds)") from None
+
+
+def _percentiles(text: str) -> list[float]:
+    """ "50,90,99" -> [50.0, 90.0, 99.0], each in [0, 100]."""
+    try:
+        values = [float(p) for p in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{name}: expected milliseconds, got {value!r}") from None
+        values = []
+    if not values or not all(0 <= p <= 100 for p in values):
+        raise argparse.ArgumentTypeError(f"expected P,P,... each in [0, 100], got {text!r}")
+    return values
+
+
+def _token_range(text: str) -> tuple[int, int]:
+    """ "LOW:HIGH" -> (low, high) with 0 <= low <= high."""
+    low, _, high = text.partition(":")
+    try:
+        bounds = int(low), int(high)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LOW:HIGH token ids, got {text!r}") from None
+    if not 0 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"expected 0 <= LOW <= HIGH, got {text!r}")
+    return bounds
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,6 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--random-token-range",
+        type=_token_range,
         default="3:250",
         help="LOW:HIGH token ids for random prompts (fits every vocabulary by default)",
     )
@@ -102,8 +126,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ask for exactly the output length (kvfleet/vLLM extension)",
     )
     parser.add_argument("--goodput", type=_goodput, nargs="+", default=[], metavar="NAME:MS")
-    parser.add_argument("--percentiles", default="50,90,99", help="comma-separated")
-    parser.add_argument("--timeout", type=float, default=600.0, help="per-request seconds")
+    parser.add_argument(
+        "--percentiles", type=_percentiles, default="50,90,99", help="comma-separated, 0-100"
+    )
+    parser.add_argument("--timeout", type=positive_float, default=600.0, help="per-request seconds")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--client-processes",
@@ -121,11 +147,6 @@ def main(argv: list[str]) -> int:
     )
     add_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        low, high = (int(x) for x in args.random_token_range.split(":"))
-        percentiles = [float(p) for p in args.percentiles.split(",")]
-    except ValueError:
-        parser.error("--random-token-range LOW:HIGH and --percentiles P,P,... take numbers")
     if not 0 <= args.random_range_ratio < 1:
         parser.error("--random-range-ratio: must be in [0, 1)")
     if not 0 <= args.random_prefix_len < args.random_input_len:
@@ -148,7 +169,7 @@ def main(argv: list[str]) -> int:
                 args.random_input_len,
                 args.random_output_len,
                 args.random_range_ratio,
-                (low, high),
+                args.random_token_range,
                 args.seed,
                 args.random_prefix_len,
             )
@@ -165,7 +186,7 @@ def main(argv: list[str]) -> int:
         else:
             results, duration = asyncio.run(run_load(args, model, requests, bar))
     after = fetch_counters(args.url) if before is not None else None
-    summary = summarize(results, duration, percentiles, dict(args.goodput))
+    summary = summarize(results, duration, args.percentiles, dict(args.goodput))
     summary["server"] = load_counters(before, after) if before and after else None
     print(format_report(summary))
     if summary["server"]:

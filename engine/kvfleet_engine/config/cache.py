@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfleet_engine.config.checks import check
+from kvfleet_engine.config.checks import check, check_switch, is_int, is_number
 
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 
@@ -29,11 +29,44 @@ class CacheConfig:
     kv_cache_calibration: str | None = None
 
 
+def check_cache(cache: CacheConfig) -> None:
+    """Each setting's type and range, named by its EngineConfig.create keyword."""
+    block_size = cache.block_size
+    check(
+        is_int(block_size) and 1 <= block_size <= 256 and block_size & (block_size - 1) == 0,
+        "block_size",
+        block_size,
+        "a power of two in [1, 256]",
+    )
+    check(
+        cache.num_blocks is None or (is_int(cache.num_blocks) and cache.num_blocks >= 1),
+        "kv_cache_blocks",
+        cache.num_blocks,
+        "an integer >= 1 or None (size from memory)",
+    )
+    utilization = cache.gpu_memory_utilization
+    check(
+        is_number(utilization) and 0.0 < utilization <= 1.0,
+        "gpu_memory_utilization",
+        utilization,
+        "a number in (0, 1]",
+    )
+    check_switch("enable_prefix_caching", cache.enable_prefix_caching)
+    check(
+        cache.kv_cache_dtype in KV_CACHE_DTYPES,
+        "kv_cache_dtype",
+        cache.kv_cache_dtype,
+        " | ".join(KV_CACHE_DTYPES),
+    )
+    check_calibration(cache.kv_cache_calibration, cache.kv_cache_dtype)
+
+
 def check_calibration(path: str | None, kv_cache_dtype: str) -> None:
     """`kv_cache_calibration` with what it needs: an fp8 cache and a file that exists."""
     if path is None:
         return
     name = "kv_cache_calibration"
+    check(isinstance(path, str), name, path, "a file path or None")
     check(
         kv_cache_dtype == "fp8",
         name,

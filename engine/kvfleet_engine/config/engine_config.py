@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfleet_engine.config.cache import KV_CACHE_DTYPES, CacheConfig, check_calibration
+from kvfleet_engine.config.cache import CacheConfig, check_cache
 from kvfleet_engine.config.checks import check
 from kvfleet_engine.config.cli import QUANTIZATION_CHOICES, add_engine_args, engine_keywords
 from kvfleet_engine.config.model import ModelConfig
 from kvfleet_engine.config.parallel import ParallelConfig, check_model_split, check_parallel
-from kvfleet_engine.config.runner import ATTENTION_BACKENDS, RunnerConfig
-from kvfleet_engine.config.scheduler import SchedulerConfig
+from kvfleet_engine.config.runner import RunnerConfig, check_runner
+from kvfleet_engine.config.scheduler import SchedulerConfig, check_scheduler
 from kvfleet_engine.quant.config import METHODS as QUANTIZATION_METHODS
 
 
@@ -59,7 +60,13 @@ class EngineConfig:
     ) -> EngineConfig:
         """Validate the settings and read the model's config.json (the only I/O). `dtype`
         "auto": the checkpoint's; `max_model_len` None: the model's; `quantization` None: the
-        checkpoint's."""
+        checkpoint's. A bad setting raises ValueError naming its keyword."""
+        check(
+            isinstance(model, str | os.PathLike),
+            "model",
+            model,
+            "the path of a model directory or a GGUF file",
+        )
         parallel = ParallelConfig(
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
@@ -76,80 +83,34 @@ class EngineConfig:
             quantization,
             "auto (None: the checkpoint's) | " + " | ".join(QUANTIZATION_METHODS),
         )
-        check(
-            isinstance(block_size, int)
-            and 1 <= block_size <= 256
-            and block_size & (block_size - 1) == 0,
-            "block_size",
-            block_size,
-            "a power of two in [1, 256]",
+        cache = CacheConfig(
+            block_size=block_size,
+            num_blocks=kv_cache_blocks,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_calibration=kv_cache_calibration,
         )
-        check(
-            kv_cache_blocks is None or kv_cache_blocks >= 1,
-            "kv_cache_blocks",
-            kv_cache_blocks,
-            "an integer >= 1 or None (size from memory)",
+        check_cache(cache)
+        scheduler = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            async_scheduling=async_scheduling,
         )
-        check(
-            0.0 < gpu_memory_utilization <= 1.0,
-            "gpu_memory_utilization",
-            gpu_memory_utilization,
-            "in (0, 1]",
+        check_scheduler(scheduler)
+        runner = RunnerConfig(
+            device=device,
+            attention_backend=attention_backend,
+            enforce_eager=enforce_eager,
+            shared_prefix_attention=shared_prefix_attention,
+            seed=seed,
         )
-        check(max_num_seqs >= 1, "max_num_seqs", max_num_seqs, "an integer >= 1")
-        check(
-            max_num_batched_tokens >= max_num_seqs,
-            "max_num_batched_tokens",
-            max_num_batched_tokens,
-            f">= max_num_seqs ({max_num_seqs})",
-        )
-        check(
-            device == "auto" or device == "cpu" or device.startswith("cuda"),
-            "device",
-            device,
-            "auto, cpu, cuda or cuda:N",
-        )
-        check(
-            attention_backend in ATTENTION_BACKENDS,
-            "attention_backend",
-            attention_backend,
-            " | ".join(ATTENTION_BACKENDS),
-        )
-        check(
-            kv_cache_dtype in KV_CACHE_DTYPES,
-            "kv_cache_dtype",
-            kv_cache_dtype,
-            " | ".join(KV_CACHE_DTYPES),
-        )
-        check_calibration(kv_cache_calibration, kv_cache_dtype)
+        check_runner(runner)
         model_config = ModelConfig.from_pretrained(
-            model, dtype=dtype, max_model_len=max_model_len, quantization=quantization
+            os.fspath(model), dtype=dtype, max_model_len=max_model_len, quantization=quantization
         )
         check_model_split(model_config, parallel)
-        return cls(
-            model=model_config,
-            cache=CacheConfig(
-                block_size=block_size,
-                num_blocks=kv_cache_blocks,
-                gpu_memory_utilization=gpu_memory_utilization,
-                enable_prefix_caching=enable_prefix_caching,
-                kv_cache_dtype=kv_cache_dtype,
-                kv_cache_calibration=kv_cache_calibration,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                async_scheduling=async_scheduling,
-            ),
-            runner=RunnerConfig(
-                device=device,
-                attention_backend=attention_backend,
-                enforce_eager=enforce_eager,
-                shared_prefix_attention=shared_prefix_attention,
-                seed=seed,
-            ),
-            parallel=parallel,
-        )
+        return cls(model_config, cache, scheduler, runner, parallel)
 
     @classmethod
     def keyword_names(cls) -> frozenset[str]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvfleet_engine.config.checks import check
+from kvfleet_engine.config.checks import check, is_int
 from kvfleet_engine.loaders.gguf_metadata import find_gguf_file, gguf_eos_token_ids, gguf_hf_config
 from kvfleet_engine.loaders.gguf_names import gguf_linear_types
 from kvfleet_engine.models.registry import check_architecture
@@ -77,7 +77,8 @@ class ModelConfig:
             raise ValueError(
                 f"model: {path!r} is neither a model directory (no config.json) nor a GGUF file"
             )
-        hf_config = json.loads(config_file.read_text())
+        hf_config = _read_json(config_file)
+        _check_hf_config(hf_config, config_file)
         architectures = hf_config.get("architectures") or [None]
         check_architecture(architectures[0])
         return cls(
@@ -118,9 +119,48 @@ class ModelConfig:
         return int(self.hf_config["vocab_size"])
 
 
+# config.json's keys the engine reads as counts: those it needs (>= 1), and those it may do
+# without (absent, null or 0).
+_REQUIRED_COUNTS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
+_OPTIONAL_COUNTS = (
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "max_position_embeddings",
+    "sliding_window",
+)
+
+
+def _read_json(file: Path) -> Any:
+    try:
+        return json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"model: {file} is not valid JSON: {exc}") from None
+
+
+def _check_hf_config(hf_config: Any, file: Path) -> None:
+    """config.json is an object whose counts are positive integers; ValueError naming the file
+    and the key otherwise."""
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"model: {file} must hold a JSON object, got {type(hf_config).__name__}")
+    for key in _REQUIRED_COUNTS:
+        if key not in hf_config:
+            raise ValueError(f"model: {file} has no {key!r}")
+        _check_count(file, key, hf_config[key], 1)
+    for key in _OPTIONAL_COUNTS:
+        if hf_config.get(key) is not None:
+            _check_count(file, key, hf_config[key], 0)
+
+
+def _check_count(file: Path, key: str, value: Any, low: int) -> None:
+    if not is_int(value) or value < low:
+        raise ValueError(f"model: {file}: {key!r} must be an integer >= {low}, got {value!r}")
+
+
 def _resolve_dtype(dtype: str, hf_config: dict[str, Any] | None) -> str:
     """The dtype setting, with `auto` replaced by the checkpoint's dtype (hf_config None: a GGUF
     file, whose quantized tensors have none)."""
+    check(isinstance(dtype, str), "dtype", dtype, " | ".join(DTYPES))
     dtype = _DTYPE_ALIASES.get(dtype, dtype)
     check(dtype in DTYPES, "dtype", dtype, " | ".join(DTYPES))
     if dtype != "auto" or hf_config is None:
@@ -141,7 +181,7 @@ def _resolve_max_model_len(requested: int | None, hf_config: dict[str, Any]) -> 
     if requested is None:
         return limit
     check(
-        1 < requested <= limit,
+        is_int(requested) and 1 < requested <= limit,
         "max_model_len",
         requested,
         f"in [2, {limit}] (the model's maximum length)",
@@ -153,7 +193,9 @@ def _eos_token_ids(directory: Path, hf_config: dict[str, Any]) -> frozenset[int]
     value = hf_config.get("eos_token_id")
     generation_file = directory / "generation_config.json"
     if generation_file.is_file():
-        value = json.loads(generation_file.read_text()).get("eos_token_id", value)
+        generation = _read_json(generation_file)
+        if isinstance(generation, dict):
+            value = generation.get("eos_token_id", value)
     if value is None:
         return frozenset()
     return frozenset([value] if isinstance(value, int) else value)

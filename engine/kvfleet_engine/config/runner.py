@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 
+from kvfleet_engine.config.checks import check, check_switch, is_int
+from kvfleet_engine.sampling import MAX_SEED
+
 ATTENTION_BACKENDS = ("auto", "sdpa", "torch", "triton")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 @dataclass(frozen=True)
@@ -22,3 +28,28 @@ class RunnerConfig:
     shared_prefix_attention: bool = True
     # Seed of the global generator (requests without their own seed).
     seed: int = 0
+
+
+def check_runner(runner: RunnerConfig) -> None:
+    """Each setting's type and range, and a backend the device can run."""
+    device, backend = runner.device, runner.attention_backend
+    check(
+        isinstance(device, str) and _DEVICE.fullmatch(device) is not None,
+        "device",
+        device,
+        "auto, cpu, cuda or cuda:N",
+    )
+    check(
+        backend in ATTENTION_BACKENDS, "attention_backend", backend, " | ".join(ATTENTION_BACKENDS)
+    )
+    # Triton's interpreter runs the kernels on the CPU (the CPU tests use it); it is read once,
+    # at import, from TRITON_INTERPRET.
+    if backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "attention_backend 'triton' needs a CUDA device (device is 'cpu'): use sdpa or "
+            "torch on the CPU, or set TRITON_INTERPRET=1 to run the kernels interpreted"
+        )
+    check_switch("enforce_eager", runner.enforce_eager)
+    check_switch("shared_prefix_attention", runner.shared_prefix_attention)
+    seed = runner.seed
+    check(is_int(seed) and 0 <= seed <= MAX_SEED, "seed", seed, "an integer in [0, 2**64 - 1]")

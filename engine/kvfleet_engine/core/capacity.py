@@ -71,6 +71,10 @@ def measure_capacity(
 
     started = time.perf_counter()
     vocab = min(engine.model_config.vocab_size, 30_000)
+    # Short contexts (max_model_len 2 and up): shorter prompts, so every measurement fits.
+    max_model_len = engine.model_config.max_model_len
+    prompt_len = max(1, min(prompt_len, max_model_len - decode_steps - 2))
+    prefill_tokens = max(1, min(prefill_tokens, max_model_len - 1))
     seeds = iter(range(1, 1_000_000))
 
     def prompt(length: int) -> list[int]:
@@ -118,6 +122,9 @@ def measure_capacity(
         _run_to_completion(engine)
         prefill_runs.append(time.perf_counter() - t0)
     prefill_step_s = min(prefill_runs)
+    # A context too short for a decode step (3 tokens or fewer): count one as long as a prefill.
+    decode_small = decode_small or prefill_step_s
+    decode_large = decode_large or decode_small
 
     slopes = [1e-9]
     if prefill_tokens > small:

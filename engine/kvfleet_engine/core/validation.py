@@ -3,8 +3,34 @@ runs them too, before sending)."""
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Iterable
+from typing import Any
+
 from kvfleet_engine.config import ModelConfig
 from kvfleet_engine.sampling import SamplingParams
+
+
+def as_token_ids(prompt_token_ids: Iterable[Any]) -> list[int]:
+    """The prompt as Python ints (numpy integers too); TypeError naming prompt_token_ids for a
+    float, a bool or anything else that is not an integer."""
+    token_ids = []
+    for token in prompt_token_ids:
+        if isinstance(token, bool):
+            raise TypeError(f"prompt_token_ids must be int, got {token!r} (bool)")
+        try:
+            token_ids.append(operator.index(token))
+        except TypeError:
+            raise TypeError(
+                f"prompt_token_ids must be int, got {token!r} ({type(token).__name__})"
+            ) from None
+    return token_ids
+
+
+def check_priority(priority: object) -> None:
+    """A request's priority is an integer (lower runs first)."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise TypeError(f"priority must be int, got {priority!r} ({type(priority).__name__})")
 
 
 def validate_request(
@@ -32,4 +58,9 @@ def validate_request(
     if bad:
         raise ValueError(
             f"prompt_token_ids contains {bad[0]!r}, outside the vocabulary [0, {vocab_size})"
+        )
+    bad_stops = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad_stops:
+        raise ValueError(
+            f"stop_token_ids contains {bad_stops[0]!r}, outside the vocabulary [0, {vocab_size})"
         )

@@ -58,13 +58,15 @@ def estimate_ttft_s(
 
     Each step spends one token on every running decode and the rest of the budget on queued
     prompts in arrival order; so the queue ahead plus this prompt take
-    ceil(tokens / (budget - running)) steps of step_seconds(budget) each.
+    ceil(tokens / (budget - running)) steps, each running the decodes and its share of those
+    tokens: the steps' fixed and decode costs plus every queued token's own cost.
     """
     prefill_per_step = token_budget - queue.num_running
     if prefill_per_step <= 0:
         return math.inf
-    num_steps = math.ceil((queue.num_queued_tokens + num_prompt_tokens) / prefill_per_step)
-    return num_steps * model.step_seconds(token_budget)
+    num_tokens = queue.num_queued_tokens + num_prompt_tokens
+    num_steps = math.ceil(num_tokens / prefill_per_step)
+    return num_steps * model.step_seconds(queue.num_running) + num_tokens * model.per_token_s
 
 
 class AdmissionPolicy:
@@ -90,7 +92,8 @@ class AdmissionPolicy:
         self, queue: QueueSnapshot, num_prompt_tokens: int, num_requests: int = 1
     ) -> Rejection | None:
         """None to admit; else why not. An empty queue admits anything (one request of n > the
-        bound must not be refused forever), so the bounds apply to the queue ahead of it."""
+        bound must not be refused forever, and waiting would not start it any sooner), so the
+        bounds and the TTFT target apply to the queue ahead of it."""
         cfg = self.config
         retry = self._retry_after_s(queue)
         if (
@@ -117,7 +120,11 @@ class AdmissionPolicy:
                 f"(--max-queued-tokens {cfg.max_queued_tokens}); retry later",
                 retry,
             )
-        if cfg.ttft_slo_s is not None and self.step_model is not None:
+        if (
+            cfg.ttft_slo_s is not None
+            and self.step_model is not None
+            and queue.num_queued_requests > 0
+        ):
             ttft = estimate_ttft_s(queue, num_prompt_tokens, self.step_model, self.token_budget)
             if ttft > cfg.ttft_slo_s:
                 shown = "unbounded" if math.isinf(ttft) else f"{ttft * 1000:.0f} ms"

@@ -22,8 +22,8 @@ from kvfleet_engine.server.errors import (
     APIError,
     error_body,
     error_response,
-    param_from_location,
-    telling_error,
+    invalid_request,
+    unparsable_body,
 )
 from kvfleet_engine.server.protocol import (
     ChatCompletionRequest,
@@ -85,30 +85,20 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:
-        error = telling_error(exc.errors())
-        param = param_from_location(error.get("loc", ("body",)))
-        detail = str(error.get("msg", "invalid")).removeprefix("Value error, ")
-        if error.get("type") == "json_invalid":
-            param = "body"
-            message = f"request body is not valid JSON: {detail}"
-        elif error.get("type") == "string_unicode":
-            message = f"{param}: must be valid Unicode text (it holds a lone UTF-16 surrogate)"
-        elif error.get("type") == "extra_forbidden":
-            message = f"{param}: unrecognized request argument"
-        else:
-            message = f"{param}: {detail}"
-        return error_response(error_body(message, type_="invalid_request_error", param=param), 400)
+        error = invalid_request(exc.errors(), request.headers.get("content-type"))
+        return error_response(error.body(), error.status_code)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
-        message, param = str(exc.detail), None
-        if exc.status_code == 400:  # the body could not be decoded (not UTF-8, nested too deep)
-            message, param = f"request body could not be parsed as UTF-8 JSON ({message})", "body"
-        elif exc.status_code == 405:
+        if exc.status_code == 400:  # the JSON decoder gave up on the body
+            error = unparsable_body(exc.__cause__)
+            return error_response(error.body(), error.status_code)
+        message = str(exc.detail)
+        if exc.status_code == 405:
             allowed = (exc.headers or {}).get("Allow", "")
             message = f"method {request.method} is not allowed on {request.url.path}"
             message += f"; allowed: {allowed}" if allowed else ""
-        body = error_body(message, type_="invalid_request_error", param=param)
+        body = error_body(message, type_="invalid_request_error")
         return error_response(body, exc.status_code, exc.headers)
 
     @app.exception_handler(Exception)
@@ -210,10 +200,10 @@ def _plain(record: object) -> Any:
 
 async def _warm_up(state: ServerState) -> None:
     """Self-benchmark in the core, apply the SLA token budget, publish capacity; then report
-    ready."""
+    ready. On failure, `state.startup_error` says why (`kvfleet serve` then exits 1)."""
     engine = state.engine
     settings = state.settings
-    prefill_tokens = max(2, min(settings.max_num_batched_tokens, settings.max_model_len - 2, 512))
+    prefill_tokens = max(1, min(settings.max_num_batched_tokens, settings.max_model_len - 1, 512))
     decode_batches = (min(settings.max_num_seqs, 8), min(settings.max_num_seqs, 64))
     try:
         report = await engine.measure_capacity(decode_batches, prefill_tokens)
@@ -235,9 +225,9 @@ async def _warm_up(state: ServerState) -> None:
         state.metrics.set_baseline(await engine.stats())
     except asyncio.CancelledError:
         raise
-    except Exception as exc:
-        log.exception("start-up self-benchmark failed; the server will not become ready")
+    except Exception as exc:  # the core's traceback is in its own log
         state.startup_error = f"start-up self-benchmark failed: {exc}"
+        log.error("%s; the server cannot become ready", state.startup_error)
         return
     state.warmed_up = True
     log.info("ready: serving %s", settings.served_model_name)

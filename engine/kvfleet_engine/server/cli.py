@@ -22,11 +22,13 @@ import argparse
 import asyncio
 import gc
 import logging
+import math
 import os
 import signal
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -58,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     server = parser.add_argument_group("server")
     server.add_argument("--served-model-name", help="model name clients send (default: --model)")
     server.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    server.add_argument("--port", type=int, default=8000, help="port to listen on")
+    server.add_argument("--port", type=port_number, default=8000, help="port to listen on")
     server.add_argument(
         "--max-queued-requests",
         type=positive_int,
@@ -81,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     server.add_argument(
         "--drain-timeout",
-        type=float,
+        type=non_negative_seconds,
         default=30.0,
         help="seconds in-flight requests may take to finish after SIGTERM",
     )
@@ -114,14 +116,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def port_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number in 1..65535, got {value}")
+    return value
+
+
+def non_negative_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if args.drain_timeout < 0:
-        parser.error("--drain-timeout: must be >= 0")
     if args.model is None:
         from kvfleet_engine.model_store import DEFAULT_MODEL, FetchError, fetch
 
@@ -163,6 +183,10 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 2 if exc.user_error else 1
     try:
         tokenizer = tokenizer_loader.result()
+    except Exception as exc:
+        client.shutdown()
+        print(f"kvfleet serve: {_tokenizer_error(config.model.path, exc)}", file=sys.stderr)
+        return 1
     except BaseException:
         client.shutdown()
         raise
@@ -219,6 +243,22 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return server.exit_code
 
 
+# What a Hugging Face tokenizer loads from: one of these at least.
+_TOKENIZER_FILES = ("tokenizer.json", "*.model", "vocab.*")
+
+
+def _tokenizer_error(model_path: str, exc: Exception) -> str:
+    """One line: why the tokenizer of --model did not load."""
+    directory = Path(model_path)
+    if directory.is_dir() and not any(any(directory.glob(p)) for p in _TOKENIZER_FILES):
+        return (
+            f"--model {model_path}: no tokenizer files there (none of "
+            f"{', '.join(_TOKENIZER_FILES)}); copy them from the model's repository"
+        )
+    lines = str(exc).strip().splitlines()
+    return f"--model {model_path}: cannot load its tokenizer: {lines[0] if lines else repr(exc)}"
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -247,6 +287,15 @@ class DrainingServer(uvicorn.Server):
         self.exit_code = 1
         loop = asyncio.get_running_loop()
         loop.call_later(self.CORE_DEATH_GRACE_S, setattr, self, "should_exit", True)
+
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn's tick (every 0.1 s): a failed warm-up ends the server, since it would never
+        become ready."""
+        if self.state.startup_error is not None and not self.should_exit:
+            log.error("start-up failed: exiting with code 1")
+            self.exit_code = 1
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     async def serve(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
         self._loop = asyncio.get_running_loop()

@@ -8,6 +8,8 @@ a JSON response, so a bad request never surfaces as a 500.
 from __future__ import annotations
 
 import json
+import re
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -52,13 +54,16 @@ def invalid_field(field: str, message: str) -> APIError:
 
 def param_from_location(loc: Sequence[int | str]) -> str:
     """pydantic error location -> dotted field name, dropping the root ("body", "header") and
-    the union members' type tags, so the field reads the way the client spelled it.
+    the union members' type tags, so the field reads the way the client spelled it. An error
+    in a mapping's key names the mapping (the key may not even be printable).
 
     ("body", "messages", 0, "content", "list[TextPart]", 0, "text") -> "messages.0.content.0.text"
     """
     parts = [str(p) for p in loc]
     if parts and parts[0] in ("body", "header", "query", "path"):
         parts = parts[1:]
+    if "[key]" in parts:
+        parts = parts[: max(parts.index("[key]") - 1, 0)]
     kept = [part for part in parts if part.isdigit() or not _is_union_tag(part)]
     return ".".join(kept) if kept else "body"
 
@@ -66,17 +71,92 @@ def param_from_location(loc: Sequence[int | str]) -> str:
 def telling_error(errors: Sequence[Any]) -> dict[str, Any]:
     """The validation error to report. A value that fails every member of a union (prompt: a
     string, strings, token ids, ...) fails each in its own way; the member whose own check
-    rejected it says more than the members of the wrong type."""
+    rejected it says more than the members of the wrong type, and when every member refused
+    the value's type, the message lists the forms the field takes."""
     if not errors:
         return {"loc": ("body",), "msg": "invalid request", "type": "invalid"}
     for error in errors:
-        if error.get("type") == "value_error":
+        if error.get("type") in ("value_error", "string_unicode"):
             return dict(error)
     for error in errors:
         kind = str(error.get("type", ""))
-        if not kind.endswith(("_type", "_parsing")) and kind != "string_unicode":
+        if not kind.endswith(("_type", "_parsing")):
             return dict(error)
-    return dict(errors[0])
+    return _union_type_error(errors[0]) or dict(errors[0])
+
+
+def invalid_request(errors: Sequence[Any], content_type: str | None) -> APIError:
+    """The 400 for a request body that failed validation, naming the field."""
+    error = telling_error(errors)
+    kind = error.get("type")
+    detail = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+    if kind == "json_invalid":
+        return APIError(400, f"request body is not valid JSON: {detail}", param="body")
+    param = param_from_location(error.get("loc", ("body",)))
+    if param == "body":
+        return APIError(400, _body_message(kind, content_type), param="body")
+    if kind == "string_unicode":
+        detail = "must be valid Unicode text (it holds a lone UTF-16 surrogate)"
+    elif kind == "extra_forbidden":
+        detail = "unrecognized request argument"
+    elif kind == "finite_number":
+        detail = "must be a finite number"
+    return invalid_field(param, detail)
+
+
+def unparsable_body(cause: BaseException | None) -> APIError:
+    """The 400 for a body the JSON decoder gave up on (`cause`: what it raised)."""
+    if isinstance(cause, UnicodeDecodeError):
+        message = f"request body is not UTF-8 text (invalid byte at offset {cause.start})"
+    elif isinstance(cause, RecursionError):
+        message = "request body is not accepted: its JSON nests arrays or objects too deeply"
+    elif isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        limit = sys.get_int_max_str_digits()
+        message = f"request body is not accepted: it holds an integer of more than {limit} digits"
+    else:
+        message = "request body is not valid JSON"
+    return APIError(400, message, param="body")
+
+
+_JSON_OBJECT_HINT = "send a JSON object with Content-Type: application/json"
+
+# Fields that take several shapes: what each takes, for a value of none of those types.
+_UNION_FORMS = {
+    "prompt": "a string, a list of strings, a list of token ids, or a list of lists of token ids",
+    "stop": "a string or a list of strings",
+    "messages.*.content": 'a string, a list of {"type": "text", "text": "..."} parts, or null',
+    "tool_choice": "a string or an object",
+}
+
+
+def _union_type_error(error: Any) -> dict[str, Any] | None:
+    """For a type error inside a union: an error at the union's field listing its forms."""
+    loc = tuple(error.get("loc", ()))
+    tags = [k for k, part in enumerate(loc) if isinstance(part, str) and _is_union_tag(part)]
+    if not tags:
+        return None
+    field_loc = loc[: tags[0]]
+    field = re.sub(r"\.\d+(?=\.|$)", ".*", param_from_location(field_loc))
+    forms = _UNION_FORMS.get(field)
+    if forms is None:
+        return None
+    return {"loc": field_loc, "msg": f"must be {forms}", "type": "union_type"}
+
+
+def _body_message(kind: object, content_type: str | None) -> str:
+    if kind == "missing":
+        return f"request body is empty: {_JSON_OBJECT_HINT}"
+    if not _is_json(content_type):
+        given = f"Content-Type: {content_type}" if content_type else "no Content-Type"
+        return f"request body must be JSON ({given}): {_JSON_OBJECT_HINT}"
+    return f"request body must be a JSON object: {_JSON_OBJECT_HINT}"
+
+
+def _is_json(content_type: str | None) -> bool:
+    media_type = (content_type or "").split(";")[0].strip().lower()
+    return media_type == "application/json" or (
+        media_type.startswith("application/") and media_type.endswith("+json")
+    )
 
 
 def _is_union_tag(part: str) -> bool:

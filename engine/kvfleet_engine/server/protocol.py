@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from kvfleet_engine.sampling import MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MAX_TOP_K
+
 # --- requests --------------------------------------------------------------------------------
 
 
@@ -31,9 +33,23 @@ Text = Annotated[str, AfterValidator(_unicode_text)]  # every request string the
 NonNegInt = Annotated[int, Field(ge=0)]
 TokenIds = Annotated[list[NonNegInt], Field(min_length=1)]
 
+# Stop strings are searched for after every generated token, so their number and length bound
+# the work of each token (OpenAI allows 4).
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 1024
+StopText = Annotated[
+    str, Field(min_length=1, max_length=MAX_STOP_LENGTH), AfterValidator(_unicode_text)
+]
+# Each message goes through the chat template before anything counts its tokens.
+MAX_MESSAGES = 4096
+
+# Requests take JSON's own types: no "5" for 5, no 1.0 for token id 1, no "yes" for true (an int
+# still passes for a float), and no NaN or Infinity.
+_REQUEST_CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _REQUEST_CONFIG
 
     include_usage: bool = False  # send one last chunk with token counts before [DONE]
 
@@ -41,14 +57,14 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _REQUEST_CONFIG
 
     model: Text = Field(min_length=1)
     n: int = Field(default=1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: Text | list[Text] | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -56,9 +72,9 @@ class SamplingFields(BaseModel):
     user: Text | None = None  # accepted for compatibility; not used
     logit_bias: dict[Text, float] | None = None  # not implemented: rejected when non-empty
     # kvfleet / vLLM extensions
-    top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)  # -1 or 0: off
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_TOP_K)  # -1 or 0: off
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=MAX_REPETITION_PENALTY)
     stop_token_ids: list[NonNegInt] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -82,14 +98,14 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _REQUEST_CONFIG
 
     type: Literal["text"]
     text: Text
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _REQUEST_CONFIG
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
@@ -104,7 +120,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False

@@ -171,8 +171,12 @@ class OpenAIServing:
         settings = self.state.settings
         check_num_choices(len(prompts), body.n)
         check_prompt_ids(prompts, settings.vocab_size)
+        several = len(prompts) > 1
         limits = [
-            generation_limit(body, max_tokens, len(ids), settings.max_model_len) for ids in prompts
+            generation_limit(
+                body, max_tokens, len(ids), settings.max_model_len, k if several else None
+            )
+            for k, ids in enumerate(prompts)
         ]
         params = [
             sampling_params(body, limits[k // body.n], logprobs, k % body.n, settings.vocab_size)

@@ -79,13 +79,19 @@ def check_num_choices(num_prompts: int, n: int) -> None:
 
 
 def generation_limit(
-    body: SamplingFields, max_tokens: int | None, prompt_len: int, max_model_len: int
+    body: SamplingFields,
+    max_tokens: int | None,
+    prompt_len: int,
+    max_model_len: int,
+    index: int | None = None,  # the prompt's place in a list of several
 ) -> int:
     """Tokens this prompt may generate: the client's limit, or whatever the context leaves."""
+    field_name = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+    if index is not None:
+        field_name += f".{index}"
     if prompt_len == 0:
-        raise invalid_field("prompt", "must contain at least one token")
+        raise invalid_field(field_name, "must contain at least one token")
     if prompt_len >= max_model_len:
-        field_name = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
         raise invalid_field(
             field_name,
             f"is {prompt_len} tokens; this model's context is {max_model_len} tokens, "
