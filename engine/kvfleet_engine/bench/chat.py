@@ -30,17 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from kvfleet_engine.argtypes import positive_int
+from kvfleet_engine.bench.accuracy_prompts import PROMPTS
 
-QUESTIONS = (
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain what a hash table is.",
-    "Give me three tips for sleeping better.",
-    "Why is the sky blue?",
-    "What does a compiler do?",
-    "Summarise the plot of Romeo and Juliet.",
-    "What is photosynthesis?",
-)
+# The first of bench accuracy's fixed chat prompts.
+QUESTIONS = PROMPTS[:8]
 KVFLEET, TRANSFORMERS = "kvfleet", "transformers-generate"
 DECODE = "decode_tokens_per_s"
 

@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import gc
 import logging
-import math
 import os
 import signal
 import sys
@@ -34,7 +33,12 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from kvfleet_engine.argtypes import positive_float, positive_int
+from kvfleet_engine.argtypes import (
+    non_negative_seconds,
+    port_number,
+    positive_float,
+    positive_int,
+)
 from kvfleet_engine.server.admission import AdmissionConfig
 from kvfleet_engine.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 
@@ -114,26 +118,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     EngineConfig.add_cli_args(parser)
     return parser
-
-
-def port_number(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number in 1..65535, got {value}")
-    return value
-
-
-def non_negative_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
 
 
 def main(argv: list[str]) -> int:
