@@ -43,3 +43,15 @@ def test_help_shows_model_as_optional_with_its_default() -> None:
     usage = proc.stdout.split("\n\n")[0]
     assert "[--model MODEL]" in usage
     assert "embedded SmolLM2-135M-Instruct" in " ".join(proc.stdout.split())
+
+
+def test_a_model_that_cannot_be_read_is_one_line(tmp_path: Path) -> None:
+    """The flags parsed but the model directory is unusable: one error line, not the usage
+    block of every flag before it."""
+    command = [sys.executable, "-m", "kvfleet_cli", "serve", "--model", str(tmp_path)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"kvfleet serve: error: model: {str(tmp_path)!r} is neither a model directory "
+        "(no config.json) nor a GGUF file"
+    ]

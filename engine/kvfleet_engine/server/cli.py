@@ -150,8 +150,8 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     try:
         config = EngineConfig.from_cli_args(args)
-    except ValueError as exc:
-        parser.error(str(exc))
+    except ValueError as exc:  # one line: the flags were fine, the model or a setting is not
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     if config.parallel.node_rank > 0:  # a compute-only host of a multi-node replica
         from kvfleet_engine.parallel import node
 
