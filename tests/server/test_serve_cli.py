@@ -55,3 +55,21 @@ def test_a_model_that_cannot_be_read_is_one_line(tmp_path: Path) -> None:
         f"kvfleet serve: error: model: {str(tmp_path)!r} is neither a model directory "
         "(no config.json) nor a GGUF file"
     ]
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(tiny_model_dir: Path) -> None:
+    """The socket is bound first: the refusal comes at once, not from uvicorn after the load."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [sys.executable, "-m", "kvfleet_cli", "serve", "--model", str(tiny_model_dir),
+                   "--device", "cpu", "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"kvfleet serve: cannot listen on 127.0.0.1:{port}: Address already in use"
+    )
+    assert "Traceback" not in proc.stderr and "engine core" not in proc.stderr

@@ -24,6 +24,7 @@ import gc
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -43,6 +44,7 @@ from kvfleet_engine.server.admission import AdmissionConfig
 from kvfleet_engine.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 if TYPE_CHECKING:
+    from kvfleet_engine.config import EngineConfig
     from kvfleet_engine.server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -140,13 +142,7 @@ def main(argv: list[str]) -> int:
 
 
 def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from kvfleet_engine.async_engine import AsyncEngine
-    from kvfleet_engine.client.core_client import CoreClient, CoreStartError
     from kvfleet_engine.config import EngineConfig
-    from kvfleet_engine.metrics import EngineInfo, EngineMetrics
-    from kvfleet_engine.server.app import build_app
-    from kvfleet_engine.server.state import ServerSettings, ServerState
-    from kvfleet_engine.tokenizer import load_tokenizer
 
     try:
         config = EngineConfig.from_cli_args(args)
@@ -156,6 +152,26 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         from kvfleet_engine.parallel import node
 
         return node.serve(config, args.host, args.port, args.log_level)
+    try:
+        listener = _listening_socket(args.host, args.port)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        print(f"kvfleet serve: cannot listen on {args.host}:{args.port}: {reason}", file=sys.stderr)
+        return 2
+    try:
+        return _serve_on(listener, args, config)
+    finally:
+        listener.close()
+
+
+def _serve_on(listener: socket.socket, args: argparse.Namespace, config: EngineConfig) -> int:
+    from kvfleet_engine.async_engine import AsyncEngine
+    from kvfleet_engine.client.core_client import CoreClient, CoreStartError
+    from kvfleet_engine.metrics import EngineInfo, EngineMetrics
+    from kvfleet_engine.server.app import build_app
+    from kvfleet_engine.server.state import ServerSettings, ServerState
+    from kvfleet_engine.tokenizer import load_tokenizer
+
     client = CoreClient(config, log_level=args.log_level)
     # The tokenizer (transformers, and the torch it imports: most of this process's start-up)
     # loads while the core loads the model, instead of after it.
@@ -220,11 +236,25 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         state,
     )
     try:
-        server.run()
+        server.run(sockets=[listener])
     finally:
         client.shutdown()  # whatever ended the server, the core goes with it
     log.info("server stopped (exit code %d)", server.exit_code)
     return server.exit_code
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """The API's socket, bound before the model loads, so a port in use or an address this
+    machine does not have is one line at once rather than a uvicorn error after the load."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 # What a Hugging Face tokenizer loads from: one of these at least.
