@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from kvfleet_engine.config import EngineConfig
+from kvfleet_engine.core.validation import as_token_ids
 from kvfleet_engine.engine import LLMEngine
 from kvfleet_engine.outputs import RequestOutput
 from kvfleet_engine.sampling import SamplingParams
@@ -169,8 +170,8 @@ def _items(value: object, name: str, expected: str) -> list[Any]:
     return list(value)
 
 
-def _token_lists(prompt_token_ids: object) -> list[list[Any]]:
-    """One token-id list per prompt (lists, tuples or arrays of integers)."""
+def _token_lists(prompt_token_ids: object) -> list[list[int]]:
+    """One list of Python ints per prompt (from lists, tuples or arrays of integers)."""
     expected = "a list of token-id lists (one per prompt)"
     rows = _items(prompt_token_ids, "prompt_token_ids", expected)
-    return [_items(row, "prompt_token_ids", expected) for row in rows]
+    return [as_token_ids(_items(row, "prompt_token_ids", expected)) for row in rows]

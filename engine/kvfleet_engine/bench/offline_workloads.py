@@ -12,6 +12,7 @@ from kvfleet_engine.argtypes import positive_int
 from kvfleet_engine.bench.results import writable_dir
 from kvfleet_engine.bench.shapes import SHAPES
 from kvfleet_engine.config import KV_CACHE_DTYPES, EngineConfig
+from kvfleet_engine.config.cache import is_block_size
 
 QUANTIZATIONS = ("none", "fp8", "int8", "awq", "gptq")
 
@@ -46,7 +47,7 @@ def _quantizations(text: str) -> list[str]:
 
 def _block_size(text: str) -> int:
     size = positive_int(text)
-    if size > 256 or size & (size - 1):
+    if not is_block_size(size):
         raise argparse.ArgumentTypeError(f"expected a power of two in [1, 256], got {size}")
     return size
 

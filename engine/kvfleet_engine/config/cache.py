@@ -29,11 +29,21 @@ class CacheConfig:
     kv_cache_calibration: str | None = None
 
 
+def is_block_size(value: object) -> bool:
+    """Tokens per KV block: a power of two in [1, 256]."""
+    return (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and 1 <= value <= 256
+        and value & (value - 1) == 0
+    )
+
+
 def check_cache(cache: CacheConfig) -> None:
     """Each setting's type and range, named by its EngineConfig.create keyword."""
     block_size = cache.block_size
     check(
-        is_int(block_size) and 1 <= block_size <= 256 and block_size & (block_size - 1) == 0,
+        is_block_size(block_size),
         "block_size",
         block_size,
         "a power of two in [1, 256]",

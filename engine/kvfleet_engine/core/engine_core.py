@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from kvfleet_engine.config import EngineConfig, ModelConfig
 from kvfleet_engine.core.profile import PhaseProfile
 from kvfleet_engine.core.records import Finished, Started, StepOutputs
-from kvfleet_engine.core.validation import as_token_ids, check_priority, validate_request
+from kvfleet_engine.core.validation import check_priority, validate_request
 from kvfleet_engine.kv_cache import KVCacheManager
 from kvfleet_engine.model_runner import LaunchedStep, ModelRunner
 from kvfleet_engine.outputs import SchedulerStats
@@ -73,16 +73,16 @@ class EngineCore:
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> Request:
-        """Queue a request. Raises ValueError naming the problem for bad input (TypeError for
-        token ids or a priority that are not integers)."""
-        prompt_token_ids = as_token_ids(prompt_token_ids)
+        """Queue a request. Raises ValueError naming the problem for bad input (TypeError for a
+        priority that is not an integer; token ids arrive as ints: `LLM` converts its callers',
+        the server parses its own)."""
         validate_request(self.model_config, prompt_token_ids, params)
         check_priority(priority)
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = Request(
             request_id=request_id,
-            prompt_token_ids=prompt_token_ids,
+            prompt_token_ids=list(prompt_token_ids),
             params=params,
             eos_token_ids=self.model_config.eos_token_ids,
             priority=priority,

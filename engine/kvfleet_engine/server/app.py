@@ -203,7 +203,7 @@ async def _warm_up(state: ServerState) -> None:
     ready. On failure, `state.startup_error` says why (`kvfleet serve` then exits 1)."""
     engine = state.engine
     settings = state.settings
-    prefill_tokens = max(1, min(settings.max_num_batched_tokens, settings.max_model_len - 1, 512))
+    prefill_tokens = min(settings.max_num_batched_tokens, 512)  # measure_capacity fits the context
     decode_batches = (min(settings.max_num_seqs, 8), min(settings.max_num_seqs, 64))
     try:
         report = await engine.measure_capacity(decode_batches, prefill_tokens)
