@@ -3,12 +3,18 @@
 # throughput benchmarks. Logs and results JSON go to $OUT. Steps default to all; pass a subset:
 #   bench/gpu_check.sh tests engine-tests kernels profile gemv latency throughput throughput-1k
 # STEP_TIMEOUT (seconds, default 590) caps each step, so one call ends within the device limit.
+# The engine imports msgspec and the server's packages, which the device lacks: carry .whl with
+# the wheels bench/gpu_serve_core.sh lists in .whl/server (installed into /tmp/site).
 # TESTS_K selects kernel tests (pytest -k); GEMV_TOKENS the gemv batch sizes; PROFILE_ARGS and LATENCY_ARGS add arguments to those
 # steps (e.g. PROFILE_ARGS="--batch-sizes 1 --context 192" LATENCY_ARGS="--host-trace 40").
 set -uo pipefail
 OUT=${OUT:-/tmp/kvfleet-gpu-check}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/engine:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}"
+if compgen -G ".whl/server/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/server/*.whl || exit 1
+fi
+export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD/engine:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}"
 PY="timeout -k 5 ${STEP_TIMEOUT:-590} ${PY:-python3}"
 STEPS=${*:-tests kernels profile latency throughput}
 SHAPE=${SHAPE:-llama-3.1-8b}
@@ -18,7 +24,9 @@ for step in $STEPS; do
   case $step in
     tests) $PY -m pytest -m gpu tests/kernels tests/perf -q -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     engine-tests) $PY -m pytest -m gpu tests/engine/test_gpu.py tests/engine/test_pipeline_graphs.py \
-        tests/perf/test_cuda_graphs.py -q -p no:cacheprovider 2>&1 \
+        tests/perf/test_cuda_graphs.py tests/engine/test_quant_gpu.py \
+        tests/engine/test_kv_cache_quantized.py tests/engine/test_kv_shaping.py \
+        tests/engine/test_gguf_quantized.py -q -p no:cacheprovider 2>&1 \
         | tee "$OUT/engine-tests.log" | tail -15 ;;
     kernels) $PY -m kvfleet_engine.bench.kernels --output-dir "$OUT" 2>&1 | tee "$OUT/kernels.log" | grep -v Warning ;;
     profile) $PY -m kvfleet_engine.bench.profile --shape "$SHAPE" ${PROFILE_ARGS:-} --output-dir "$OUT" 2>&1 \

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from conftest import Checkpoints
 from kvfleet_engine import LLM
@@ -57,6 +58,13 @@ def test_the_triton_backend_needs_cuda_unless_interpreted(
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=r"^attention_backend 'triton' needs a CUDA device"):
         LLM(path, device="cpu", attention_backend="triton")
+    # device "auto" on a machine without CUDA: refused when the device is resolved, before the
+    # weights load (not a Triton error in the first forward).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(
+        ValueError, match=r"^attention_backend 'triton' needs a CUDA device \(device is 'cpu'\)"
+    ):
+        LLM(path, device="auto", attention_backend="triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # test_triton_backend runs it so on the CPU
     config = EngineConfig.create(path, device="cpu", attention_backend="triton")
     assert config.runner.attention_backend == "triton"

@@ -42,14 +42,19 @@ def check_runner(runner: RunnerConfig) -> None:
     check(
         backend in ATTENTION_BACKENDS, "attention_backend", backend, " | ".join(ATTENTION_BACKENDS)
     )
-    # Triton's interpreter runs the kernels on the CPU (the CPU tests use it); it is read once,
-    # at import, from TRITON_INTERPRET.
-    if backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            "attention_backend 'triton' needs a CUDA device (device is 'cpu'): use sdpa or "
-            "torch on the CPU, or set TRITON_INTERPRET=1 to run the kernels interpreted"
-        )
+    if device == "cpu":  # "auto" is resolved where torch is imported (the executor)
+        check_backend_device(backend, "cpu")
     check_switch("enforce_eager", runner.enforce_eager)
     check_switch("shared_prefix_attention", runner.shared_prefix_attention)
     seed = runner.seed
     check(is_int(seed) and 0 <= seed <= MAX_SEED, "seed", seed, "an integer in [0, 2**64 - 1]")
+
+
+def check_backend_device(backend: str, device_type: str) -> None:
+    """The triton backend runs on CUDA, or on the CPU under Triton's interpreter (the CPU tests
+    use it; it is read once, at import, from TRITON_INTERPRET)."""
+    if backend == "triton" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"attention_backend 'triton' needs a CUDA device (device is {device_type!r}): use "
+            "sdpa or torch on the CPU, or set TRITON_INTERPRET=1 to run the kernels interpreted"
+        )

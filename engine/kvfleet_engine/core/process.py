@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from kvfleet_engine import logs
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.core.capacity import measure_capacity
 from kvfleet_engine.core.records import (
@@ -51,15 +52,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
 
 def run_engine_core(config: EngineConfig, conn: Connection, log_level: str = "INFO") -> None:
     """The core process's entry point (multiprocessing target)."""
     from kvfleet_engine.core.engine_core import EngineCore  # torch: only in this process
 
     os.setsid()  # out of the API process's group: its SIGTERM drains through this process
-    logging.basicConfig(level=log_level.upper(), format=f"[engine-core] {LOG_FORMAT}")
+    logs.configure(log_level, "engine-core")
     encode = encoder().encode
     started = time.perf_counter()
     try:

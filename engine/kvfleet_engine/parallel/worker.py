@@ -21,6 +21,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from kvfleet_engine import logs
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.parallel import messages
 from kvfleet_engine.parallel.channel import connect
@@ -46,8 +47,6 @@ log = logging.getLogger(__name__)
 
 R = TypeVar("R")
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
 
 def run_worker(
     config: EngineConfig, rank: int, status: Connection | None = None, log_level: str = "INFO"
@@ -56,7 +55,7 @@ def run_worker(
     launcher (a duplex pipe it never writes to): gets "ready" once this rank can compute, or
     the reason it failed; its end closing means the launcher died, and this rank exits."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the driver stops it
-    logging.basicConfig(level=log_level.upper(), format=f"[rank {rank}] {LOG_FORMAT}")
+    logs.configure(log_level, f"rank {rank}")
     if status is not None:
         threading.Thread(
             target=_exit_with_launcher, args=(status, rank), name="kvfleet-launcher", daemon=True

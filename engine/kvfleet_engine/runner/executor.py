@@ -11,6 +11,7 @@ import logging
 import torch
 
 from kvfleet_engine.config import EngineConfig
+from kvfleet_engine.config.runner import check_backend_device
 from kvfleet_engine.cuda_graphs import (
     DecodeGraphs,
     GraphStage,
@@ -98,6 +99,7 @@ class ModelExecutor:
         backend_name = config.runner.attention_backend
         if backend_name == "auto":
             backend_name = "triton" if self.device.type == "cuda" else "sdpa"
+        check_backend_device(backend_name, self.device.type)  # device "auto" resolved here
         self.backend_name = backend_name
         self.backend = load_backend(backend_name)
         self.kv_cache_dtype = resolve_kv_cache_dtype(

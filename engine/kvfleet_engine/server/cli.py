@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from kvfleet_engine import logs
 from kvfleet_engine.argtypes import (
     non_negative_seconds,
     port_number,
@@ -125,9 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logs.configure(args.log_level)
     if args.model is None:
         from kvfleet_engine.model_store import DEFAULT_MODEL, FetchError, fetch
 
