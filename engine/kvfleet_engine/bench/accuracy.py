@@ -102,8 +102,8 @@ def main(argv: list[str]) -> int:
     try:
         for config in configs:
             check_config(config, args)
-    except ValueError as error:
-        parser.error(str(error))
+    except ValueError as error:  # the model's own files, not the command line: no usage block
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
 
     results = [run_config(config, args) for config in configs]
     compare(results, next(r for r in results if r.config == baseline), bounds)
