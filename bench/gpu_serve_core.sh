@@ -17,7 +17,8 @@
 # (default: all seven).
 #   WHEELS=.whl/server bash bench/gpu_serve_core.sh   # WHEELS: fastapi, starlette, uvicorn,
 #     # pydantic(-core), annotated-types/-doc, typing-inspection, msgspec, httptools and, for
-#     # fastapi 0.165, opentelemetry-api wheels (the device image lacks them; cp312 manylinux)
+#     # fastapi 0.165, opentelemetry-api wheels (the device image lacks them; cp312 manylinux);
+#     # the GGUF GPU tests (bench/gpu_check.sh engine-tests) also need gguf's (py3-none-any)
 # Loads (512-token prompts): c1 8 x 512->128, c64 256 x 512->256, c256 512 x 512->256,
 # c1024 2048 x 512->256, shared prefix c64 256 x 2048->128 (1536 shared).
 set -uo pipefail

@@ -97,6 +97,13 @@ def triton_fp8_gemm(
     return out
 
 
+# Hopper's fp8 tensor cores accumulate in fewer bits than float32 unless the kernel promotes the
+# partial sums every few k-blocks; without that promotion ("fast accumulation", what vLLM's sm90
+# CUTLASS fp8 kernels and TensorRT-LLM use) the 8B layer's four products at 16,384 rows ran
+# 1.96x bf16 instead of 1.62x on an H100 (`bench/scaled_mm_probe.py`, bench/NOTES.md section 22).
+FAST_ACCUM = True
+
+
 def scaled_mm_fp8(
     x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 ) -> torch.Tensor:
@@ -107,6 +114,7 @@ def scaled_mm_fp8(
         scale_a=x_scale,  # [M, 1]
         scale_b=weight_scale.view(1, -1),  # [1, N]
         out_dtype=torch.bfloat16,
+        use_fast_accum=FAST_ACCUM,
     )
 
 
