@@ -10,11 +10,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/kvfleet-gpu-check}
 mkdir -p "$OUT"
-if compgen -G ".whl/server/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/server/*.whl || exit 1
-fi
-export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD/engine:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}"
+source bench/device_env.sh
 PY="timeout -k 5 ${STEP_TIMEOUT:-590} ${PY:-python3}"
 STEPS=${*:-tests kernels profile latency throughput}
 SHAPE=${SHAPE:-llama-3.1-8b}

@@ -26,13 +26,9 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/kvfleet-decode-attention-ab}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
 PY="timeout -k 5 ${STEP_TIMEOUT:-280} python3"
 ROOT=$PWD
-if compgen -G ".whl/server/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/server/*.whl || exit 1
-fi
+source bench/device_env.sh
 OLD=${AB_TREE:+$(cd "$AB_TREE" && pwd)/engine}
 THROUGHPUT_1K="-m kvfleet_cli.main bench throughput --shape llama-3.1-8b --num-prompts 1000
   --input-len 1000 --output-len 1000 --max-num-batched-tokens 16384"

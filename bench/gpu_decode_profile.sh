@@ -14,7 +14,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/kvfleet-gpu-decode-profile}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/engine:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}"
+source bench/device_env.sh
 export TRITON_CACHE_DIR="$OUT/triton-cache"
 DRIVER=$(mktemp --suffix=.py)
 cat > "$DRIVER" <<'PY'

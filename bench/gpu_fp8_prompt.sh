@@ -18,13 +18,9 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/kvfleet-fp8-prompt}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
 PY="timeout -k 5 ${STEP_TIMEOUT:-280} python3"
 ROOT=$PWD
-if compgen -G ".whl/server/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/server/*.whl || exit 1
-fi
+source bench/device_env.sh
 OLD=${AB_TREE:+$(cd "$AB_TREE" && pwd)/engine}
 PROMPT="-m kvfleet_cli.main bench throughput --shape llama-3.1-8b --num-prompts 64
   --input-len 3968 --output-len 1 --max-num-seqs 64 --max-num-batched-tokens 16384"

@@ -13,7 +13,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/kvfleet-gpu-kv-fp8}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/engine:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}"
+source bench/device_env.sh
 PY="timeout -k 5 ${STEP_TIMEOUT:-590} ${PY:-python3}"
 STEPS=${*:-tests kernels}
 # The 1k/1k pair: the fp8 cache holds ~2x the tokens, so it may run ~2x the sequences.

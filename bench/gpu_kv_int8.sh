@@ -21,11 +21,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvfleet-gpu-kv-int8}
 STAGE=/root/kvfleet-xfer
 mkdir -p "$OUT"
-if compgen -G ".whl/server/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/server/*.whl || exit 1
-fi
-export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD/engine:$PWD/operator"
+source bench/device_env.sh
 export KVFLEET_CACHE_DIR=/tmp/kvc
 PY="timeout -k 5 ${STEP_TIMEOUT:-400} python3"
 THROUGHPUT_1K="-m kvfleet_cli.main bench throughput --shape llama-3.1-8b --num-prompts 1000

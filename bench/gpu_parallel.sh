@@ -8,9 +8,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/kvfleet-gpu-parallel}
 mkdir -p "$OUT"
-# The engine imports msgspec, which the device's Python lacks: wheels carried in .whl/server.
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/server/*.whl 2>&1 | tail -2
-export PYTHONPATH="/tmp/site:$PWD/engine:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+source bench/device_env.sh
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 python3 -m kvfleet_cli tiny-model /tmp/kvfleet-tiny --force >/dev/null || exit 1
 if [ "${BENCH_8B:-1}" = 1 ] && [ ! -f /tmp/kvfleet-8b/config.json ]; then

@@ -11,7 +11,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/kvfleet-gpu-quant}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/engine:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}"
+source bench/device_env.sh
 PY="timeout -k 5 ${STEP_TIMEOUT:-420} ${PY:-python3}"
 STEPS=${*:-tests latency}
 SHAPE=${SHAPE:-llama-3.1-8b}

@@ -9,7 +9,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/kvfleet-gpu-quant}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/engine:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}"
+source bench/device_env.sh
 PY=${PY:-python3}
 STEPS=${*:-tests bench}
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv

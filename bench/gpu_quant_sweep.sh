@@ -13,8 +13,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/kvfleet-gpu-quant-sweep}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/server/*.whl 2>&1 | tail -2
-export PYTHONPATH="/tmp/site:$PWD/engine${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+source bench/device_env.sh
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/kvfleet-triton-cache}  # shared by the compile workers
 PY=${PY:-python3}
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv
