@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import sys
 
 import torch
 import torch.nn.functional as F
 import triton
+from gpu_probe import write_record
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvfleet_engine.bench.kernels import _paged_kv
@@ -74,15 +73,7 @@ def main() -> int:
         table[label] = rates
         cells = [f"{r:>9.1f}" if isinstance(r, float) else f"{'-':>9}" for r in rates.values()]
         print(f"{label:<12} " + " ".join(cells))
-    if args.output:
-        record = {
-            "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "command": "python " + " ".join(sys.argv),
-            "tflops": table,
-        }
-        with open(args.output, "w") as f:
-            json.dump(record, f, indent=1)
+    write_record(args.output, {"tflops": table})
     return 0
 
 

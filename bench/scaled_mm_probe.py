@@ -10,27 +10,14 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import sys
 
 import torch
+from gpu_probe import time_us, write_record
 
 from kvfleet_engine.kernels.fp8_matmul import triton_fp8_gemm
 
 # (name, K, N) of one Llama-3.1-8B layer's products.
 PRODUCTS = (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096))
-
-
-def time_us(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / iters
 
 
 # Each variant's time in microseconds; the fp8 ones also as bf16's time over theirs.
@@ -92,18 +79,10 @@ def main() -> int:
         )
     total = {key: sum(t[key] for t in table.values()) for key in KEYS}
     print_row("layer", total)
-    if args.output:
-        record = {
-            "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "command": "python " + " ".join(sys.argv),
-            "rows": rows,
-            "products": table,
-            "layer": total,
-            "relative_error_vs_float32": errors,
-        }
-        with open(args.output, "w") as f:
-            json.dump(record, f, indent=1)
+    write_record(
+        args.output,
+        {"rows": rows, "products": table, "layer": total, "relative_error_vs_float32": errors},
+    )
     return 0
 
 
