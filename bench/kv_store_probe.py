@@ -18,24 +18,12 @@ import sys
 
 import torch
 import triton.language as tl
+from gpu_probe import time_us
 
 from kvfleet_engine.kernels import fused
 from kvfleet_engine.layers import kv_shaping
 
 HEADS, KV_HEADS, DIM, BLOCK, BLOCKS = 32, 8, 128, 16, 4096
-
-
-def timed(launch, rounds: int = 200) -> float:
-    for _ in range(5):
-        launch()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(rounds):
-        launch()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / rounds * 1000.0
 
 
 def main(argv: list[str]) -> int:
@@ -70,7 +58,7 @@ def main(argv: list[str]) -> int:
                 fused.rotary_store_kv, *inputs, k_scales=k_scales, v_scales=v_scales,
                 hadamard=True, k_moment=shaped,
             )  # fmt: skip
-            row[f"{name}_us_{tokens}"] = round(timed(launch), 2)
+            row[f"{name}_us_{tokens}"] = round(time_us(launch, rounds=200, warmup=5), 2)
     print(json.dumps(row))
     return 0
 
