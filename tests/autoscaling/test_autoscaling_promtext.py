@@ -67,6 +67,22 @@ def test_missing_contract_metric_is_an_error_not_a_zero() -> None:
         engine_sample(parse(text), time=0.0)
 
 
+@pytest.mark.parametrize("value", ["NaN", "+Inf", "-Inf"])
+def test_a_contract_metric_that_is_not_finite_is_an_error(value: str) -> None:
+    text = METRICS.replace("kvfleet_requests_waiting 3", f"kvfleet_requests_waiting {value}")
+    message = r"kvfleet_requests_waiting is \S+ \(not a finite number\)"
+    with pytest.raises(ParseError, match=message):
+        engine_sample(parse(text), time=0.0)
+
+
+def test_optional_series_that_are_not_finite_are_skipped() -> None:
+    text = METRICS.replace("kvfleet_requests_running 7", "kvfleet_requests_running NaN").replace(
+        '{kind="prompt"} 9000', '{kind="prompt"} +Inf'
+    )
+    sample = engine_sample(parse(text), time=0.0)
+    assert sample.in_flight == 3.0 and sample.capacity_prompt is None
+
+
 def test_garbage_is_rejected_with_the_line_number() -> None:
     with pytest.raises(ParseError, match="line 2"):
         parse("ok_metric 1\n<html>not metrics</html>\n")

@@ -196,6 +196,22 @@ async def test_unreachable_engines_hold_and_report() -> None:
     assert (limited["status"], limited["reason"]) == ("True", "MetricsUnavailable")
 
 
+async def test_a_nan_or_infinite_gauge_is_no_data_not_zero_load() -> None:
+    """An exporter that writes NaN (or +Inf) into a gauge the targets read: the fleet holds and
+    says the metrics are unavailable; it neither drains a replica (NaN read as 0) nor stops
+    deciding (an exception every tick)."""
+    spec = {**SPEC, "targets": {"kvCacheUtilization": 0.8}}
+    for bad in ("NaN", "+Inf"):
+        cluster = FakeCluster(spec, 3, [pod(f"p{i}", f"127.1.0.{i}") for i in range(3)])
+        texts = {f"127.1.0.{i}": metrics(0.0, kv=bad) for i in range(3)}  # type: ignore[arg-type]
+        async with engines(texts) as http:
+            decision, _ = await autoscale_once(cluster, http, NS, NAME, T0)  # type: ignore[arg-type]
+        assert decision is not None and decision.desired_replicas == 3
+        assert not [w for w in cluster.writes if w[0] == "scale"]
+        conditions = {c["type"]: c for c in cluster.infd["status"]["conditions"]}
+        assert conditions["ScalingLimited"]["reason"] == "MetricsUnavailable"
+
+
 async def test_unschedulable_pod_sets_insufficient_capacity() -> None:
     pods = [pod("p1", "127.1.0.2"), pod("p2", "", ready=False, unschedulable=True)]
     cluster = FakeCluster(SPEC, 2, pods)

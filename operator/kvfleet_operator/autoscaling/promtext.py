@@ -84,12 +84,16 @@ _GENERATION_KINDS = {"generation", "decode"}
 
 def engine_sample(samples: list[Sample], time: float) -> EngineSample:
     """The autoscaler's view of one engine's /metrics. Raises ParseError when a metric the
-    autoscaler needs is absent, so a wrong target shows up as missing metrics, never as zero."""
+    autoscaler needs is absent or not a finite number (NaN, ±Inf), so a wrong target or a broken
+    exporter shows up as missing metrics (the pod has no data), never as zero or a crash."""
     totals: dict[str, float] = {}
     capacity_prompt = capacity_generation = None
     ttft: dict[float, float] = {}
     tpot: dict[float, float] = {}
+    _require_finite(samples, (GENERATION_TOKENS, PROMPT_TOKENS, KV_CACHE_USAGE, REQUESTS_WAITING))
     for sample in samples:
+        if not math.isfinite(sample.value):  # optional series (running, capacity, buckets)
+            continue
         if sample.name in (GENERATION_TOKENS, PROMPT_TOKENS, REQUESTS_WAITING, REQUESTS_RUNNING):
             totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
         elif sample.name == KV_CACHE_USAGE:
@@ -136,8 +140,17 @@ def _finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) and value > 0 else None
 
 
+def _require_finite(samples: list[Sample], names: tuple[str, ...]) -> None:
+    """ParseError naming the first sample of `names` whose value is NaN or infinite."""
+    for sample in samples:
+        if sample.name in names and not math.isfinite(sample.value):
+            raise ParseError(f"{sample.name} is {sample.value} (not a finite number)")
+
+
 def router_demand(samples: list[Sample]) -> RouterDemand:
-    """The demand signal out of one router's /metrics; ParseError when a gauge is missing."""
+    """The demand signal out of one router's /metrics; ParseError when a gauge is missing or
+    not a finite number."""
+    _require_finite(samples, (ROUTER_QUEUED, ROUTER_IN_FLIGHT, ROUTER_IDLE))
     values = {
         s.name: s.value for s in samples if s.name in (ROUTER_QUEUED, ROUTER_IN_FLIGHT, ROUTER_IDLE)
     }
