@@ -52,6 +52,17 @@ class _Declined:
     response: web.Response
 
 
+class _Lost:
+    """The connection failed after the request was sent, before an answer came: the replica may
+    have run it (and may fail on it again), so another try counts toward --max-attempts."""
+
+
+_LOST = _Lost()
+# Failures before the request reached a replica (refused, unresolvable, connect timed out): it
+# is out until a scrape reaches it, and the request goes elsewhere without using an attempt.
+_NOT_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+
+
 @dataclass
 class _Outcome:
     """How one request ended, for kvfleet_router_requests_total."""
@@ -157,6 +168,7 @@ class Proxy:
         busy: set[str] = set()  # answered 429: not again for this request
         last: web.Response | None = None  # the last 429/503 answer, passed on if nothing works
         attempts = 0
+        lost = 0  # attempts whose connection closed after the request was sent
         waited = 0.0
         decided = False
         while attempts < settings.max_attempts and time.monotonic() < deadline:
@@ -197,7 +209,11 @@ class Proxy:
                 self._strategy.routed(routed, replica)
                 answer = await self._try(request, replica, url_path, raw, headers, result)
                 if answer is None:
-                    continue  # connection failed: the replica is out
+                    continue  # the connection failed: the replica is out
+                if answer is _LOST:
+                    attempts += 1
+                    lost += 1
+                    continue
                 if not isinstance(answer, _Declined):
                     return answer
                 last = answer.response
@@ -208,6 +224,14 @@ class Proxy:
                 else:
                     self._pool.cool_down(replica, _retry_after(last))
                     self._metrics.retried("503")
+        if last is None and lost:  # every try ended with the connection closed on it
+            result.outcome = m.BROKEN
+            return _error(
+                502,
+                f"the replica closed the connection before answering ({lost} of "
+                f"{settings.max_attempts} attempts)",
+                type_="bad_gateway",
+            )
         if last is None:  # the deadline passed between attempts
             result.outcome = m.QUEUE_TIMEOUT
             return self._no_replica()
@@ -231,9 +255,10 @@ class Proxy:
         raw: bytes,
         headers: dict[str, str],
         result: _Outcome,
-    ) -> web.StreamResponse | _Declined | None:
+    ) -> web.StreamResponse | _Declined | _Lost | None:
         """Send to one replica: the response for the client (a stream already on its way),
-        a declined answer (429/503: try another), or None (the connection failed)."""
+        a declined answer (429/503: try another), _LOST (the connection closed after the
+        request was sent) or None (it never reached the replica)."""
         replica.in_flight += 1
         upstream: aiohttp.ClientResponse | None = None
         try:
@@ -244,10 +269,13 @@ class Proxy:
                 retry = upstream.status in (429, 503)
                 streamed = upstream.content_type == "text/event-stream" and not retry
                 data = b"" if streamed else await upstream.read()
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError):
+            except _NOT_SENT:
                 self._pool.connect_failed(replica)
                 self._metrics.retried("connect")
                 return None
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError):
+                self._metrics.retried("lost")
+                return _LOST
             response_headers = {
                 k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_PASSED_BACK
             }

@@ -29,6 +29,7 @@ class FakeEngine:
         self.retry_after: str | None = None  # ... and this Retry-After
         self.stream_gate: asyncio.Event | None = None  # hold streams after the first chunk
         self.die_mid_stream = False  # drop the connection after the first chunk
+        self.drop_request = False  # read a completion, then drop the connection unanswered
         self.disconnected = asyncio.Event()
         self.bodies: list[dict[str, Any]] = []  # completion bodies received, in order
         self.authorizations: list[str | None] = []  # their Authorization headers
@@ -72,6 +73,10 @@ class FakeEngine:
         body = await request.json()
         self.bodies.append(body)
         self.authorizations.append(request.headers.get("Authorization"))
+        if self.drop_request:  # as an engine that crashes on this prompt
+            assert request.transport is not None
+            request.transport.abort()
+            return web.Response()
         if self.status is not None:
             headers = {"Retry-After": self.retry_after} if self.retry_after else {}
             error = {"error": {"message": "busy", "type": "x", "param": None, "code": None}}

@@ -134,6 +134,29 @@ async def test_a_refused_connection_is_retried_and_the_replica_taken_out(
     assert [r.address for r in router.router.pool.available()] == [address(good)]
 
 
+async def test_a_request_whose_connection_closes_unanswered_is_tried_max_attempts_times(
+    start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    """The replica read the request, then dropped the connection (an engine that dies on this
+    prompt): it may have run it, so retries count toward --max-attempts and the client gets a
+    502 naming what happened, not a 503 after the queue timeout with every replica hammered."""
+    engines = await start_engines(2)
+    for engine in engines:
+        engine.drop_request = True
+    router = await start_router([e.url for e in engines], max_attempts=3, queue_timeout_s=30)
+    started = time.monotonic()
+    response = await router.post("/v1/completions", COMPLETION)
+    assert response.status == 502
+    error = (await response.json())["error"]
+    assert "closed the connection before answering (3 of 3 attempts)" in error["message"]
+    assert sum(len(e.bodies) for e in engines) == 3
+    assert time.monotonic() - started < 10  # not the queue timeout
+    metrics = await (await router.http.get(router.url + "/metrics")).text()
+    assert 'kvfleet_router_retries_total{reason="lost"} 3.0' in metrics
+    # The replicas stay in routing: closing one connection is not being unreachable.
+    assert len(router.router.pool.available()) == 2
+
+
 async def test_all_replicas_busy_passes_the_429_on(
     start_engines: StartEngines, start_router: StartRouter
 ) -> None:
