@@ -34,7 +34,10 @@ def api_key_middleware(api_key: str) -> Middleware:
         if request.path in PUBLIC_PATHS:
             return await handler(request)
         given = request.headers.get("Authorization")
-        if given is not None and hmac.compare_digest(given.encode(), expected):
+        # Header bytes that are not UTF-8 reach here as surrogates: never the key, never a 500.
+        if given is not None and hmac.compare_digest(
+            given.encode("utf-8", "surrogateescape"), expected
+        ):
             return await handler(request)
         message = (
             "missing API key: send it as the header 'Authorization: Bearer <key>'"

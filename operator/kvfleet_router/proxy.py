@@ -127,6 +127,9 @@ class Proxy:
         except ValueError as exc:  # UnicodeDecodeError is one
             result.outcome = m.BAD_REQUEST
             return _error(400, f"request body is not valid JSON: {exc}", param="body")
+        except RecursionError:  # arrays or objects nested thousands deep
+            result.outcome = m.BAD_REQUEST
+            return _error(400, "request body is nested too deeply", param="body")
         if not isinstance(body, dict):
             result.outcome = m.BAD_REQUEST
             return _error(400, "request body must be a JSON object", param="body")

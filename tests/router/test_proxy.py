@@ -47,6 +47,19 @@ async def test_bad_json_is_a_400_from_the_router(
     assert engine.bodies == []
 
 
+async def test_json_nested_thousands_deep_is_a_400_not_a_500(
+    start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    (engine,) = await start_engines(1)
+    router = await start_router([engine.url])
+    body = b'{"model": "tiny", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    response = await router.post("/v1/completions", body)
+    assert response.status == 400
+    error = (await response.json())["error"]
+    assert (error["param"], error["message"]) == ("body", "request body is nested too deeply")
+    assert engine.bodies == []
+
+
 async def test_an_unknown_model_is_a_404_naming_the_served_ones(
     start_engines: StartEngines, start_router: StartRouter
 ) -> None:

@@ -3,6 +3,7 @@ itself, clients with it are served, and the router sends the key to the engines.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -91,3 +92,23 @@ def test_the_key_comes_from_the_environment_and_is_never_shown(
     assert "KVFLEET_API_KEY" in build_parser().format_help()
     with pytest.raises(ValueError, match="api_key: must be a non-empty string"):
         RouterSettings(backends=("http://127.0.0.1:1",), api_key="")
+
+
+async def test_an_authorization_header_that_is_not_utf8_is_a_401_not_a_500(
+    start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    (engine,) = await start_engines(1)
+    router = await start_router([engine.url], api_key=KEY)
+    host, port = router.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\r\n"
+        b"Content-Type: application/json\r\nConnection: close\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(COMPLETION), COMPLETION)
+    )
+    await writer.drain()
+    answer = await reader.read()
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:80]
+    assert b"incorrect API key provided" in answer
+    assert engine.bodies == []
