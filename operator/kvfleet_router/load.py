@@ -101,6 +101,7 @@ class LoadScraper:
         self._session = session
         self._interval_s = interval_s
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._scraped: dict[str, Replica] = {}  # the member object each task scrapes
 
     async def run(self) -> None:
         """Follow membership changes until cancelled."""
@@ -116,14 +117,19 @@ class LoadScraper:
                     await task
 
     def sync(self) -> None:
-        """Start tasks for new members, stop those of members that left."""
+        """Start tasks for new members, stop those of members that left. A member that left and
+        came back between two syncs is a new object: its task is replaced, or the old task
+        would go on scraping into the object the pool dropped."""
         members = self._pool.members
         for address in list(self._tasks):
-            if address not in members or self._tasks[address].done():
+            current = members.get(address)
+            if current is not self._scraped[address] or self._tasks[address].done():
                 self._tasks.pop(address).cancel()
+                del self._scraped[address]
         for address, replica in members.items():
             if address not in self._tasks:
                 self._tasks[address] = asyncio.create_task(self._scrape_forever(replica))
+                self._scraped[address] = replica
 
     async def _scrape_forever(self, replica: Replica) -> None:
         missed = 0

@@ -31,7 +31,8 @@ class LoadSample:
 class Replica:
     """One engine replica, by address (host:port)."""
 
-    __slots__ = ("address", "cool_until", "in_flight", "reachable", "sample", "url")
+    # __weakref__: what a strategy keeps per replica goes when the pool drops the replica.
+    __slots__ = ("__weakref__", "address", "cool_until", "in_flight", "reachable", "sample", "url")
 
     def __init__(self, address: str, *, reachable: bool) -> None:
         self.address = address  # "10.0.0.7:8000"

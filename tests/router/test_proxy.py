@@ -170,6 +170,24 @@ async def test_a_request_whose_connection_closes_unanswered_is_tried_max_attempt
     assert len(router.router.pool.available()) == 2
 
 
+async def test_a_replica_that_leaves_and_returns_at_once_is_scraped_again(
+    start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    """Kubernetes may deliver a DELETED and an ADDED event for one address together: the pool
+    makes a new member object, and the scraper must follow it (the old task would keep
+    scraping the dropped object, leaving the new one without samples for good)."""
+    (engine,) = await start_engines(1)
+    router = await start_router([engine.url])
+    pool = router.router.pool
+    pool.set_members([], reachable=True)
+    pool.set_members([address(engine)], reachable=True)
+    member = pool.members[address(engine)]
+    assert member.sample is None
+    pool.connect_failed(member)  # out until a scrape reaches it
+    await router.wait_available(1)
+    assert member.sample is not None and member.reachable
+
+
 async def test_all_replicas_busy_passes_the_429_on(
     start_engines: StartEngines, start_router: StartRouter
 ) -> None:

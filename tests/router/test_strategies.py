@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import json
 
 from fake_engine import MODEL, chat
 
 from kvfleet_router.prefix import block_hashes
-from kvfleet_router.replicas import Replica
+from kvfleet_router.replicas import Replica, ReplicaPool
 from kvfleet_router.strategies import RoutedRequest
 from kvfleet_router.strategies.least_load import LeastLoad
 from kvfleet_router.strategies.prefix import PrefixAffinity
@@ -46,6 +47,21 @@ def test_a_conversation_stays_on_one_replica() -> None:
         assert ranking.reason == "prefix"
         assert ranking.matched_blocks > 0
         strategy.routed(chat_request(*turns), first)
+
+
+def test_what_is_kept_per_replica_goes_when_the_pool_drops_it() -> None:
+    """Autoscaling and scale to zero bring new pod IPs all day: the prefix blocks learnt for a
+    pod that left are freed with it, not kept for the router's lifetime."""
+    pool = ReplicaPool()
+    strategy = PrefixAffinity(BLOCK, load_factor=1.25)
+    request = chat_request("What is the capital of France? " * 4)
+    for generation in range(50):
+        pool.set_members([f"10.0.{generation}.1:8000"], reachable=True)
+        send(strategy, request, pool.available())
+    gc.collect()
+    assert len(strategy._indexes) == 1  # the current member's
+    (current,) = pool.members.values()
+    assert strategy.rank(request, [current]).matched_blocks > 0
 
 
 def test_tenants_with_their_own_system_prompts_spread_over_the_fleet() -> None:

@@ -13,6 +13,7 @@ tenant on an idle fleet of three would already land on two replicas).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 from kvfleet_router.prefix_index import PrefixIndex, capacity_blocks
@@ -28,7 +29,9 @@ class PrefixAffinity:
     def __init__(self, block_chars: int, load_factor: float) -> None:
         self._block_chars = block_chars
         self._load_factor = load_factor
-        self._indexes: dict[str, PrefixIndex] = {}  # replica address -> its blocks
+        # replica -> its blocks; an entry goes with the replica (a pod that left: its index
+        # would otherwise stay for the router's lifetime, one per pod IP ever seen).
+        self._indexes: weakref.WeakKeyDictionary[Replica, PrefixIndex] = weakref.WeakKeyDictionary()
         self._turn = 0
 
     def rank(self, request: RoutedRequest, replicas: Sequence[Replica]) -> Ranking:
@@ -60,9 +63,9 @@ class PrefixAffinity:
             sample.block_size if sample else None,
             self._block_chars,
         )
-        index = self._indexes.get(replica.address)
+        index = self._indexes.get(replica)
         if index is None:
-            index = self._indexes[replica.address] = PrefixIndex(capacity)
+            index = self._indexes[replica] = PrefixIndex(capacity)
         elif index.capacity != capacity:
             index.resize(capacity)
         return index
