@@ -213,7 +213,7 @@ class Proxy:
                 answer = await self._try(request, replica, url_path, raw, headers, result)
                 if answer is None:
                     continue  # the connection failed: the replica is out
-                if answer is _LOST:
+                if isinstance(answer, _Lost):
                     attempts += 1
                     lost += 1
                     continue
