@@ -41,7 +41,9 @@ _HOP_BY_HOP = frozenset(
         "trailer", "transfer-encoding", "upgrade", "host", "content-length",
     }
 )  # fmt: skip
-_NOT_PASSED_BACK = _HOP_BY_HOP | {"content-encoding", "date", "server"}
+# Content-Encoding is passed back: the body is relayed as the replica encoded it (the upstream
+# session does not decompress), so the client needs the header to read it.
+_NOT_PASSED_BACK = _HOP_BY_HOP | {"date", "server"}
 CHAT_PATH = "/v1/chat/completions"
 
 

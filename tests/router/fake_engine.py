@@ -10,6 +10,7 @@ when a client (the router) drops a stream.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 from typing import Any
 
@@ -30,6 +31,7 @@ class FakeEngine:
         self.stream_gate: asyncio.Event | None = None  # hold streams after the first chunk
         self.die_mid_stream = False  # drop the connection after the first chunk
         self.drop_request = False  # read a completion, then drop the connection unanswered
+        self.gzip_answers = False  # non-streamed answers gzip-compressed (Content-Encoding)
         self.disconnected = asyncio.Event()
         self.bodies: list[dict[str, Any]] = []  # completion bodies received, in order
         self.authorizations: list[str | None] = []  # their Authorization headers
@@ -82,7 +84,13 @@ class FakeEngine:
             error = {"error": {"message": "busy", "type": "x", "param": None, "code": None}}
             return web.json_response(error, status=self.status, headers=headers)
         if not body.get("stream"):
-            return web.json_response({"id": "cmpl-1", "model": body["model"], "choices": []})
+            answer = {"id": "cmpl-1", "model": body["model"], "choices": []}
+            if self.gzip_answers:
+                return web.Response(
+                    body=gzip.compress(json.dumps(answer).encode()),
+                    headers={"Content-Type": "application/json", "Content-Encoding": "gzip"},
+                )
+            return web.json_response(answer)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         try:

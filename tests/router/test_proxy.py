@@ -33,6 +33,20 @@ async def test_a_completion_is_forwarded_as_sent(
     assert engine.bodies == [json.loads(COMPLETION)]
 
 
+async def test_a_compressed_answer_reaches_the_client_readable(
+    start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    """A replica behind a compressing proxy or middleware: the body is relayed as encoded, with
+    its Content-Encoding, so the client decodes it (without it, gzip bytes labelled JSON)."""
+    (engine,) = await start_engines(1)
+    engine.gzip_answers = True
+    router = await start_router([engine.url])
+    response = await router.post("/v1/completions", COMPLETION)
+    assert response.status == 200
+    assert response.headers["Content-Encoding"] == "gzip"
+    assert (await response.json())["id"] == "cmpl-1"
+
+
 async def test_bad_json_is_a_400_from_the_router(
     start_engines: StartEngines, start_router: StartRouter
 ) -> None:
