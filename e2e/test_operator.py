@@ -447,6 +447,8 @@ def test_invalid_specs_are_rejected_or_stalled(
             }
         ),
         "spec.model.uri": llama(model={"uri": "http://example.com/model"}),
+        "cannot both be 0": llama(rollout={"maxUnavailable": 0}),
+        "spec.resources.cpu": llama(resources={"accelerator": "h100-80gb", "cpu": "two"}),
         "Unsupported value": llama(quantization={"weights": "int3"}),
         "quantization.kvCacheCalibration needs quantization.kvCache: fp8": llama(
             quantization={"kvCacheCalibration": "kv-calibration.safetensors"}

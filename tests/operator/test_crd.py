@@ -182,3 +182,28 @@ def test_a_kv_calibration_needs_an_fp8_cache_and_a_path_inside_the_model() -> No
     InferenceDeploymentSpec.model_validate(
         {**base, "model": {"uri": "file:///m/llama"}, "quantization": calibrated}
     )
+
+
+def test_a_rollout_that_cannot_move_and_resources_that_are_not_quantities_are_refused() -> None:
+    """What the API server would refuse when the operator applies the Deployment (a 422 on
+    every reconcile, status frozen) is refused when the InferenceDeployment is written."""
+    import re
+
+    import pytest
+    from pydantic import ValidationError
+
+    from kvfleet_operator.kinds.serving import ROLLOUT_MESSAGE, RolloutSpec
+    from kvfleet_operator.kinds.topology import QUANTITY_PATTERN, ResourcesSpec
+
+    spec = _schema()["properties"]["spec"]
+    rollout = spec["properties"]["rollout"]
+    assert [r["message"] for r in rollout["x-kubernetes-validations"]] == [ROLLOUT_MESSAGE]
+    with pytest.raises(ValidationError, match="cannot both be 0"):
+        RolloutSpec(maxUnavailable=0)
+    assert RolloutSpec(maxSurge=1, maxUnavailable=0).max_unavailable == 0
+    for good in ("8", "7500m", "0.5", "64Gi", "70G", "1e3", ".5"):
+        assert re.match(QUANTITY_PATTERN, good), good
+        assert ResourcesSpec(accelerator="h100-80gb", cpu=good, memory=good)
+    for bad in ("two", "8 cores", "-1", "64GiB", "1.5.2", ""):
+        with pytest.raises(ValidationError):
+            ResourcesSpec(accelerator="h100-80gb", cpu=bad)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import ConfigDict, Field, model_validator
 
+from kvfleet_operator.kinds.cel import cel
 from kvfleet_operator.wire import Model
 
 
@@ -54,7 +55,23 @@ class SLASpec(Model):
     )
 
 
+ROLLOUT_MESSAGE = (
+    "rollout.maxSurge and rollout.maxUnavailable cannot both be 0: a rollout could then neither "
+    "add a pod nor take one down"
+)
+
+
 class RolloutSpec(Model):
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            (
+                "(has(self.maxSurge) && self.maxSurge > 0) || !has(self.maxUnavailable) || "
+                "self.maxUnavailable > 0",
+                ROLLOUT_MESSAGE,
+            )
+        )
+    )
+
     max_surge: int = Field(default=0, ge=0, description="Extra pods during a rollout.")
     max_unavailable: int = Field(default=1, ge=0, description="Pods that may be down in a rollout.")
     drain_timeout_seconds: int = Field(
@@ -65,3 +82,10 @@ class RolloutSpec(Model):
         ge=30,
         description="Time allowed for loading weights; defaults to 120 s + 10 s per GiB.",
     )
+
+    @model_validator(mode="after")
+    def _rollout_can_move(self) -> RolloutSpec:
+        # The CEL rule above, for objects stored before it existed.
+        if self.max_surge == 0 and self.max_unavailable == 0:
+            raise ValueError(ROLLOUT_MESSAGE)
+        return self

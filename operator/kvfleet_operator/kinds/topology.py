@@ -7,6 +7,13 @@ from pydantic import Field
 from kvfleet_operator.kinds.cel import cel
 from kvfleet_operator.wire import Model
 
+# A non-negative Kubernetes resource quantity (apimachinery's syntax): what the API server would
+# take in a pod's resources, checked when the InferenceDeployment is written, not at apply.
+QUANTITY_PATTERN = (
+    r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8, 16)
 _SIZES = ", ".join(map(str, TENSOR_PARALLEL_SIZES))  # "1, 2, 4, 8, 16"
 _SIZES_IN_WORDS = _SIZES.rsplit(", ", 1)[0] + " or " + str(TENSOR_PARALLEL_SIZES[-1])
@@ -31,6 +38,16 @@ class ResourcesSpec(Model):
         description="Accelerator profile: a built-in name (a100-40gb, a100-80gb, h100-80gb, "
         "h200-141gb, l4, l40s, b200) or an AcceleratorProfile object.",
     )
-    cpu: str | None = Field(default=None, max_length=32, description="CPU request and limit.")
-    memory: str | None = Field(default=None, max_length=32, description="Memory request and limit.")
+    cpu: str | None = Field(
+        default=None,
+        max_length=32,
+        pattern=QUANTITY_PATTERN,
+        description="CPU request and limit (a Kubernetes quantity: 8, 7500m).",
+    )
+    memory: str | None = Field(
+        default=None,
+        max_length=32,
+        pattern=QUANTITY_PATTERN,
+        description="Memory request and limit (a Kubernetes quantity: 64Gi, 70G).",
+    )
     shared_memory: str = Field(default="8Gi", max_length=32, description="Size of /dev/shm.")
