@@ -40,7 +40,7 @@ from kvfleet_operator.models import (
     Topology,
     WeightQuantization,
 )
-from kvfleet_operator.topology import plan_topology, quantity_bytes
+from kvfleet_operator.topology import plan_topology, quantity_bytes, statefulset_name
 
 GIB = 1024**3
 RUNTIME_RESERVE_GIB = 1.5
@@ -90,6 +90,34 @@ class Problem:
 
     reason: str  # CamelCase, used as the Stalled condition's reason
     message: str  # names the field and the numbers
+
+
+# A StatefulSet's pods carry a controller-revision-hash label: its name, a dash and a hash of up
+# to 10 characters. Label values stop at 63 characters, so a longer StatefulSet name cannot
+# create pods (kubernetes/kubernetes#64023).
+STATEFULSET_NAME_MAX = 52
+
+
+def check_child_names(name: str, spec: InferenceDeploymentSpec, kind: str) -> list[Problem]:
+    """A replica of several nodes runs as StatefulSets named after the deployment and the
+    replica's index (one per replica, or a LeaderWorkerSet's worker sets): the longest of them,
+    at the most replicas the spec allows, must stay within STATEFULSET_NAME_MAX."""
+    if kind not in ("StatefulSet", "LeaderWorkerSet"):
+        return []
+    most = spec.autoscaling.max_replicas if spec.autoscaling is not None else spec.replicas or 1
+    longest = statefulset_name(name, max(most - 1, 0))
+    if len(longest) <= STATEFULSET_NAME_MAX:
+        return []
+    room = STATEFULSET_NAME_MAX - (len(longest) - len(name))
+    return [
+        Problem(
+            "NameTooLong",
+            f"metadata.name {name!r} ({len(name)} characters) is too long for replicas of several "
+            f"nodes: their StatefulSets ({longest!r}, {len(longest)} characters) must stay within "
+            f"{STATEFULSET_NAME_MAX}, or their pods cannot be created; use a name of at most "
+            f"{room} characters",
+        )
+    ]
 
 
 @dataclass(frozen=True)
@@ -163,6 +191,7 @@ def plan_deployment(
                     "requests while a replica starts and tells the autoscaler they wait)",
                 )
             )
+    problems += check_child_names(name, spec, topology.kind)
     problems += [Problem("FeatureUnavailable", m) for m in unavailable_features(spec)]
     return Plan(
         served_model_name=served_model_name,

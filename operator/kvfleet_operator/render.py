@@ -14,7 +14,6 @@ from kvfleet_operator.autoscaling.actuators import render_external_autoscaler
 from kvfleet_operator.models import AcceleratorProfileSpec, InferenceDeploymentSpec
 from kvfleet_operator.plan import Plan
 from kvfleet_operator.render_group import (
-    group_name,
     leader_selector,
     render_leader_worker_set,
     render_rank_service,
@@ -23,6 +22,7 @@ from kvfleet_operator.render_group import (
 from kvfleet_operator.render_network import render_network_policy
 from kvfleet_operator.render_pod import ENGINE_TYPE_LABEL, annotate_pod_templates, pod_spec
 from kvfleet_operator.render_router import render_router
+from kvfleet_operator.topology import group_name
 
 # The pod-template annotation that carries a digest of the API key: a rotated Secret changes the
 # template, so the workload rolls its pods onto the new key.

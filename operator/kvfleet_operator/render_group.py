@@ -24,6 +24,7 @@ from kvfleet_operator import api
 from kvfleet_operator.models import AcceleratorProfileSpec, InferenceDeploymentSpec
 from kvfleet_operator.plan import Plan
 from kvfleet_operator.render_pod import ENGINE_TYPE_LABEL, MASTER_PORT, Ranks, pod_spec
+from kvfleet_operator.topology import group_name, statefulset_name
 
 Manifest = dict[str, Any]
 
@@ -33,15 +34,6 @@ LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 LWS_GROUP_KEY_LABEL = "leaderworkerset.sigs.k8s.io/group-key"
 HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
 NODE_RANK_ENV = "KVFLEET_NODE_RANK"
-
-
-def group_name(name: str) -> str:
-    """The LeaderWorkerSet, or the headless Service of the StatefulSets."""
-    return f"{name}-group"
-
-
-def statefulset_name(name: str, index: int) -> str:
-    return f"{group_name(name)}-{index}"
 
 
 def leader_address(name: str, namespace: str, index: int) -> str:

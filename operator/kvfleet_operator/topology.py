@@ -93,3 +93,13 @@ def quantity_bytes(text: str) -> float:
             f"resources.sharedMemory={text!r}: expected a quantity such as 8Gi, 512Mi or 16G"
         )
     return float(match[1]) * _UNITS[match[2]]
+
+
+def group_name(name: str) -> str:
+    """The LeaderWorkerSet, or the headless Service of the StatefulSets."""
+    return f"{name}-group"
+
+
+def statefulset_name(name: str, index: int) -> str:
+    """Replica `index`'s StatefulSet (one per replica), or a LeaderWorkerSet's worker set."""
+    return f"{group_name(name)}-{index}"

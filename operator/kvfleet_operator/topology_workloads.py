@@ -11,8 +11,8 @@ from typing import Any
 from kvfleet_operator import api
 from kvfleet_operator.apply import Cluster
 from kvfleet_operator.render import selector_string
-from kvfleet_operator.render_group import group_name
 from kvfleet_operator.status import WorkloadState, summarize_workload
+from kvfleet_operator.topology import group_name
 from kvfleet_operator.topology_groups import (
     pods_to_replace,
     stale_children,

@@ -285,6 +285,24 @@ def test_external_autoscalers_cannot_scale_statefulset_groups(make_spec) -> None
     assert plan(spec, WITH_LWS).ok  # an HPA scales a LeaderWorkerSet's groups
 
 
+def test_a_name_too_long_for_the_groups_statefulsets_stalls(make_spec) -> None:
+    """Replicas of several nodes run as StatefulSets named <name>-group-<index>; past 52
+    characters their pods cannot be created (the controller-revision-hash label passes 63), so
+    the plan says so instead of rolling out pods that never start."""
+    spec = make_spec(parallelism={"tensor": 8, "pipeline": 2}, replicas=10)
+    profile = resolve_accelerator(spec.resources.accelerator, {})
+    architecture = model_architecture(spec.model)
+    for cluster in (NO_EXTRAS, WITH_LWS):
+        fits = plan_deployment("m" * 44, spec, profile, architecture, cluster)
+        assert fits.ok, fits.problems
+        long = plan_deployment("m" * 45, spec, profile, architecture, cluster)
+        assert reasons(long) == ["NameTooLong"]
+        assert "(45 characters)" in long.problems[0].message
+        assert "use a name of at most 44 characters" in long.problems[0].message
+    one_node = make_spec(replicas=10)  # a Deployment: no StatefulSet names
+    assert plan_deployment("m" * 52, one_node, profile, architecture, NO_EXTRAS).ok
+
+
 def test_unsupported_tensor_size_is_feature_unavailable(make_spec) -> None:
     p = plan(make_spec(parallelism={"tensor": 16}), WITH_LWS)
     assert reasons(p) == ["FeatureUnavailable"]

@@ -43,8 +43,9 @@ from kvfleet_operator.autoscaling.spec import AutoscalingSpec
 from kvfleet_operator.autoscaling.state import ScalerState
 from kvfleet_operator.models import RoutingSpec
 from kvfleet_operator.render import selector_string
-from kvfleet_operator.render_group import group_name, leader_selector
+from kvfleet_operator.render_group import leader_selector
 from kvfleet_operator.render_router import ROUTER_PORT, router_selector_string
+from kvfleet_operator.topology import group_name
 
 log = logging.getLogger(__name__)
 
