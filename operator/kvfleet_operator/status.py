@@ -14,6 +14,8 @@ from kvfleet_operator.render_pod import rendered_weights
 from kvfleet_operator.render_router import router_url
 
 OWN_CONDITIONS = ("Ready", "Reconciling", "Stalled", "Planned", "Available")
+# The autoscaler's condition: it writes it; the reconciler removes it with spec.autoscaling.
+SCALING_LIMITED = "ScalingLimited"
 # Container waiting reasons that mean the pod will not serve without a change.
 FAILING_WAIT_REASONS = frozenset(
     {
@@ -127,6 +129,12 @@ def compute_status(
         "topology": plan.topology.model_dump(by_alias=True) if plan.topology else None,
         "memoryPlan": plan.memory.model_dump(by_alias=True) if plan.memory else None,
     }
+    if spec.autoscaling is None:
+        # What the autoscaler wrote goes with it: status.autoscaling (whose desiredReplicas
+        # would otherwise size StatefulSet groups again when autoscaling comes back) and its
+        # ScalingLimited condition.
+        status["autoscaling"] = None
+        status["conditions"] = [c for c in status["conditions"] if c.get("type") != SCALING_LIMITED]
     return status
 
 

@@ -286,6 +286,39 @@ async def test_native_groups_scale_recreate_and_leave_no_stale_workload() -> Non
     assert cluster.deleted == ["StatefulSet/llama-group-1"]
 
 
+async def test_turning_autoscaling_off_clears_what_the_autoscaler_wrote() -> None:
+    """status.autoscaling and ScalingLimited go with spec.autoscaling: they no longer describe
+    the deployment, and the old desiredReplicas would size the groups again (6 groups of 16
+    GPUs) when autoscaling is turned back on with minReplicas 1."""
+    auto = {"minReplicas": 1, "maxReplicas": 8, "targets": {"kvCacheUtilization": 0.8}}
+    parallelism = {"tensor": 8, "pipeline": 2}  # 16 GPUs: StatefulSet groups without LWS
+    cluster = MemoryCluster()
+    cluster.add(infd(parallelism=parallelism, autoscaling=auto))
+    body = cluster.objects[("InferenceDeployment", "ns", "llama")]
+    body["status"] = {  # the autoscaler's last tick
+        "autoscaling": {"desiredReplicas": 6, "mode": "Panic"},
+        "conditions": [
+            {"type": "ScalingLimited", "status": "True", "reason": "InsufficientCapacity"}
+        ],
+    }
+    await reconcile(cluster, "ns", "llama", HeaderCache())
+
+    def groups() -> list[str]:
+        return sorted(name for kind, _, name in cluster.objects if kind == "StatefulSet")
+
+    assert len(groups()) == 6
+    body["spec"] = infd(parallelism=parallelism, replicas=1)["spec"]
+    body["metadata"]["generation"] = 2
+    await reconcile(cluster, "ns", "llama", HeaderCache())
+    assert body["status"].get("autoscaling") is None
+    assert "ScalingLimited" not in [c["type"] for c in body["status"]["conditions"]]
+    assert groups() == ["llama-group-0"]
+    body["spec"] = infd(parallelism=parallelism, autoscaling=auto)["spec"]
+    body["metadata"]["generation"] = 3
+    await reconcile(cluster, "ns", "llama", HeaderCache())
+    assert groups() == ["llama-group-0"]
+
+
 async def test_leader_worker_set_when_served() -> None:
     cluster = MemoryCluster()
     cluster.leader_worker_set = True

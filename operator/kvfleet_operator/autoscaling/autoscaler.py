@@ -45,6 +45,7 @@ from kvfleet_operator.models import RoutingSpec
 from kvfleet_operator.render import selector_string
 from kvfleet_operator.render_group import leader_selector
 from kvfleet_operator.render_router import ROUTER_PORT, router_selector_string
+from kvfleet_operator.status import SCALING_LIMITED
 from kvfleet_operator.topology import group_name
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 VICTIM_DELETION_COST = (
     "-1000"  # lower than any unannotated pod (0): the ReplicaSet removes it first
 )
-CONDITION = "ScalingLimited"
+CONDITION = SCALING_LIMITED
 IDLE_PERIOD_SECONDS = 5.0  # next look when there is nothing to scale yet
 # What a tick meets in a working cluster and retries: the API server answering an error,
 # restarting or slow (kubernetes_asyncio over aiohttp), an engine or Prometheus unreachable.
