@@ -32,7 +32,12 @@ from kvfleet_operator.status import (
     transition_events,
 )
 from kvfleet_operator.topology_groups import group_count
-from kvfleet_operator.topology_workloads import prune, read_workloads, replace_group_pods
+from kvfleet_operator.topology_workloads import (
+    prune,
+    prune_optional,
+    read_workloads,
+    replace_group_pods,
+)
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +108,8 @@ async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any
                 if event is not None:
                     await cluster.post_event(body, event.type, event.reason, event.message)
         await prune(cluster, namespace, children, found, meta["uid"])
+        if old_status.get("observedGeneration") != generation:  # the spec changed (or is new)
+            await prune_optional(cluster, namespace, name, children, meta["uid"])
         found = await read_workloads(
             cluster, namespace, name, leader_worker_set=features.leader_worker_set
         )

@@ -11,6 +11,7 @@ from typing import Any
 from kvfleet_operator import api
 from kvfleet_operator.apply import Cluster
 from kvfleet_operator.render import selector_string
+from kvfleet_operator.render_router import router_name
 from kvfleet_operator.status import WorkloadState, summarize_workload
 from kvfleet_operator.topology import group_name
 from kvfleet_operator.topology_groups import (
@@ -104,6 +105,45 @@ async def prune(
     for api_version, kind, name in stale_children(rendered, found.objects(), owner_uid):
         log.info("%s/%s: deleting %s %s (no longer rendered)", namespace, name, kind, name)
         await cluster.delete(api_version, kind, name, namespace)
+
+
+def optional_children(name: str) -> list[tuple[str, str, str]]:
+    """(apiVersion, kind, name) of every child that some specs render and others do not: the
+    external autoscaler (controller HPA or KEDA), the NetworkPolicy, the ServiceMonitor and the
+    router's objects. Checked against the renderers by test_every_optional_child_is_known."""
+    router = router_name(name)
+    return [
+        ("autoscaling/v2", "HorizontalPodAutoscaler", name),
+        ("keda.sh/v1alpha1", "ScaledObject", name),
+        ("networking.k8s.io/v1", "NetworkPolicy", name),
+        ("monitoring.coreos.com/v1", "ServiceMonitor", name),
+        ("apps/v1", "Deployment", router),
+        ("v1", "Service", router),
+        ("policy/v1", "PodDisruptionBudget", router),
+        ("v1", "ServiceAccount", router),
+        ("rbac.authorization.k8s.io/v1", "Role", router),
+        ("rbac.authorization.k8s.io/v1", "RoleBinding", router),
+    ]
+
+
+async def prune_optional(
+    cluster: Cluster, namespace: str, name: str, rendered: list[Manifest], owner_uid: str
+) -> None:
+    """Delete the optional children (`optional_children`) this owner controls that the spec no
+    longer renders: routing or the NetworkPolicy turned off, autoscaling moved off HPA or KEDA.
+    One GET each, so the reconciler calls it when the spec changed, not on every pass. A kind
+    whose CRD is not installed reads as absent."""
+    keep = {(m["apiVersion"], m["kind"], m["metadata"]["name"]) for m in rendered}
+    found = []
+    for api_version, kind, child in optional_children(name):
+        if (api_version, kind, child) in keep:
+            continue
+        obj = await cluster.get(api_version, kind, child, namespace)
+        if obj is not None:
+            found.append({**obj, "apiVersion": api_version, "kind": kind})
+    for api_version, kind, child in stale_children(rendered, found, owner_uid):
+        log.info("%s/%s: deleting %s %s (no longer rendered)", namespace, name, kind, child)
+        await cluster.delete(api_version, kind, child, namespace)
 
 
 async def replace_group_pods(

@@ -319,6 +319,75 @@ async def test_turning_autoscaling_off_clears_what_the_autoscaler_wrote() -> Non
     assert groups() == ["llama-group-0"]
 
 
+async def test_a_feature_turned_off_takes_its_objects_with_it() -> None:
+    """Children only some specs render go when a spec change stops rendering them: the router's
+    six objects, the NetworkPolicy, the HPA (left alone it kept resizing the Deployment the
+    reconciler sets back to spec.replicas)."""
+    hpa = {"controller": "HPA", "minReplicas": 1, "maxReplicas": 3,
+           "targets": {"kvCacheUtilization": 0.7}}  # fmt: skip
+    cluster = MemoryCluster()
+    cluster.add(infd(routing={"enabled": True}, networkPolicy={"enabled": True}, autoscaling=hpa))
+    body = cluster.objects[("InferenceDeployment", "ns", "llama")]
+    await reconcile(cluster, "ns", "llama", HeaderCache())
+    kinds = {(kind, name) for kind, _, name in cluster.objects}
+    assert {("HorizontalPodAutoscaler", "llama"), ("NetworkPolicy", "llama")} <= kinds
+    assert {(kind, "llama-router") for kind in ROUTER} <= kinds
+    cluster.add(  # not ours: never deleted
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": {"name": "other", "namespace": "ns"},
+        }
+    )
+    body["spec"] = infd(routing={"enabled": False}, networkPolicy={"enabled": False}, replicas=2)[
+        "spec"
+    ]
+    body["metadata"]["generation"] = 2
+    await reconcile(cluster, "ns", "llama", HeaderCache())
+    left = {(kind, name) for kind, _, name in cluster.objects}
+    assert left == {
+        ("InferenceDeployment", "llama"),
+        ("Deployment", "llama"),
+        ("Service", "llama"),
+        ("PodDisruptionBudget", "llama"),
+        ("ServiceAccount", "other"),
+    }
+    deleted = len(cluster.deleted)
+    await reconcile(cluster, "ns", "llama", HeaderCache())  # the same generation: nothing more
+    assert len(cluster.deleted) == deleted
+
+
+def test_every_optional_child_is_known() -> None:
+    """optional_children lists every child a spec may or may not render (what prune_optional
+    looks for): a spec with every option on renders nothing beyond the always-rendered ones and
+    that list."""
+    from kvfleet_operator.accelerators import resolve_accelerator
+    from kvfleet_operator.model_catalog import model_architecture
+    from kvfleet_operator.models import InferenceDeploymentSpec
+    from kvfleet_operator.plan import ClusterFeatures, plan_deployment
+    from kvfleet_operator.render import render_children
+    from kvfleet_operator.topology_workloads import optional_children
+
+    always = {("apps/v1", "Deployment", "llama"), ("v1", "Service", "llama"),
+              ("policy/v1", "PodDisruptionBudget", "llama")}  # fmt: skip
+    for controller in ("HPA", "KEDA"):
+        autoscaling = {"controller": controller, "minReplicas": 1, "maxReplicas": 3,
+                       "targets": {"kvCacheUtilization": 0.7},
+                       "prometheus": {"url": "http://prometheus:9090"}}  # fmt: skip
+        if controller == "HPA":
+            del autoscaling["prometheus"]
+        options = {"routing": {"enabled": True}, "networkPolicy": {"enabled": True}}
+        spec = InferenceDeploymentSpec.model_validate(
+            infd(**options, autoscaling=autoscaling)["spec"]
+        )
+        profile = resolve_accelerator(spec.resources.accelerator, {})
+        features = ClusterFeatures(leader_worker_set=False, service_monitor=True, keda=True)
+        plan = plan_deployment("llama", spec, profile, model_architecture(spec.model), features)
+        children = render_children("llama", "ns", spec, plan, profile, service_monitor=True)
+        rendered = {(c["apiVersion"], c["kind"], c["metadata"]["name"]) for c in children}
+        assert rendered - always <= set(optional_children("llama")), rendered - always
+
+
 async def test_leader_worker_set_when_served() -> None:
     cluster = MemoryCluster()
     cluster.leader_worker_set = True
