@@ -297,6 +297,12 @@ class Cluster:
         return decoded
 
 
+def refused(exc: BaseException) -> bool:
+    """Whether the API server refused a request in a way a retry of the same object cannot
+    change: bad request, forbidden, invalid (what a webhook's denial also is)."""
+    return isinstance(exc, ApiException) and exc.status in (400, 403, 422)
+
+
 def api_error_summary(exc: BaseException) -> str:
     """One line for an API error: "429 Too Many Requests: storage is (re)initializing", not the
     exception's text (every response header and the whole body)."""

@@ -5,6 +5,7 @@ writes nothing."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections import defaultdict
 from datetime import UTC, datetime
@@ -14,7 +15,7 @@ from pydantic import ValidationError
 
 from kvfleet_operator import api
 from kvfleet_operator.accelerators import resolve_accelerator
-from kvfleet_operator.apply import Cluster
+from kvfleet_operator.apply import Cluster, api_error_summary, refused
 from kvfleet_operator.header_cache import HeaderCache
 from kvfleet_operator.model_catalog import (
     ModelArchitecture,
@@ -23,7 +24,7 @@ from kvfleet_operator.model_catalog import (
     reads_gguf_header,
 )
 from kvfleet_operator.models import AcceleratorProfileSpec, InferenceDeploymentSpec, ModelSpec
-from kvfleet_operator.plan import ClusterFeatures, plan_deployment
+from kvfleet_operator.plan import ClusterFeatures, Problem, plan_deployment
 from kvfleet_operator.render import render_children
 from kvfleet_operator.status import (
     compute_status,
@@ -40,6 +41,7 @@ from kvfleet_operator.topology_workloads import (
 )
 
 log = logging.getLogger(__name__)
+
 
 # One reconcile at a time per object: change handlers, the resync timer and child events all
 # end up here.
@@ -100,7 +102,30 @@ async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any
             await _hand_replicas_to_autoscaler(cluster, before)
         main = _main_child(children, planned, name)
         for child in children:
-            applied = await cluster.apply(child, owner=body)
+            try:
+                applied = await cluster.apply(child, owner=body)
+            except Exception as exc:
+                if not refused(exc):  # conflicts, throttling, server errors: only retried
+                    raise
+                # The API server (or an admission webhook) refuses the object as rendered: say
+                # so in status, then let the handler's retries go on (a later spec may pass).
+                problem = Problem(
+                    "ApplyRejected",
+                    f"the API server refused {child['kind']} {child['metadata']['name']}: "
+                    f"{api_error_summary(exc)}",
+                )
+                status = compute_status(
+                    name=name,
+                    namespace=namespace,
+                    generation=generation,
+                    spec=spec,
+                    plan=dataclasses.replace(plan, problems=(problem,)),
+                    workload=found.summary(planned, groups),
+                    old_status=old_status,
+                    now=now,
+                )
+                await _write_status(cluster, body, old_status, status)
+                raise
             if child is main:
                 # Told at once: a crash or a failed apply later in this pass must not lose it
                 # (the next pass sees the workload already changed and would not tell it).

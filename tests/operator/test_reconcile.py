@@ -4,11 +4,13 @@ written once, and nothing written when nothing changed."""
 from __future__ import annotations
 
 import copy
+import json
 import re
 from typing import Any
 
 import httpx
 import pytest
+from kubernetes_asyncio.client.exceptions import ApiException
 
 from kvfleet_operator import api
 from kvfleet_operator.apply import secret_key_digest, with_owner
@@ -386,6 +388,35 @@ def test_every_optional_child_is_known() -> None:
         children = render_children("llama", "ns", spec, plan, profile, service_monitor=True)
         rendered = {(c["apiVersion"], c["kind"], c["metadata"]["name"]) for c in children}
         assert rendered - always <= set(optional_children("llama")), rendered - always
+
+
+async def test_a_child_the_api_server_refuses_is_reported_in_status() -> None:
+    """An admission webhook or the API server's own validation refuses a rendered child (422):
+    status says which object and why (Stalled/ApplyRejected, at the current generation)
+    instead of staying at the last generation that applied, and the error still goes to the
+    handler, whose retries continue."""
+
+    class RefusingCluster(MemoryCluster):
+        async def apply(self, manifest: dict[str, Any], *, owner=None, field_manager=""):
+            if manifest["kind"] == "Deployment":
+                body = json.dumps({"message": "admission webhook denied: no GPUs for team-a"})
+                error = ApiException(status=422, reason="Unprocessable Entity")
+                error.body = body
+                raise error
+            return await super().apply(manifest, owner=owner, field_manager=field_manager)
+
+    cluster = RefusingCluster()
+    cluster.add(infd(replicas=1, routing={"enabled": False}))
+    with pytest.raises(ApiException):
+        await reconcile(cluster, "ns", "llama", HeaderCache())
+    status = cluster.objects[("InferenceDeployment", "ns", "llama")]["status"]
+    assert status["observedGeneration"] == 1
+    stalled = next(c for c in status["conditions"] if c["type"] == "Stalled")
+    assert (stalled["status"], stalled["reason"]) == ("True", "ApplyRejected")
+    assert stalled["message"] == (
+        "the API server refused Deployment llama: 422 Unprocessable Entity: admission webhook "
+        "denied: no GPUs for team-a"
+    )
 
 
 async def test_leader_worker_set_when_served() -> None:
