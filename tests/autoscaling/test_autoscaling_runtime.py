@@ -309,9 +309,10 @@ async def test_prometheus_source_reads_the_same_series_per_pod() -> None:
     from kvfleet_operator.autoscaling.pods import pod_facts
     from kvfleet_operator.autoscaling.sources import query_prometheus
 
-    def series(name: str, pod_name: str, value: float, **labels: str) -> dict[str, Any]:
-        metric = {"__name__": name, "namespace": NS, "pod": pod_name, **labels}
-        return {"metric": metric, "value": [T0 - 2, str(value)]}
+    def series(name: str, pod_name: str, value: float, age: float = 2) -> dict[str, Any]:
+        # A matrix: each series' raw samples, oldest first, with their scrape times.
+        metric = {"__name__": name, "namespace": NS, "pod": pod_name}
+        return {"metric": metric, "values": [[T0 - age - 15, "1"], [T0 - age, str(value)]]}
 
     result = [
         series("kvfleet_generation_tokens_total", "p1", 500),
@@ -321,7 +322,12 @@ async def test_prometheus_source_reads_the_same_series_per_pod() -> None:
         series("kvfleet_requests_running", "p1", 3),
         series("kvfleet_engine_capacity_tokens_per_second", "p1", 400),
         series("kvfleet_generation_tokens_total", "p2", 7),  # incomplete: no gauges
-    ]
+        # p3's scrapes stopped 90 s ago: its last values are no data, not a frozen counter.
+        *(series(name, "p3", 1, age=90) for name in (
+            "kvfleet_generation_tokens_total", "kvfleet_prompt_tokens_total",
+            "kvfleet_kv_cache_usage_ratio", "kvfleet_requests_waiting",
+        )),
+    ]  # fmt: skip
     seen: list[httpx.Request] = []
 
     def handle(request: httpx.Request) -> httpx.Response:
@@ -330,17 +336,19 @@ async def test_prometheus_source_reads_the_same_series_per_pod() -> None:
             200, json={"status": "success", "data": {"resultType": "vector", "result": result}}
         )
 
-    pods = [pod_facts(pod("p1", "127.1.0.2")), pod_facts(pod("p2", "127.1.0.3"))]
+    pods = [pod_facts(pod(f"p{i}", f"127.1.0.{i + 1}")) for i in (1, 2, 3)]
     async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as http:
         samples = await query_prometheus(http, "http://prom:9090/", NS, pods, T0)  # type: ignore[arg-type]
     query = seen[0].url.params["query"]
     assert seen[0].url.path == "/api/v1/query"
-    assert f'namespace="{NS}"' in query and 'pod=~"p1|p2"' in query
+    assert f'namespace="{NS}"' in query and 'pod=~"p1|p2|p3"' in query
+    assert query.endswith("}[120s]")  # raw samples with their scrape times
     p1 = samples["p1"]
     assert p1 is not None and p1.time == T0 - 2
     assert (p1.generation_tokens_total, p1.kv_cache_usage, p1.in_flight) == (500, 0.25, 4)
     assert p1.capacity_generation == 400
     assert samples["p2"] is None  # missing series: no data, never zeros
+    assert samples["p3"] is None  # stale series: no data, never a rate of zero
 
 
 async def test_statefulset_groups_scale_by_their_leaders_metrics() -> None:

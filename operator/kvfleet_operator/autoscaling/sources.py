@@ -21,6 +21,13 @@ from kvfleet_operator.autoscaling.samples import EngineSample, RouterDemand
 log = logging.getLogger(__name__)
 
 SCRAPE_TIMEOUT_SECONDS = 2.0
+# The Prometheus source reads each series' raw samples of the last LOOKBACK_SECONDS (a range
+# selector, so each comes with the time it was scraped: an instant query would stamp a target's
+# last value with the evaluation time for 5 minutes after its scrapes stop, and a frozen counter
+# would read as zero load). A pod whose newest sample is older than STALE_SECONDS (four of the
+# ServiceMonitor's 15 s scrapes) has no data: the autoscaler holds.
+LOOKBACK_SECONDS = 120
+STALE_SECONDS = 60.0
 _METRIC_NAMES = (
     promtext.GENERATION_TOKENS,
     promtext.PROMPT_TOKENS,
@@ -96,14 +103,17 @@ def _promql_regex(value: str) -> str:
 async def query_prometheus(
     http: httpx.AsyncClient, base_url: str, namespace: str, pods: list[PodFacts], now: float
 ) -> dict[str, EngineSample | None]:
-    """One instant query for the contract's series of the ready pods (by `namespace` and `pod`
-    target labels); each pod's sample carries the time of its newest series."""
+    """One query for the contract's series of the ready pods (by `namespace` and `pod` target
+    labels) over the last LOOKBACK_SECONDS; each pod's sample carries the scrape time of its
+    newest series, and a pod scraped last more than STALE_SECONDS ago has none."""
     ready = [pod for pod in pods if pod.ready_since is not None]
     if not ready:
         return {}
     names = "|".join(_promql_regex(name) for name in _METRIC_NAMES)
     pod_names = "|".join(_promql_regex(pod.name) for pod in ready)
-    query = f'{{__name__=~"{names}",namespace="{namespace}",pod=~"{pod_names}"}}'
+    query = (
+        f'{{__name__=~"{names}",namespace="{namespace}",pod=~"{pod_names}"}}[{LOOKBACK_SECONDS}s]'
+    )
     try:
         response = await http.get(
             base_url.rstrip("/") + "/api/v1/query",
@@ -123,11 +133,20 @@ async def query_prometheus(
     for item in series:
         labels = dict(item["metric"])
         pod_name = labels.get("pod", "")
-        timestamp, value = item["value"]
+        # A range selector answers a matrix ("values", oldest first); take each series' newest.
+        timestamp, value = (item.get("values") or [item.get("value")])[-1]
         by_pod[pod_name].append(promtext.Sample(labels.pop("__name__"), labels, float(value)))
         newest[pod_name] = max(newest[pod_name], float(timestamp))
     samples: dict[str, EngineSample | None] = {}
     for pod in ready:
+        if pod.name in newest and now - newest[pod.name] > STALE_SECONDS:
+            log.info(
+                "pod %s: its newest sample in Prometheus is %.0f s old",
+                pod.name,
+                now - newest[pod.name],
+            )
+            samples[pod.name] = None
+            continue
         try:
             samples[pod.name] = promtext.engine_sample(by_pod[pod.name], time=newest[pod.name])
         except promtext.ParseError as exc:
