@@ -24,8 +24,6 @@ from kvfleet_router.waiting import WaitingQueue
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 64 * 1024 * 1024  # long prompts, or many of them
-
 
 class Router:
     """All the parts of one router process, wired together."""
@@ -49,7 +47,9 @@ class Router:
     def build_app(self) -> web.Application:
         key = self.settings.api_key
         middlewares = [api_key_middleware(key)] if key is not None else []
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
+        app = web.Application(
+            client_max_size=self.settings.max_request_body_bytes, middlewares=middlewares
+        )
         app.cleanup_ctx.append(self._lifecycle)
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)

@@ -81,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
         "connection a request waits for another replica until --queue-timeout)",
     )
     parser.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULTS.max_request_body_bytes,
+        help="larger request bodies get a 413 (default: the engine's own limit, 4 MiB; raise "
+        "both together)",
+    )
+    parser.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on every route but /health, /ready and "
@@ -113,6 +120,7 @@ def main(argv: list[str]) -> int:
             queue_timeout_s=args.queue_timeout,
             scrape_interval_s=args.scrape_interval,
             max_attempts=args.max_attempts,
+            max_request_body_bytes=args.max_request_body_bytes,
             api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         )
     except ValueError as exc:
@@ -136,6 +144,7 @@ _FLAGS = {
     "queue_timeout_s": "--queue-timeout",
     "scrape_interval_s": "--scrape-interval",
     "max_attempts": "--max-attempts",
+    "max_request_body_bytes": "--max-request-body-bytes",
 }
 
 

@@ -21,6 +21,10 @@ import json
 from typing import Any
 
 TOKEN_BLOCK = 16  # token ids per block of a token-id prompt
+# Blocks hashed at most (131,072 token ids; of text, 8,192 x block_chars characters, about as
+# many tokens): a prefix shared beyond a model's context routes no better, and hashing a 50 MB
+# prompt whole held the event loop, and every other stream, for seconds.
+MAX_BLOCKS = 8192
 _UNIT, _RECORD = "\x1f", "\x1e"
 
 
@@ -34,8 +38,10 @@ def block_hashes(body: dict[str, Any], chat: bool, block_chars: int) -> list[int
         prompt = prompt[0]  # a batch: route on its first prompt
     if isinstance(prompt, str):
         return _text_blocks(prompt, block_chars)
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return _token_blocks(prompt)
+    if isinstance(prompt, list):
+        head = prompt[: MAX_BLOCKS * TOKEN_BLOCK]
+        if all(isinstance(t, int) for t in head):
+            return _token_blocks(head)
     return []
 
 
@@ -62,7 +68,7 @@ def _canonical_messages(messages: Any) -> str:
 def _text_blocks(text: str, block_chars: int) -> list[int]:
     hashes = []
     chained = 0
-    for end in range(block_chars, len(text) + 1, block_chars):
+    for end in range(block_chars, min(len(text), MAX_BLOCKS * block_chars) + 1, block_chars):
         chained = hash((chained, text[end - block_chars : end]))
         hashes.append(chained)
     return hashes
@@ -71,7 +77,7 @@ def _text_blocks(text: str, block_chars: int) -> list[int]:
 def _token_blocks(ids: list[int]) -> list[int]:
     hashes = []
     chained = 0
-    for end in range(TOKEN_BLOCK, len(ids) + 1, TOKEN_BLOCK):
+    for end in range(TOKEN_BLOCK, min(len(ids), MAX_BLOCKS * TOKEN_BLOCK) + 1, TOKEN_BLOCK):
         chained = hash((chained, tuple(ids[end - TOKEN_BLOCK : end])))
         hashes.append(chained)
     return hashes

@@ -17,6 +17,8 @@ closes the upstream connection at once, and the engine aborts the request.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ from kvfleet_router.settings import RouterSettings
 from kvfleet_router.strategies import RoutedRequest, Strategy
 from kvfleet_router.waiting import QueueFull, WaitingQueue
 
+BIG_BODY = 1 << 20  # bytes from which a request body is parsed in a worker thread
 REPLICA_HEADER = "X-Kvfleet-Replica"  # which replica answered (host:port)
 _HOP_BY_HOP = frozenset(
     {
@@ -123,9 +126,21 @@ class Proxy:
     async def _forward(
         self, request: web.Request, arrived: float, result: _Outcome
     ) -> web.StreamResponse:
-        raw = await request.read()
         try:
-            body = json.loads(raw)
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            result.outcome = m.BAD_REQUEST
+            limit = self._settings.max_request_body_bytes
+            return _error(
+                413,
+                f"request body is larger than {limit} bytes (--max-request-body-bytes)",
+                param="body",
+            )
+        try:
+            # A large body is parsed off the event loop: the other streams keep flowing.
+            body = (
+                json.loads(raw) if len(raw) < BIG_BODY else await asyncio.to_thread(json.loads, raw)
+            )
         except ValueError as exc:  # UnicodeDecodeError is one
             result.outcome = m.BAD_REQUEST
             return _error(400, f"request body is not valid JSON: {exc}", param="body")
@@ -149,9 +164,10 @@ class Proxy:
                 param="model",
                 code="model_not_found",
             )
-        routed = RoutedRequest(
-            block_hashes(body, request.path == CHAT_PATH, self._settings.block_chars)
+        hashes = functools.partial(
+            block_hashes, body, request.path == CHAT_PATH, self._settings.block_chars
         )
+        routed = RoutedRequest(hashes() if len(raw) < BIG_BODY else await asyncio.to_thread(hashes))
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
         if self._settings.api_key is not None:  # the client's key was checked: send ours
             headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}

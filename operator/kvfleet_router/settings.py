@@ -33,6 +33,9 @@ class RouterSettings:
     connect_timeout_s: float = 2.0  # TCP connect to a replica
     block_chars: int = 64  # characters per prefix block (about 16 tokens of English text)
     load_factor: float = 1.25  # bounded load: no replica above this x the mean load (prefix)
+    # Larger request bodies get a 413 from the router; the engine's own default limit (a larger
+    # body could only get the engine's 413, after the router had parsed and hashed it).
+    max_request_body_bytes: int = 4 * 1024 * 1024
     # Clients must send it, and the router sends it to the engines; None: no authentication.
     api_key: str | None = field(default=None, repr=False)
 
@@ -60,6 +63,7 @@ class RouterSettings:
             ("connect_timeout_s", self.connect_timeout_s > 0, "> 0"),
             ("block_chars", self.block_chars >= 1, ">= 1"),
             ("load_factor", self.load_factor > 1, "> 1"),
+            ("max_request_body_bytes", self.max_request_body_bytes >= 1, ">= 1"),
         )
         for name, ok, allowed in checks:
             if not ok:

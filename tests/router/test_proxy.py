@@ -61,6 +61,20 @@ async def test_bad_json_is_a_400_from_the_router(
     assert engine.bodies == []
 
 
+async def test_a_body_over_the_limit_is_a_413_naming_the_flag(
+    start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    (engine,) = await start_engines(1)
+    router = await start_router([engine.url], max_request_body_bytes=1024)
+    body = json.dumps({"model": MODEL, "prompt": "x" * 2000}).encode()
+    response = await router.post("/v1/completions", body)
+    assert response.status == 413
+    error = (await response.json())["error"]
+    assert error["message"] == "request body is larger than 1024 bytes (--max-request-body-bytes)"
+    assert engine.bodies == []
+    assert (await router.post("/v1/completions", COMPLETION)).status == 200
+
+
 async def test_json_nested_thousands_deep_is_a_400_not_a_500(
     start_engines: StartEngines, start_router: StartRouter
 ) -> None:

@@ -130,3 +130,18 @@ def test_block_hashes_are_chained_and_block_aligned() -> None:
     assert len(tokens) == 2  # 16 token ids per block
     assert block_hashes({"prompt": 5}, chat=False, block_chars=64) == []
     assert block_hashes({"messages": "nope"}, chat=True, block_chars=64) == []
+
+
+def test_only_the_first_blocks_of_a_huge_prompt_are_hashed() -> None:
+    """A prefix shared past MAX_BLOCKS blocks routes no better: the rest is not hashed (a 50 MB
+    prompt hashed whole held the router's event loop for seconds)."""
+    from kvfleet_router.prefix import MAX_BLOCKS, TOKEN_BLOCK
+
+    text = "".join(chr(65 + i % 26) for i in range(BLOCK * (MAX_BLOCKS + 100)))
+    hashes = block_hashes({"prompt": text}, chat=False, block_chars=BLOCK)
+    head = block_hashes({"prompt": text[: BLOCK * MAX_BLOCKS]}, chat=False, block_chars=BLOCK)
+    assert len(hashes) == MAX_BLOCKS and hashes == head
+    ids = list(range(TOKEN_BLOCK * (MAX_BLOCKS + 5)))
+    assert len(block_hashes({"prompt": ids}, chat=False, block_chars=BLOCK)) == MAX_BLOCKS
+    ids[-1] = "not an id"  # past the hashed blocks: not read
+    assert len(block_hashes({"prompt": ids}, chat=False, block_chars=BLOCK)) == MAX_BLOCKS
