@@ -121,6 +121,7 @@ def router_args(name: str, namespace: str, spec: InferenceDeploymentSpec, plan: 
     """`kvfleet router` arguments: the engine Service `name` (its EndpointSlices) and the spec's
     routing settings."""
     routing = spec.routing
+    body_limit = _engine_flag(spec.engine.extra_args, BODY_LIMIT_FLAG)
     return [
         "--deployment", name,
         "--namespace", namespace,
@@ -129,7 +130,24 @@ def router_args(name: str, namespace: str, spec: InferenceDeploymentSpec, plan: 
         "--queue-size", str(routing.queue_size),
         "--queue-timeout", str(routing.queue_timeout_seconds),
         "--port", str(ROUTER_PORT),
+        *([BODY_LIMIT_FLAG, body_limit] if body_limit is not None else []),
     ]  # fmt: skip
+
+
+# The engine's request-body limit, which the router enforces first with the same default: an
+# engine given a larger one in engine.extraArgs gets a router that lets those bodies through.
+BODY_LIMIT_FLAG = "--max-request-body-bytes"
+
+
+def _engine_flag(args: list[str], flag: str) -> str | None:
+    """The last value `flag` takes in `kvfleet serve` arguments (`--flag V` or `--flag=V`)."""
+    value = None
+    for index, arg in enumerate(args):
+        if arg == flag and index + 1 < len(args):
+            value = args[index + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 def render_router_deployment(

@@ -72,6 +72,25 @@ def test_the_router_fronts_the_engine_service_with_the_spec_settings(make_spec) 
     assert engine_pod["metadata"]["labels"]["llm-d.ai/engine-type"] == "vllm"
 
 
+@pytest.mark.parametrize(
+    "extra_args",
+    [
+        ["--max-request-body-bytes", "33554432"],
+        ["--seed", "1", "--max-request-body-bytes=33554432"],
+    ],
+)
+def test_an_engine_body_limit_raised_in_extra_args_is_the_routers_too(
+    make_spec, extra_args
+) -> None:
+    """The router refuses bodies above its limit before an engine sees them; with the same
+    default as the engine's, an engine given a larger limit gets a router that lets them by."""
+    spec = make_spec(engine={"extraArgs": extra_args})
+    args = rendered(spec)[("Deployment", "llama-router")]["spec"]["template"]["spec"]
+    assert args["containers"][0]["args"][-2:] == ["--max-request-body-bytes", "33554432"]
+    default = rendered(make_spec())[("Deployment", "llama-router")]["spec"]["template"]["spec"]
+    assert "--max-request-body-bytes" not in default["containers"][0]["args"]
+
+
 def test_routing_disabled_renders_no_router_and_points_at_the_engines(make_spec) -> None:
     spec = make_spec(routing={"enabled": False})
     assert [kind for kind, _ in rendered(spec)] == [
