@@ -225,14 +225,19 @@ class Cluster:
             content_type="application/merge-patch+json",
         )
 
-    async def post_event(self, involved: Manifest, type_: str, reason: str, message: str) -> None:
-        """A core/v1 Event about `involved` (best effort: failures are logged, not raised)."""
+    async def post_event(
+        self, involved: Manifest, type_: str, reason: str, message: str, *, name: str | None = None
+    ) -> None:
+        """A core/v1 Event about `involved` (best effort: failures are logged, not raised).
+        `name`: the event's own name, so that telling it twice (a pass that ends between the
+        event and the status that records it, then runs again) makes one event, not two."""
         meta = involved["metadata"]
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        naming = {"name": name} if name is not None else {"generateName": f"{meta['name']}."}
         event = {
             "apiVersion": "v1",
             "kind": "Event",
-            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "metadata": {**naming, "namespace": meta["namespace"]},
             "involvedObject": {
                 "apiVersion": involved["apiVersion"],
                 "kind": involved["kind"],
@@ -251,6 +256,8 @@ class Cluster:
         try:
             await self._request("POST", _path("v1", "Event", meta["namespace"]), body=event)
         except ApiException as exc:
+            if exc.status == 409 and name is not None:
+                return  # told already
             log.warning("could not post event %s on %s: %s", reason, meta["name"], exc.reason)
 
     # -- transport --------------------------------------------------------------------------

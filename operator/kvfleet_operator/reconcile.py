@@ -85,6 +85,7 @@ async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any
         cluster, namespace, name, leader_worker_set=features.leader_worker_set
     )
     groups = group_count(spec, old_status, len(found.statefulsets))
+    workload_generation: int | None = None  # of the workload this pass applied
     if plan.ok:
         assert profile is not None and planned is not None
         children = render_children(
@@ -101,6 +102,7 @@ async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any
         if before is not None and spec.effective_replicas() is None and planned != "StatefulSet":
             await _hand_replicas_to_autoscaler(cluster, before)
         main = _main_child(children, planned, name)
+        told = old_status.get("workloadGeneration")
         for child in children:
             try:
                 applied = await cluster.apply(child, owner=body)
@@ -127,11 +129,19 @@ async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any
                 await _write_status(cluster, body, old_status, status)
                 raise
             if child is main:
-                # Told at once: a crash or a failed apply later in this pass must not lose it
-                # (the next pass sees the workload already changed and would not tell it).
+                # Told at once: a crash or a failed apply later in this pass must not lose it.
+                # A pass that ended between the apply and the event (the operator killed) left
+                # status.workloadGeneration behind the workload's: the next pass tells it then.
+                # The event's name is the rollout's own, so telling it twice makes one event.
+                workload_generation = applied["metadata"].get("generation")
                 event = rollout_event(before, applied, planned)
+                if event is None and _untold(told, before, workload_generation):
+                    event = rollout_event({"metadata": {"generation": told}}, applied, planned)
                 if event is not None:
-                    await cluster.post_event(body, event.type, event.reason, event.message)
+                    await cluster.post_event(
+                        body, event.type, event.reason, event.message,
+                        name=_event_name(meta, event.reason, workload_generation),
+                    )  # fmt: skip
         await prune(cluster, namespace, children, found, meta["uid"])
         if old_status.get("observedGeneration") != generation:  # the spec changed (or is new)
             await prune_optional(cluster, namespace, name, children, meta["uid"])
@@ -159,7 +169,27 @@ async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any
         old_status=old_status,
         now=now,
     )
+    if workload_generation is not None:
+        status["workloadGeneration"] = workload_generation
     await _write_status(cluster, body, old_status, status)
+
+
+def _untold(told: Any, before: dict[str, Any] | None, generation: int | None) -> bool:
+    """Whether the workload's generation moved past the last one told by an earlier pass."""
+    return (
+        isinstance(told, int)
+        and before is not None
+        and generation is not None
+        and generation > told
+    )
+
+
+def _event_name(meta: dict[str, Any], reason: str, generation: int | None) -> str | None:
+    """A rollout's event name, unique to the InferenceDeployment (its uid) and the workload's
+    generation; None (a generated name) for other events."""
+    if reason != "RolloutStarted" or generation is None:
+        return None
+    return f"{meta['name']}.rollout.{meta['uid'][:8]}.{generation}"
 
 
 def _main_child(children: list[dict[str, Any]], planned: str, name: str) -> dict[str, Any] | None:

@@ -31,6 +31,7 @@ class MemoryCluster:
         self.secrets: dict[tuple[str, str], dict[str, str]] = {}
         self.secret_reads = 0
         self.deleted: list[str] = []  # "Kind/name"
+        self.event_names: set[str | None] = set()  # events posted with their own name
         self.leader_worker_set = False  # whether the LeaderWorkerSet API is served
 
     def add(self, obj: dict[str, Any]) -> None:
@@ -89,7 +90,10 @@ class MemoryCluster:
         obj["status"] = {**obj.get("status", {}), **status}
         return obj
 
-    async def post_event(self, involved, type_, reason, message) -> None:
+    async def post_event(self, involved, type_, reason, message, *, name=None) -> None:
+        if name is not None and name in self.event_names:
+            return  # the API server answers 409: one event
+        self.event_names.add(name)
         self.events.append(reason)
 
 
@@ -417,6 +421,51 @@ async def test_a_child_the_api_server_refuses_is_reported_in_status() -> None:
         "the API server refused Deployment llama: 422 Unprocessable Entity: admission webhook "
         "denied: no GPUs for team-a"
     )
+
+
+class Killed(BaseException):
+    """The operator process dying at this call (SIGKILL): nothing after it in the pass runs."""
+
+
+async def _rolled_out_then_killed(kill_at: str) -> MemoryCluster:
+    """A rollout (engine.maxNumSeqs changed) whose pass dies at `kill_at` ("event": before
+    its RolloutStarted is posted; "status": after it, before the status that records it),
+    then a restarted operator's pass."""
+
+    class DyingCluster(MemoryCluster):
+        armed = False
+
+        async def post_event(self, involved, type_, reason, message, *, name=None) -> None:
+            if self.armed and kill_at == "event" and reason == "RolloutStarted":
+                raise Killed
+            await super().post_event(involved, type_, reason, message, name=name)
+
+        async def patch_status(self, api_version, kind, name, namespace, status):
+            if self.armed and kill_at == "status":
+                raise Killed
+            return await super().patch_status(api_version, kind, name, namespace, status)
+
+    cluster = DyingCluster()
+    cluster.add(infd(replicas=1))
+    await reconcile(cluster, "ns", "llama", HeaderCache())
+    body = cluster.objects[("InferenceDeployment", "ns", "llama")]
+    body["spec"]["engine"] = {"maxNumSeqs": 64}
+    body["metadata"]["generation"] = 2
+    cluster.armed = True
+    with pytest.raises(Killed):
+        await reconcile(cluster, "ns", "llama", HeaderCache())
+    cluster.armed = False  # the restarted operator
+    await reconcile(cluster, "ns", "llama", HeaderCache())
+    return cluster
+
+
+@pytest.mark.parametrize("kill_at", ["event", "status"])
+async def test_a_rollout_is_told_once_across_an_operator_killed_mid_pass(kill_at: str) -> None:
+    cluster = await _rolled_out_then_killed(kill_at)
+    assert cluster.events.count("RolloutStarted") == 1, cluster.events
+    status = cluster.objects[("InferenceDeployment", "ns", "llama")]["status"]
+    workload = cluster.objects[("Deployment", "ns", "llama")]
+    assert status["workloadGeneration"] == workload["metadata"]["generation"] == 2
 
 
 async def test_leader_worker_set_when_served() -> None:

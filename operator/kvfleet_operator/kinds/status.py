@@ -104,6 +104,11 @@ class InferenceDeploymentStatus(Model):
     memory_plan: MemoryPlan | None = Field(
         default=None, description="GPU memory per GPU the operator planned, and whether it fits."
     )
+    workload_generation: int | None = Field(
+        default=None,
+        description="metadata.generation of the engine workload whose rollout was last told "
+        "(a RolloutStarted event): a rollout a restarted operator had not told yet is told then.",
+    )
     autoscaling: dict[str, Any] | None = Field(
         default=None,
         description="Written by the autoscaler.",
