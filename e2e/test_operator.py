@@ -186,6 +186,12 @@ def infd(namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+HINTS_WITHOUT_CONTEXT = {
+    "numParameters": 8_030_261_248, "numLayers": 32, "numAttentionHeads": 32,
+    "numKeyValueHeads": 8, "headDim": 128,
+}  # fmt: skip
+
+
 def llama(**extra: Any) -> dict[str, Any]:
     spec = {
         "model": {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct", "maxModelLen": 8192},
@@ -448,6 +454,9 @@ def test_invalid_specs_are_rejected_or_stalled(
         ),
         "spec.model.uri": llama(model={"uri": "http://example.com/model"}),
         "cannot both be 0": llama(rollout={"maxUnavailable": 0}),
+        "hints without maxPositionEmbeddings needs model.maxModelLen": llama(
+            model={"uri": "hf://org/custom", "hints": HINTS_WITHOUT_CONTEXT}
+        ),
         "spec.resources.cpu": llama(resources={"accelerator": "h100-80gb", "cpu": "two"}),
         "Unsupported value": llama(quantization={"weights": "int3"}),
         "quantization.kvCacheCalibration needs quantization.kvCache: fp8": llama(

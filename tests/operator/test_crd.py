@@ -207,3 +207,20 @@ def test_a_rollout_that_cannot_move_and_resources_that_are_not_quantities_are_re
     for bad in ("two", "8 cores", "-1", "64GiB", "1.5.2", ""):
         with pytest.raises(ValidationError):
             ResourcesSpec(accelerator="h100-80gb", cpu=bad)
+
+
+def test_hints_without_a_context_length_need_max_model_len() -> None:
+    """Without either, the memory plan counted a KV cache of 0 GiB and said the model fits."""
+    import pytest
+    from pydantic import ValidationError
+
+    from kvfleet_operator.kinds.model import HINTS_CONTEXT_MESSAGE, ModelSpec
+
+    hints = {"numParameters": 8_030_261_248, "numLayers": 32, "numAttentionHeads": 32,
+             "numKeyValueHeads": 8, "headDim": 128}  # fmt: skip
+    model = _schema()["properties"]["spec"]["properties"]["model"]
+    assert HINTS_CONTEXT_MESSAGE in [r["message"] for r in model["x-kubernetes-validations"]]
+    with pytest.raises(ValidationError, match=r"needs model\.maxModelLen"):
+        ModelSpec(uri="hf://org/custom", hints=hints)
+    assert ModelSpec(uri="hf://org/custom", hints=hints, maxModelLen=4096)
+    assert ModelSpec(uri="hf://org/custom", hints={**hints, "maxPositionEmbeddings": 8192})

@@ -74,6 +74,12 @@ class ModelHints(Model):
         return self.hidden_size or self.num_attention_heads * self.head_dim
 
 
+HINTS_CONTEXT_MESSAGE = (
+    "model.hints without maxPositionEmbeddings needs model.maxModelLen: the memory plan sizes "
+    "the KV cache by the context length"
+)
+
+
 class ModelSpec(Model):
     model_config = ConfigDict(
         json_schema_extra=cel(
@@ -82,6 +88,11 @@ class ModelSpec(Model):
                 "(!has(self.servedModelName) || self.servedModelName == oldSelf.servedModelName)",
                 "model.servedModelName is immutable: it cannot be added, removed or changed "
                 "after creation (clients address the model by it)",
+            ),
+            (
+                "has(self.maxModelLen) || !has(self.hints) || "
+                "has(self.hints.maxPositionEmbeddings)",
+                HINTS_CONTEXT_MESSAGE,
             ),
         )
     )
@@ -127,6 +138,18 @@ class ModelSpec(Model):
         if uri.endswith(GGUF_SUFFIX) and not re.match(GGUF_URI_PATTERN, uri):
             raise ValueError(GGUF_URI_MESSAGE)
         return uri
+
+    @model_validator(mode="after")
+    def _hints_say_the_context(self) -> ModelSpec:
+        # The CEL rule above, for objects stored before it existed.
+        hints = self.hints
+        if (
+            self.max_model_len is None
+            and hints is not None
+            and hints.max_position_embeddings is None
+        ):
+            raise ValueError(HINTS_CONTEXT_MESSAGE)
+        return self
 
     @property
     def is_gguf(self) -> bool:
