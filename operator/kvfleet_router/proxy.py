@@ -21,11 +21,13 @@ import asyncio
 import functools
 import json
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 
 from kvfleet_router import metrics as m
 from kvfleet_router.auth import bearer
@@ -168,7 +170,7 @@ class Proxy:
             block_hashes, body, request.path == CHAT_PATH, self._settings.block_chars
         )
         routed = RoutedRequest(hashes() if len(raw) < BIG_BODY else await asyncio.to_thread(hashes))
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        headers = {k: v for k, v in _end_to_end(request.headers, _HOP_BY_HOP)}
         if self._settings.api_key is not None:  # the client's key was checked: send ours
             headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
             headers["Authorization"] = bearer(self._settings.api_key)
@@ -297,9 +299,8 @@ class Proxy:
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError):
                 self._metrics.retried("lost")
                 return _LOST
-            response_headers = {
-                k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_PASSED_BACK
-            }
+            # A multidict: a header the replica sent twice (Set-Cookie, Vary) goes back twice.
+            response_headers = CIMultiDict(_end_to_end(upstream.headers, _NOT_PASSED_BACK))
             response_headers[REPLICA_HEADER] = replica.address
             if retry:
                 return _Declined(
@@ -347,6 +348,15 @@ def _retry_after(response: web.Response) -> float | None:
         return float(response.headers.get("Retry-After", ""))
     except ValueError:
         return None
+
+
+def _end_to_end(headers: Mapping[str, str], dropped: frozenset[str]) -> Iterator[tuple[str, str]]:
+    """The headers that go on to the other side: not `dropped`, and not those the sender's
+    Connection header names (hop-by-hop for this connection only, RFC 9110 section 7.6.1)."""
+    named = {token.strip().lower() for token in headers.get("Connection", "").split(",")}
+    for key, value in headers.items():
+        if key.lower() not in dropped and key.lower() not in named:
+            yield key, value
 
 
 def _error(

@@ -32,6 +32,8 @@ class FakeEngine:
         self.die_mid_stream = False  # drop the connection after the first chunk
         self.drop_request = False  # read a completion, then drop the connection unanswered
         self.gzip_answers = False  # non-streamed answers gzip-compressed (Content-Encoding)
+        self.answer_headers: list[tuple[str, str]] = []  # added to non-streamed answers
+        self.request_headers: list[dict[str, str]] = []  # each completion's, lower-cased keys
         self.disconnected = asyncio.Event()
         self.bodies: list[dict[str, Any]] = []  # completion bodies received, in order
         self.authorizations: list[str | None] = []  # their Authorization headers
@@ -75,6 +77,7 @@ class FakeEngine:
         body = await request.json()
         self.bodies.append(body)
         self.authorizations.append(request.headers.get("Authorization"))
+        self.request_headers.append({k.lower(): v for k, v in request.headers.items()})
         if self.drop_request:  # as an engine that crashes on this prompt
             assert request.transport is not None
             request.transport.abort()
@@ -90,7 +93,10 @@ class FakeEngine:
                     body=gzip.compress(json.dumps(answer).encode()),
                     headers={"Content-Type": "application/json", "Content-Encoding": "gzip"},
                 )
-            return web.json_response(answer)
+            response = web.json_response(answer)
+            for key, value in self.answer_headers:
+                response.headers.add(key, value)
+            return response
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         try:

@@ -47,6 +47,25 @@ async def test_a_compressed_answer_reaches_the_client_readable(
     assert (await response.json())["id"] == "cmpl-1"
 
 
+async def test_headers_are_relayed_end_to_end_only(
+    start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    """A header the replica sends twice reaches the client twice; a header the client's
+    Connection header names belongs to that connection and does not reach the replica."""
+    (engine,) = await start_engines(1)
+    engine.answer_headers = [("Set-Cookie", "a=1"), ("Set-Cookie", "b=2")]
+    router = await start_router([engine.url])
+    response = await router.post(
+        "/v1/completions",
+        COMPLETION,
+        headers={"Connection": "keep-alive, X-Hop", "X-Hop": "secret", "X-Tenant": "a"},
+    )
+    assert response.status == 200
+    assert response.headers.getall("Set-Cookie") == ["a=1", "b=2"]
+    (sent,) = engine.request_headers
+    assert "x-hop" not in sent and sent["x-tenant"] == "a"
+
+
 async def test_bad_json_is_a_400_from_the_router(
     start_engines: StartEngines, start_router: StartRouter
 ) -> None:
