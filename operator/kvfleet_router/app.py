@@ -43,6 +43,9 @@ class Router:
         else:
             self.discovery = StaticDiscovery(self.pool, settings.backends)
         self.proxy: Proxy | None = None  # made at start-up, with the client session
+        # Why a background task (discovery, scraper) stopped; /health then answers 503, so the
+        # liveness probe restarts the pod instead of it waiting, never ready, without a word.
+        self.failure: str | None = None
 
     def build_app(self) -> web.Application:
         key = self.settings.api_key
@@ -75,16 +78,26 @@ class Router:
                 asyncio.create_task(self.discovery.run(), name="discovery"),
                 asyncio.create_task(scraper.run(), name="scraper"),
             ]
+            for task in tasks:
+                task.add_done_callback(self._task_ended)
             try:
                 yield
             finally:
                 for task in tasks:
                     task.cancel()
-                for task in tasks:
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+                # Their own errors were logged when they ended (_task_ended).
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _task_ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        error = task.exception()
+        self.failure = f"{task.get_name()} stopped: {type(error).__name__}: {error}"
+        log.error("the router's %s", self.failure, exc_info=error)
 
     async def _health(self, request: web.Request) -> web.Response:
+        if self.failure is not None:
+            return web.json_response({"status": "failed", "reason": self.failure}, status=503)
         return web.json_response({"status": "ok"})
 
     async def _ready(self, request: web.Request) -> web.Response:

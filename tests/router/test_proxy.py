@@ -357,3 +357,41 @@ async def test_a_starting_replica_503s_until_ready_and_the_request_waits_for_it(
     response = await asyncio.wait_for(request, 2)
     assert response.status == 200
     assert 3 <= len(engine.bodies) <= 6  # retried every Retry-After, not in a busy loop
+
+
+async def test_a_background_task_that_dies_fails_health_and_says_why(caplog) -> None:
+    """Discovery that cannot start (no kubeconfig, no in-cluster account): the router logs why
+    and /health turns 503, so the liveness probe restarts the pod; before, it waited forever,
+    never ready, with nothing in its log."""
+    from aiohttp.test_utils import TestServer
+
+    from kvfleet_router.app import Router
+    from kvfleet_router.settings import RouterSettings
+
+    class BrokenDiscovery:
+        synced = False
+
+        async def run(self) -> None:
+            raise RuntimeError("Invalid kube-config file. No configuration found.")
+
+    router = Router(RouterSettings(backends=("http://127.0.0.1:9",), served_model_names=(MODEL,)))
+    router.discovery = BrokenDiscovery()  # type: ignore[assignment]
+    server = TestServer(router.build_app(), port=0)
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as http:
+            for _ in range(50):
+                response = await http.get(f"http://127.0.0.1:{server.port}/health")
+                if response.status == 503:
+                    break
+                await asyncio.sleep(0.02)
+            assert response.status == 503
+            body = await response.json()
+        assert body == {
+            "status": "failed",
+            "reason": "discovery stopped: RuntimeError: Invalid kube-config file. No "
+            "configuration found.",
+        }
+        assert "the router's discovery stopped" in caplog.text
+    finally:
+        await server.close()
