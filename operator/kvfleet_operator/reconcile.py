@@ -24,7 +24,7 @@ from kvfleet_operator.model_catalog import (
     reads_gguf_header,
 )
 from kvfleet_operator.models import AcceleratorProfileSpec, InferenceDeploymentSpec, ModelSpec
-from kvfleet_operator.plan import ClusterFeatures, Problem, plan_deployment
+from kvfleet_operator.plan import ClusterFeatures, Plan, Problem, plan_deployment
 from kvfleet_operator.render import render_children
 from kvfleet_operator.status import (
     compute_status,
@@ -34,6 +34,7 @@ from kvfleet_operator.status import (
 )
 from kvfleet_operator.topology_groups import group_count
 from kvfleet_operator.topology_workloads import (
+    Workloads,
     prune,
     prune_optional,
     read_workloads,
@@ -41,7 +42,6 @@ from kvfleet_operator.topology_workloads import (
 )
 
 log = logging.getLogger(__name__)
-
 
 # One reconcile at a time per object: change handlers, the resync timer and child events all
 # end up here.
@@ -85,6 +85,19 @@ async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any
         cluster, namespace, name, leader_worker_set=features.leader_worker_set
     )
     groups = group_count(spec, old_status, len(found.statefulsets))
+
+    def status_of(plan: Plan, found: Workloads) -> dict[str, Any]:
+        return compute_status(
+            name=name,
+            namespace=namespace,
+            generation=generation,
+            spec=spec,
+            plan=plan,
+            workload=found.summary(planned, groups),
+            old_status=old_status,
+            now=now,
+        )
+
     workload_generation: int | None = None  # of the workload this pass applied
     if plan.ok:
         assert profile is not None and planned is not None
@@ -116,17 +129,8 @@ async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any
                     f"the API server refused {child['kind']} {child['metadata']['name']}: "
                     f"{api_error_summary(exc)}",
                 )
-                status = compute_status(
-                    name=name,
-                    namespace=namespace,
-                    generation=generation,
-                    spec=spec,
-                    plan=dataclasses.replace(plan, problems=(problem,)),
-                    workload=found.summary(planned, groups),
-                    old_status=old_status,
-                    now=now,
-                )
-                await _write_status(cluster, body, old_status, status)
+                rejected = dataclasses.replace(plan, problems=(problem,))
+                await _write_status(cluster, body, old_status, status_of(rejected, found))
                 raise
             if child is main:
                 # Told at once: a crash or a failed apply later in this pass must not lose it.
@@ -159,16 +163,7 @@ async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any
     else:
         log.debug("%s/%s not rolled out: %s", namespace, name, plan.problems[0].message)
 
-    status = compute_status(
-        name=name,
-        namespace=namespace,
-        generation=generation,
-        spec=spec,
-        plan=plan,
-        workload=found.summary(planned, groups),
-        old_status=old_status,
-        now=now,
-    )
+    status = status_of(plan, found)
     if workload_generation is not None:
         status["workloadGeneration"] = workload_generation
     await _write_status(cluster, body, old_status, status)

@@ -89,9 +89,9 @@ class Router:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
     def _task_ended(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled() or task.exception() is None:
+        error = None if task.cancelled() else task.exception()
+        if error is None:
             return
-        error = task.exception()
         self.failure = f"{task.get_name()} stopped: {type(error).__name__}: {error}"
         log.error("the router's %s", self.failure, exc_info=error)
 

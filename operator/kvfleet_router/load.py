@@ -100,8 +100,8 @@ class LoadScraper:
         self._pool = pool
         self._session = session
         self._interval_s = interval_s
-        self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._scraped: dict[str, Replica] = {}  # the member object each task scrapes
+        # address -> the member object its task scrapes, and the task
+        self._tasks: dict[str, tuple[Replica, asyncio.Task[None]]] = {}
 
     async def run(self) -> None:
         """Follow membership changes until cancelled."""
@@ -110,9 +110,9 @@ class LoadScraper:
                 self.sync()
                 await self._pool.wait_changed(timeout=1.0)
         finally:
-            for task in self._tasks.values():
+            for _, task in self._tasks.values():
                 task.cancel()
-            for task in self._tasks.values():
+            for _, task in self._tasks.values():
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
 
@@ -121,15 +121,13 @@ class LoadScraper:
         came back between two syncs is a new object: its task is replaced, or the old task
         would go on scraping into the object the pool dropped."""
         members = self._pool.members
-        for address in list(self._tasks):
-            current = members.get(address)
-            if current is not self._scraped[address] or self._tasks[address].done():
-                self._tasks.pop(address).cancel()
-                del self._scraped[address]
+        for address, (scraped, task) in list(self._tasks.items()):
+            if members.get(address) is not scraped or task.done():
+                del self._tasks[address]
+                task.cancel()
         for address, replica in members.items():
             if address not in self._tasks:
-                self._tasks[address] = asyncio.create_task(self._scrape_forever(replica))
-                self._scraped[address] = replica
+                self._tasks[address] = (replica, asyncio.create_task(self._scrape_forever(replica)))
 
     async def _scrape_forever(self, replica: Replica) -> None:
         missed = 0

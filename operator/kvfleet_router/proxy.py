@@ -17,8 +17,6 @@ closes the upstream connection at once, and the engine aborts the request.
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import json
 import time
 from collections.abc import Iterator, Mapping
@@ -38,7 +36,6 @@ from kvfleet_router.settings import RouterSettings
 from kvfleet_router.strategies import RoutedRequest, Strategy
 from kvfleet_router.waiting import QueueFull, WaitingQueue
 
-BIG_BODY = 1 << 20  # bytes from which a request body is parsed in a worker thread
 REPLICA_HEADER = "X-Kvfleet-Replica"  # which replica answered (host:port)
 _HOP_BY_HOP = frozenset(
     {
@@ -139,10 +136,7 @@ class Proxy:
                 param="body",
             )
         try:
-            # A large body is parsed off the event loop: the other streams keep flowing.
-            body = (
-                json.loads(raw) if len(raw) < BIG_BODY else await asyncio.to_thread(json.loads, raw)
-            )
+            body = json.loads(raw)
         except ValueError as exc:  # UnicodeDecodeError is one
             result.outcome = m.BAD_REQUEST
             return _error(400, f"request body is not valid JSON: {exc}", param="body")
@@ -166,11 +160,10 @@ class Proxy:
                 param="model",
                 code="model_not_found",
             )
-        hashes = functools.partial(
-            block_hashes, body, request.path == CHAT_PATH, self._settings.block_chars
+        routed = RoutedRequest(
+            block_hashes(body, request.path == CHAT_PATH, self._settings.block_chars)
         )
-        routed = RoutedRequest(hashes() if len(raw) < BIG_BODY else await asyncio.to_thread(hashes))
-        headers = {k: v for k, v in _end_to_end(request.headers, _HOP_BY_HOP)}
+        headers = dict(_end_to_end(request.headers, _HOP_BY_HOP))
         if self._settings.api_key is not None:  # the client's key was checked: send ours
             headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
             headers["Authorization"] = bearer(self._settings.api_key)

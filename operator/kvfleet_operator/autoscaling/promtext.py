@@ -75,6 +75,9 @@ TPOT = "kvfleet_inter_token_latency_seconds"
 ROUTER_QUEUED = "kvfleet_router_queued_requests"
 ROUTER_IN_FLIGHT = "kvfleet_router_requests_in_flight"
 ROUTER_IDLE = "kvfleet_router_idle_seconds"
+# The series each reader cannot do without: absent or not finite, the pod has no data.
+_ENGINE_REQUIRED = (GENERATION_TOKENS, PROMPT_TOKENS, KV_CACHE_USAGE, REQUESTS_WAITING)
+_ROUTER_REQUIRED = (ROUTER_QUEUED, ROUTER_IN_FLIGHT, ROUTER_IDLE)
 
 # Label values of CAPACITY that mean prompt (prefill) or generation (decode) capacity; the kvfleet
 # engine exports only generation capacity, without such a label.
@@ -90,7 +93,7 @@ def engine_sample(samples: list[Sample], time: float) -> EngineSample:
     capacity_prompt = capacity_generation = None
     ttft: dict[float, float] = {}
     tpot: dict[float, float] = {}
-    _require_finite(samples, (GENERATION_TOKENS, PROMPT_TOKENS, KV_CACHE_USAGE, REQUESTS_WAITING))
+    _require_finite(samples, _ENGINE_REQUIRED)
     for sample in samples:
         if not math.isfinite(sample.value):  # optional series (running, capacity, buckets)
             continue
@@ -115,11 +118,7 @@ def engine_sample(samples: list[Sample], time: float) -> EngineSample:
             buckets = ttft if sample.name.startswith(TTFT) else tpot
             le = float(sample.labels["le"])
             buckets[le] = buckets.get(le, 0.0) + sample.value
-    missing = [
-        name
-        for name in (GENERATION_TOKENS, PROMPT_TOKENS, KV_CACHE_USAGE, REQUESTS_WAITING)
-        if name not in totals
-    ]
+    missing = [name for name in _ENGINE_REQUIRED if name not in totals]
     if missing:
         raise ParseError(f"missing metrics: {', '.join(missing)}")
     return EngineSample(
@@ -150,11 +149,9 @@ def _require_finite(samples: list[Sample], names: tuple[str, ...]) -> None:
 def router_demand(samples: list[Sample]) -> RouterDemand:
     """The demand signal out of one router's /metrics; ParseError when a gauge is missing or
     not a finite number."""
-    _require_finite(samples, (ROUTER_QUEUED, ROUTER_IN_FLIGHT, ROUTER_IDLE))
-    values = {
-        s.name: s.value for s in samples if s.name in (ROUTER_QUEUED, ROUTER_IN_FLIGHT, ROUTER_IDLE)
-    }
-    missing = [n for n in (ROUTER_QUEUED, ROUTER_IN_FLIGHT, ROUTER_IDLE) if n not in values]
+    _require_finite(samples, _ROUTER_REQUIRED)
+    values = {s.name: s.value for s in samples if s.name in _ROUTER_REQUIRED}
+    missing = [n for n in _ROUTER_REQUIRED if n not in values]
     if missing:
         raise ParseError(f"missing metrics: {', '.join(missing)}")
     return RouterDemand(values[ROUTER_QUEUED], values[ROUTER_IN_FLIGHT], values[ROUTER_IDLE])
