@@ -191,11 +191,20 @@ class Cluster:
         return await self.apply(manifest, field_manager=field_manager)
 
     async def delete(
-        self, api_version: str, kind: str, name: str, namespace: str | None = None
+        self,
+        api_version: str,
+        kind: str,
+        name: str,
+        namespace: str | None = None,
+        *,
+        propagation: str | None = None,
     ) -> bool:
-        """Delete an object; False when it was not there."""
+        """Delete an object; False when it was not there. `propagation` "Foreground": the
+        object stays (with a deletionTimestamp) until the garbage collector has deleted its
+        dependents, so nothing of it is left when it is gone."""
+        options = None if propagation is None else {"propagationPolicy": propagation}
         try:
-            await self._request("DELETE", _path(api_version, kind, namespace, name))
+            await self._request("DELETE", _path(api_version, kind, namespace, name), body=options)
         except ApiException as exc:
             if exc.status == 404:
                 return False
@@ -308,6 +317,12 @@ def refused(exc: BaseException) -> bool:
     """Whether the API server refused a request in a way a retry of the same object cannot
     change: bad request, forbidden, invalid (what a webhook's denial also is)."""
     return isinstance(exc, ApiException) and exc.status in (400, 403, 422)
+
+
+def conflicted(exc: BaseException) -> bool:
+    """Whether a write conditional on a resourceVersion (or a uid) was refused because the
+    object changed (or was replaced, or is gone) since it was read: 409 Conflict."""
+    return isinstance(exc, ApiException) and exc.status == 409
 
 
 def api_error_summary(exc: BaseException) -> str:

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -15,7 +16,7 @@ from pydantic import ValidationError
 
 from kvfleet_operator import api
 from kvfleet_operator.accelerators import resolve_accelerator
-from kvfleet_operator.apply import Cluster, api_error_summary, refused
+from kvfleet_operator.apply import Cluster, api_error_summary, conflicted, refused
 from kvfleet_operator.header_cache import HeaderCache
 from kvfleet_operator.model_catalog import (
     ModelArchitecture,
@@ -32,9 +33,10 @@ from kvfleet_operator.status import (
     rollout_event,
     transition_events,
 )
-from kvfleet_operator.topology_groups import group_count
+from kvfleet_operator.topology_groups import group_count, recreate_message, size_change_refused
 from kvfleet_operator.topology_workloads import (
     Workloads,
+    delete_leader_worker_set,
     prune,
     prune_optional,
     read_workloads,
@@ -46,6 +48,9 @@ log = logging.getLogger(__name__)
 # One reconcile at a time per object: change handlers, the resync timer and child events all
 # end up here.
 _locks: defaultdict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
+# Status writes conditional on the resourceVersion read: tries before a conflict is raised.
+STATUS_WRITE_ATTEMPTS = 3
+Status = dict[str, Any]
 
 
 async def reconcile(cluster: Cluster, namespace: str, name: str, headers: HeaderCache) -> None:
@@ -65,10 +70,13 @@ async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any
         spec = InferenceDeploymentSpec.model_validate(body.get("spec", {}))
     except ValidationError as exc:
         message = "; ".join(_describe(error) for error in exc.errors())
-        status = invalid_spec_status(
-            generation=generation, message=message, old_status=old_status, now=now
-        )
-        await _write_status(cluster, body, old_status, status)
+
+        def invalid(old: Status) -> Status:
+            return invalid_spec_status(
+                generation=generation, message=message, old_status=old, now=now
+            )
+
+        await _write_status(cluster, body, invalid)
         return
 
     profiles = await read_accelerator_profiles(cluster)
@@ -86,17 +94,23 @@ async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any
     )
     groups = group_count(spec, old_status, len(found.statefulsets))
 
-    def status_of(plan: Plan, found: Workloads) -> dict[str, Any]:
-        return compute_status(
-            name=name,
-            namespace=namespace,
-            generation=generation,
-            spec=spec,
-            plan=plan,
-            workload=found.summary(planned, groups),
-            old_status=old_status,
-            now=now,
-        )
+    def status_of(plan: Plan, found: Workloads) -> Callable[[Status], Status]:
+        """The status for `plan` and the workload `found`, built on a status read (the one
+        this pass read, or a newer one after a conflict: _write_status)."""
+
+        def build(old: Status) -> Status:
+            return compute_status(
+                name=name,
+                namespace=namespace,
+                generation=generation,
+                spec=spec,
+                plan=plan,
+                workload=found.summary(planned, groups),
+                old_status=old,
+                now=now,
+            )
+
+        return build
 
     workload_generation: int | None = None  # of the workload this pass applied
     if plan.ok:
@@ -112,25 +126,36 @@ async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any
             api_key_digest=await read_api_key_digest(cluster, namespace, spec),
         )
         before = found.main(planned)
-        if before is not None and spec.effective_replicas() is None and planned != "StatefulSet":
-            await _hand_replicas_to_autoscaler(cluster, before)
+        # A workload being deleted (a LeaderWorkerSet whose group size changes) is left to go;
+        # a later pass creates it again.
+        leaving = before is not None and bool(before["metadata"].get("deletionTimestamp"))
+        autoscaling = spec.autoscaling if spec.effective_replicas() is None else None
+        if before is not None and not leaving and autoscaling and planned != "StatefulSet":
+            await _hand_replicas_to_autoscaler(cluster, before, autoscaling.min_replicas)
         main = _main_child(children, planned, name)
         told = old_status.get("workloadGeneration")
         for child in children:
+            if child is main and leaving:
+                continue
             try:
                 applied = await cluster.apply(child, owner=body)
             except Exception as exc:
                 if not refused(exc):  # conflicts, throttling, server errors: only retried
                     raise
+                error = api_error_summary(exc)
+                if child is main and before and size_change_refused(before, child, error):
+                    await delete_leader_worker_set(cluster, before)
+                    message = recreate_message(before, child, error)
+                    await cluster.post_event(body, "Warning", "RecreatingLeaderWorkerSet", message)
+                    continue
                 # The API server (or an admission webhook) refuses the object as rendered: say
                 # so in status, then let the handler's retries go on (a later spec may pass).
                 problem = Problem(
                     "ApplyRejected",
-                    f"the API server refused {child['kind']} {child['metadata']['name']}: "
-                    f"{api_error_summary(exc)}",
+                    f"the API server refused {child['kind']} {child['metadata']['name']}: {error}",
                 )
                 rejected = dataclasses.replace(plan, problems=(problem,))
-                await _write_status(cluster, body, old_status, status_of(rejected, found))
+                await _write_status(cluster, body, status_of(rejected, found))
                 raise
             if child is main:
                 # Told at once: a crash or a failed apply later in this pass must not lose it.
@@ -163,10 +188,9 @@ async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any
     else:
         log.debug("%s/%s not rolled out: %s", namespace, name, plan.problems[0].message)
 
-    status = status_of(plan, found)
-    if workload_generation is not None:
-        status["workloadGeneration"] = workload_generation
-    await _write_status(cluster, body, old_status, status)
+    build = status_of(plan, found)
+    told_now = {} if workload_generation is None else {"workloadGeneration": workload_generation}
+    await _write_status(cluster, body, lambda old: {**build(old), **told_now})
 
 
 def _untold(told: Any, before: dict[str, Any] | None, generation: int | None) -> bool:
@@ -230,17 +254,20 @@ async def read_api_key_digest(
     return await cluster.secret_digest(namespace, ref.name, ref.key)
 
 
-async def _hand_replicas_to_autoscaler(cluster: Cluster, workload: dict[str, Any]) -> None:
-    """Switching from fixed replicas to autoscaling: if only the reconciler owns the child's
-    spec.replicas, server-side apply without the field would delete it and the Deployment (or
-    LeaderWorkerSet) would fall back to 1 replica. The autoscaler's field manager takes over the
-    current value first."""
+async def _hand_replicas_to_autoscaler(
+    cluster: Cluster, workload: dict[str, Any], min_replicas: int
+) -> None:
+    """Switching from fixed replicas (or from spec.suspend) to autoscaling: if only the
+    reconciler owns the child's spec.replicas, server-side apply without the field would delete
+    it and the Deployment (or LeaderWorkerSet) would fall back to 1 replica. The autoscaler's
+    field manager takes over the current value first, at least `min_replicas`: an HPA leaves a
+    target at zero replicas alone (ScalingDisabled), so a resumed deployment would stay at 0."""
     if not owns_replicas(workload, api.FIELD_MANAGER):
         return
     if owns_replicas(workload, api.AUTOSCALER_FIELD_MANAGER):
         return
     meta = workload["metadata"]
-    replicas = workload.get("spec", {}).get("replicas", 1)
+    replicas = max(workload.get("spec", {}).get("replicas", 1), min_replicas)
     await cluster.scale(
         meta["namespace"],
         meta["name"],
@@ -276,17 +303,42 @@ async def read_accelerator_profiles(cluster: Cluster) -> dict[str, AcceleratorPr
 
 
 async def _write_status(
-    cluster: Cluster, body: dict[str, Any], old: dict[str, Any], new: dict[str, Any]
+    cluster: Cluster, body: dict[str, Any], build: Callable[[Status], Status]
 ) -> None:
-    """Patch only what changed; an unchanged status is not written (no watch event, no loop)."""
-    if all(old.get(key) == value for key, value in new.items()):
+    """Write the status `build` makes of the one read, when it changed (an unchanged status is
+    not written: no watch event, no loop). The write is conditional on the resourceVersion
+    read: the autoscaler writes status too, and `conditions` (its ScalingLimited among ours) is
+    one list that a merge patch replaces whole, so a write built on a stale read would put back
+    the condition it had replaced. On a conflict the object is read again and the status built
+    anew on it."""
+    for attempt in range(1, STATUS_WRITE_ATTEMPTS + 1):
+        old = body.get("status") or {}
+        new = build(old)
+        if all(old.get(key) == value for key, value in new.items()):
+            return
+        meta = body["metadata"]
+        try:
+            await cluster.patch_status(
+                api.API_VERSION,
+                api.INFERENCE_DEPLOYMENT,
+                meta["name"],
+                meta["namespace"],
+                new,
+                resource_version=meta.get("resourceVersion"),
+            )
+        except Exception as exc:
+            if not conflicted(exc) or attempt == STATUS_WRITE_ATTEMPTS:
+                raise
+            fresh = await cluster.get(
+                api.API_VERSION, api.INFERENCE_DEPLOYMENT, meta["name"], meta["namespace"]
+            )
+            if fresh is None:
+                return  # deleted meanwhile
+            body = fresh
+            continue
+        for event in transition_events(old, new):
+            await cluster.post_event(body, event.type, event.reason, event.message)
         return
-    meta = body["metadata"]
-    await cluster.patch_status(
-        api.API_VERSION, api.INFERENCE_DEPLOYMENT, meta["name"], meta["namespace"], new
-    )
-    for event in transition_events(old, new):
-        await cluster.post_event(body, event.type, event.reason, event.message)
 
 
 def _describe(error: Any) -> str:

@@ -100,7 +100,9 @@ def render_children(
             target = {**target, "apiVersion": workloads[0]["apiVersion"], "kind": kind}
             target["name"] = group_name(name)
         children.append(
-            render_external_autoscaler(name, namespace, labels(name), spec.autoscaling, target)
+            render_external_autoscaler(
+                name, namespace, labels(name), spec.autoscaling, target, paused=spec.suspend
+            )
         )
     if spec.network_policy.enabled:
         children.append(

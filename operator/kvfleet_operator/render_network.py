@@ -1,6 +1,7 @@
 """Rendering, pure: the NetworkPolicy of one InferenceDeployment's engine pods.
 
-Ingress to the engine port only from: the deployment's router pods (same namespace), the
+Ingress to the engine port only from: this deployment's router pods (same namespace, its
+`kvfleet.io/router` label: another deployment's router in the namespace is not let in), the
 operator's pods (the built-in autoscaler scrapes /metrics), the monitoring namespace (Prometheus:
 /metrics is on the engine port) and the namespaces `spec.networkPolicy.allowedNamespaces` names.
 Everything else is denied; egress is left alone (hf:// and s3:// downloads need it).
@@ -13,14 +14,11 @@ from typing import Any
 
 from kvfleet_operator import api
 from kvfleet_operator.access_spec import NetworkPolicySpec
+from kvfleet_operator.render_router import router_selector
 
 Manifest = dict[str, Any]
 
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # set by the API server on every namespace
-ROUTER_POD_LABELS = {
-    "app.kubernetes.io/component": "router",
-    "app.kubernetes.io/part-of": "kvfleet",
-}
 OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "kvfleet-operator"}
 
 
@@ -37,7 +35,7 @@ def render_network_policy(
     (a replica spread over several pods), the pods of the deployment also reach each other on
     every port: torch.distributed's rendezvous, the engine's step channel, gloo and NCCL."""
     sources: list[dict[str, Any]] = [
-        {"podSelector": {"matchLabels": dict(ROUTER_POD_LABELS)}},
+        {"podSelector": {"matchLabels": router_selector(name)}},
         {
             "namespaceSelector": _namespace(spec.operator_namespace),
             "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)},

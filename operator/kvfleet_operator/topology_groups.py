@@ -7,7 +7,10 @@ do to the StatefulSet groups that no controller does for it:
 - roll a group to a new template by replacing all its pods at once (updateStrategy OnDelete),
   never more groups at a time than rollout.maxUnavailable (at least one) while others are down;
 - know which children a change of topology left behind (a Deployment after the replica grew
-  past a node, StatefulSets beyond the group count after a scale-down).
+  past a node, StatefulSets beyond the group count after a scale-down);
+- know when a LeaderWorkerSet must be created again to change its group size: releases before
+  0.7 refuse any change of spec.leaderWorkerTemplate.size (their webhook: "field is
+  immutable"); later ones roll the groups to the new size themselves.
 """
 
 from __future__ import annotations
@@ -196,3 +199,35 @@ def _restarted_or_failed(pod: Manifest) -> bool:
     if status.get("phase") == "Failed":
         return True
     return any(int(c.get("restartCount", 0)) > 0 for c in status.get("containerStatuses", []))
+
+
+# The field LeaderWorkerSet releases before 0.7 refuse to change, as their webhook names it.
+LWS_SIZE_FIELD = "leaderWorkerTemplate.size"
+
+
+def group_size(lws: Manifest) -> int:
+    """Pods per group of a LeaderWorkerSet (its default: 1)."""
+    return int(lws.get("spec", {}).get("leaderWorkerTemplate", {}).get("size", 1))
+
+
+def recreate_message(found: Manifest, rendered: Manifest, error: str) -> str:
+    """The event that tells why a LeaderWorkerSet is deleted and created again."""
+    return (
+        f"LeaderWorkerSet {found['metadata']['name']}: the group size cannot change in place "
+        f"({group_size(found)} -> {group_size(rendered)} pods per replica; {error}): deleting "
+        "it with its groups, then creating it again with the new size; no replica serves "
+        "meanwhile"
+    )
+
+
+def size_change_refused(found: Manifest | None, rendered: Manifest, error: str) -> bool:
+    """Whether the API server's refusal `error` of the `rendered` LeaderWorkerSet is the one of a
+    group size that cannot change in place: the one `found` has another size and the error
+    names the size field. Any other refusal stays a refusal (ApplyRejected): deleting the
+    running groups would not make a spec the cluster refuses pass."""
+    return (
+        found is not None
+        and rendered["kind"] == "LeaderWorkerSet"
+        and group_size(found) != group_size(rendered)
+        and LWS_SIZE_FIELD in error
+    )

@@ -146,6 +146,21 @@ async def prune_optional(
         await cluster.delete(api_version, kind, child, namespace)
 
 
+async def delete_leader_worker_set(cluster: Cluster, lws: Manifest) -> None:
+    """Delete a LeaderWorkerSet whose group size cannot change in place, its groups first
+    (foreground: it is gone only once its StatefulSets and pods are, so the one created again
+    under its name never meets pods of the old size)."""
+    meta = lws["metadata"]
+    log.info("%s/%s: deleting it to change its group size", meta["namespace"], meta["name"])
+    await cluster.delete(
+        api.LEADER_WORKER_SET_API,
+        "LeaderWorkerSet",
+        meta["name"],
+        meta["namespace"],
+        propagation="Foreground",
+    )
+
+
 async def replace_group_pods(
     cluster: Cluster, namespace: str, found: Workloads, max_unavailable: int
 ) -> list[str]:

@@ -20,8 +20,28 @@ from kvfleet_operator.reconcile import reconcile
 # Pipeline stages are planned and rendered before the engine serves them (conftest).
 
 
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch, as the API server applies it to status: objects merge, None
+    removes a key, anything else (a list: `conditions`) replaces what was there."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    merged = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = merge_patch(merged.get(key), value)
+    return merged
+
+
+def conflict() -> ApiException:
+    return ApiException(status=409, reason="Conflict")
+
+
 class MemoryCluster:
-    """The subset of apply.Cluster that reconcile uses, backed by a dict."""
+    """The subset of apply.Cluster that reconcile uses, backed by a dict. Every write moves the
+    object's resourceVersion; a status patch conditional on an older one is a 409, as from the
+    API server."""
 
     def __init__(self) -> None:
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
@@ -33,10 +53,16 @@ class MemoryCluster:
         self.deleted: list[str] = []  # "Kind/name"
         self.event_names: set[str | None] = set()  # events posted with their own name
         self.leader_worker_set = False  # whether the LeaderWorkerSet API is served
+        self.versions = 0  # the last resourceVersion handed out
 
     def add(self, obj: dict[str, Any]) -> None:
         meta = obj["metadata"]
         self.objects[(obj["kind"], meta.get("namespace", ""), meta["name"])] = obj
+        self.bump(obj)
+
+    def bump(self, obj: dict[str, Any]) -> None:
+        self.versions += 1
+        obj["metadata"]["resourceVersion"] = str(self.versions)
 
     async def get(self, api_version: str, kind: str, name: str, namespace: str | None = None):
         return copy.deepcopy(self.objects.get((kind, namespace or "", name)))
@@ -57,7 +83,9 @@ class MemoryCluster:
     async def serves(self, api_version: str, plural: str) -> bool:
         return self.leader_worker_set and plural == "leaderworkersets"
 
-    async def delete(self, api_version: str, kind: str, name: str, namespace=None) -> bool:
+    async def delete(
+        self, api_version: str, kind: str, name: str, namespace=None, *, propagation=None
+    ) -> bool:
         self.deleted.append(f"{kind}/{name}")
         return self.objects.pop((kind, namespace or "", name), None) is not None
 
@@ -81,14 +109,20 @@ class MemoryCluster:
         if previous is not None and "status" in previous:  # apply leaves the status alone
             stored["status"] = previous["status"]
         self.objects[key] = stored
+        self.bump(stored)
         self.applied.append(manifest["kind"])
         return copy.deepcopy(stored)
 
-    async def patch_status(self, api_version, kind, name, namespace, status):
-        self.status_patches.append(status)
+    async def patch_status(
+        self, api_version, kind, name, namespace, status, *, resource_version=None
+    ):
         obj = self.objects[(kind, namespace, name)]
-        obj["status"] = {**obj.get("status", {}), **status}
-        return obj
+        if resource_version not in (None, obj["metadata"]["resourceVersion"]):
+            raise conflict()
+        self.status_patches.append(status)
+        obj["status"] = merge_patch(obj.get("status", {}), status)
+        self.bump(obj)
+        return copy.deepcopy(obj)
 
     async def post_event(self, involved, type_, reason, message, *, name=None) -> None:
         if name is not None and name in self.event_names:
@@ -190,7 +224,7 @@ async def test_unreadable_gguf_header_rolls_out_without_a_memory_plan() -> None:
     await reconcile(cluster, "ns", "llama", headers)  # type: ignore[arg-type]
     status = cluster.objects[("InferenceDeployment", "ns", "llama")]["status"]
     planned = next(c for c in status["conditions"] if c["type"] == "Planned")
-    assert status["memoryPlan"] is None and planned["status"] == "True"
+    assert status.get("memoryPlan") is None and planned["status"] == "True"
     assert (
         "memory not estimated (the GGUF header of hf://acme/Gated-GGUF/gated.gguf"
         in (planned["message"])
@@ -440,10 +474,10 @@ async def _rolled_out_then_killed(kill_at: str) -> MemoryCluster:
                 raise Killed
             await super().post_event(involved, type_, reason, message, name=name)
 
-        async def patch_status(self, api_version, kind, name, namespace, status):
+        async def patch_status(self, api_version, kind, name, namespace, status, **options):
             if self.armed and kill_at == "status":
                 raise Killed
-            return await super().patch_status(api_version, kind, name, namespace, status)
+            return await super().patch_status(api_version, kind, name, namespace, status, **options)
 
     cluster = DyingCluster()
     cluster.add(infd(replicas=1))

@@ -39,16 +39,31 @@ def test_network_policy_and_api_key_secret(check_golden, make_spec) -> None:
     ]
     assert namespaces == ["kvfleet-system", "monitoring", "team-a", "gateway"]
     routers = [s for s in rule["from"] if "namespaceSelector" not in s]
-    assert routers == [
-        {
-            "podSelector": {
-                "matchLabels": {
-                    "app.kubernetes.io/component": "router",
-                    "app.kubernetes.io/part-of": "kvfleet",
-                }
-            }
-        }
-    ]
+    assert routers == [{"podSelector": {"matchLabels": {"kvfleet.io/router": "llama"}}}]
+
+
+def _admits(rule: dict, pod_labels: dict[str, str]) -> bool:
+    """Whether a pod of the policy's own namespace with `pod_labels` is among the rule's
+    sources (a podSelector without a namespaceSelector: the policy's namespace)."""
+    return any(
+        "namespaceSelector" not in source
+        and source["podSelector"]["matchLabels"].items() <= pod_labels.items()
+        for source in rule["from"]
+    )
+
+
+def test_only_this_deployments_router_reaches_the_engines(make_spec) -> None:
+    """The engine port admits the router pods of this InferenceDeployment, not the router of
+    another one in the same namespace (before, any pod labelled as a kvfleet router was let in,
+    though the README and the CRD promised "this deployment's router pods")."""
+    spec = make_spec()
+    objects = children(spec)
+    (rule,) = next(o for o in objects if o["kind"] == "NetworkPolicy")["spec"]["ingress"]
+    own_router = _router_deployment(objects)["spec"]["template"]["metadata"]["labels"]
+    other_router = _router_deployment(children(spec, name="mistral"))
+    other_labels = other_router["spec"]["template"]["metadata"]["labels"]
+    assert _admits(rule, own_router)
+    assert not _admits(rule, other_labels)
 
 
 def _router_deployment(objects: list[dict]) -> dict:

@@ -4,6 +4,10 @@ Deployment; the Builtin autoscaler then stays out of the way.
 
 Both target the child workload (`target`: the Deployment, or the LeaderWorkerSet whose replicas
 are groups; StatefulSet groups have no one object to scale, plan.py refuses HPA and KEDA there).
+While spec.suspend holds the workload at zero (`paused`), the ScaledObject carries KEDA's
+paused-replicas annotation at 0: without it KEDA scales a target below minReplicaCount back up,
+and the reconciler scales it back to zero, over and over. An HPA needs nothing: it stops by
+itself on a target at zero replicas (ScalingActive=False, ScalingDisabled).
 HPA Pods metrics come from a custom-metrics adapter (e.g. prometheus-adapter) serving these names
 per pod: kvfleet_kv_cache_usage_ratio, kvfleet_requests_waiting, and the rates
 kvfleet_generation_tokens_per_second / kvfleet_prompt_tokens_per_second (adapter rules over the
@@ -26,6 +30,10 @@ HPA_METRICS = {  # signal -> per-pod metric name served by the custom-metrics ad
 }
 
 
+# KEDA scales the target to this count and stops autoscaling it while the annotation is there;
+# removing it resumes autoscaling.
+KEDA_PAUSED_REPLICAS = "autoscaling.keda.sh/paused-replicas"
+
 EXTERNAL_KINDS = (  # (apiVersion, kind) of the objects controller HPA / KEDA render
     ("autoscaling/v2", "HorizontalPodAutoscaler"),
     ("keda.sh/v1alpha1", "ScaledObject"),
@@ -38,14 +46,17 @@ def render_external_autoscaler(
     labels: dict[str, str],
     spec: AutoscalingSpec,
     target: dict[str, str] | None = None,
+    *,
+    paused: bool = False,
 ) -> Manifest:
     """The HPA or ScaledObject for `spec.controller` (HPA or KEDA), scaling `target`
-    (apiVersion, kind, name; default the Deployment `name`)."""
+    (apiVersion, kind, name; default the Deployment `name`); `paused`: spec.suspend holds the
+    target at zero."""
     target = target or _deployment(name)
     if spec.controller == "HPA":
         return render_hpa(name, namespace, labels, spec, target)
     if spec.controller == "KEDA":
-        return render_scaled_object(name, namespace, labels, spec, target)
+        return render_scaled_object(name, namespace, labels, spec, target, paused=paused)
     raise ValueError(f"controller {spec.controller!r} has no external object")
 
 
@@ -93,8 +104,11 @@ def render_scaled_object(
     labels: dict[str, str],
     spec: AutoscalingSpec,
     scale_target: dict[str, str] | None = None,
+    *,
+    paused: bool = False,
 ) -> Manifest:
-    """A KEDA ScaledObject with one Prometheus trigger per configured target."""
+    """A KEDA ScaledObject with one Prometheus trigger per configured target; `paused`: held
+    at zero replicas (KEDA_PAUSED_REPLICAS)."""
     assert spec.prometheus is not None, "required for KEDA by AutoscalingSpec"
     window = f"{spec.behavior.stable_window_seconds}s"
     pods = f'namespace="{namespace}",pod=~"{name}-[a-z0-9]+-[a-z0-9]+"'
@@ -140,10 +154,13 @@ def render_scaled_object(
             f"sum by (le) (rate({histogram}_bucket{{{pods}}}[{window}])))"
         )
         triggers.append((f"{label}-p{latency.quantile * 100:g}", "Value", query, latency.seconds))
+    metadata: Manifest = {"name": name, "namespace": namespace, "labels": labels}
+    if paused:
+        metadata["annotations"] = {KEDA_PAUSED_REPLICAS: "0"}
     return {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",
-        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "metadata": metadata,
         "spec": {
             "scaleTargetRef": dict(scale_target or _deployment(name)),
             "minReplicaCount": spec.min_replicas,

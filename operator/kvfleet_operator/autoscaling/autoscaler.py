@@ -30,13 +30,9 @@ from pydantic import ValidationError
 from kvfleet_operator import api, metrics
 from kvfleet_operator.apply import Cluster, api_error_summary
 from kvfleet_operator.autoscaling.actuators import EXTERNAL_KINDS
-from kvfleet_operator.autoscaling.decision import (
-    DESIRED_ABOVE_MAX,
-    DESIRED_BELOW_MIN,
-    Decision,
-    decide,
-)
-from kvfleet_operator.autoscaling.pods import DELETION_COST, PodFacts, format_time, pod_facts
+from kvfleet_operator.autoscaling.decision import Decision, decide
+from kvfleet_operator.autoscaling.pods import DELETION_COST, PodFacts, pod_facts
+from kvfleet_operator.autoscaling.report import autoscaling_status, with_condition
 from kvfleet_operator.autoscaling.samples import EngineSample, Observation, PodObservation
 from kvfleet_operator.autoscaling.sources import query_prometheus, scrape_pods, scrape_routers
 from kvfleet_operator.autoscaling.spec import AutoscalingSpec
@@ -45,7 +41,6 @@ from kvfleet_operator.models import RoutingSpec
 from kvfleet_operator.render import selector_string
 from kvfleet_operator.render_group import leader_selector
 from kvfleet_operator.render_router import ROUTER_PORT, router_selector_string
-from kvfleet_operator.status import SCALING_LIMITED
 from kvfleet_operator.topology import group_name
 
 log = logging.getLogger(__name__)
@@ -53,8 +48,8 @@ log = logging.getLogger(__name__)
 VICTIM_DELETION_COST = (
     "-1000"  # lower than any unannotated pod (0): the ReplicaSet removes it first
 )
-CONDITION = SCALING_LIMITED
 IDLE_PERIOD_SECONDS = 5.0  # next look when there is nothing to scale yet
+STATUS_WRITE_ATTEMPTS = 3  # conditional writes of status.autoscaling before a conflict is raised
 # What a tick meets in a working cluster and retries: the API server answering an error,
 # restarting or slow (kubernetes_asyncio over aiohttp), an engine or Prometheus unreachable.
 EXPECTED_ERRORS = (ApiException, aiohttp.ClientError, httpx.HTTPError, OSError, TimeoutError)
@@ -101,17 +96,10 @@ async def autoscale_once(
     seconds until the next tick."""
     body = await cluster.get(api.API_VERSION, api.INFERENCE_DEPLOYMENT, name, namespace)
     idle = None, IDLE_PERIOD_SECONDS
-    if body is None or body["metadata"].get("deletionTimestamp"):
+    spec = builtin_spec(body)
+    if body is None or spec is None:
         return idle
     raw_spec = body.get("spec") or {}
-    if not raw_spec.get("autoscaling") or raw_spec.get("suspend"):
-        return idle
-    try:
-        spec = AutoscalingSpec.model_validate(raw_spec["autoscaling"])
-    except ValidationError:
-        return idle  # the reconciler reports an invalid spec as Stalled
-    if spec.controller != "Builtin":
-        return idle  # an HPA or a ScaledObject owns the replicas
     await _remove_external_autoscalers(cluster, body)
     workload = await scaled_workload(cluster, namespace, name)
     if workload is None:
@@ -166,15 +154,28 @@ async def autoscale_once(
         )
         log.info("%s/%s %s %s", namespace, name, verb, message)
         await cluster.post_event(body, "Normal", verb, message)
-    written = await cluster.patch_status(
-        api.API_VERSION,
-        api.INFERENCE_DEPLOYMENT,
-        name,
-        namespace,
-        {"autoscaling": autoscaling_status(spec, decision, observation)},
+    written = await _write_autoscaling(
+        cluster, body, autoscaling_status(spec, decision, observation)
     )
-    await _write_condition(cluster, written or body, spec, decision, now)
+    if written is not None:
+        await _write_condition(cluster, written, spec, decision, now)
     return decision, spec.behavior.sync_period_seconds
+
+
+def builtin_spec(body: dict[str, Any] | None) -> AutoscalingSpec | None:
+    """spec.autoscaling of `body` when the Builtin autoscaler is to scale it; None when there is
+    nothing for it to do: no object or one being deleted, no autoscaling, suspended, an invalid
+    spec (the reconciler reports it as Stalled), or HPA / KEDA owning the replicas."""
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return None
+    raw_spec = body.get("spec") or {}
+    if not raw_spec.get("autoscaling") or raw_spec.get("suspend"):
+        return None
+    try:
+        spec = AutoscalingSpec.model_validate(raw_spec["autoscaling"])
+    except ValidationError:
+        return None
+    return spec if spec.controller == "Builtin" else None
 
 
 @dataclass(frozen=True)
@@ -265,68 +266,64 @@ async def _mark_victims(
     cluster: Cluster, namespace: str, pods: list[PodFacts], victims: tuple[str, ...]
 ) -> None:
     """pod-deletion-cost: the chosen victims get a low cost, former victims lose theirs (the
-    annotation is owned by the autoscaler's field manager, so applying without it removes it)."""
+    annotation is owned by the autoscaler's field manager, so applying without it removes it).
+    Each write names the pod's uid: a pod deleted since it was listed is then a 409 (server-side
+    apply would otherwise try to create it: 422, a pod without containers), and skipped: the
+    tick goes on to scale."""
     for pod in pods:
         wanted = VICTIM_DELETION_COST if pod.name in victims else None
         if pod.deletion_cost == wanted:
             continue
         annotations = {DELETION_COST: wanted} if wanted else {}
-        await cluster.apply(
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {"name": pod.name, "namespace": namespace, "annotations": annotations},
-            },
-            field_manager=api.AUTOSCALER_FIELD_MANAGER,
+        metadata = {"name": pod.name, "namespace": namespace, "annotations": annotations}
+        if pod.uid is not None:
+            metadata["uid"] = pod.uid
+        try:
+            await cluster.apply(
+                {"apiVersion": "v1", "kind": "Pod", "metadata": metadata},
+                field_manager=api.AUTOSCALER_FIELD_MANAGER,
+            )
+        except ApiException as exc:
+            if exc.status not in (404, 409):
+                raise
+            log.debug("%s/%s: pod gone before its deletion cost was written", namespace, pod.name)
+
+
+async def _write_autoscaling(
+    cluster: Cluster, body: dict[str, Any], autoscaling: dict[str, Any]
+) -> dict[str, Any] | None:
+    """Write status.autoscaling, conditional on the resourceVersion of `body` (read when the
+    tick began). On a conflict the object is read again: if it no longer asks for the Builtin
+    autoscaler (autoscaling removed or handed to HPA / KEDA, suspended, deleted), the reconciler
+    has cleared status.autoscaling meanwhile and this tick, decided on the old spec, must not
+    put it back: nothing is written. Otherwise it is written on the version read. Returns the
+    object as written, None when not written."""
+    for attempt in range(1, STATUS_WRITE_ATTEMPTS + 1):
+        meta = body["metadata"]
+        try:
+            return await cluster.patch_status(
+                api.API_VERSION,
+                api.INFERENCE_DEPLOYMENT,
+                meta["name"],
+                meta["namespace"],
+                {"autoscaling": autoscaling},
+                resource_version=meta.get("resourceVersion"),
+            )
+        except ApiException as exc:
+            if exc.status != 409 or attempt == STATUS_WRITE_ATTEMPTS:
+                raise
+        fresh = await cluster.get(
+            api.API_VERSION, api.INFERENCE_DEPLOYMENT, meta["name"], meta["namespace"]
         )
-
-
-def autoscaling_status(
-    spec: AutoscalingSpec, decision: Decision, observation: Observation
-) -> dict[str, Any]:
-    """status.autoscaling (pure): what a user reads with kubectl, plus the saved state."""
-    signals = [
-        {
-            "name": s.name,
-            "value": None if s.value is None else round(s.value, 4),
-            "target": s.target,
-            "desiredReplicas": s.desired,
-        }
-        for s in decision.signals
-    ]
-    shown = [s for s in decision.signals if s.value is not None]
-    summary = ", ".join(f"{_short(s.name)} {s.value:.3g}/{s.target:.3g}" for s in shown)
-    return {
-        "controller": spec.controller,
-        "source": spec.source,
-        "currentReplicas": observation.replicas,
-        "readyReplicas": observation.ready_replicas,
-        "desiredReplicas": decision.desired_replicas,
-        "mode": decision.mode,
-        "reason": decision.reason,
-        "summary": f"{decision.mode} {summary}".strip() if summary else decision.mode,
-        "lastDecisionTime": format_time(observation.now),
-        "signals": signals,
-        "history": [
-            {
-                "time": format_time(event.time),
-                "fromReplicas": event.from_replicas,
-                "toReplicas": event.to_replicas,
-                "reason": event.reason,
-            }
-            for event in decision.state.events
-        ],
-        "state": decision.state.to_dict(),
-    }
-
-
-def _short(signal: str) -> str:
-    return {
-        "generationTokenRate": "gen",
-        "promptTokenRate": "prompt",
-        "kvCacheUtilization": "kv",
-        "waitingRequestsPerReplica": "queue",
-    }.get(signal, signal)
+        if fresh is None or builtin_spec(fresh) is None:
+            log.info(
+                "%s/%s: autoscaling changed during the tick; its status is not written",
+                meta["namespace"],
+                meta["name"],
+            )
+            return None
+        body = fresh
+    return None
 
 
 async def _write_condition(
@@ -353,38 +350,3 @@ async def _write_condition(
         if exc.status != 409:
             raise
         log.debug("%s/%s: conditions changed meanwhile; next tick", meta["namespace"], meta["name"])
-
-
-def with_condition(
-    conditions: list[dict[str, Any]],
-    decision: Decision,
-    spec: AutoscalingSpec,
-    generation: int,
-    now: float,
-) -> list[dict[str, Any]]:
-    """The conditions list with ScalingLimited set from the decision, others untouched (pure).
-    Messages change only with the situation, so a steady state writes nothing."""
-    messages = {
-        DESIRED_ABOVE_MAX: f"the signals ask for more than maxReplicas ({spec.max_replicas})",
-        DESIRED_BELOW_MIN: f"the signals ask for fewer than minReplicas ({spec.min_replicas})",
-    }
-    if decision.limited:
-        status, reason = "True", decision.limited
-        message = messages.get(reason, decision.reason)
-    else:
-        status, reason, message = "False", "DesiredWithinRange", "the desired count is reachable"
-    previous = next((c for c in conditions if c.get("type") == CONDITION), None)
-    since = format_time(now)
-    if previous is not None and previous.get("status") == status:
-        since = previous.get("lastTransitionTime", since)
-    condition = {
-        "type": CONDITION,
-        "status": status,
-        "reason": reason,
-        "message": message[:1024],
-        "observedGeneration": generation,
-        "lastTransitionTime": since,
-    }
-    if previous == condition:
-        return conditions
-    return [c for c in conditions if c.get("type") != CONDITION] + [condition]

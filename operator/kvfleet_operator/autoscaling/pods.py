@@ -18,6 +18,7 @@ class PodFacts:
     ready_since: float | None  # when Ready turned True (epoch seconds); None while not ready
     unschedulable: bool  # the scheduler reported it Unschedulable
     deletion_cost: str | None  # current pod-deletion-cost annotation
+    uid: str | None = None  # metadata.uid: a write to the pod names it (not another, not a new one)
 
 
 def pod_facts(pod: dict[str, Any]) -> PodFacts | None:
@@ -38,6 +39,7 @@ def pod_facts(pod: dict[str, Any]) -> PodFacts | None:
         unschedulable=scheduled.get("status") == "False"
         and scheduled.get("reason") == "Unschedulable",
         deletion_cost=(meta.get("annotations") or {}).get(DELETION_COST),
+        uid=meta.get("uid"),
     )
 
 
