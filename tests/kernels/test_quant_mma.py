@@ -323,3 +323,43 @@ def test_fp8_plan_table_picks_the_gemv_plan(monkeypatch) -> None:
     assert fp8_gemv.table_gemv_plan(9, 80, 256) is None
     with pytest.raises(ValueError, match=r"fp8 plan fields \['tile'\] unknown"):
         int_plan.install_plans([{"kind": "fp8", "rows": 8, "n": 80, "k": 256, "plan": {"tile": 1}}])
+
+
+def test_fp8_w8a8_plan_table_picks_backend_and_blocks(monkeypatch) -> None:
+    """A plan file's fp8-w8a8 entry decides how the products of up to its rows run: the Triton
+    GEMM with its blocks (the result still the reference's), or _scaled_mm; past its rows, or
+    where _scaled_mm cannot take the product (a float16 output), the shape-class rules."""
+    from test_quant_matmul import fp8, make_fp8
+
+    monkeypatch.setattr(fp8, "W8A8_TABLE", {})
+    blocks = [32, 32, 64, 4, 1]
+    int_plan.install_plans(
+        [
+            {"kind": "fp8-w8a8", "rows": 48, "n": 80, "k": 96,
+             "plan": {"backend": "triton", "blocks": blocks}},
+            {"kind": "fp8-w8a8", "rows": 64, "n": 80, "k": 96, "plan": {"backend": "scaled_mm"}},
+        ]
+    )  # fmt: skip
+    assert fp8.w8a8_plan(40, 80, 96, torch.bfloat16) == fp8.W8A8Plan("triton", tuple(blocks))
+    assert fp8.w8a8_plan(60, 80, 96, torch.bfloat16) == fp8.W8A8Plan("scaled_mm")
+    assert fp8.w8a8_plan(60, 80, 96, torch.float16) == fp8.W8A8Plan("triton")  # rules
+    assert fp8.w8a8_plan(65, 80, 96, torch.bfloat16) == fp8.W8A8Plan("triton")  # rules: batch
+    used = []
+    launch = fp8.triton_fp8_gemm
+    monkeypatch.setattr(
+        fp8, "triton_fp8_gemm", lambda *args: used.append(args[-1]) or launch(*args)
+    )
+    if not ON_GPU:
+        weight = make_fp8(80, 96)
+        x = make_x(40, 96, dtype=torch.float16)
+        out = fp8.fp8_matmul(x, weight.weight, weight.scale, torch.float16)
+        assert used == [tuple(blocks)]
+        assert relative_error(out, layout.fp8_linear_reference(x, weight)) < 2e-3
+    with pytest.raises(ValueError, match=r"backend 'cutlass' unknown"):
+        int_plan.install_plans(
+            [{"kind": "fp8-w8a8", "rows": 8, "n": 80, "k": 96, "plan": {"backend": "cutlass"}}]
+        )
+    with pytest.raises(ValueError, match=r"needs blocks"):
+        int_plan.install_plans(
+            [{"kind": "fp8-w8a8", "rows": 8, "n": 80, "k": 96, "plan": {"backend": "triton"}}]
+        )

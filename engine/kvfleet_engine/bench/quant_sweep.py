@@ -300,6 +300,11 @@ def summarize(
                 elif spec["family"] == "fp8-gemv":
                     plan = resolve(spec, m, n, k, k)
                     plans.append({"kind": "fp8", "rows": m, "n": n, "k": k, "plan": asdict(plan)})
+                elif spec["family"] in ("fp8-scaled_mm", "fp8-w8a8-triton"):
+                    w8a8 = {"backend": "triton", "blocks": list(spec["plan"]["blocks"])}
+                    if spec["family"] == "fp8-scaled_mm":
+                        w8a8 = {"backend": "scaled_mm"}
+                    plans.append({"kind": "fp8-w8a8", "rows": m, "n": n, "k": k, "plan": w8a8})
     return best, plans
 
 

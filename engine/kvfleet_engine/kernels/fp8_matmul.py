@@ -11,6 +11,9 @@ come from one kernel with the activation.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -20,6 +23,7 @@ from kvfleet_engine.kernels.activation import silu_and_mul
 from kvfleet_engine.kernels.checks import require
 from kvfleet_engine.kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv
 from kvfleet_engine.kernels.fp8_rows import Fp8Rows, quantize_fp8_rows, silu_and_mul_fp8
+from kvfleet_engine.kernels.int_plan import load_env_plans
 from kvfleet_engine.quant.layout import FP8_DTYPE
 
 BACKENDS = ("scaled_mm", "triton")
@@ -118,8 +122,52 @@ def scaled_mm_fp8(
     )
 
 
+@dataclass(frozen=True)
+class W8A8Plan:
+    """How a W8A8 product runs: `backend` (one of BACKENDS) and, for "triton", its `blocks`
+    (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+
+    backend: str
+    blocks: tuple[int, int, int, int, int] | None = None
+
+
+# (N, K) -> [(rows, plan)] sorted by rows: the plan for M rows is the first whose rows >= M
+# (the shape-class rules of `fp8_backend` past the last). Filled by int_plan.install_plans from
+# plan entries of kind "fp8-w8a8" (bench.quant_sweep's winners above 16 rows).
+W8A8_TABLE: dict[tuple[int, int], list[tuple[int, W8A8Plan]]] = {}
+
+
+def install_w8a8_plan(rows: int, n: int, k: int, plan: dict[str, Any]) -> None:
+    """Add a table entry (ValueError naming an unknown backend or field)."""
+    unknown = sorted(set(plan) - {"backend", "blocks"})
+    if unknown:
+        raise ValueError(f"fp8-w8a8 plan fields {unknown} unknown; allowed: ['backend', 'blocks']")
+    backend, blocks = plan.get("backend"), plan.get("blocks")
+    if backend not in BACKENDS:
+        raise ValueError(f"fp8-w8a8 backend {backend!r} unknown; allowed: {list(BACKENDS)}")
+    if backend == "triton" and (blocks is None or len(blocks) != 5):
+        raise ValueError(
+            "an fp8-w8a8 triton plan needs blocks [BLOCK_M, BLOCK_N, BLOCK_K, warps, stages]"
+        )
+    made = W8A8Plan(backend, None if blocks is None else tuple(int(b) for b in blocks))  # type: ignore[arg-type]
+    listed = [(r, p) for r, p in W8A8_TABLE.get((n, k), []) if r != rows]
+    W8A8_TABLE[n, k] = sorted([*listed, (rows, made)], key=lambda e: e[0])
+
+
+def w8a8_plan(m: int, n: int, k: int, out_dtype: torch.dtype) -> W8A8Plan:
+    """The plan for an [M, K] x [K, N] W8A8 product: the table's, else the shape-class rules."""
+    load_env_plans()
+    scaled_mm_ok = out_dtype == torch.bfloat16 and not k % 16 and not n % 16
+    for rows, plan in W8A8_TABLE.get((n, k), []):
+        if rows >= m:
+            if plan.backend == "triton" or scaled_mm_ok:
+                return plan
+            break
+    return W8A8Plan(fp8_backend(m, n, k, out_dtype))
+
+
 def fp8_backend(m: int, n: int, k: int, out_dtype: torch.dtype) -> str:
-    """Which backend runs an [M, K] x [K, N] product (one of BACKENDS)."""
+    """Which backend runs an [M, K] x [K, N] product by the shape-class rules (one of BACKENDS)."""
     shape_class = "decode" if m <= DECODE_MAX_ROWS else "batch" if m <= BATCH_MAX_ROWS else "prompt"
     backend = FP8_BACKENDS[shape_class]
     if out_dtype != torch.bfloat16 or k % 16 or n % 16:  # what rowwise _scaled_mm accepts
@@ -188,9 +236,10 @@ def _w8a8(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:  # fmt: skip
     m, k = x_q.shape
-    if fp8_backend(m, weight.shape[0], k, out_dtype) == "scaled_mm":
+    plan = w8a8_plan(m, weight.shape[0], k, out_dtype)
+    if plan.backend == "scaled_mm":
         return scaled_mm_fp8(x_q, x_scale, weight, weight_scale)
-    return triton_fp8_gemm(x_q, x_scale, weight, weight_scale, out_dtype)
+    return triton_fp8_gemm(x_q, x_scale, weight, weight_scale, out_dtype, plan.blocks)
 
 
 def _check_16_bit(x: torch.Tensor, name: str) -> None:

@@ -99,17 +99,23 @@ def plan_from_dict(plan: dict[str, Any]) -> MatmulPlan:
 
 
 def install_plans(entries: list[dict[str, Any]]) -> None:
-    """Add plan-table entries {"kind": "int4" | "int8" | "fp8", "rows", "n", "k", "plan": {...}}
-    (int kinds also "group_size"; fp8 plans go to fp8_gemv's table)."""
-    from kvfleet_engine.kernels import fp8_gemv  # imports this module
+    """Add plan-table entries {"kind": "int4" | "int8" | "fp8" | "fp8-w8a8", "rows", "n", "k",
+    "plan": {...}} (int kinds also "group_size"; fp8 plans go to fp8_gemv's table, fp8-w8a8
+    plans, the products above 16 rows, to fp8_matmul's)."""
+    from kvfleet_engine.kernels import fp8_gemv, fp8_matmul  # import this module
 
     for entry in entries:
         kind, rows, n, k = entry["kind"], int(entry["rows"]), int(entry["n"]), int(entry["k"])
         if kind == "fp8":
             fp8_gemv.install_gemv_plan(rows, n, k, entry["plan"])
             continue
+        if kind == "fp8-w8a8":
+            fp8_matmul.install_w8a8_plan(rows, n, k, entry["plan"])
+            continue
         if kind not in ("int4", "int8"):
-            raise ValueError(f"plan kind {kind!r} unknown; allowed: ['int4', 'int8', 'fp8']")
+            raise ValueError(
+                f"plan kind {kind!r} unknown; allowed: ['int4', 'int8', 'fp8', 'fp8-w8a8']"
+            )
         key = (kind, int(entry["group_size"]), n, k)
         listed = [(r, p) for r, p in PLAN_TABLE.get(key, []) if r != rows]
         PLAN_TABLE[key] = sorted([*listed, (rows, plan_from_dict(entry["plan"]))])
