@@ -5,7 +5,7 @@ another replica before any byte reached the client, and holds requests while the
 replica (scale from zero). Torch-free: it ships in the operator image.
 
     settings      RouterSettings, read once from the command line
-    replicas      Replica (one engine: address, load, in-flight count) and ReplicaPool
+    replicas      Replica (one engine: address, pod name, load, in flight) and ReplicaPool
     discovery     the pool's members: EndpointSlices (watch) or --backend URLs
     load          each replica's /metrics scraped at >= 10 Hz into its load
     prefix        block-aligned hashes of a request's prompt
@@ -14,6 +14,7 @@ replica (scale from zero). Torch-free: it ships in the operator image.
     waiting       the bounded queue of requests waiting for a replica
     metrics       the router's Prometheus metrics
     proxy         one request: parse once, route, forward, retry, stream back
+    upstream      one attempt at one replica over HTTP, within the upstream timeouts
     app           the aiohttp application and its lifecycle
     cli           `kvfleet router` flags
 """

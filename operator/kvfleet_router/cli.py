@@ -77,8 +77,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-attempts",
         type=int,
         default=DEFAULTS.max_attempts,
-        help="replicas tried per request when they answer 429 (on 503 or a refused "
-        "connection a request waits for another replica until --queue-timeout)",
+        help="replicas tried per request when they answer 429, close the connection "
+        "unanswered or time out (on 503 or a refused connection a request waits for another "
+        "replica until --queue-timeout)",
+    )
+    parser.add_argument(
+        "--upstream-first-byte-timeout",
+        type=float,
+        default=DEFAULTS.upstream_first_byte_timeout_s,
+        metavar="SECONDS",
+        help="longest wait for a replica's answer headers once the request was sent; then the "
+        "next replica (within --max-attempts), else 504. A non-streamed answer's headers come "
+        "when it is complete: raise it for longer generations",
+    )
+    parser.add_argument(
+        "--upstream-idle-timeout",
+        type=float,
+        default=DEFAULTS.upstream_idle_timeout_s,
+        metavar="SECONDS",
+        help="longest wait for the next bytes of a replica's answer; a stream then ends with "
+        "an error",
     )
     parser.add_argument(
         "--max-request-body-bytes",
@@ -120,6 +138,8 @@ def main(argv: list[str]) -> int:
             queue_timeout_s=args.queue_timeout,
             scrape_interval_s=args.scrape_interval,
             max_attempts=args.max_attempts,
+            upstream_first_byte_timeout_s=args.upstream_first_byte_timeout,
+            upstream_idle_timeout_s=args.upstream_idle_timeout,
             max_request_body_bytes=args.max_request_body_bytes,
             api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         )
@@ -144,6 +164,8 @@ _FLAGS = {
     "queue_timeout_s": "--queue-timeout",
     "scrape_interval_s": "--scrape-interval",
     "max_attempts": "--max-attempts",
+    "upstream_first_byte_timeout_s": "--upstream-first-byte-timeout",
+    "upstream_idle_timeout_s": "--upstream-idle-timeout",
     "max_request_body_bytes": "--max-request-body-bytes",
 }
 

@@ -2,9 +2,9 @@
 then a watch; relisted when the watch ends or fails; or the ready pods its selector matches),
 or a fixed list of URLs.
 
-Either way the result goes into `ReplicaPool.set_members`; `synced` says the first full list
-has arrived (the router reports ready from then on, with or without replicas: at zero it holds
-requests).
+Either way the result, address -> pod name (a static URL's name is its host:port), goes into
+`ReplicaPool.set_members`; `synced` says the first full list has arrived (the router reports
+ready from then on, with or without replicas: at zero it holds requests).
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ WATCH_TIMEOUT_S = 300  # the API server ends a watch after this; then list again
 RETRY_S = 2.0  # after a failed list or watch
 
 
-def ready_addresses(slices: Iterable[dict[str, Any]]) -> set[str]:
-    """host:port of every ready, not terminating endpoint in the EndpointSlices (dicts as the
-    API returns them). An absent `ready` means ready (the API's rule)."""
-    addresses = set()
+def ready_endpoints(slices: Iterable[dict[str, Any]]) -> dict[str, str]:
+    """host:port -> pod name of every ready, not terminating endpoint in the EndpointSlices
+    (dicts as the API returns them; an endpoint without a pod targetRef is named by its
+    host:port). An absent `ready` means ready (the API's rule)."""
+    endpoints = {}
     for endpoint_slice in slices:
         ports = endpoint_slice.get("ports") or []
         port = next((p.get("port") for p in ports if p.get("name") == PORT_NAME), None)
@@ -42,14 +43,17 @@ def ready_addresses(slices: Iterable[dict[str, Any]]) -> set[str]:
             conditions = endpoint.get("conditions") or {}
             if conditions.get("ready") is False or conditions.get("terminating") is True:
                 continue
+            target = endpoint.get("targetRef") or {}
+            pod = target.get("name") if target.get("kind") == "Pod" else None
             for ip in endpoint.get("addresses") or []:
-                addresses.add(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
-    return addresses
+                address = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+                endpoints[address] = pod or address
+    return endpoints
 
 
-def ready_pod_addresses(pods: Iterable[dict[str, Any]]) -> set[str]:
-    """podIP:8000 of every Running, Ready pod that is not terminating."""
-    addresses = set()
+def ready_pod_endpoints(pods: Iterable[dict[str, Any]]) -> dict[str, str]:
+    """podIP:8000 -> pod name of every Running, Ready pod that is not terminating."""
+    endpoints = {}
     for pod in pods:
         status = pod.get("status") or {}
         ip = status.get("podIP")
@@ -57,8 +61,9 @@ def ready_pod_addresses(pods: Iterable[dict[str, Any]]) -> set[str]:
             continue
         conditions = {c.get("type"): c.get("status") for c in status.get("conditions") or []}
         if conditions.get("Ready") == "True":
-            addresses.add(f"[{ip}]:{ENGINE_PORT}" if ":" in ip else f"{ip}:{ENGINE_PORT}")
-    return addresses
+            address = f"[{ip}]:{ENGINE_PORT}" if ":" in ip else f"{ip}:{ENGINE_PORT}"
+            endpoints[address] = pod["metadata"]["name"]
+    return endpoints
 
 
 def backend_address(url: str) -> str:
@@ -78,7 +83,7 @@ class StaticDiscovery:
         self.synced = False
 
     async def run(self) -> None:
-        self._pool.set_members(self._addresses, reachable=False)
+        self._pool.set_members({a: a for a in self._addresses}, reachable=False)
         self.synced = True
 
 
@@ -159,9 +164,10 @@ class KubernetesDiscovery:
     def _publish(self) -> None:
         objects = self._objects.values()
         if self._source == "endpointslices":
-            addresses = ready_addresses(objects)
+            endpoints = ready_endpoints(objects)
         else:
-            addresses = ready_pod_addresses(objects)
-        if addresses != set(self._pool.members):
-            log.info("replicas of %s: %s", self._selector, ", ".join(sorted(addresses)) or "none")
-        self._pool.set_members(addresses, reachable=True)
+            endpoints = ready_pod_endpoints(objects)
+        if endpoints != {a: r.name for a, r in self._pool.members.items()}:
+            listed = ", ".join(f"{name} ({a})" for a, name in sorted(endpoints.items()))
+            log.info("replicas of %s: %s", self._selector, listed or "none")
+        self._pool.set_members(endpoints, reachable=True)

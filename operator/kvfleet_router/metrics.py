@@ -21,6 +21,7 @@ from kvfleet_router.waiting import WaitingQueue
 # Outcomes of requests a replica answered (label replica=host:port)...
 SUCCESS, CLIENT_ERROR, ENGINE_ERROR = "success", "client_error", "engine_error"
 DISCONNECTED, BROKEN = "disconnected", "broken"  # client went away; replica went away mid-way
+TIMEOUT = "timeout"  # the replica sent nothing within the upstream timeouts (504, stream cut)
 # ...and of requests the router answered itself (replica="").
 BAD_REQUEST, UNKNOWN_MODEL = "bad_request", "unknown_model"
 QUEUE_FULL, QUEUE_TIMEOUT = "queue_full", "queue_timeout"
@@ -51,7 +52,7 @@ class RouterMetrics:
         )
         self._retries = Counter(
             "kvfleet_router_retries",
-            "Requests sent to another replica, by why (429, 503, connect).",
+            "Requests sent to another replica, by why (429, 503, connect, lost, timeout).",
             ["reason"],
             registry=self.registry,
         )

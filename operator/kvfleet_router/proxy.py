@@ -3,29 +3,31 @@ send it to the best one, retry elsewhere while nothing has reached the client, a
 answer back (an event stream chunk by chunk, as it comes).
 
 Retries: a refused or failed connection, a 503 (draining, starting: that replica cools down for
-its Retry-After) or a 429 (busy: not tried again for this request) moves the request to the
-next replica of the ranking; once the ranking is used up it waits in the queue for another
-replica until its deadline, unless every replica answered 429 (that answer goes to the client,
-which backs off). Only 429s count toward `max_attempts`: a refused connection takes the replica
-out until a scrape reaches it again, a 503 for its Retry-After (at least MIN_COOL_DOWN_S), so
-neither can loop, and a request that meets only starting or stopping replicas waits for a
-serving one, as at zero. Once the
-first byte went to the client nothing is retried: a replica that dies mid-stream ends the
+its Retry-After), a 429 (busy: not tried again for this request) or no answer headers within
+--upstream-first-byte-timeout moves the request to the next replica of the ranking; once the
+ranking is used up it waits in the queue for another replica until its deadline, unless every
+replica answered 429 (that answer goes to the client, which backs off). Only 429s, connections
+closed after the request was sent and timeouts count toward `max_attempts`: a refused
+connection takes the replica out until a scrape reaches it again, a 503 for its Retry-After (at
+least MIN_COOL_DOWN_S), so neither can loop, and a request that meets only starting or stopping
+replicas waits for a serving one, as at zero. Once the first byte went to the client nothing is
+retried: a replica that dies or falls silent (--upstream-idle-timeout) mid-stream ends the
 stream. A client that disconnects cancels the handler (aiohttp's handler_cancellation), which
 closes the upstream connection at once, and the engine aborts the request.
+
+The prefix strategy learns where a prompt went only from a 2xx answer: a replica that failed or
+declined it does not hold its prefix.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
 
 from kvfleet_router import metrics as m
 from kvfleet_router.auth import bearer
@@ -34,37 +36,17 @@ from kvfleet_router.prefix import block_hashes
 from kvfleet_router.replicas import Replica, ReplicaPool
 from kvfleet_router.settings import RouterSettings
 from kvfleet_router.strategies import RoutedRequest, Strategy
+from kvfleet_router.upstream import (
+    HOP_BY_HOP,
+    LOST,
+    Declined,
+    Failed,
+    Upstream,
+    end_to_end,
+)
 from kvfleet_router.waiting import QueueFull, WaitingQueue
 
-REPLICA_HEADER = "X-Kvfleet-Replica"  # which replica answered (host:port)
-_HOP_BY_HOP = frozenset(
-    {
-        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-        "trailer", "transfer-encoding", "upgrade", "host", "content-length",
-    }
-)  # fmt: skip
-# Content-Encoding is passed back: the body is relayed as the replica encoded it (the upstream
-# session does not decompress), so the client needs the header to read it.
-_NOT_PASSED_BACK = _HOP_BY_HOP | {"date", "server"}
 CHAT_PATH = "/v1/chat/completions"
-
-
-@dataclass(frozen=True)
-class _Declined:
-    """A replica's 429/503 answer, read in full: try another, or pass it on at the end."""
-
-    response: web.Response
-
-
-class _Lost:
-    """The connection failed after the request was sent, before an answer came: the replica may
-    have run it (and may fail on it again), so another try counts toward --max-attempts."""
-
-
-_LOST = _Lost()
-# Failures before the request reached a replica (refused, unresolvable, connect timed out): it
-# is out until a scrape reaches it, and the request goes elsewhere without using an attempt.
-_NOT_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 
 
 @dataclass
@@ -90,7 +72,9 @@ class Proxy:
         self._queue = queue
         self._strategy = strategy
         self._metrics = metrics
-        self._session = session
+        self._upstream = Upstream(
+            session, settings.upstream_first_byte_timeout_s, settings.upstream_idle_timeout_s
+        )
         self.started_at = int(time.time())
         self._served = frozenset(settings.served_model_names)
 
@@ -163,7 +147,7 @@ class Proxy:
         routed = RoutedRequest(
             block_hashes(body, request.path == CHAT_PATH, self._settings.block_chars)
         )
-        headers = dict(_end_to_end(request.headers, _HOP_BY_HOP))
+        headers = dict(end_to_end(request.headers, HOP_BY_HOP))
         if self._settings.api_key is not None:  # the client's key was checked: send ours
             headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
             headers["Authorization"] = bearer(self._settings.api_key)
@@ -184,7 +168,7 @@ class Proxy:
         busy: set[str] = set()  # answered 429: not again for this request
         last: web.Response | None = None  # the last 429/503 answer, passed on if nothing works
         attempts = 0
-        lost = 0  # attempts whose connection closed after the request was sent
+        failed: list[Failed] = []  # attempts sent that got no answer
         waited = 0.0
         decided = False
         while attempts < settings.max_attempts and time.monotonic() < deadline:
@@ -222,15 +206,14 @@ class Proxy:
             for replica in ranking.replicas:
                 if attempts >= settings.max_attempts:
                     break
-                self._strategy.routed(routed, replica)
-                answer = await self._try(request, replica, url_path, raw, headers, result)
+                answer = await self._try(request, replica, url_path, raw, headers, routed, result)
                 if answer is None:
                     continue  # the connection failed: the replica is out
-                if isinstance(answer, _Lost):
+                if isinstance(answer, Failed):
                     attempts += 1
-                    lost += 1
+                    failed.append(answer)
                     continue
-                if not isinstance(answer, _Declined):
+                if not isinstance(answer, Declined):
                     return answer
                 last = answer.response
                 if last.status == 429:
@@ -238,21 +221,38 @@ class Proxy:
                     busy.add(replica.address)
                     self._metrics.retried("429")
                 else:
-                    self._pool.cool_down(replica, _retry_after(last))
+                    self._pool.cool_down(replica, answer.retry_after_s)
                     self._metrics.retried("503")
-        if last is None and lost:  # every try ended with the connection closed on it
-            result.outcome = m.BROKEN
-            return _error(
-                502,
-                f"the replica closed the connection before answering ({lost} of "
-                f"{settings.max_attempts} attempts)",
-                type_="bad_gateway",
-            )
+        if last is None and failed:  # every try was sent and got no answer
+            return self._unanswered(failed, result)
         if last is None:  # the deadline passed between attempts
             result.outcome = m.QUEUE_TIMEOUT
             return self._no_replica()
         result.outcome = m.CLIENT_ERROR if last.status < 500 else m.ENGINE_ERROR
         return last
+
+    def _unanswered(self, failed: list[Failed], result: _Outcome) -> web.Response:
+        """502 when every failed attempt's connection closed, else 504."""
+        settings = self._settings
+        num_lost = sum(f.reason == LOST for f in failed)
+        num_timed_out = len(failed) - num_lost
+        if not num_timed_out:
+            result.outcome = m.BROKEN
+            return _error(
+                502,
+                f"the replica closed the connection before answering ({num_lost} of "
+                f"{settings.max_attempts} attempts)",
+                type_="bad_gateway",
+            )
+        result.outcome = m.TIMEOUT
+        also = f"; {num_lost} closed the connection" if num_lost else ""
+        return _error(
+            504,
+            f"no replica answered within {settings.upstream_first_byte_timeout_s:g} s "
+            f"(--upstream-first-byte-timeout; {num_timed_out} of {settings.max_attempts} "
+            f"attempts timed out{also})",
+            type_="gateway_timeout",
+        )
 
     def _no_replica(self) -> web.Response:
         settings = self._settings
@@ -270,86 +270,31 @@ class Proxy:
         url_path: str,
         raw: bytes,
         headers: dict[str, str],
+        routed: RoutedRequest,
         result: _Outcome,
-    ) -> web.StreamResponse | _Declined | _Lost | None:
+    ) -> web.StreamResponse | Declined | Failed | None:
         """Send to one replica: the response for the client (a stream already on its way),
-        a declined answer (429/503: try another), _LOST (the connection closed after the
-        request was sent) or None (it never reached the replica)."""
+        a declined answer (429/503: try another), a failed attempt (sent, no answer) or None
+        (it never reached the replica)."""
         replica.in_flight += 1
-        upstream: aiohttp.ClientResponse | None = None
         try:
-            try:
-                upstream = await self._session.request(
-                    request.method, replica.url + url_path, data=raw, headers=headers
-                )
-                retry = upstream.status in (429, 503)
-                streamed = upstream.content_type == "text/event-stream" and not retry
-                data = b"" if streamed else await upstream.read()
-            except _NOT_SENT:
+            answer = await self._upstream.send(replica, request.method, url_path, raw, headers)
+            if answer is None:  # out until a scrape reaches it; no attempt used
                 self._pool.connect_failed(replica)
                 self._metrics.retried("connect")
                 return None
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError):
-                self._metrics.retried("lost")
-                return _LOST
-            # A multidict: a header the replica sent twice (Set-Cookie, Vary) goes back twice.
-            response_headers = CIMultiDict(_end_to_end(upstream.headers, _NOT_PASSED_BACK))
-            response_headers[REPLICA_HEADER] = replica.address
-            if retry:
-                return _Declined(
-                    web.Response(status=upstream.status, body=data, headers=response_headers)
-                )
+            if isinstance(answer, Failed):
+                self._metrics.retried(answer.reason)
+                return answer
+            if isinstance(answer, Declined):
+                return answer
+            if 200 <= answer.status < 300:  # the replica took the prompt: its prefix is there now
+                self._strategy.routed(routed, replica)
             result.replica = replica.address
-            if not streamed:
-                result.outcome = _outcome(upstream.status)
-                return web.Response(status=upstream.status, body=data, headers=response_headers)
-            response = web.StreamResponse(status=upstream.status, headers=response_headers)
-            await response.prepare(request)
-            try:
-                async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError):
-                upstream.close()
-                transport = request.transport
-                if transport is None or transport.is_closing():
-                    result.outcome = m.DISCONNECTED  # the write to the client failed
-                else:
-                    result.outcome = m.BROKEN  # the replica went away mid-stream: no retry
-                    transport.abort()  # the client sees a broken stream, not a short answer
-                return response
-            await response.write_eof()
-            result.outcome = _outcome(upstream.status)
+            response, result.outcome = await answer.respond(request)
             return response
-        except BaseException:
-            if upstream is not None:
-                upstream.close()  # the client went away: drop the upstream connection now
-            raise
         finally:
             replica.in_flight -= 1
-            if upstream is not None:
-                upstream.release()
-
-
-def _outcome(status: int) -> str:
-    if status < 400:
-        return m.SUCCESS
-    return m.CLIENT_ERROR if status < 500 else m.ENGINE_ERROR
-
-
-def _retry_after(response: web.Response) -> float | None:
-    try:
-        return float(response.headers.get("Retry-After", ""))
-    except ValueError:
-        return None
-
-
-def _end_to_end(headers: Mapping[str, str], dropped: frozenset[str]) -> Iterator[tuple[str, str]]:
-    """The headers that go on to the other side: not `dropped`, and not those the sender's
-    Connection header names (hop-by-hop for this connection only, RFC 9110 section 7.6.1)."""
-    named = {token.strip().lower() for token in headers.get("Connection", "").split(",")}
-    for key, value in headers.items():
-        if key.lower() not in dropped and key.lower() not in named:
-            yield key, value
 
 
 def _error(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 DEFAULT_COOL_DOWN_S = 1.0  # a 503 without Retry-After keeps the replica out this long
@@ -32,10 +32,14 @@ class Replica:
     """One engine replica, by address (host:port)."""
 
     # __weakref__: what a strategy keeps per replica goes when the pool drops the replica.
-    __slots__ = ("__weakref__", "address", "cool_until", "in_flight", "reachable", "sample", "url")
+    __slots__ = (
+        "__weakref__", "address", "cool_until", "in_flight", "name", "reachable", "sample", "url",
+    )  # fmt: skip
 
-    def __init__(self, address: str, *, reachable: bool) -> None:
+    def __init__(self, address: str, *, reachable: bool, name: str = "") -> None:
         self.address = address  # "10.0.0.7:8000"
+        # What clients are told (X-Kvfleet-Replica): the pod's name; the address without one.
+        self.name = name or address
         self.url = f"http://{address}"  # base URL, no trailing slash
         self.in_flight = 0  # requests this router has sent there and not finished
         self.sample: LoadSample | None = None  # newest scrape
@@ -54,7 +58,10 @@ class Replica:
         return self.sample.kv_usage if self.sample is not None else 0.0
 
     def __repr__(self) -> str:
-        return f"Replica({self.address}, in_flight={self.in_flight}, load={self.load:g})"
+        return (
+            f"Replica({self.name} at {self.address}, in_flight={self.in_flight}, "
+            f"load={self.load:g})"
+        )
 
 
 class ReplicaPool:
@@ -64,16 +71,18 @@ class ReplicaPool:
         self.members: dict[str, Replica] = {}  # address -> replica
         self._changed = asyncio.Event()
 
-    def set_members(self, addresses: Iterable[str], *, reachable: bool) -> None:
-        """Make the members exactly `addresses`; new ones start `reachable` or not (a
-        Kubernetes-ready endpoint is; a static URL waits for its first scrape)."""
-        wanted = set(addresses)
-        for address in list(self.members):
-            if address not in wanted:
+    def set_members(self, names: Mapping[str, str], *, reachable: bool) -> None:
+        """Make the members exactly `names` (address -> pod name); new ones start `reachable` or
+        not (a Kubernetes-ready endpoint is; a static URL waits for its first scrape). An
+        address that now names another pod (its IP reused) is a new member: nothing learnt
+        about the old pod carries over."""
+        wanted = {address: name or address for address, name in names.items()}
+        for address, member in list(self.members.items()):
+            if wanted.get(address) != member.name:
                 del self.members[address]
-        for address in wanted:
+        for address, name in wanted.items():
             if address not in self.members:
-                self.members[address] = Replica(address, reachable=reachable)
+                self.members[address] = Replica(address, reachable=reachable, name=name)
         self._notify()
 
     def available(self, now: float | None = None) -> list[Replica]:

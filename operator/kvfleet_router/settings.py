@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
@@ -29,8 +30,15 @@ class RouterSettings:
     queue_size: int = 256  # requests that may wait for a replica; beyond it, 503 at once
     queue_timeout_s: float = 300.0  # longest wait for a replica; then 503 with Retry-After
     scrape_interval_s: float = 0.1  # each replica's /metrics read this often (10 Hz)
-    max_attempts: int = 3  # replicas tried per request that answer 429 (busy)
+    max_attempts: int = 3  # replicas tried per request: 429 (busy), lost or timed out
     connect_timeout_s: float = 2.0  # TCP connect to a replica
+    # Request sent -> the replica's answer headers; then the attempt failed (next replica). An
+    # engine sends a stream's headers when it takes the request, a JSON answer's once it is
+    # complete: this bounds a non-streamed generation too.
+    upstream_first_byte_timeout_s: float = 300.0
+    # Longest wait for the next bytes of an answer's body; a stream then ends with an error.
+    # The longest gap in an engine's stream: queue wait plus prefill before the first token.
+    upstream_idle_timeout_s: float = 120.0
     block_chars: int = 64  # characters per prefix block (about 16 tokens of English text)
     load_factor: float = 1.25  # bounded load: no replica above this x the mean load (prefix)
     # Larger request bodies get a 413 from the router; the engine's own default limit (a larger
@@ -61,6 +69,16 @@ class RouterSettings:
             ("scrape_interval_s", 0 < self.scrape_interval_s <= 0.1, "in (0, 0.1] (>= 10 Hz)"),
             ("max_attempts", self.max_attempts >= 1, ">= 1"),
             ("connect_timeout_s", self.connect_timeout_s > 0, "> 0"),
+            (
+                "upstream_first_byte_timeout_s",
+                0 < self.upstream_first_byte_timeout_s < math.inf,
+                "a positive number of seconds",
+            ),
+            (
+                "upstream_idle_timeout_s",
+                0 < self.upstream_idle_timeout_s < math.inf,
+                "a positive number of seconds",
+            ),
             ("block_chars", self.block_chars >= 1, ">= 1"),
             ("load_factor", self.load_factor > 1, "> 1"),
             ("max_request_body_bytes", self.max_request_body_bytes >= 1, ">= 1"),

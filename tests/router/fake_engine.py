@@ -3,8 +3,9 @@
 It serves /metrics with the gauges the router reads (its `waiting` and `kv_usage` are plain
 attributes a test sets), answers completions with a JSON body or an event stream, and records
 what it received. `status` makes it answer every completion with that code (429, 503);
-`stream_gate` holds a stream after its first chunk until the test sets it; `disconnected` is set
-when a client (the router) drops a stream.
+`answer_gate` holds every completion before its answer (no headers) and `stream_gate` a stream
+after its first chunk, until the test sets them; `disconnected` is set when a client (the
+router) drops a request it holds.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class FakeEngine:
         self.kv_usage = 0.0
         self.status: int | None = None  # answer every completion with this status
         self.retry_after: str | None = None  # ... and this Retry-After
+        self.answer_gate: asyncio.Event | None = None  # hold completions before answering
         self.stream_gate: asyncio.Event | None = None  # hold streams after the first chunk
         self.die_mid_stream = False  # drop the connection after the first chunk
         self.drop_request = False  # read a completion, then drop the connection unanswered
@@ -82,6 +84,12 @@ class FakeEngine:
             assert request.transport is not None
             request.transport.abort()
             return web.Response()
+        if self.answer_gate is not None:  # as an engine that took the request and hangs
+            try:
+                await self.answer_gate.wait()
+            except asyncio.CancelledError:  # the client (the router) closed the connection
+                self.disconnected.set()
+                raise
         if self.status is not None:
             headers = {"Retry-After": self.retry_after} if self.retry_after else {}
             error = {"error": {"message": "busy", "type": "x", "param": None, "code": None}}

@@ -6,29 +6,42 @@ from __future__ import annotations
 import pytest
 
 from kvfleet_router.cli import main as router_main
-from kvfleet_router.discovery import backend_address, ready_addresses, ready_pod_addresses
+from kvfleet_router.discovery import backend_address, ready_endpoints, ready_pod_endpoints
 from kvfleet_router.load import parse_load
 from kvfleet_router.settings import RouterSettings
 
 
-def test_only_ready_endpoints_on_the_http_port_are_replicas() -> None:
+def pod_ref(name: str) -> dict[str, str]:
+    return {"kind": "Pod", "name": name, "namespace": "default"}
+
+
+def test_only_ready_endpoints_on_the_http_port_are_replicas_named_by_their_pods() -> None:
     slices = [
         {
             "ports": [{"name": "http", "port": 8000, "protocol": "TCP"}],
             "endpoints": [
-                {"addresses": ["10.0.0.1"], "conditions": {"ready": True}},
+                {
+                    "addresses": ["10.0.0.1"],
+                    "conditions": {"ready": True},
+                    "targetRef": pod_ref("llama-5d8f-a"),
+                },
                 {"addresses": ["10.0.0.2"], "conditions": {"ready": False}},
                 {"addresses": ["10.0.0.3"], "conditions": {"ready": True, "terminating": True}},
-                {"addresses": ["10.0.0.4"]},  # no conditions: ready
+                {"addresses": ["10.0.0.4"], "targetRef": pod_ref("llama-5d8f-b")},  # ready
             ],
         },
         {"ports": [{"name": "http", "port": 8000}], "endpoints": None},
         {
             "ports": [{"name": "http", "port": 8000}],
+            # Without a pod behind it (a hand-made slice), an endpoint is named by its address.
             "endpoints": [{"addresses": ["fd00::5"], "conditions": {"ready": True}}],
         },
     ]
-    assert ready_addresses(slices) == {"10.0.0.1:8000", "10.0.0.4:8000", "[fd00::5]:8000"}
+    assert ready_endpoints(slices) == {
+        "10.0.0.1:8000": "llama-5d8f-a",
+        "10.0.0.4:8000": "llama-5d8f-b",
+        "[fd00::5]:8000": "[fd00::5]:8000",
+    }
 
 
 def test_backend_urls_become_addresses() -> None:
@@ -82,6 +95,10 @@ def test_an_endpoint_without_the_queue_gauge_is_not_an_engine() -> None:
         ({"queue_size": -1}, "queue_size"),
         ({"scrape_interval_s": 0.5}, "scrape_interval_s"),
         ({"max_attempts": 0}, "max_attempts"),
+        ({"upstream_first_byte_timeout_s": 0.0}, "upstream_first_byte_timeout_s"),
+        ({"upstream_first_byte_timeout_s": float("inf")}, "upstream_first_byte_timeout_s"),
+        ({"upstream_idle_timeout_s": -1.0}, "upstream_idle_timeout_s"),
+        ({"upstream_idle_timeout_s": float("nan")}, "upstream_idle_timeout_s"),
     ],
 )
 def test_settings_errors_name_the_field(overrides: dict[str, object], field: str) -> None:
@@ -98,11 +115,31 @@ def test_the_cli_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         router_main([])
     assert "either --deployment" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        router_main(["--backend", "http://127.0.0.1:8001", "--upstream-idle-timeout", "0"])
+    assert "--upstream-idle-timeout: must be a positive number of seconds, got 0.0" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit):
+        router_main(["--backend", "http://127.0.0.1:8001", "--upstream-first-byte-timeout", "x"])
+    assert "--upstream-first-byte-timeout: invalid float value: 'x'" in capsys.readouterr().err
+
+
+def test_the_upstream_timeouts_are_read_from_their_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[RouterSettings] = []
+    monkeypatch.setattr("kvfleet_router.app.run", seen.append)
+    backend = ["--backend", "http://127.0.0.1:8001"]
+    timeouts = ["--upstream-first-byte-timeout", "900", "--upstream-idle-timeout", "30"]
+    assert router_main(backend) == 0
+    assert router_main([*backend, *timeouts]) == 0
+    defaults, given = seen
+    assert (defaults.upstream_first_byte_timeout_s, defaults.upstream_idle_timeout_s) == (300, 120)
+    assert (given.upstream_first_byte_timeout_s, given.upstream_idle_timeout_s) == (900, 30)
 
 
 def test_pod_discovery_takes_running_ready_pods_only() -> None:
     def pod(ip: str, phase: str = "Running", ready: str = "True", deleting: bool = False):
-        meta: dict[str, object] = {"name": ip}
+        meta: dict[str, object] = {"name": f"llama-{ip.rsplit('.', 1)[1]}"}
         if deleting:
             meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
         conditions = [{"type": "Ready", "status": ready}]
@@ -115,4 +152,4 @@ def test_pod_discovery_takes_running_ready_pods_only() -> None:
         pod("10.0.0.4", deleting=True),
         {"metadata": {"name": "no-ip"}, "status": {"phase": "Pending"}},
     ]
-    assert ready_pod_addresses(pods) == {"10.0.0.1:8000"}
+    assert ready_pod_endpoints(pods) == {"10.0.0.1:8000": "llama-1"}

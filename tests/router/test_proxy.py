@@ -11,7 +11,7 @@ import aiohttp
 from fake_engine import MODEL, FakeEngine, chat
 
 from conftest import StartEngines, StartRouter
-from kvfleet_router.proxy import REPLICA_HEADER
+from kvfleet_router.upstream import REPLICA_HEADER
 
 COMPLETION = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 4}).encode()
 STREAM = json.dumps({"model": MODEL, "prompt": "Hello", "stream": True}).encode()
@@ -226,8 +226,8 @@ async def test_a_replica_that_leaves_and_returns_at_once_is_scraped_again(
     (engine,) = await start_engines(1)
     router = await start_router([engine.url])
     pool = router.router.pool
-    pool.set_members([], reachable=True)
-    pool.set_members([address(engine)], reachable=True)
+    pool.set_members({}, reachable=True)
+    pool.set_members({address(engine): "engine-0"}, reachable=True)
     member = pool.members[address(engine)]
     assert member.sample is None
     pool.connect_failed(member)  # out until a scrape reaches it
@@ -297,12 +297,12 @@ async def test_a_waiting_request_is_sent_once_a_replica_appears(
     (engine,) = await start_engines(1)
     router = await start_router([engine.url], wait=False)
     pool = router.router.pool
-    pool.set_members([], reachable=False)  # zero replicas
+    pool.set_members({}, reachable=False)  # zero replicas
     request = asyncio.create_task(router.post("/v1/completions", chat(MODEL, "hi")))
     await _until(lambda: router.router.queue.num_waiting == 1)
     metrics = await (await router.http.get(router.url + "/metrics")).text()
     assert "kvfleet_router_queued_requests 1.0" in metrics
-    pool.set_members([address(engine)], reachable=True)  # scaled up: the replica is ready
+    pool.set_members({address(engine): "engine-0"}, reachable=True)  # scaled up: it is ready
     response = await asyncio.wait_for(request, 2)
     assert response.status == 200
     assert len(engine.bodies) == 1

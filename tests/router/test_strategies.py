@@ -56,7 +56,7 @@ def test_what_is_kept_per_replica_goes_when_the_pool_drops_it() -> None:
     strategy = PrefixAffinity(BLOCK, load_factor=1.25)
     request = chat_request("What is the capital of France? " * 4)
     for generation in range(50):
-        pool.set_members([f"10.0.{generation}.1:8000"], reachable=True)
+        pool.set_members({f"10.0.{generation}.1:8000": f"engine-{generation}"}, reachable=True)
         send(strategy, request, pool.available())
     gc.collect()
     assert len(strategy._indexes) == 1  # the current member's

@@ -1,7 +1,8 @@
 """The one interface every routing strategy implements.
 
 rank(request, replicas) -> Ranking   best first; the rest are the retry order
-routed(request, replica)             the request was sent there (strategies may learn)
+routed(request, replica)             the replica took the request (a 2xx answer): strategies
+                                     may learn where its prompt is now
 """
 
 from __future__ import annotations

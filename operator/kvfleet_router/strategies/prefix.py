@@ -1,8 +1,9 @@
 """prefix (default): the replica that holds the longest prefix of the prompt, within a load
 bound; with no prefix anywhere, the least loaded.
 
-The router remembers, per replica, the prefix blocks it sent there (prefix_index), sized like
-that replica's KV cache. Bounded load as in consistent hashing with bounded loads (KubeAI's
+The router remembers, per replica, the prefix blocks of the requests that replica answered
+with a 2xx (prefix_index; one that failed or declined a prompt does not hold it), sized like
+its KV cache. Bounded load as in consistent hashing with bounded loads (KubeAI's
 CHWBL): a replica whose load exceeds load_factor x (total load + 1) / replicas takes no request
 by prefix, which then goes to the best replica under the bound and is remembered there too, so
 a hot prefix spreads over as many replicas as its load needs. Unlike CHWBL the bound has an

@@ -1,0 +1,198 @@
+"""One request at one replica over HTTP: send it, wait for the answer's headers, and pass the
+answer back to the client (an event stream chunk by chunk, as it comes).
+
+Two timeouts bound a replica that takes the connection and then hangs: its answer's headers
+must come within `first_byte_timeout_s` of sending (an engine sends a stream's headers when it
+takes the request, a JSON answer's once the answer is complete), and then the body within
+`idle_timeout_s` of them (a stream: each chunk within `idle_timeout_s` of the one before).
+What an outcome means (another replica, a cool-down, what the strategy learns) is the proxy's
+to decide; this module only speaks HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from kvfleet_router import metrics as m
+from kvfleet_router.replicas import Replica
+
+REPLICA_HEADER = "X-Kvfleet-Replica"  # which replica answered: its pod's name
+HOP_BY_HOP = frozenset(
+    {
+        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+        "trailer", "transfer-encoding", "upgrade", "host", "content-length",
+    }
+)  # fmt: skip
+# Content-Encoding is passed back: the body is relayed as the replica encoded it (the upstream
+# session does not decompress), so the client needs the header to read it.
+_NOT_PASSED_BACK = HOP_BY_HOP | {"date", "server"}
+# Failures before the request reached a replica (refused, unresolvable, connect timed out).
+_NOT_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+_BROKEN = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
+LOST, TIMED_OUT = "lost", "timeout"  # why an attempt failed (kvfleet_router_retries_total)
+
+
+@dataclass(frozen=True)
+class Declined:
+    """A replica's 429 (busy) or 503 (starting, draining) answer, read in full: try another,
+    or pass it on at the end."""
+
+    response: web.Response
+
+    @property
+    def retry_after_s(self) -> float | None:
+        return retry_after_s(self.response.headers.get("Retry-After"))
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request was sent and no answer came: the replica may have run it (and may fail on it
+    again), so another try counts toward --max-attempts."""
+
+    reason: str  # LOST: the connection closed; TIMED_OUT: no headers (or body) in time
+
+
+class Answer:
+    """A replica's answer whose headers have come: a body read in full, or an event stream
+    still arriving."""
+
+    def __init__(
+        self,
+        upstream: aiohttp.ClientResponse,
+        headers: CIMultiDict[str],
+        body: bytes | None,
+        idle_timeout_s: float,
+    ) -> None:
+        self.status = upstream.status
+        self._upstream = upstream
+        self._headers = headers
+        self._body = body  # None: an event stream, relayed as it comes
+        self._idle_timeout_s = idle_timeout_s
+
+    async def respond(self, request: web.Request) -> tuple[web.StreamResponse, str]:
+        """Pass the answer on: the response, and how it ended (an outcome of
+        kvfleet_router_requests_total). A replica that goes away or falls silent mid-stream
+        breaks the client's stream: it sees an error, not a short answer."""
+        upstream = self._upstream
+        try:
+            if self._body is not None:
+                response = web.Response(status=self.status, body=self._body, headers=self._headers)
+                return response, outcome(self.status)
+            stream = web.StreamResponse(status=self.status, headers=self._headers)
+            await stream.prepare(request)
+            try:
+                while chunk := await _next_chunk(upstream, self._idle_timeout_s):
+                    await stream.write(chunk)
+            except (*_BROKEN, TimeoutError) as exc:
+                upstream.close()
+                transport = request.transport
+                if transport is None or transport.is_closing():
+                    return stream, m.DISCONNECTED  # the write to the client failed
+                transport.abort()
+                return stream, m.TIMEOUT if isinstance(exc, TimeoutError) else m.BROKEN
+            await stream.write_eof()
+            return stream, outcome(self.status)
+        except BaseException:
+            upstream.close()  # the client went away: drop the upstream connection now
+            raise
+        finally:
+            upstream.release()
+
+
+class Upstream:
+    """The router's HTTP client to the replicas."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        first_byte_timeout_s: float,
+        idle_timeout_s: float,
+    ) -> None:
+        self._session = session
+        self._first_byte_timeout_s = first_byte_timeout_s
+        self._idle_timeout_s = idle_timeout_s
+
+    async def send(
+        self, replica: Replica, method: str, path: str, body: bytes, headers: Mapping[str, str]
+    ) -> Answer | Declined | Failed | None:
+        """Send one request to `replica`: its answer, a declined answer (429/503), a failed
+        attempt, or None (it never reached the replica)."""
+        upstream: aiohttp.ClientResponse | None = None
+        try:
+            async with asyncio.timeout(self._first_byte_timeout_s):
+                upstream = await self._session.request(
+                    method, replica.url + path, data=body, headers=headers
+                )
+            declined = upstream.status in (429, 503)
+            streamed = upstream.content_type == "text/event-stream" and not declined
+            data = None
+            if not streamed:
+                async with asyncio.timeout(self._idle_timeout_s):
+                    data = await upstream.read()
+        except _NOT_SENT:
+            return None
+        except (*_BROKEN, TimeoutError) as exc:
+            if upstream is not None:
+                upstream.close()  # the engine sees the disconnect and aborts the request
+            return Failed(TIMED_OUT if isinstance(exc, TimeoutError) else LOST)
+        except BaseException:
+            if upstream is not None:
+                upstream.close()
+            raise
+        # A multidict: a header the replica sent twice (Set-Cookie, Vary) goes back twice.
+        answer_headers = CIMultiDict(end_to_end(upstream.headers, _NOT_PASSED_BACK))
+        answer_headers[REPLICA_HEADER] = replica.name
+        if declined:
+            upstream.release()
+            return Declined(web.Response(status=upstream.status, body=data, headers=answer_headers))
+        return Answer(upstream, answer_headers, data, self._idle_timeout_s)
+
+
+async def _next_chunk(upstream: aiohttp.ClientResponse, timeout_s: float) -> bytes:
+    """The next bytes of a stream as they come (b"" at its end); TimeoutError when none come
+    within `timeout_s`."""
+    async with asyncio.timeout(timeout_s):
+        return await upstream.content.readany()
+
+
+def outcome(status: int) -> str:
+    """The outcome of an answer the client got from a replica."""
+    if status < 400:
+        return m.SUCCESS
+    return m.CLIENT_ERROR if status < 500 else m.ENGINE_ERROR
+
+
+def retry_after_s(value: str | None, now: datetime | None = None) -> float | None:
+    """Seconds a Retry-After header asks for: delta-seconds or an HTTP-date (RFC 9110 section
+    10.2.3; one in the past asks for 0). None when absent or unreadable."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:  # "-0000": UTC, as HTTP-dates are
+            when = when.replace(tzinfo=UTC)
+        seconds = (when - (now or datetime.now(UTC))).total_seconds()
+    return max(0.0, seconds) if math.isfinite(seconds) else None
+
+
+def end_to_end(headers: Mapping[str, str], dropped: frozenset[str]) -> Iterator[tuple[str, str]]:
+    """The headers that go on to the other side: not `dropped`, and not those the sender's
+    Connection header names (hop-by-hop for this connection only, RFC 9110 section 7.6.1)."""
+    named = {token.strip().lower() for token in headers.get("Connection", "").split(",")}
+    for key, value in headers.items():
+        if key.lower() not in dropped and key.lower() not in named:
+            yield key, value
