@@ -301,9 +301,9 @@ def summarize(
                     plan = resolve(spec, m, n, k, k)
                     plans.append({"kind": "fp8", "rows": m, "n": n, "k": k, "plan": asdict(plan)})
                 elif spec["family"] in ("fp8-scaled_mm", "fp8-w8a8-triton"):
-                    w8a8 = {"backend": "triton", "blocks": list(spec["plan"]["blocks"])}
-                    if spec["family"] == "fp8-scaled_mm":
-                        w8a8 = {"backend": "scaled_mm"}
+                    w8a8: dict[str, Any] = {"backend": "scaled_mm"}
+                    if spec["family"] == "fp8-w8a8-triton":
+                        w8a8 = {"backend": "triton", "blocks": list(spec["plan"]["blocks"])}
                     plans.append({"kind": "fp8-w8a8", "rows": m, "n": n, "k": k, "plan": w8a8})
     return best, plans
 
