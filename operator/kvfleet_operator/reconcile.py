@@ -264,10 +264,13 @@ async def _hand_replicas_to_autoscaler(
     target at zero replicas alone (ScalingDisabled), so a resumed deployment would stay at 0."""
     if not owns_replicas(workload, api.FIELD_MANAGER):
         return
-    if owns_replicas(workload, api.AUTOSCALER_FIELD_MANAGER):
+    current = workload.get("spec", {}).get("replicas", 1)
+    # Both own it when the autoscaler had applied the same count (Builtin at zero, then
+    # suspended): still below minReplicas, it is raised.
+    if owns_replicas(workload, api.AUTOSCALER_FIELD_MANAGER) and current >= min_replicas:
         return
     meta = workload["metadata"]
-    replicas = max(workload.get("spec", {}).get("replicas", 1), min_replicas)
+    replicas = max(current, min_replicas)
     await cluster.scale(
         meta["namespace"],
         meta["name"],

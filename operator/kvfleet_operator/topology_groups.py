@@ -201,8 +201,10 @@ def _restarted_or_failed(pod: Manifest) -> bool:
     return any(int(c.get("restartCount", 0)) > 0 for c in status.get("containerStatuses", []))
 
 
-# The field LeaderWorkerSet releases before 0.7 refuse to change, as their webhook names it.
+# The field LeaderWorkerSet releases before 0.7 refuse to change, as their webhook names it,
+# and why (apimachinery's ValidateImmutableField).
 LWS_SIZE_FIELD = "leaderWorkerTemplate.size"
+IMMUTABLE = "field is immutable"
 
 
 def group_size(lws: Manifest) -> int:
@@ -223,11 +225,13 @@ def recreate_message(found: Manifest, rendered: Manifest, error: str) -> str:
 def size_change_refused(found: Manifest | None, rendered: Manifest, error: str) -> bool:
     """Whether the API server's refusal `error` of the `rendered` LeaderWorkerSet is the one of a
     group size that cannot change in place: the one `found` has another size and the error
-    names the size field. Any other refusal stays a refusal (ApplyRejected): deleting the
-    running groups would not make a spec the cluster refuses pass."""
+    names the size field as immutable. Any other refusal stays a refusal (ApplyRejected), one
+    that names the size too (a policy capping it): deleting the running groups would not make
+    a spec the cluster refuses pass."""
     return (
         found is not None
         and rendered["kind"] == "LeaderWorkerSet"
         and group_size(found) != group_size(rendered)
         and LWS_SIZE_FIELD in error
+        and IMMUTABLE in error
     )

@@ -181,7 +181,7 @@ def retry_after_s(value: str | None, now: datetime | None = None) -> float | Non
     except ValueError:
         try:
             when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: numbers past a C int
             return None
         if when.tzinfo is None:  # "-0000": UTC, as HTTP-dates are
             when = when.replace(tzinfo=UTC)

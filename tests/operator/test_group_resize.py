@@ -134,3 +134,17 @@ async def test_another_refusal_deletes_nothing() -> None:
     stalled = conditions(cluster)["Stalled"]
     assert (stalled["status"], stalled["reason"]) == ("True", "ApplyRejected")
     assert "team-a may not use 32 GPUs" in stalled["message"]
+
+
+async def test_a_policy_that_names_the_size_field_deletes_nothing() -> None:
+    """A policy webhook that caps the group size names the field too; only the LeaderWorkerSet
+    webhook's "field is immutable" is a size that cannot change in place. Deleting the running
+    groups for a size the cluster refuses left the deployment with no replica at all."""
+    cluster = LeaderWorkerSets(policy="spec.leaderWorkerTemplate.size: at most 2 nodes per replica")
+    await grow_to_four_nodes(cluster)
+    with pytest.raises(ApiException):
+        await reconcile(cluster, "ns", "llama", HeaderCache())
+    assert cluster.deleted == [] and "RecreatingLeaderWorkerSet" not in cluster.events
+    assert "deletionTimestamp" not in cluster.objects[LWS]["metadata"]
+    stalled = conditions(cluster)["Stalled"]
+    assert (stalled["status"], stalled["reason"]) == ("True", "ApplyRejected")

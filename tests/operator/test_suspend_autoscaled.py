@@ -80,6 +80,8 @@ class ReplicasOwnership(MemoryCluster):
 
     def _store(self, key: tuple[str, str, str], replicas: int | None) -> dict[str, Any]:
         obj = self.objects[key]
+        if "spec" not in obj:  # a ServiceAccount
+            return copy.deepcopy(obj)
         obj["spec"].pop("replicas", None)
         if replicas is not None:
             obj["spec"]["replicas"] = replicas
@@ -126,3 +128,23 @@ async def test_resuming_under_an_hpa_hands_it_at_least_min_replicas() -> None:
     assert cluster.owners[("Deployment", "ns", "llama")] == {api.AUTOSCALER_FIELD_MANAGER}
     status = cluster.objects[("InferenceDeployment", "ns", "llama")]["status"]
     assert status["scaling"] == "Auto(2-4)"
+
+
+async def test_resuming_under_an_hpa_after_builtin_scaled_to_zero_hands_it_min_replicas() -> None:
+    """Builtin (minReplicas 0) had scaled to zero, then suspend (the reconciler's 0 joins the
+    autoscaler's: both own it), then resumed under an HPA. The autoscaler's field manager
+    already owning replicas, nothing was handed: the Deployment stayed at zero, where an HPA
+    does nothing."""
+    cluster = ReplicasOwnership()
+    builtin = {"minReplicas": 0, "maxReplicas": 4,
+               "targets": {"generationTokenRate": {"tokensPerSecond": 100}}}  # fmt: skip
+    cluster.add(infd(autoscaling=builtin))
+    body = cluster.objects[("InferenceDeployment", "ns", "llama")]
+    await reconcile(cluster, "ns", "llama", HeaderCache())
+    await cluster.scale("ns", "llama", 0)  # the Builtin autoscaler, idle
+    for generation, change in ((2, {"suspend": True}), (3, {"suspend": False, "autoscaling": HPA})):
+        body["spec"].update(change)
+        body["metadata"]["generation"] = generation
+        await reconcile(cluster, "ns", "llama", HeaderCache())
+    assert cluster.objects[("Deployment", "ns", "llama")]["spec"]["replicas"] == 2
+    assert cluster.owners[("Deployment", "ns", "llama")] == {api.AUTOSCALER_FIELD_MANAGER}

@@ -134,6 +134,33 @@ async def test_a_503_with_a_retry_after_date_cools_the_replica_that_long(
     assert 8 < cooling <= 10.5  # the date, not the 1 s default for an unreadable Retry-After
 
 
+OUT_OF_RANGE_DATES = (
+    "Mon, 01 Jan 99999999999 00:00:00 GMT",  # a year no datetime holds
+    "Mon, 01 Jan 2025 00:00:00 +99999999999999999999",  # an offset past a C int
+)
+
+
+def test_a_retry_after_date_out_of_range_is_unreadable() -> None:
+    """The date parser raises OverflowError, not ValueError, for numbers past a C int."""
+    for value in OUT_OF_RANGE_DATES:
+        assert retry_after_s(value) is None
+
+
+async def test_a_503_with_an_out_of_range_retry_after_goes_to_the_next_replica(
+    start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    """It was a 500 from the router: the OverflowError escaped the handler."""
+    busy, good = await start_engines(2)
+    busy.status = 503
+    busy.retry_after = OUT_OF_RANGE_DATES[0]
+    router = await start_router([busy.url, good.url], strategy="round-robin")
+    for _ in range(2):  # round-robin: one of the two goes to `busy` first
+        response = await router.post("/v1/completions", COMPLETION)
+        assert response.status == 200
+        assert response.headers[REPLICA_HEADER] == address(good)
+    assert len(busy.bodies) == 1
+
+
 @pytest.mark.parametrize("failure", ["429", "dropped", "timeout"])
 async def test_a_replica_that_failed_a_prompt_does_not_learn_its_prefix(
     failure: str, start_engines: StartEngines, start_router: StartRouter
