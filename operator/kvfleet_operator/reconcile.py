@@ -260,14 +260,14 @@ async def _hand_replicas_to_autoscaler(
     """Switching from fixed replicas (or from spec.suspend) to autoscaling: if only the
     reconciler owns the child's spec.replicas, server-side apply without the field would delete
     it and the Deployment (or LeaderWorkerSet) would fall back to 1 replica. The autoscaler's
-    field manager takes over the current value first, at least `min_replicas`: an HPA leaves a
-    target at zero replicas alone (ScalingDisabled), so a resumed deployment would stay at 0."""
-    if not owns_replicas(workload, api.FIELD_MANAGER):
-        return
+    field manager takes over the current value first. A count below `min_replicas` is raised to
+    it whoever owns it: an HPA leaves a target at zero replicas alone (ScalingDisabled), so a
+    deployment resumed, or handed over by Builtin at zero, would stay at 0 for good."""
     current = workload.get("spec", {}).get("replicas", 1)
-    # Both own it when the autoscaler had applied the same count (Builtin at zero, then
-    # suspended): still below minReplicas, it is raised.
-    if owns_replicas(workload, api.AUTOSCALER_FIELD_MANAGER) and current >= min_replicas:
+    handed = not owns_replicas(workload, api.FIELD_MANAGER) or owns_replicas(
+        workload, api.AUTOSCALER_FIELD_MANAGER
+    )
+    if handed and current >= min_replicas:
         return
     meta = workload["metadata"]
     replicas = max(current, min_replicas)

@@ -3,8 +3,9 @@ send it to the best one, retry elsewhere while nothing has reached the client, a
 answer back (an event stream chunk by chunk, as it comes).
 
 Retries: a refused or failed connection, a 503 (draining, starting: that replica cools down for
-its Retry-After), a 429 (busy: not tried again for this request) or no answer headers within
---upstream-first-byte-timeout moves the request to the next replica of the ranking; once the
+its Retry-After), a 429 (busy) or no answer headers within --upstream-first-byte-timeout
+(hung; either is not tried again for this request) moves the request to the next replica of
+the ranking; once the
 ranking is used up it waits in the queue for another replica until its deadline, unless every
 replica answered 429 (that answer goes to the client, which backs off). Only 429s, connections
 closed after the request was sent and timeouts count toward `max_attempts`: a refused
@@ -39,6 +40,7 @@ from kvfleet_router.strategies import RoutedRequest, Strategy
 from kvfleet_router.upstream import (
     HOP_BY_HOP,
     LOST,
+    TIMED_OUT,
     Declined,
     Failed,
     Upstream,
@@ -165,7 +167,8 @@ class Proxy:
         settings = self._settings
         deadline = arrived + settings.queue_timeout_s
         url_path = request.path_qs
-        busy: set[str] = set()  # answered 429: not again for this request
+        # Answered 429 (busy) or no answer headers in time (hung): not again for this request.
+        busy: set[str] = set()
         last: web.Response | None = None  # the last 429/503 answer, passed on if nothing works
         attempts = 0
         failed: list[Failed] = []  # attempts sent that got no answer
@@ -176,6 +179,10 @@ class Proxy:
             if not replicas and last is not None and last.status == 429:
                 result.outcome = m.CLIENT_ERROR  # every replica is busy: the client backs off
                 return last
+            if not replicas and last is None and failed:
+                # The replicas left hung on this request (or closed its connection): it has
+                # waited a first-byte timeout already, the client hears so now.
+                return self._unanswered(failed, result)
             if not replicas:
                 queue_start = time.monotonic()
                 try:
@@ -212,6 +219,8 @@ class Proxy:
                 if isinstance(answer, Failed):
                     attempts += 1
                     failed.append(answer)
+                    if answer.reason == TIMED_OUT:
+                        busy.add(replica.address)
                     continue
                 if not isinstance(answer, Declined):
                     return answer

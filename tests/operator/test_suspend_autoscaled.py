@@ -148,3 +148,21 @@ async def test_resuming_under_an_hpa_after_builtin_scaled_to_zero_hands_it_min_r
         await reconcile(cluster, "ns", "llama", HeaderCache())
     assert cluster.objects[("Deployment", "ns", "llama")]["spec"]["replicas"] == 2
     assert cluster.owners[("Deployment", "ns", "llama")] == {api.AUTOSCALER_FIELD_MANAGER}
+
+
+async def test_builtin_at_zero_handed_to_an_hpa_gets_min_replicas() -> None:
+    """Builtin (minReplicas 0) had scaled to zero; the spec then names an HPA. The reconciler
+    did not own replicas (the autoscaler did), so nothing was handed, and the HPA never scales
+    a target at zero: the deployment stayed at 0 for good."""
+    cluster = ReplicasOwnership()
+    builtin = {"minReplicas": 0, "maxReplicas": 4,
+               "targets": {"generationTokenRate": {"tokensPerSecond": 100}}}  # fmt: skip
+    cluster.add(infd(autoscaling=builtin))
+    body = cluster.objects[("InferenceDeployment", "ns", "llama")]
+    await reconcile(cluster, "ns", "llama", HeaderCache())
+    await cluster.scale("ns", "llama", 0)  # the Builtin autoscaler, idle
+    body["spec"]["autoscaling"] = HPA
+    body["metadata"]["generation"] = 2
+    await reconcile(cluster, "ns", "llama", HeaderCache())
+    assert cluster.objects[("Deployment", "ns", "llama")]["spec"]["replicas"] == 2
+    assert cluster.owners[("Deployment", "ns", "llama")] == {api.AUTOSCALER_FIELD_MANAGER}

@@ -53,7 +53,7 @@ async def test_a_replica_that_hangs_before_answering_is_given_up_for_the_next(
 async def test_replicas_that_all_hang_get_a_504_after_max_attempts(
     start_engines: StartEngines, start_router: StartRouter
 ) -> None:
-    engines = await start_engines(2)
+    engines = await start_engines(4)
     for engine in engines:
         engine.answer_gate = asyncio.Event()
     router = await start_router(
@@ -216,3 +216,20 @@ async def test_an_answer_names_its_replica_by_pod_never_by_address(
     response = await router.post("/v1/completions", COMPLETION)
     assert response.status == 429
     assert response.headers[REPLICA_HEADER] == "llama-7f9c5-x2k4p"
+
+
+async def test_a_replica_that_hung_on_a_request_is_not_tried_again_for_it(
+    start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    """A replica that took the request and sent nothing within the first-byte timeout gets no
+    second try of it: the client hears a 504 after one timeout, not after --max-attempts."""
+    (engine,) = await start_engines(1)
+    engine.answer_gate = asyncio.Event()  # never set
+    router = await start_router([engine.url], max_attempts=3, upstream_first_byte_timeout_s=0.3)
+    started = time.monotonic()
+    response = await asyncio.wait_for(router.post("/v1/completions", COMPLETION), 5)
+    assert response.status == 504
+    message = (await response.json())["error"]["message"]
+    assert message.endswith("1 of 3 attempts timed out)"), message
+    assert len(engine.bodies) == 1
+    assert time.monotonic() - started < 0.6  # one timeout, not three
