@@ -17,15 +17,15 @@ from pydantic import ValidationError
 from kvfleet_operator import api
 from kvfleet_operator.accelerators import resolve_accelerator
 from kvfleet_operator.apply import Cluster, api_error_summary, conflicted, refused
+from kvfleet_operator.handover import hand_replicas_to_autoscaler
 from kvfleet_operator.header_cache import HeaderCache
-from kvfleet_operator.model_catalog import (
-    ModelArchitecture,
-    UnknownModel,
-    model_architecture,
-    reads_gguf_header,
-)
-from kvfleet_operator.models import AcceleratorProfileSpec, InferenceDeploymentSpec, ModelSpec
+from kvfleet_operator.models import InferenceDeploymentSpec
 from kvfleet_operator.plan import ClusterFeatures, Plan, Problem, plan_deployment
+from kvfleet_operator.reconcile_inputs import (
+    read_accelerator_profiles,
+    read_api_key_digest,
+    read_model_architecture,
+)
 from kvfleet_operator.render import render_children
 from kvfleet_operator.status import (
     compute_status,
@@ -131,7 +131,7 @@ async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any
         leaving = before is not None and bool(before["metadata"].get("deletionTimestamp"))
         autoscaling = spec.autoscaling if spec.effective_replicas() is None else None
         if before is not None and not leaving and autoscaling and planned != "StatefulSet":
-            await _hand_replicas_to_autoscaler(cluster, before, autoscaling.min_replicas)
+            await hand_replicas_to_autoscaler(cluster, before, autoscaling.min_replicas)
         main = _main_child(children, planned, name)
         told = old_status.get("workloadGeneration")
         for child in children:
@@ -224,85 +224,6 @@ def _main_child(children: list[dict[str, Any]], planned: str, name: str) -> dict
         ),
         None,
     )
-
-
-async def read_model_architecture(
-    cluster: Cluster, headers: HeaderCache, namespace: str, model: ModelSpec
-) -> ModelArchitecture | UnknownModel:
-    """The model's numbers; for an hf:// GGUF file without hints, from its header (read once per
-    uri and revision, with the HF_TOKEN of model.credentialsSecret when the operator may read
-    it, else without one)."""
-    if not reads_gguf_header(model):
-        return model_architecture(model)
-
-    async def token() -> str | None:
-        if model.credentials_secret is None:
-            return None
-        return await cluster.secret_value(namespace, model.credentials_secret.name, "HF_TOKEN")
-
-    return model_architecture(model, await headers.summary(model, token))
-
-
-async def read_api_key_digest(
-    cluster: Cluster, namespace: str, spec: InferenceDeploymentSpec
-) -> str | None:
-    """The digest of spec.auth's Secret key that the pod template carries (rotating the Secret
-    rolls the pods); None without spec.auth or when the Secret cannot be read."""
-    ref = spec.auth.api_key_secret_ref
-    if ref is None:
-        return None
-    return await cluster.secret_digest(namespace, ref.name, ref.key)
-
-
-async def _hand_replicas_to_autoscaler(
-    cluster: Cluster, workload: dict[str, Any], min_replicas: int
-) -> None:
-    """Switching from fixed replicas (or from spec.suspend) to autoscaling: if only the
-    reconciler owns the child's spec.replicas, server-side apply without the field would delete
-    it and the Deployment (or LeaderWorkerSet) would fall back to 1 replica. The autoscaler's
-    field manager takes over the current value first. A count below `min_replicas` is raised to
-    it whoever owns it: an HPA leaves a target at zero replicas alone (ScalingDisabled), so a
-    deployment resumed, or handed over by Builtin at zero, would stay at 0 for good."""
-    current = workload.get("spec", {}).get("replicas", 1)
-    handed = not owns_replicas(workload, api.FIELD_MANAGER) or owns_replicas(
-        workload, api.AUTOSCALER_FIELD_MANAGER
-    )
-    if handed and current >= min_replicas:
-        return
-    meta = workload["metadata"]
-    replicas = max(current, min_replicas)
-    await cluster.scale(
-        meta["namespace"],
-        meta["name"],
-        replicas,
-        api_version=workload["apiVersion"],
-        kind=workload["kind"],
-    )
-    log.info(
-        "%s/%s: replicas (%d) handed to the autoscaler", meta["namespace"], meta["name"], replicas
-    )
-
-
-def owns_replicas(obj: dict[str, Any], manager: str) -> bool:
-    """Whether `manager` owns spec.replicas of `obj` according to its managedFields."""
-    for entry in obj["metadata"].get("managedFields", []):
-        if entry.get("manager") == manager and entry.get("operation") == "Apply":
-            if "f:replicas" in entry.get("fieldsV1", {}).get("f:spec", {}):
-                return True
-    return False
-
-
-async def read_accelerator_profiles(cluster: Cluster) -> dict[str, AcceleratorProfileSpec]:
-    """AcceleratorProfile objects by name; invalid ones are logged and skipped."""
-    profiles = {}
-    for item in await cluster.list(api.API_VERSION, api.ACCELERATOR_PROFILE):
-        try:
-            profiles[item["metadata"]["name"]] = AcceleratorProfileSpec.model_validate(
-                item.get("spec", {})
-            )
-        except ValidationError as exc:
-            log.warning("ignoring AcceleratorProfile %s: %s", item["metadata"]["name"], exc)
-    return profiles
 
 
 async def _write_status(

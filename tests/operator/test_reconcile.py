@@ -235,7 +235,7 @@ async def test_unreadable_gguf_header_rolls_out_without_a_memory_plan() -> None:
 
 
 def test_owns_replicas_reads_managed_fields() -> None:
-    from kvfleet_operator.reconcile import owns_replicas
+    from kvfleet_operator.handover import owns_replicas
 
     deployment = {
         "metadata": {

@@ -1,0 +1,62 @@
+"""What a reconcile pass reads besides the InferenceDeployment: the model's architecture (from a
+GGUF header when it has to), the digest of the API key the pods carry, the AcceleratorProfiles."""
+
+from __future__ import annotations
+
+import logging
+
+from pydantic import ValidationError
+
+from kvfleet_operator import api
+from kvfleet_operator.apply import Cluster
+from kvfleet_operator.header_cache import HeaderCache
+from kvfleet_operator.model_catalog import (
+    ModelArchitecture,
+    UnknownModel,
+    model_architecture,
+    reads_gguf_header,
+)
+from kvfleet_operator.models import AcceleratorProfileSpec, InferenceDeploymentSpec, ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+async def read_model_architecture(
+    cluster: Cluster, headers: HeaderCache, namespace: str, model: ModelSpec
+) -> ModelArchitecture | UnknownModel:
+    """The model's numbers; for an hf:// GGUF file without hints, from its header (read once per
+    uri and revision, with the HF_TOKEN of model.credentialsSecret when the operator may read
+    it, else without one)."""
+    if not reads_gguf_header(model):
+        return model_architecture(model)
+
+    async def token() -> str | None:
+        if model.credentials_secret is None:
+            return None
+        return await cluster.secret_value(namespace, model.credentials_secret.name, "HF_TOKEN")
+
+    return model_architecture(model, await headers.summary(model, token))
+
+
+async def read_api_key_digest(
+    cluster: Cluster, namespace: str, spec: InferenceDeploymentSpec
+) -> str | None:
+    """The digest of spec.auth's Secret key that the pod template carries (rotating the Secret
+    rolls the pods); None without spec.auth or when the Secret cannot be read."""
+    ref = spec.auth.api_key_secret_ref
+    if ref is None:
+        return None
+    return await cluster.secret_digest(namespace, ref.name, ref.key)
+
+
+async def read_accelerator_profiles(cluster: Cluster) -> dict[str, AcceleratorProfileSpec]:
+    """AcceleratorProfile objects by name; invalid ones are logged and skipped."""
+    profiles = {}
+    for item in await cluster.list(api.API_VERSION, api.ACCELERATOR_PROFILE):
+        try:
+            profiles[item["metadata"]["name"]] = AcceleratorProfileSpec.model_validate(
+                item.get("spec", {})
+            )
+        except ValidationError as exc:
+            log.warning("ignoring AcceleratorProfile %s: %s", item["metadata"]["name"], exc)
+    return profiles
