@@ -76,9 +76,8 @@ class Tick:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="demo_autoscaling.py", description=__doc__.splitlines()[0]
-    )
+    summary = " ".join(__doc__.split("\n\n", 1)[0].split())  # the first paragraph, whole
+    parser = argparse.ArgumentParser(prog="demo_autoscaling.py", description=summary)
     parser.add_argument(
         "--load-seconds",
         type=float,

@@ -87,3 +87,14 @@ def test_without_a_terminal_each_tick_that_changed_something_is_one_line(
             show(ticks)
     lines = out.getvalue().splitlines()
     assert lines == [render_line(None), *(render_line(tick) for tick in TICKS)]
+
+
+def test_help_says_what_the_demo_does(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--help` gives the docstring's whole first paragraph, not a sentence cut at a line."""
+    with pytest.raises(SystemExit):
+        demo.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert (
+        "then watch the operator scale it on the token rate its engines report, on the local "
+        "control plane (it must be up: `make cluster-up`)."
+    ) in text

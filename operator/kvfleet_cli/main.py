@@ -21,7 +21,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "route OpenAI requests across engine replicas (prefix- and load-aware, scale from zero)",
     ),
     "crds": ("kvfleet_operator.crd:main", "write the CRDs generated from the typed models"),
-    "bench": ("kvfleet_engine.bench.cli:main", "benchmarks: throughput, latency, serve"),
+    "bench": (
+        "kvfleet_engine.bench.cli:main",
+        "benchmarks: serve, throughput, latency, chat, accuracy",
+    ),
 }
 
 

@@ -25,6 +25,10 @@ from kvfleet_router.waiting import WaitingQueue
 log = logging.getLogger(__name__)
 
 
+class ListenError(Exception):
+    """The router's --host/--port cannot be bound (in use, an unknown host)."""
+
+
 class Router:
     """All the parts of one router process, wired together."""
 
@@ -144,7 +148,12 @@ async def _serve(router: Router, settings: RouterSettings) -> None:
     runner = web.AppRunner(router.build_app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port, backlog=1024)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        reason = exc.strerror or str(exc)
+        raise ListenError(f"cannot listen on {settings.host}:{settings.port}: {reason}") from exc
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

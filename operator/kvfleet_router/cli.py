@@ -148,9 +148,13 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from kvfleet_router.app import run
+    from kvfleet_router.app import ListenError, run
 
-    run(settings)
+    try:
+        run(settings)
+    except ListenError as exc:  # the address is taken or unknown: one line, as `kvfleet serve`
+        print(f"kvfleet router: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

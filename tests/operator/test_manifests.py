@@ -86,11 +86,16 @@ def test_kustomization_lists_existing_files() -> None:
 
 
 # What a change of a replica's shape deletes (topology_workloads.py): group pods, StatefulSets,
-# and the workload a change of topology leaves behind.
-DELETABLE = {"pods", "statefulsets", "deployments", "services", "leaderworkersets"}
+# and the workload a change of topology leaves behind; and the optional children a spec change
+# stops rendering (prune_optional: the router's objects, NetworkPolicy, HPA, ScaledObject,
+# ServiceMonitor).
+DELETABLE = {"pods", "statefulsets", "deployments", "services", "leaderworkersets",
+             "poddisruptionbudgets", "serviceaccounts", "roles", "rolebindings",
+             "networkpolicies", "horizontalpodautoscalers", "scaledobjects",
+             "servicemonitors"}  # fmt: skip
 
 
-def test_rbac_never_writes_inference_deployment_spec_and_deletes_only_workloads() -> None:
+def test_rbac_never_writes_inference_deployment_spec_and_deletes_only_its_children() -> None:
     role = next(yaml.safe_load_all((MANIFESTS / "rbac.yaml").read_text()))
     deletable = set()
     for rule in role["rules"]:
@@ -100,6 +105,26 @@ def test_rbac_never_writes_inference_deployment_spec_and_deletes_only_workloads(
         if "inferencedeployments" in rule["resources"]:
             assert set(rule["verbs"]) <= {"get", "list", "watch"}
     assert deletable == DELETABLE
+
+
+def test_rbac_may_delete_every_optional_child() -> None:
+    """Turning routing, the NetworkPolicy or an HPA/KEDA controller off deletes those children
+    (prune_optional). Without delete in the shipped role every reconcile of the changed spec
+    failed with 403 and its status stayed at the old generation."""
+    from kvfleet_operator.apply import RESOURCES
+    from kvfleet_operator.topology_workloads import optional_children
+
+    role = next(yaml.safe_load_all((MANIFESTS / "rbac.yaml").read_text()))
+    deletable = {
+        (group, resource)
+        for rule in role["rules"]
+        if "delete" in rule["verbs"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    }
+    for api_version, kind, _ in optional_children("x"):
+        plural, _ = RESOURCES[(api_version, kind)]
+        assert (api_version.rpartition("/")[0], plural) in deletable, kind
 
 
 def test_rbac_covers_every_kind_the_operator_renders(make_spec) -> None:

@@ -61,11 +61,12 @@ class Result:
 
 
 def main(argv: list[str]) -> int:
+    summary, _, details = __doc__.partition("\n\n")
     parser = argparse.ArgumentParser(
         prog="kvfleet bench accuracy",
-        description=__doc__.splitlines()[0],
+        description=summary,  # the first paragraph, whole
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n".join(__doc__.splitlines()[2:]),
+        epilog=details,
     )
     parser.add_argument("--config", action="append", required=True, metavar="NAME=PATH[:K=V]")
     parser.add_argument(

@@ -48,7 +48,8 @@ class Contestant:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kvfleet bench chat", description=__doc__.splitlines()[0])
+    summary = " ".join(__doc__.split("\n\n", 1)[0].split())  # the first paragraph, whole
+    parser = argparse.ArgumentParser(prog="kvfleet bench chat", description=summary)
     parser.add_argument("--model", help="GGUF file or model directory (default: SmolLM2)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     parser.add_argument("--concurrency", type=positive_int, default=8)

@@ -92,11 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     from kvfleet_engine.bench.quantize import SCHEMES, calibration_texts, quantize
     from kvfleet_engine.model_store import DEFAULT_MODEL, fetch, models_dir
 
+    summary, _, details = __doc__.partition("\n\n")
     parser = argparse.ArgumentParser(
         prog="python -m kvfleet_engine.bench.quantize_smollm2",
-        description=__doc__.splitlines()[0],
+        description=summary,  # the first paragraph, whole
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n".join(__doc__.splitlines()[2:]),
+        epilog=details,
     )
     parser.add_argument("--output", type=Path, help="default: $KVFLEET_CACHE_DIR/models")
     parser.add_argument("--gguf", type=Path, help="default: the fetched SmolLM2 GGUF")

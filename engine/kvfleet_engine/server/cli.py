@@ -56,13 +56,23 @@ API_KEY_ENV = "KVFLEET_API_KEY"  # the API key, when --api-key is not given
 DEFAULT_KEEP_ALIVE_TIMEOUT_S = 75
 
 
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends a flag's default to its help, unless the help already says it or there is none
+    (no "(default: None)", no second "(default: ...)")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvfleet_engine.config import EngineConfig
 
     parser = argparse.ArgumentParser(
         prog="kvfleet serve",
         description="Serve a model over an OpenAI-compatible HTTP API.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsHelpFormatter,
     )
     server = parser.add_argument_group("server")
     server.add_argument("--served-model-name", help="model name clients send (default: --model)")
