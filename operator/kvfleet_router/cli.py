@@ -181,6 +181,8 @@ def _flag_message(message: str) -> str:
         return f"{_FLAGS[field]}: {rest}"
     if message.startswith("set either deployment"):
         return "set either --deployment (with --namespace) or --backend, not both"
+    if message.startswith("set deployment"):
+        return "set --deployment (with --namespace) or --backend: no replicas to route to"
     return message
 
 

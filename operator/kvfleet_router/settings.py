@@ -48,8 +48,10 @@ class RouterSettings:
     api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if (self.deployment is None) == (not self.backends):
+        if self.deployment is not None and self.backends:
             raise ValueError("set either deployment (with namespace) or backends, not both")
+        if self.deployment is None and not self.backends:
+            raise ValueError("set deployment (with namespace) or backends: no replicas to route to")
         if self.deployment is not None and not self.namespace:
             raise ValueError("namespace: required with deployment")
         for url in self.backends:

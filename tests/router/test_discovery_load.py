@@ -114,7 +114,14 @@ def test_the_cli_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--scrape-interval: must be in (0, 0.1]" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         router_main([])
-    assert "either --deployment" in capsys.readouterr().err
+    assert "set --deployment (with --namespace) or --backend: no replicas to route to" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit):
+        router_main(["--deployment", "d", "--namespace", "n", "--backend", "http://h:1"])
+    assert "set either --deployment (with --namespace) or --backend, not both" in (
+        capsys.readouterr().err
+    )
     with pytest.raises(SystemExit):
         router_main(["--backend", "http://127.0.0.1:8001", "--upstream-idle-timeout", "0"])
     assert "--upstream-idle-timeout: must be a positive number of seconds, got 0.0" in (

@@ -134,3 +134,18 @@ def test_request_log_lines_carry_ids_and_counts_not_text(
     assert API_KEY not in text and PROMPT not in text
     assert not completion.choices[0].text.strip() or completion.choices[0].text not in text
     assert not streamed.strip() or streamed not in text
+
+
+def test_bench_serve_loads_a_guarded_server_with_its_key_and_never_records_it(
+    guarded: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvfleet_engine.bench.serve import main
+
+    argv = ["--url", guarded.url, "--concurrency", "2", "--num-prompts", "2", "--no-progress"]
+    argv += ["--random-input-len", "8", "--random-output-len", "2"]
+    assert main(argv) == 2  # no key: the model lookup is refused
+    assert "401" in capsys.readouterr().err
+    out = tmp_path / "bench.json"
+    assert main([*argv, "--api-key", API_KEY, "--output", str(out)]) == 0
+    assert json.loads(out.read_text())["results"]["completed"] == 2
+    assert API_KEY not in out.read_text()

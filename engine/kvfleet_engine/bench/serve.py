@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,9 +37,10 @@ import httpx
 
 from kvfleet_engine.argtypes import positive_float, positive_int
 from kvfleet_engine.bench.serve_counters import fetch_counters, format_counters, load_counters
-from kvfleet_engine.bench.serve_load import run_load, run_load_processes
+from kvfleet_engine.bench.serve_load import auth_headers, run_load, run_load_processes
 from kvfleet_engine.bench.serve_stats import format_report, summarize
 from kvfleet_engine.bench.serve_workload import chat_requests, jsonl_requests, random_requests
+from kvfleet_engine.server.auth import API_KEY_ENV
 
 # --- CLI -------------------------------------------------------------------------------------
 
@@ -139,6 +141,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--output", type=Path, help="write the JSON result here")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"bearer key sent with every request (default: ${API_KEY_ENV}); never recorded",
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -158,7 +165,7 @@ def main(argv: list[str]) -> int:
     if args.endpoint is None:
         args.endpoint = "chat" if args.dataset == "chat" else "completions"
     try:
-        model = args.model or _first_model(args.url)
+        model = args.model or _first_model(args.url, auth_headers(args.api_key))
         if args.dataset == "jsonl":
             requests = jsonl_requests(args.dataset_path, args.num_prompts, args.random_output_len)
         elif args.dataset == "chat":
@@ -193,10 +200,14 @@ def main(argv: list[str]) -> int:
         print("\n".join(format_counters(summary["server"])))
     if args.output:
         record = {
-            "command": "kvfleet bench serve " + " ".join(argv),
+            "command": "kvfleet bench serve " + " ".join(_without_key(argv)),
             "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "model": model,
-            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "config": {
+                k: (str(v) if isinstance(v, Path) else v)
+                for k, v in vars(args).items()
+                if k != "api_key"
+            },
             "results": summary,
         }
         args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -205,10 +216,24 @@ def main(argv: list[str]) -> int:
     return 0 if summary["completed"] else 1
 
 
-def _first_model(url: str) -> str:
-    response = httpx.get(url.rstrip("/") + "/v1/models", timeout=30)
+def _first_model(url: str, headers: dict[str, str]) -> str:
+    response = httpx.get(url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
     response.raise_for_status()
     data = response.json()["data"]
     if not data:
         raise ValueError(f"{url} serves no models")
     return str(data[0]["id"])
+
+
+def _without_key(argv: list[str]) -> list[str]:
+    """The command line with --api-key's value masked."""
+    out, hide = [], False
+    for arg in argv:
+        if hide:
+            out.append("***")
+        elif arg.startswith("--api-key="):
+            out.append("--api-key=***")
+        else:
+            out.append(arg)
+        hide = arg == "--api-key"
+    return out

@@ -122,6 +122,11 @@ def _has_content(chunk: dict[str, Any]) -> bool:
 # --- load ----------------------------------------------------------------------------------
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The Authorization header for a server started with an API key (none without one)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 async def run_load(
     args: argparse.Namespace, model: str, requests: list[BenchRequest], progress: Any
 ) -> tuple[list[RequestResult], float]:
@@ -131,7 +136,8 @@ async def run_load(
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.timeout, connect=30.0)
     results: list[RequestResult] = [RequestResult() for _ in requests]
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    headers = auth_headers(args.api_key)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
 
         async def one(i: int) -> None:
             results[i] = await send_request(

@@ -12,6 +12,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvfleet_engine.server.errors import error_body, error_response
 
 # Kubernetes probes and Prometheus scrape these without credentials.
+API_KEY_ENV = "KVFLEET_API_KEY"  # the API key, when --api-key is not given
 PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
 

@@ -42,6 +42,7 @@ from kvfleet_engine.argtypes import (
     positive_int,
 )
 from kvfleet_engine.server.admission import AdmissionConfig
+from kvfleet_engine.server.auth import API_KEY_ENV
 from kvfleet_engine.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 if TYPE_CHECKING:
@@ -50,7 +51,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-API_KEY_ENV = "KVFLEET_API_KEY"  # the API key, when --api-key is not given
 # uvicorn's own default is 5 s: a load balancer or ingress (AWS ALB, nginx: 60 s idle) would reuse
 # connections the server is closing, and its clients would see resets.
 DEFAULT_KEEP_ALIVE_TIMEOUT_S = 75
