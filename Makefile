@@ -17,8 +17,12 @@ unexport PYTHONDONTWRITEBYTECODE
 help:
 	@echo "make demo         local cluster with GPU nodes, then an autoscaled InferenceDeployment scaling 1 -> 3 -> 1"
 	@echo "make test         lint, type-check and run every CPU test (unit and e2e)"
+	@echo "make test-fast    the tests under tests/ in one process, without lint or the cluster"
+	@echo "make lint         ruff, mypy and the import contracts"
 	@echo "make test-integrations  real Prometheus (and KEDA) in the local cluster (builds them first)"
+	@echo "make cluster-bin  build the local control plane's binaries (cached)"
 	@echo "make cluster-up   start the local control plane (prints export KUBECONFIG=...)"
+	@echo "make cluster-status  whether it runs, and its KUBECONFIG"
 	@echo "make cluster-down stop it"
 
 venv: $(VENV)/.installed
