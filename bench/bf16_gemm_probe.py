@@ -3,11 +3,12 @@
 A c256 decode step (Llama-3.1-8B shape) spends half its time in four bf16 products per layer
 that cuBLAS runs at 455-560 TFLOP/s on an H100 (bench/overlap_probe.py): at 256 rows they are
 neither bound by the weights' bytes nor by the tensor cores. This probe times each product at
-64-512 rows through cuBLAS (F.linear) and through a Triton GEMM over a small sweep of tiles and
-split-K (the partial sums reduced by a second kernel, counted), 8 weights in rotation so the
-L2 cache holds none of them, each case in a CUDA graph.
+64-512 rows through cuBLAS (F.linear), through a Triton GEMM over a small sweep of tiles and
+split-K (the partial sums reduced by a second kernel, counted), and through the persistent TMA
+GEMM (`kvfleet_engine.kernels.tma_gemm`, section 23) over its tiles and stages; 8 weights in
+rotation so the L2 cache holds none of them, each case in a CUDA graph.
 
-    python bench/bf16_gemm_probe.py [--rows 64 128 256] [--output probe.json]
+    PYTHONPATH=engine python bench/bf16_gemm_probe.py [--rows 64 128 256] [--output probe.json]
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from kvfleet_engine.kernels.tma_gemm import tma_gemm
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 WEIGHTS = 8  # in rotation: 8 x >= 33 MB is past any L2
@@ -99,10 +102,51 @@ def configs(m: int) -> list[tuple[int, ...]]:
     ]
 
 
+def tma_configs() -> list[tuple[int, ...]]:
+    """The TMA GEMM's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) that fit 227 KB of shared
+    memory (operand stages plus the output tile)."""
+    out = []
+    for bm, bn, bk, warps, stages in itertools.product(
+        (64, 128), (64, 128, 256), (64, 128), (4, 8), (3, 4, 5)
+    ):
+        shared = (bm + bn) * bk * 2 * stages + bm * bn * 2
+        if shared <= 227 * 1024 and not (bm == 128 and bn == 256 and warps == 4):
+            out.append((bm, bn, bk, warps, stages))
+    return out
+
+
+def best_of(
+    fn: Callable[[torch.Tensor, torch.Tensor, tuple[int, ...]], torch.Tensor],
+    candidates: list[tuple[int, ...]],
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    reference: torch.Tensor,
+    label: str,
+) -> tuple[float, tuple[int, ...] | None]:
+    """The fastest correct config of `fn` (µs, config)."""
+    best: tuple[float, tuple[int, ...] | None] = (float("inf"), None)
+    for config in candidates:
+        try:
+            got = fn(x, weights[0], config)
+        except (triton.runtime.errors.OutOfResources, triton.CompilationError):
+            continue
+        error = ((got.float() - reference.float()).norm() / reference.float().norm()).item()
+        if error > 1e-2:
+            print(f"{label} {config}: relative error {error:.3g}, skipped")
+            continue
+        us = graph_us(lambda i, c=config: fn(x, weights[i], c))
+        if us < best[0]:
+            best = (us, config)
+    return best
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--output", default="bf16_gemm_probe.json")
+    parser.add_argument(
+        "--kernels", default="tiled,tma", help="which Triton GEMMs to sweep beside cuBLAS"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     results = []
@@ -115,39 +159,38 @@ def main() -> int:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             reference = F.linear(x, weights[0])
             cublas = graph_us(lambda i, x=x, ws=weights: F.linear(x, ws[i]))
-            best = (float("inf"), None)
-            for config in configs(m):
-                try:
-                    got = triton_linear(x, weights[0], config)
-                except triton.runtime.errors.OutOfResources:
-                    continue
-                error = ((got.float() - reference.float()).norm() / reference.float().norm()).item()
-                if error > 1e-2:
-                    print(f"{name} m={m} {config}: relative error {error:.3g}, skipped")
-                    continue
-                us = graph_us(lambda i, x=x, ws=weights, c=config: triton_linear(x, ws[i], c))
-                if us < best[0]:
-                    best = (us, config)
+            label = f"{name} m={m}"
+            kernels = args.kernels.split(",")
+            tiled_configs = configs(m) if "tiled" in kernels else []
+            best = best_of(triton_linear, tiled_configs, x, weights, reference, label)
+            tma_candidates = tma_configs() if "tma" in kernels else []
+            tma = best_of(tma_gemm, tma_candidates, x, weights, reference, label + " tma")
             flops = 2 * m * n * k
             row = {
                 "product": name, "rows": m, "cublas_us": cublas, "triton_us": best[0],
                 "triton_config": best[1], "cublas_tflops": flops / cublas / 1e6,
-                "triton_tflops": flops / best[0] / 1e6,
+                "triton_tflops": flops / best[0] / 1e6, "tma_us": tma[0], "tma_config": tma[1],
+                "tma_tflops": flops / tma[0] / 1e6,
                 "weight_bytes_us_at_3350": n * k * 2 / 3.35e6,
             }  # fmt: skip
             results.append(row)
             total["cublas"][m] = total["cublas"].get(m, 0.0) + cublas
-            total["best"][m] = total["best"].get(m, 0.0) + min(cublas, best[0])
+            total["best"][m] = total["best"].get(m, 0.0) + min(cublas, best[0], tma[0])
+            total.setdefault("tma", {})[m] = total.get("tma", {}).get(m, 0.0) + tma[0]
             print(
                 f"{name:<8} m={m:<4} cuBLAS {cublas:7.1f} us ({row['cublas_tflops']:4.0f} TF/s)  "
-                f"Triton {best[0]:7.1f} us ({row['triton_tflops']:4.0f}) {best[1]}"
+                f"Triton {best[0]:7.1f} us ({row['triton_tflops']:4.0f}) {best[1]}  "
+                f"TMA {tma[0]:7.1f} us ({row['tma_tflops']:4.0f}) {tma[1]}",
+                flush=True,
             )
     for m in args.rows:
-        print(f"layer at {m} rows: cuBLAS {total['cublas'][m]:.1f} us, best of both "
-              f"{total['best'][m]:.1f} us")  # fmt: skip
+        print(f"layer at {m} rows: cuBLAS {total['cublas'][m]:.1f} us, TMA "
+              f"{total['tma'][m]:.1f} us, best of all {total['best'][m]:.1f} us")  # fmt: skip
     record = {
         "gpu": torch.cuda.get_device_name(),
-        "command": "python bench/bf16_gemm_probe.py --rows " + " ".join(map(str, args.rows)),
+        "command": "PYTHONPATH=engine python bench/bf16_gemm_probe.py --rows "
+        + " ".join(map(str, args.rows))
+        + f" --kernels {args.kernels}",
         "results": results,
         "layer_us": total,
     }

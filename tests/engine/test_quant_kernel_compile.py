@@ -74,3 +74,21 @@ def test_lean_gemv_spends_one_int_op_and_one_ffma_per_code_in_its_k_loop(codes) 
     assert loop.get("FADD", 0) < 0.4 * codes_per_thread  # per row and group, not per code
     converts = loop["LOP3"] if codes == "int4" else loop["PRMT"]
     assert codes_per_thread <= converts < 1.2 * codes_per_thread
+
+
+@pytest.mark.parametrize("blocks", [(64, 128, 64, 4, 4), (128, 256, 64, 8, 3)])
+def test_the_tma_gemm_compiles_for_sm90_to_tma_copies_and_wgmma_without_spills(blocks) -> None:
+    import torch
+
+    from kvfleet_engine.kernels import tma_gemm
+
+    x, weight = (
+        torch.zeros(256, 4096, dtype=torch.bfloat16),
+        torch.zeros(4096, 4096, dtype=torch.bfloat16),
+    )
+    with kernel_asm.sm90_compiles() as compiled:
+        tma_gemm.tma_gemm(x, weight, blocks, num_programs=132)
+    [kernel] = [c.kernel for c in compiled]
+    assert kernel_asm.stats(kernel)["spill_bytes"] == 0
+    code = kernel_asm.sass(kernel)
+    assert "UTMALDG.2D" in code and "HGMMA" in code and "UTMASTG.2D" in code
