@@ -115,6 +115,12 @@ def tma_configs() -> list[tuple[int, ...]]:
     return out
 
 
+QUICK_TMA = [
+    (64, 128, 64, 4, 4), (64, 128, 64, 4, 5), (64, 256, 64, 8, 4), (128, 128, 64, 8, 4),
+    (128, 256, 64, 8, 3), (64, 128, 128, 4, 3), (128, 128, 128, 8, 3), (64, 64, 128, 4, 4),
+]  # fmt: skip
+
+
 def best_of(
     fn: Callable[[torch.Tensor, torch.Tensor, tuple[int, ...]], torch.Tensor],
     candidates: list[tuple[int, ...]],
@@ -147,6 +153,7 @@ def main() -> int:
     parser.add_argument(
         "--kernels", default="tiled,tma", help="which Triton GEMMs to sweep beside cuBLAS"
     )
+    parser.add_argument("--quick", action="store_true", help="8 TMA shapes, not all 45")
     args = parser.parse_args()
     torch.manual_seed(0)
     results = []
@@ -163,7 +170,9 @@ def main() -> int:
             kernels = args.kernels.split(",")
             tiled_configs = configs(m) if "tiled" in kernels else []
             best = best_of(triton_linear, tiled_configs, x, weights, reference, label)
-            tma_candidates = tma_configs() if "tma" in kernels else []
+            tma_candidates = (
+                (QUICK_TMA if args.quick else tma_configs()) if "tma" in kernels else []
+            )
             tma = best_of(tma_gemm, tma_candidates, x, weights, reference, label + " tma")
             flops = 2 * m * n * k
             row = {
@@ -190,7 +199,8 @@ def main() -> int:
         "gpu": torch.cuda.get_device_name(),
         "command": "PYTHONPATH=engine python bench/bf16_gemm_probe.py --rows "
         + " ".join(map(str, args.rows))
-        + f" --kernels {args.kernels}",
+        + f" --kernels {args.kernels}"
+        + (" --quick" if args.quick else ""),
         "results": results,
         "layer_us": total,
     }
