@@ -154,6 +154,11 @@ def main() -> int:
         "--kernels", default="tiled,tma", help="which Triton GEMMs to sweep beside cuBLAS"
     )
     parser.add_argument("--quick", action="store_true", help="8 TMA shapes, not all 45")
+    parser.add_argument(
+        "--write-plans",
+        help="write $KVFLEET_TMA_GEMM_PLANS entries here: the TMA GEMM's best blocks for each "
+        "(product, rows) where it beat cuBLAS by 2%%, null (cuBLAS) where it did not",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     results = []
@@ -206,6 +211,20 @@ def main() -> int:
     }
     with open(args.output, "w") as handle:
         json.dump(record, handle, indent=1)
+    if args.write_plans:
+        plans = [
+            {
+                "rows": row["rows"],
+                "n": SHAPES[row["product"]][0],
+                "k": SHAPES[row["product"]][1],
+                "blocks": row["tma_config"] if row["tma_us"] < 0.98 * row["cublas_us"] else None,
+            }
+            for row in results
+        ]
+        with open(args.write_plans, "w") as handle:
+            json.dump({"plans": plans, "from": record["command"], "gpu": record["gpu"]}, handle)
+        print(f"wrote {args.write_plans}: TMA for {sum(p['blocks'] is not None for p in plans)} "
+              f"of {len(plans)} (product, rows)")  # fmt: skip
     return 0
 
 

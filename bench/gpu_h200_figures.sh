@@ -8,10 +8,13 @@
 #   bash bench/gpu_h200_figures.sh quant    # 64 x 3,968 prompts bf16 / fp8 (1.5x); batch-1
 #                                           # bf16 / fp8 / int8 / awq / gptq; fp8-cache kernels
 #   bash bench/gpu_h200_figures.sh serve    # issue 16's served loads (bench/gpu_serve_core.sh)
-#   bash bench/gpu_h200_figures.sh gemm     # the 8B layer's bf16 products at 128-512 rows:
+#   bash bench/gpu_h200_figures.sh gemm     # the 8B layer's bf16 products at 64-512 rows:
 #                                           # cuBLAS against kvfleet's TMA GEMM
-#                                           # (bench/bf16_gemm_probe.py), then Inductor's
-#                                           # max-autotune choice (bench/bf16_autotune_probe.py)
+#                                           # (bench/bf16_gemm_probe.py, writing the plans where
+#                                           # it wins), then one decode step at 256 x 640 (c256's)
+#                                           # with and without those plans (bench.profile)
+#   bash bench/gpu_h200_figures.sh autotune # Inductor's max-autotune choice at 256 rows
+#                                           # (bench/bf16_autotune_probe.py)
 # A 1k/1k run took 150-170 s on the H200 (model build, graphs, ~90 s of generation) and up to
 # 200 s on an H100; the caps below leave room for either. JSON and logs under $OUT.
 set -uo pipefail
@@ -29,11 +32,20 @@ case ${1:-} in
   gemm)
     mkdir -p "$OUT"
     source bench/device_env.sh
-    (cd bench && timeout -k 5 300 python3 bf16_gemm_probe.py --rows 128 256 512 --kernels tma \
-      --output "$OUT/bf16-gemm-probe.json") 2>&1 | tee "$OUT/bf16-gemm-probe.log" \
-      | grep -v Warning | tail -16
-    (cd bench && timeout -k 5 240 python3 bf16_autotune_probe.py --rows 256 \
+    (cd bench && timeout -k 5 300 python3 bf16_gemm_probe.py --rows 64 128 256 512 \
+      --kernels tma ${QUICK:+--quick} --output "$OUT/bf16-gemm-probe.json" \
+      --write-plans "$OUT/tma-plans.json") 2>&1 | tee "$OUT/bf16-gemm-probe.log" \
+      | grep -v Warning | tail -22
+    for plans in none "$OUT/tma-plans.json"; do
+      [ "$plans" = none ] || export KVFLEET_TMA_GEMM_PLANS=$plans
+      timeout -k 5 150 python3 -m kvfleet_engine.bench.profile --batch-sizes 64,256 \
+        --context 640 --output-dir "$OUT/profile-${plans##*/}" 2>&1 | grep -v Warning | tail -14
+    done ;;
+  autotune)
+    mkdir -p "$OUT"
+    source bench/device_env.sh
+    (cd bench && timeout -k 5 480 python3 bf16_autotune_probe.py --rows 128 256 512 \
       --output "$OUT/bf16-autotune-probe.json") 2>&1 | tee "$OUT/bf16-autotune-probe.log" \
       | grep -v Warning | tail -40 ;;
-  *) echo "usage: bash bench/gpu_h200_figures.sh offline|quant|serve|gemm" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_h200_figures.sh offline|quant|serve|gemm|autotune" >&2; exit 2 ;;
 esac

@@ -4,6 +4,8 @@ program), natively on a GPU at the Llama-3.1-8B layer's sizes."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -44,3 +46,63 @@ def test_gpu_tma_gemm_matches_cublas_on_the_8b_products(m, n, k, blocks) -> None
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
     assert _relative_error(tma.tma_gemm(x, weight, blocks), F.linear(x, weight)) < 1e-2
+
+
+def test_a_plan_file_lists_the_shapes_that_take_the_tma_gemm(monkeypatch, tmp_path) -> None:
+    plans = tmp_path / "tma-plans.json"
+    entry = {"rows": 256, "n": 56, "k": 72, "blocks": [64, 128, 64, 4, 4]}
+    cublas = {**entry, "rows": 128, "blocks": None}  # the probe found cuBLAS faster there
+    plans.write_text(
+        json.dumps({"plans": [entry, cublas, {**entry, "rows": 64, "blocks": [64, 64, 64, 4, 3]}]})
+    )
+    monkeypatch.setattr(tma, "TMA_TABLE", {})
+    monkeypatch.setenv(tma.PLANS_ENV, str(plans))
+    tma.load_env_plans.cache_clear()
+    weight = torch.zeros(56, 72, dtype=torch.bfloat16)
+    rows = {
+        m: tma.planned_blocks(torch.zeros(m, 72, dtype=torch.bfloat16), weight)
+        for m in (1, 64, 65, 128, 129, 256, 257)
+    }
+    assert rows == {
+        1: (64, 64, 64, 4, 3),
+        64: (64, 64, 64, 4, 3),
+        65: None,  # up to 128 rows cuBLAS was faster
+        128: None,
+        129: (64, 128, 64, 4, 4),
+        256: (64, 128, 64, 4, 4),
+        257: None,
+    }
+    assert (
+        tma.planned_blocks(
+            torch.zeros(8, 72, dtype=torch.bfloat16), torch.zeros(48, 72, dtype=torch.bfloat16)
+        )
+        is None
+    )  # another shape
+    with pytest.raises(ValueError, match="needs rows, n, k and blocks"):
+        tma.install_tma_plans([{"rows": 1, "n": 8}])
+    monkeypatch.delenv(tma.PLANS_ENV)
+    tma.load_env_plans.cache_clear()
+
+
+@pytest.mark.gpu
+def test_gpu_a_planned_linear_runs_the_tma_gemm(monkeypatch, tmp_path) -> None:
+    from kvfleet_engine.layers.linear import Linear
+
+    plans = tmp_path / "tma-plans.json"
+    plans.write_text(
+        json.dumps([{"rows": 256, "n": 4096, "k": 4096, "blocks": [64, 128, 64, 4, 4]}])
+    )
+    monkeypatch.setattr(tma, "TMA_TABLE", {})
+    monkeypatch.setenv(tma.PLANS_ENV, str(plans))
+    tma.load_env_plans.cache_clear()
+    layer = Linear(4096, 4096).to(device="cuda", dtype=torch.bfloat16)
+    torch.nn.init.normal_(layer.weight, std=4096**-0.5)
+    x = torch.randn(200, 4096, device="cuda", dtype=torch.bfloat16)
+    launched = []
+    monkeypatch.setattr(
+        tma, "tma_gemm", lambda *args: launched.append(args[2]) or F.linear(*args[:2])
+    )
+    layer(x)
+    assert launched == [(64, 128, 64, 4, 4)]
+    monkeypatch.delenv(tma.PLANS_ENV)
+    tma.load_env_plans.cache_clear()

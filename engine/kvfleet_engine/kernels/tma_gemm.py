@@ -7,13 +7,22 @@ plain tiled Triton GEMM lost to it by 15-30%. Here each of NUM_SMS programs walk
 tiles (GROUP_M tile rows at a time, so neighbours share the weight's tiles in L2); a tile's
 operands come through TMA descriptors (no address arithmetic, no masks: the descriptor fills
 out-of-range rows with zeros and clips the store), which the compiler pipelines over
-`num_stages` k-steps into wgmma. Not wired into the model: `bench/bf16_gemm_probe.py` measures
-it against cuBLAS first.
+`num_stages` k-steps into wgmma.
+
+The model's 16-bit linears use it only for the shapes a plan file lists ($KVFLEET_TMA_GEMM_PLANS:
+{"plans": [{"rows", "n", "k", "blocks"}]}, written by `bench/bf16_gemm_probe.py --write-plans`:
+the TMA GEMM's best blocks where it beat cuBLAS, null where it did not; a product of M rows takes
+the first entry whose rows >= M): without the file every product stays with cuBLAS.
 
 Descriptors need 16-byte aligned rows: K and N multiples of 8 (`tma_gemm_fits`).
 """
 
 from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Any
 
 import torch
 import triton
@@ -25,6 +34,9 @@ from kvfleet_engine.kernels.checks import require
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
 Blocks = tuple[int, int, int, int, int]
 DEFAULT_BLOCKS: Blocks = (64, 128, 64, 4, 4)
+PLANS_ENV = "KVFLEET_TMA_GEMM_PLANS"
+# (N, K) -> [(rows, blocks)] sorted by rows, from the plan file.
+TMA_TABLE: dict[tuple[int, int], list[tuple[int, Blocks | None]]] = {}
 
 
 @triton.jit
@@ -104,3 +116,45 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: a few programs, so the persistent loop takes several rounds
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def install_tma_plans(entries: list[dict[str, Any]]) -> None:
+    """Add table entries {"rows", "n", "k", "blocks": [BLOCK_M, BLOCK_N, BLOCK_K, warps,
+    stages] or null (cuBLAS for those rows)} (ValueError naming a malformed one)."""
+    for entry in entries:
+        try:
+            rows, n, k = (int(entry[key]) for key in ("rows", "n", "k"))
+            raw = entry["blocks"]
+            numbers = None if raw is None else [int(b) for b in raw]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"TMA GEMM plan {entry!r}: needs rows, n, k and blocks") from exc
+        blocks: Blocks | None = None
+        if numbers is not None:
+            if len(numbers) != 5:
+                raise ValueError(f"TMA GEMM plan {entry!r}: blocks are 5 numbers or null")
+            blocks = (numbers[0], numbers[1], numbers[2], numbers[3], numbers[4])
+        listed = [(r, b) for r, b in TMA_TABLE.get((n, k), []) if r != rows]
+        TMA_TABLE[n, k] = sorted([*listed, (rows, blocks)], key=lambda e: e[0])
+
+
+@functools.cache
+def load_env_plans() -> int:
+    """Install the entries of the file $KVFLEET_TMA_GEMM_PLANS names (once); how many."""
+    path = os.environ.get(PLANS_ENV)
+    if not path:
+        return 0
+    with open(path) as file:
+        loaded = json.load(file)
+    entries = loaded["plans"] if isinstance(loaded, dict) else loaded
+    install_tma_plans(entries)
+    return len(entries)
+
+
+def planned_blocks(x: torch.Tensor, weight: torch.Tensor) -> Blocks | None:
+    """The plan's blocks for x @ weightᵀ, None when no entry covers it (cuBLAS then)."""
+    if not load_env_plans() or not tma_gemm_fits(x, weight):
+        return None
+    for rows, blocks in TMA_TABLE.get((weight.shape[0], weight.shape[1]), []):
+        if rows >= x.shape[0]:
+            return blocks
+    return None

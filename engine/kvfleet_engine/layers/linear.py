@@ -82,6 +82,12 @@ class Linear(nn.Module):
         if x.device.type == "cpu" and x.dim() == 2 and 1 < x.shape[0] <= _CPU_FEW_ROWS:
             out = torch.mm(self.weight, x.t()).t().contiguous()  # [rows, out_features]
             return out if self.bias is None else out + self.bias
+        if x.is_cuda and self.bias is None:
+            from kvfleet_engine.kernels import tma_gemm
+
+            blocks = tma_gemm.planned_blocks(x, self.weight)
+            if blocks is not None:  # a plan file lists this shape (kernels/tma_gemm.py)
+                return tma_gemm.tma_gemm(x, self.weight, blocks)
         return F.linear(x, self.weight, self.bias)
 
     def shard_offsets(self) -> dict[str, tuple[int, int]]:
