@@ -10,6 +10,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from kvfleet_operator.autoscaling.autoscaler import autoscale_once
 from kvfleet_operator.autoscaling.pods import DELETION_COST
+from status_patch import merge_patch
 
 NS, NAME = "team", "llama"
 T0 = 1_700_000_000.0  # after the pods became ready (2020)
@@ -40,19 +41,6 @@ def pod(name: str, ip: str, ready: bool = True, unschedulable: bool = False) -> 
         "metadata": {"name": name, "namespace": NS, "creationTimestamp": "2020-01-01T00:00:00Z"},
         "status": {"podIP": ip, "phase": "Running", "conditions": conditions},
     }
-
-
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386 JSON merge patch, as the API server applies it to status."""
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    merged = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            merged.pop(key, None)
-        else:
-            merged[key] = merge_patch(merged.get(key), value)
-    return merged
 
 
 class FakeCluster:

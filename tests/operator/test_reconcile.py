@@ -16,22 +16,9 @@ from kvfleet_operator import api
 from kvfleet_operator.apply import secret_key_digest, with_owner
 from kvfleet_operator.header_cache import HeaderCache
 from kvfleet_operator.reconcile import reconcile
+from status_patch import merge_patch
 
 # Pipeline stages are planned and rendered before the engine serves them (conftest).
-
-
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386 JSON merge patch, as the API server applies it to status: objects merge, None
-    removes a key, anything else (a list: `conditions`) replaces what was there."""
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    merged = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            merged.pop(key, None)
-        else:
-            merged[key] = merge_patch(merged.get(key), value)
-    return merged
 
 
 def conflict() -> ApiException:

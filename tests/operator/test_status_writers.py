@@ -11,12 +11,13 @@ from typing import Any
 
 import httpx
 from kubernetes_asyncio.client.exceptions import ApiException
-from test_reconcile import MemoryCluster, conflict, infd, merge_patch
+from test_reconcile import MemoryCluster, conflict, infd
 
 from kvfleet_operator import api
 from kvfleet_operator.autoscaling.autoscaler import autoscale_once
 from kvfleet_operator.header_cache import HeaderCache
 from kvfleet_operator.reconcile import reconcile
+from status_patch import merge_patch
 
 NS, NAME = "ns", "llama"
 T0 = 1_700_000_000.0  # after the pods became ready (2020)

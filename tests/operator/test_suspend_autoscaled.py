@@ -130,11 +130,21 @@ async def test_resuming_under_an_hpa_hands_it_at_least_min_replicas() -> None:
     assert status["scaling"] == "Auto(2-4)"
 
 
-async def test_resuming_under_an_hpa_after_builtin_scaled_to_zero_hands_it_min_replicas() -> None:
-    """Builtin (minReplicas 0) had scaled to zero, then suspend (the reconciler's 0 joins the
-    autoscaler's: both own it), then resumed under an HPA. The autoscaler's field manager
-    already owning replicas, nothing was handed: the Deployment stayed at zero, where an HPA
-    does nothing."""
+@pytest.mark.parametrize(
+    "changes",
+    [
+        # Suspended (the reconciler's 0 joins the autoscaler's: both own it), then resumed
+        # under an HPA: the autoscaler's field manager already owning replicas, nothing was
+        # handed.
+        [{"suspend": True}, {"suspend": False, "autoscaling": HPA}],
+        # Handed straight to an HPA: the reconciler did not own replicas, nothing was handed.
+        [{"autoscaling": HPA}],
+    ],
+    ids=["suspended-then-resumed", "switched"],
+)
+async def test_builtin_at_zero_handed_to_an_hpa_gets_min_replicas(changes) -> None:
+    """Builtin (minReplicas 0) had scaled to zero, then an HPA takes over. An HPA never scales
+    a target at zero: the Deployment stayed at 0 for good."""
     cluster = ReplicasOwnership()
     builtin = {"minReplicas": 0, "maxReplicas": 4,
                "targets": {"generationTokenRate": {"tokensPerSecond": 100}}}  # fmt: skip
@@ -142,27 +152,9 @@ async def test_resuming_under_an_hpa_after_builtin_scaled_to_zero_hands_it_min_r
     body = cluster.objects[("InferenceDeployment", "ns", "llama")]
     await reconcile(cluster, "ns", "llama", HeaderCache())
     await cluster.scale("ns", "llama", 0)  # the Builtin autoscaler, idle
-    for generation, change in ((2, {"suspend": True}), (3, {"suspend": False, "autoscaling": HPA})):
+    for generation, change in enumerate(changes, start=2):
         body["spec"].update(change)
         body["metadata"]["generation"] = generation
         await reconcile(cluster, "ns", "llama", HeaderCache())
-    assert cluster.objects[("Deployment", "ns", "llama")]["spec"]["replicas"] == 2
-    assert cluster.owners[("Deployment", "ns", "llama")] == {api.AUTOSCALER_FIELD_MANAGER}
-
-
-async def test_builtin_at_zero_handed_to_an_hpa_gets_min_replicas() -> None:
-    """Builtin (minReplicas 0) had scaled to zero; the spec then names an HPA. The reconciler
-    did not own replicas (the autoscaler did), so nothing was handed, and the HPA never scales
-    a target at zero: the deployment stayed at 0 for good."""
-    cluster = ReplicasOwnership()
-    builtin = {"minReplicas": 0, "maxReplicas": 4,
-               "targets": {"generationTokenRate": {"tokensPerSecond": 100}}}  # fmt: skip
-    cluster.add(infd(autoscaling=builtin))
-    body = cluster.objects[("InferenceDeployment", "ns", "llama")]
-    await reconcile(cluster, "ns", "llama", HeaderCache())
-    await cluster.scale("ns", "llama", 0)  # the Builtin autoscaler, idle
-    body["spec"]["autoscaling"] = HPA
-    body["metadata"]["generation"] = 2
-    await reconcile(cluster, "ns", "llama", HeaderCache())
     assert cluster.objects[("Deployment", "ns", "llama")]["spec"]["replicas"] == 2
     assert cluster.owners[("Deployment", "ns", "llama")] == {api.AUTOSCALER_FIELD_MANAGER}
