@@ -313,6 +313,31 @@ class Cluster:
         return decoded
 
 
+async def patch_status_as_read(
+    cluster: Cluster, body: Manifest, status: dict[str, Any]
+) -> dict[str, Any] | None:
+    """Merge-patch the status of the InferenceDeployment `body`, conditional on the
+    resourceVersion it was read at (409 Conflict, `conflicted`, when another writer came
+    between); the object as written."""
+    meta = body["metadata"]
+    return await cluster.patch_status(
+        api.API_VERSION,
+        api.INFERENCE_DEPLOYMENT,
+        meta["name"],
+        meta["namespace"],
+        status,
+        resource_version=meta.get("resourceVersion"),
+    )
+
+
+async def read_again(cluster: Cluster, body: Manifest) -> dict[str, Any] | None:
+    """The InferenceDeployment `body` as the API server has it now (None: deleted)."""
+    meta = body["metadata"]
+    return await cluster.get(
+        api.API_VERSION, api.INFERENCE_DEPLOYMENT, meta["name"], meta["namespace"]
+    )
+
+
 def refused(exc: BaseException) -> bool:
     """Whether the API server refused a request in a way a retry of the same object cannot
     change: bad request, forbidden, invalid (what a webhook's denial also is)."""

@@ -16,7 +16,14 @@ from pydantic import ValidationError
 
 from kvfleet_operator import api
 from kvfleet_operator.accelerators import resolve_accelerator
-from kvfleet_operator.apply import Cluster, api_error_summary, conflicted, refused
+from kvfleet_operator.apply import (
+    Cluster,
+    api_error_summary,
+    conflicted,
+    patch_status_as_read,
+    read_again,
+    refused,
+)
 from kvfleet_operator.handover import hand_replicas_to_autoscaler
 from kvfleet_operator.header_cache import HeaderCache
 from kvfleet_operator.models import InferenceDeploymentSpec
@@ -240,22 +247,12 @@ async def _write_status(
         new = build(old)
         if all(old.get(key) == value for key, value in new.items()):
             return
-        meta = body["metadata"]
         try:
-            await cluster.patch_status(
-                api.API_VERSION,
-                api.INFERENCE_DEPLOYMENT,
-                meta["name"],
-                meta["namespace"],
-                new,
-                resource_version=meta.get("resourceVersion"),
-            )
+            await patch_status_as_read(cluster, body, new)
         except Exception as exc:
             if not conflicted(exc) or attempt == STATUS_WRITE_ATTEMPTS:
                 raise
-            fresh = await cluster.get(
-                api.API_VERSION, api.INFERENCE_DEPLOYMENT, meta["name"], meta["namespace"]
-            )
+            fresh = await read_again(cluster, body)
             if fresh is None:
                 return  # deleted meanwhile
             body = fresh

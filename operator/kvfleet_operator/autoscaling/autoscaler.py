@@ -28,7 +28,12 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from kvfleet_operator import api, metrics
-from kvfleet_operator.apply import Cluster, api_error_summary
+from kvfleet_operator.apply import (
+    Cluster,
+    api_error_summary,
+    patch_status_as_read,
+    read_again,
+)
 from kvfleet_operator.autoscaling.actuators import EXTERNAL_KINDS
 from kvfleet_operator.autoscaling.decision import Decision, decide
 from kvfleet_operator.autoscaling.pods import DELETION_COST, PodFacts, pod_facts
@@ -301,20 +306,11 @@ async def _write_autoscaling(
     for attempt in range(1, STATUS_WRITE_ATTEMPTS + 1):
         meta = body["metadata"]
         try:
-            return await cluster.patch_status(
-                api.API_VERSION,
-                api.INFERENCE_DEPLOYMENT,
-                meta["name"],
-                meta["namespace"],
-                {"autoscaling": autoscaling},
-                resource_version=meta.get("resourceVersion"),
-            )
+            return await patch_status_as_read(cluster, body, {"autoscaling": autoscaling})
         except ApiException as exc:
             if exc.status != 409 or attempt == STATUS_WRITE_ATTEMPTS:
                 raise
-        fresh = await cluster.get(
-            api.API_VERSION, api.INFERENCE_DEPLOYMENT, meta["name"], meta["namespace"]
-        )
+        fresh = await read_again(cluster, body)
         if fresh is None or builtin_spec(fresh) is None:
             log.info(
                 "%s/%s: autoscaling changed during the tick; its status is not written",
@@ -338,14 +334,7 @@ async def _write_condition(
     if updated == conditions:
         return
     try:
-        await cluster.patch_status(
-            api.API_VERSION,
-            api.INFERENCE_DEPLOYMENT,
-            meta["name"],
-            meta["namespace"],
-            {"conditions": updated},
-            resource_version=meta.get("resourceVersion"),
-        )
+        await patch_status_as_read(cluster, body, {"conditions": updated})
     except ApiException as exc:
         if exc.status != 409:
             raise
