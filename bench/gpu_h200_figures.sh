@@ -13,6 +13,7 @@
 #                                           # (bench/bf16_gemm_probe.py, writing the plans where
 #                                           # it wins), then one decode step at 256 x 640 (c256's)
 #                                           # with and without those plans (bench.profile)
+#                                           # (QUICK=1: 8 TMA shapes instead of 45)
 #   bash bench/gpu_h200_figures.sh autotune # Inductor's max-autotune choice at 256 rows
 #                                           # (bench/bf16_autotune_probe.py)
 # A 1k/1k run took 150-170 s on the H200 (model build, graphs, ~90 s of generation) and up to
@@ -37,7 +38,10 @@ case ${1:-} in
       --write-plans "$OUT/tma-plans.json") 2>&1 | tee "$OUT/bf16-gemm-probe.log" \
       | grep -v Warning | tail -22
     for plans in none "$OUT/tma-plans.json"; do
-      [ "$plans" = none ] || export KVFLEET_TMA_GEMM_PLANS=$plans
+      if [ "$plans" != none ]; then  # no file (the probe failed or ran out of time): no run
+        [ -f "$plans" ] || { echo "no $plans: the probe wrote no plans" >&2; break; }
+        export KVFLEET_TMA_GEMM_PLANS=$plans
+      fi
       timeout -k 5 150 python3 -m kvfleet_engine.bench.profile --batch-sizes 64,256 \
         --context 640 --output-dir "$OUT/profile-${plans##*/}" 2>&1 | grep -v Warning | tail -14
     done ;;

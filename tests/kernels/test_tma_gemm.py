@@ -38,6 +38,25 @@ def test_tma_gemm_refuses_what_its_descriptors_cannot_hold() -> None:
         tma.tma_gemm(x, torch.zeros(8, 12, dtype=torch.bfloat16))
 
 
+def test_tma_gemm_refuses_operands_off_a_16_byte_boundary() -> None:
+    """A contiguous view that starts 2 bytes into its storage (TensorDescriptor asserts a
+    16-byte aligned base), a row stride of no multiple of 16 bytes, or an empty dimension (it
+    asserts positive shapes): refused by tma_gemm_fits, so a planned Linear keeps F.linear."""
+    weight = torch.zeros(8, 16, dtype=torch.bfloat16)
+    shifted = torch.zeros(1 + 4 * 16, dtype=torch.bfloat16)[1:].view(4, 16)
+    assert shifted.is_contiguous() and shifted.data_ptr() % 16 == 2
+    assert not tma.tma_gemm_fits(shifted, weight)
+    assert not tma.tma_gemm_fits(torch.zeros(4, 16, dtype=torch.bfloat16), weight[:0])  # N = 0
+    assert not tma.tma_gemm_fits(torch.zeros(4, 0, dtype=torch.bfloat16), weight[:, :0])  # K = 0
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        tma.tma_gemm(shifted, weight)
+    # One row cut from a wider one: torch calls it contiguous whatever its row stride (20
+    # elements, 40 bytes here), the descriptor takes that stride and asserts it.
+    one_row = torch.zeros(1, 20, dtype=torch.bfloat16)[:, :16]
+    assert one_row.is_contiguous() and one_row.stride(0) == 20
+    assert not tma.tma_gemm_fits(one_row, weight)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 64, 256, 300])
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])

@@ -14,7 +14,8 @@ The model's 16-bit linears use it only for the shapes a plan file lists ($KVFLEE
 the TMA GEMM's best blocks where it beat cuBLAS, null where it did not; a product of M rows takes
 the first entry whose rows >= M): without the file every product stays with cuBLAS.
 
-Descriptors need 16-byte aligned rows: K and N multiples of 8 (`tma_gemm_fits`).
+Descriptors need 16-byte aligned rows and starts: K and N multiples of 8, operands whose
+first element is 16-byte aligned (`tma_gemm_fits`).
 """
 
 from __future__ import annotations
@@ -66,17 +67,22 @@ def _tma_gemm_kernel(
 
 def tma_gemm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the descriptors can hold these operands: contiguous 16-bit rows of a multiple of
-    16 bytes, one dtype."""
+    16 bytes from a 16-byte aligned start (a view's storage offset can break it), one dtype,
+    K and N not 0 (TensorDescriptor asserts each)."""
     return (
         x.dim() == 2
         and weight.dim() == 2
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
-        and x.is_contiguous()
-        and weight.is_contiguous()
+        and x.stride() == (x.shape[1], 1)  # is_contiguous() passes one row of any stride
+        and weight.stride() == (weight.shape[1], 1)
         and x.shape[1] == weight.shape[1]
         and x.shape[1] % 8 == 0
         and weight.shape[0] % 8 == 0
+        and x.shape[1] > 0
+        and weight.shape[0] > 0
+        and x.data_ptr() % 16 == 0
+        and weight.data_ptr() % 16 == 0
     )
 
 
@@ -89,7 +95,8 @@ def tma_gemm(
     """x @ weightᵀ -> [M, N] in x's dtype."""
     require(
         tma_gemm_fits(x, weight),
-        "tma_gemm needs contiguous 16-bit [M, K] and [N, K] of one dtype, K and N multiples of 8",
+        "tma_gemm needs contiguous, 16-byte aligned 16-bit [M, K] and [N, K] of one dtype, K and "
+        "N positive multiples of 8",
     )
     block_m, block_n, block_k, num_warps, num_stages = blocks
     m, k = x.shape
