@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 from kvfleet_router.replicas import ReplicaPool
 from kvfleet_router.waiting import WaitingQueue
 
-# Outcomes of requests a replica answered (label replica=host:port)...
+# Outcomes of requests a replica answered (label replica: its pod's name, as X-Kvfleet-Replica)...
 SUCCESS, CLIENT_ERROR, ENGINE_ERROR = "success", "client_error", "engine_error"
 DISCONNECTED, BROKEN = "disconnected", "broken"  # client went away; replica went away mid-way
 TIMEOUT = "timeout"  # the replica sent nothing within the upstream timeouts (504, stream cut)
@@ -160,8 +160,8 @@ class _LiveGauges(Collector):
             "Requests in flight per replica (this router's).",
             labels=["replica"],
         )
-        for address, replica in sorted(self._pool.members.items()):
-            in_flight.add_metric([address], replica.in_flight)
+        for replica in sorted(self._pool.members.values(), key=lambda r: r.name):
+            in_flight.add_metric([replica.name], replica.in_flight)
         yield in_flight
 
 

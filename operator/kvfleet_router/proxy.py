@@ -299,7 +299,7 @@ class Proxy:
                 return answer
             if 200 <= answer.status < 300:  # the replica took the prompt: its prefix is there now
                 self._strategy.routed(routed, replica)
-            result.replica = replica.address
+            result.replica = replica.name
             response, result.outcome = await answer.respond(request)
             return response
         finally:

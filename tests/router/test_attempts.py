@@ -216,6 +216,12 @@ async def test_an_answer_names_its_replica_by_pod_never_by_address(
     response = await router.post("/v1/completions", COMPLETION)
     assert response.status == 429
     assert response.headers[REPLICA_HEADER] == "llama-7f9c5-x2k4p"
+    text = await metrics_text(router)  # and so do the metrics
+    assert (
+        'kvfleet_router_requests_total{outcome="success",replica="llama-7f9c5-x2k4p"} 2.0' in text
+    )
+    assert 'kvfleet_router_replica_in_flight{replica="llama-7f9c5-x2k4p"} 0.0' in text
+    assert "127.0.0.1" not in text
 
 
 async def test_a_replica_that_hung_on_a_request_is_not_tried_again_for_it(
