@@ -156,8 +156,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="8 TMA shapes, not all 45")
     parser.add_argument(
         "--write-plans",
-        help="write $KVFLEET_TMA_GEMM_PLANS entries here: the TMA GEMM's best blocks for each "
-        "(product, rows) where it beat cuBLAS by 2%%, null (cuBLAS) where it did not",
+        help="write $KVFLEET_QUANT_PLANS entries (kind bf16-tma) here: the TMA GEMM's best "
+        "blocks for each (product, rows) where it beat cuBLAS by 2%%, null (cuBLAS) where not",
     )
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -214,17 +214,20 @@ def main() -> int:
     if args.write_plans:
         plans = [
             {
+                "kind": "bf16-tma",
                 "rows": row["rows"],
                 "n": SHAPES[row["product"]][0],
                 "k": SHAPES[row["product"]][1],
-                "blocks": row["tma_config"] if row["tma_us"] < 0.98 * row["cublas_us"] else None,
+                "plan": {
+                    "blocks": row["tma_config"] if row["tma_us"] < 0.98 * row["cublas_us"] else None
+                },
             }
             for row in results
         ]
         with open(args.write_plans, "w") as handle:
             json.dump({"plans": plans, "from": record["command"], "gpu": record["gpu"]}, handle)
-        print(f"wrote {args.write_plans}: TMA for {sum(p['blocks'] is not None for p in plans)} "
-              f"of {len(plans)} (product, rows)")  # fmt: skip
+        chosen = sum(p["plan"]["blocks"] is not None for p in plans)
+        print(f"wrote {args.write_plans}: TMA for {chosen} of {len(plans)} (product, rows)")
     return 0
 
 

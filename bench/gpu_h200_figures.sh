@@ -40,7 +40,7 @@ case ${1:-} in
     for plans in none "$OUT/tma-plans.json"; do
       if [ "$plans" != none ]; then  # no file (the probe failed or ran out of time): no run
         [ -f "$plans" ] || { echo "no $plans: the probe wrote no plans" >&2; break; }
-        export KVFLEET_TMA_GEMM_PLANS=$plans
+        export KVFLEET_QUANT_PLANS=$plans  # the baked quantized plans, and these
       fi
       timeout -k 5 150 python3 -m kvfleet_engine.bench.profile --batch-sizes 64,256 \
         --context 640 --output-dir "$OUT/profile-${plans##*/}" 2>&1 | grep -v Warning | tail -14

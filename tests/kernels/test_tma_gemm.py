@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from test_triton_kernels import ON_GPU, _kernel_module
 
+from kvfleet_engine.kernels import int_plan
+
 tma = _kernel_module("tma_gemm")
 
 
@@ -69,14 +71,14 @@ def test_gpu_tma_gemm_matches_cublas_on_the_8b_products(m, n, k, blocks) -> None
 
 def test_a_plan_file_lists_the_shapes_that_take_the_tma_gemm(monkeypatch, tmp_path) -> None:
     plans = tmp_path / "tma-plans.json"
-    entry = {"rows": 256, "n": 56, "k": 72, "blocks": [64, 128, 64, 4, 4]}
-    cublas = {**entry, "rows": 128, "blocks": None}  # the probe found cuBLAS faster there
-    plans.write_text(
-        json.dumps({"plans": [entry, cublas, {**entry, "rows": 64, "blocks": [64, 64, 64, 4, 3]}]})
-    )
+    entry = {"kind": "bf16-tma", "rows": 256, "n": 56, "k": 72}
+    tma_256 = {**entry, "plan": {"blocks": [64, 128, 64, 4, 4]}}
+    cublas = {**entry, "rows": 128, "plan": {"blocks": None}}  # the probe found cuBLAS faster
+    tma_64 = {**entry, "rows": 64, "plan": {"blocks": [64, 64, 64, 4, 3]}}
+    plans.write_text(json.dumps({"plans": [tma_256, cublas, tma_64]}))
     monkeypatch.setattr(tma, "TMA_TABLE", {})
-    monkeypatch.setenv(tma.PLANS_ENV, str(plans))
-    tma.load_env_plans.cache_clear()
+    monkeypatch.setenv(int_plan.PLANS_ENV, str(plans))
+    int_plan.load_env_plans.cache_clear()
     weight = torch.zeros(56, 72, dtype=torch.bfloat16)
     rows = {
         m: tma.planned_blocks(torch.zeros(m, 72, dtype=torch.bfloat16), weight)
@@ -97,10 +99,10 @@ def test_a_plan_file_lists_the_shapes_that_take_the_tma_gemm(monkeypatch, tmp_pa
         )
         is None
     )  # another shape
-    with pytest.raises(ValueError, match="needs rows, n, k and blocks"):
-        tma.install_tma_plans([{"rows": 1, "n": 8}])
-    monkeypatch.delenv(tma.PLANS_ENV)
-    tma.load_env_plans.cache_clear()
+    with pytest.raises(ValueError, match="needs blocks"):
+        int_plan.install_plans([{**entry, "plan": {"tile": 1}}])
+    monkeypatch.delenv(int_plan.PLANS_ENV)
+    int_plan.load_env_plans.cache_clear()
 
 
 @pytest.mark.gpu
@@ -108,12 +110,11 @@ def test_gpu_a_planned_linear_runs_the_tma_gemm(monkeypatch, tmp_path) -> None:
     from kvfleet_engine.layers.linear import Linear
 
     plans = tmp_path / "tma-plans.json"
-    plans.write_text(
-        json.dumps([{"rows": 256, "n": 4096, "k": 4096, "blocks": [64, 128, 64, 4, 4]}])
-    )
+    entry = {"kind": "bf16-tma", "rows": 256, "n": 4096, "k": 4096}
+    plans.write_text(json.dumps([{**entry, "plan": {"blocks": [64, 128, 64, 4, 4]}}]))
     monkeypatch.setattr(tma, "TMA_TABLE", {})
-    monkeypatch.setenv(tma.PLANS_ENV, str(plans))
-    tma.load_env_plans.cache_clear()
+    monkeypatch.setenv(int_plan.PLANS_ENV, str(plans))
+    int_plan.load_env_plans.cache_clear()
     layer = Linear(4096, 4096).to(device="cuda", dtype=torch.bfloat16)
     torch.nn.init.normal_(layer.weight, std=4096**-0.5)
     x = torch.randn(200, 4096, device="cuda", dtype=torch.bfloat16)
@@ -123,5 +124,5 @@ def test_gpu_a_planned_linear_runs_the_tma_gemm(monkeypatch, tmp_path) -> None:
     )
     layer(x)
     assert launched == [(64, 128, 64, 4, 4)]
-    monkeypatch.delenv(tma.PLANS_ENV)
-    tma.load_env_plans.cache_clear()
+    monkeypatch.delenv(int_plan.PLANS_ENV)
+    int_plan.load_env_plans.cache_clear()

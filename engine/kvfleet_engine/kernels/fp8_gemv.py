@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kvfleet_engine.kernels.checks import dot_precision, require
-from kvfleet_engine.kernels.int_plan import load_env_plans, split_for
+from kvfleet_engine.kernels.int_plan import load_env_plans, put_rows, rows_at_least, split_for
 from kvfleet_engine.kernels.pdl import _start, launch_options
 from kvfleet_engine.kernels.split_k import COUNTERS, _finish, _sum_splits_kernel, split_k_buffers
 
@@ -118,16 +118,13 @@ def install_gemv_plan(rows: int, n: int, k: int, plan: dict) -> None:
     unknown = sorted(set(plan) - set(GEMV_PLAN_FIELDS))
     if unknown:
         raise ValueError(f"fp8 plan fields {unknown} unknown; allowed: {list(GEMV_PLAN_FIELDS)}")
-    listed = [(r, p) for r, p in GEMV_TABLE.get((n, k), []) if r != rows]
-    GEMV_TABLE[n, k] = sorted([*listed, (rows, Fp8GemvPlan(**plan))], key=lambda e: e[0])
+    put_rows(GEMV_TABLE, (n, k), rows, Fp8GemvPlan(**plan))
 
 
 def table_gemv_plan(m: int, n: int, k: int) -> Fp8GemvPlan | None:
     load_env_plans()
-    for rows, plan in GEMV_TABLE.get((n, k), []):
-        if rows >= m:
-            return plan
-    return None
+    plan: Fp8GemvPlan | None = rows_at_least(GEMV_TABLE, (n, k), m)
+    return plan
 
 
 def fp8_gemv_blocks(m: int) -> Fp8GemvBlocks:

@@ -23,7 +23,7 @@ from kvfleet_engine.kernels.activation import silu_and_mul
 from kvfleet_engine.kernels.checks import require
 from kvfleet_engine.kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv
 from kvfleet_engine.kernels.fp8_rows import Fp8Rows, quantize_fp8_rows, silu_and_mul_fp8
-from kvfleet_engine.kernels.int_plan import load_env_plans
+from kvfleet_engine.kernels.int_plan import load_env_plans, put_rows, rows_at_least
 from kvfleet_engine.quant.layout import FP8_DTYPE
 
 BACKENDS = ("scaled_mm", "triton")
@@ -150,19 +150,16 @@ def install_w8a8_plan(rows: int, n: int, k: int, plan: dict[str, Any]) -> None:
             "an fp8-w8a8 triton plan needs blocks [BLOCK_M, BLOCK_N, BLOCK_K, warps, stages]"
         )
     made = W8A8Plan(backend, None if blocks is None else tuple(int(b) for b in blocks))  # type: ignore[arg-type]
-    listed = [(r, p) for r, p in W8A8_TABLE.get((n, k), []) if r != rows]
-    W8A8_TABLE[n, k] = sorted([*listed, (rows, made)], key=lambda e: e[0])
+    put_rows(W8A8_TABLE, (n, k), rows, made)
 
 
 def w8a8_plan(m: int, n: int, k: int, out_dtype: torch.dtype) -> W8A8Plan:
     """The plan for an [M, K] x [K, N] W8A8 product: the table's, else the shape-class rules."""
     load_env_plans()
+    plan: W8A8Plan | None = rows_at_least(W8A8_TABLE, (n, k), m)
     scaled_mm_ok = out_dtype == torch.bfloat16 and not k % 16 and not n % 16
-    for rows, plan in W8A8_TABLE.get((n, k), []):
-        if rows >= m:
-            if plan.backend == "triton" or scaled_mm_ok:
-                return plan
-            break
+    if plan is not None and (plan.backend == "triton" or scaled_mm_ok):
+        return plan
     return W8A8Plan(fp8_backend(m, n, k, out_dtype))
 
 

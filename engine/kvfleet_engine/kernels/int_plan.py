@@ -82,6 +82,21 @@ BAKED_PLANS = os.path.join(os.path.dirname(__file__), "quant_plans.json")
 PLAN_FIELDS = tuple(field.name for field in fields(MatmulPlan))
 
 
+def put_rows(table: dict[Any, list[tuple[int, Any]]], key: Any, rows: int, value: Any) -> None:
+    """Set `table[key]`'s entry for `rows` (replacing one for the same rows), kept sorted by
+    rows: the shape of every plan table here ((shape) -> [(rows, plan)])."""
+    listed = [(r, v) for r, v in table.get(key, []) if r != rows]
+    table[key] = sorted([*listed, (rows, value)], key=lambda entry: entry[0])
+
+
+def rows_at_least(table: dict[Any, list[tuple[int, Any]]], key: Any, m: int) -> Any:
+    """The value of `table[key]`'s first entry whose rows >= m (None past the last, or none)."""
+    for rows, value in table.get(key, []):
+        if rows >= m:
+            return value
+    return None
+
+
 def plan_from_dict(plan: dict[str, Any]) -> MatmulPlan:
     """A MatmulPlan from its fields by name (ValueError naming an unknown field or kernel)."""
     unknown = sorted(set(plan) - set(PLAN_FIELDS))
@@ -99,26 +114,26 @@ def plan_from_dict(plan: dict[str, Any]) -> MatmulPlan:
 
 
 def install_plans(entries: list[dict[str, Any]]) -> None:
-    """Add plan-table entries {"kind": "int4" | "int8" | "fp8" | "fp8-w8a8", "rows", "n", "k",
-    "plan": {...}} (int kinds also "group_size"; fp8 plans go to fp8_gemv's table, fp8-w8a8
-    plans, the products above 16 rows, to fp8_matmul's)."""
-    from kvfleet_engine.kernels import fp8_gemv, fp8_matmul  # import this module
+    """Add plan-table entries {"kind", "rows", "n", "k", "plan": {...}}: "int4" | "int8" (also
+    "group_size") here; "fp8" to fp8_gemv's table, "fp8-w8a8" (the products above 16 rows) to
+    fp8_matmul's, "bf16-tma" (16-bit products for the TMA GEMM) to tma_gemm's."""
+    from kvfleet_engine.kernels import fp8_gemv, fp8_matmul, tma_gemm  # import this module
 
+    others = {
+        "fp8": fp8_gemv.install_gemv_plan,
+        "fp8-w8a8": fp8_matmul.install_w8a8_plan,
+        "bf16-tma": tma_gemm.install_tma_plan,
+    }
     for entry in entries:
         kind, rows, n, k = entry["kind"], int(entry["rows"]), int(entry["n"]), int(entry["k"])
-        if kind == "fp8":
-            fp8_gemv.install_gemv_plan(rows, n, k, entry["plan"])
-            continue
-        if kind == "fp8-w8a8":
-            fp8_matmul.install_w8a8_plan(rows, n, k, entry["plan"])
+        if kind in others:
+            others[kind](rows, n, k, entry["plan"])
             continue
         if kind not in ("int4", "int8"):
-            raise ValueError(
-                f"plan kind {kind!r} unknown; allowed: ['int4', 'int8', 'fp8', 'fp8-w8a8']"
-            )
+            allowed = ["int4", "int8", *others]
+            raise ValueError(f"plan kind {kind!r} unknown; allowed: {allowed}")
         key = (kind, int(entry["group_size"]), n, k)
-        listed = [(r, p) for r, p in PLAN_TABLE.get(key, []) if r != rows]
-        PLAN_TABLE[key] = sorted([*listed, (rows, plan_from_dict(entry["plan"]))])
+        put_rows(PLAN_TABLE, key, rows, plan_from_dict(entry["plan"]))
 
 
 def _plan_file(path: str) -> list[dict[str, Any]]:
@@ -142,12 +157,10 @@ def load_env_plans() -> int:
 def table_plan(codes: str, m: int, n: int, k: int, group_size: int) -> MatmulPlan | None:
     """The table's plan for M rows; a half2 plan (inline PTX) not under the interpreter."""
     load_env_plans()
-    for rows, plan in PLAN_TABLE.get((codes, group_size, n, k), []):
-        if rows >= m:
-            if plan.kernel == "half2" and INTERPRETED:
-                return None  # the shape rules decide
-            return replace(plan, block_m=next_power_of_2(m)) if plan.kernel == "gemv" else plan
-    return None
+    plan = rows_at_least(PLAN_TABLE, (codes, group_size, n, k), m)
+    if plan is None or (plan.kernel == "half2" and INTERPRETED):
+        return None  # the shape rules decide
+    return replace(plan, block_m=next_power_of_2(m)) if plan.kernel == "gemv" else plan
 
 
 def plan_matmul(

@@ -9,10 +9,11 @@ operands come through TMA descriptors (no address arithmetic, no masks: the desc
 out-of-range rows with zeros and clips the store), which the compiler pipelines over
 `num_stages` k-steps into wgmma.
 
-The model's 16-bit linears use it only for the shapes a plan file lists ($KVFLEET_TMA_GEMM_PLANS:
-{"plans": [{"rows", "n", "k", "blocks"}]}, written by `bench/bf16_gemm_probe.py --write-plans`:
-the TMA GEMM's best blocks where it beat cuBLAS, null where it did not; a product of M rows takes
-the first entry whose rows >= M): without the file every product stays with cuBLAS.
+The model's 16-bit linears use it only for the shapes the plan file lists (kind "bf16-tma"
+entries of $KVFLEET_QUANT_PLANS, see int_plan; `bench/bf16_gemm_probe.py --write-plans` writes
+them: the TMA GEMM's best blocks where it beat cuBLAS, null where it did not; a product of M
+rows takes the first entry whose rows >= M): without such entries every product stays with
+cuBLAS.
 
 Descriptors need 16-byte aligned rows and starts: K and N multiples of 8, operands whose
 first element is 16-byte aligned (`tma_gemm_fits`).
@@ -20,9 +21,6 @@ first element is 16-byte aligned (`tma_gemm_fits`).
 
 from __future__ import annotations
 
-import functools
-import json
-import os
 from typing import Any
 
 import torch
@@ -30,13 +28,13 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kvfleet_engine.kernels.checks import require
+from kvfleet_engine.kernels.checks import num_sms, require
+from kvfleet_engine.kernels.int_plan import load_env_plans, put_rows, rows_at_least
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
 Blocks = tuple[int, int, int, int, int]
 DEFAULT_BLOCKS: Blocks = (64, 128, 64, 4, 4)
-PLANS_ENV = "KVFLEET_TMA_GEMM_PLANS"
-# (N, K) -> [(rows, blocks)] sorted by rows, from the plan file.
+# (N, K) -> [(rows, blocks)] sorted by rows; filled by int_plan.install_plans (kind "bf16-tma").
 TMA_TABLE: dict[tuple[int, int], list[tuple[int, Blocks | None]]] = {}
 
 
@@ -106,7 +104,7 @@ def tma_gemm(
         return out
     num_tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     if num_programs is None:
-        num_programs = _num_sms(x.device)
+        num_programs = num_sms(x.device)
     num_programs = min(num_programs, num_tiles)
     _tma_gemm_kernel[(num_programs,)](
         TensorDescriptor.from_tensor(x, [block_m, block_k]),
@@ -119,49 +117,27 @@ def tma_gemm(
     return out
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: a few programs, so the persistent loop takes several rounds
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def install_tma_plans(entries: list[dict[str, Any]]) -> None:
-    """Add table entries {"rows", "n", "k", "blocks": [BLOCK_M, BLOCK_N, BLOCK_K, warps,
-    stages] or null (cuBLAS for those rows)} (ValueError naming a malformed one)."""
-    for entry in entries:
-        try:
-            rows, n, k = (int(entry[key]) for key in ("rows", "n", "k"))
-            raw = entry["blocks"]
-            numbers = None if raw is None else [int(b) for b in raw]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"TMA GEMM plan {entry!r}: needs rows, n, k and blocks") from exc
-        blocks: Blocks | None = None
-        if numbers is not None:
-            if len(numbers) != 5:
-                raise ValueError(f"TMA GEMM plan {entry!r}: blocks are 5 numbers or null")
-            blocks = (numbers[0], numbers[1], numbers[2], numbers[3], numbers[4])
-        listed = [(r, b) for r, b in TMA_TABLE.get((n, k), []) if r != rows]
-        TMA_TABLE[n, k] = sorted([*listed, (rows, blocks)], key=lambda e: e[0])
-
-
-@functools.cache
-def load_env_plans() -> int:
-    """Install the entries of the file $KVFLEET_TMA_GEMM_PLANS names (once); how many."""
-    path = os.environ.get(PLANS_ENV)
-    if not path:
-        return 0
-    with open(path) as file:
-        loaded = json.load(file)
-    entries = loaded["plans"] if isinstance(loaded, dict) else loaded
-    install_tma_plans(entries)
-    return len(entries)
+def install_tma_plan(rows: int, n: int, k: int, plan: dict[str, Any]) -> None:
+    """Add a table entry (int_plan.install_plans, kind "bf16-tma"): plan {"blocks": [BLOCK_M,
+    BLOCK_N, BLOCK_K, warps, stages]} or {"blocks": null} (cuBLAS for those rows); ValueError
+    naming a malformed one."""
+    if set(plan) != {"blocks"}:
+        raise ValueError(f"TMA GEMM plan {plan!r}: needs blocks, and nothing else")
+    raw = plan["blocks"]
+    blocks: Blocks | None = None
+    if raw is not None:
+        numbers = [int(b) for b in raw]
+        if len(numbers) != 5:
+            raise ValueError(f"TMA GEMM plan {plan!r}: blocks are 5 numbers or null")
+        blocks = (numbers[0], numbers[1], numbers[2], numbers[3], numbers[4])
+    put_rows(TMA_TABLE, (n, k), rows, blocks)
 
 
 def planned_blocks(x: torch.Tensor, weight: torch.Tensor) -> Blocks | None:
     """The plan's blocks for x @ weightᵀ, None when no entry covers it (cuBLAS then)."""
-    if not load_env_plans() or not tma_gemm_fits(x, weight):
+    load_env_plans()
+    if not TMA_TABLE or not tma_gemm_fits(x, weight):
         return None
-    for rows, blocks in TMA_TABLE.get((weight.shape[0], weight.shape[1]), []):
-        if rows >= x.shape[0]:
-            return blocks
-    return None
+    shape = (weight.shape[0], weight.shape[1])
+    blocks: Blocks | None = rows_at_least(TMA_TABLE, shape, x.shape[0])
+    return blocks
