@@ -10,6 +10,7 @@ from typing import Any
 
 from kvfleet_operator import api
 from kvfleet_operator.apply import Cluster
+from kvfleet_operator.autoscaling.actuators import EXTERNAL_KINDS
 from kvfleet_operator.render import selector_string
 from kvfleet_operator.render_router import router_name
 from kvfleet_operator.status import WorkloadState, summarize_workload
@@ -113,8 +114,7 @@ def optional_children(name: str) -> list[tuple[str, str, str]]:
     router's objects. Checked against the renderers by test_every_optional_child_is_known."""
     router = router_name(name)
     return [
-        ("autoscaling/v2", "HorizontalPodAutoscaler", name),
-        ("keda.sh/v1alpha1", "ScaledObject", name),
+        *((api_version, kind, name) for api_version, kind in EXTERNAL_KINDS),
         ("networking.k8s.io/v1", "NetworkPolicy", name),
         ("monitoring.coreos.com/v1", "ServiceMonitor", name),
         ("apps/v1", "Deployment", router),
