@@ -4,7 +4,8 @@
 # starts `kvfleet serve` on it, runs the issue-16 loads with bench/serve_client.py (8 client
 # processes, the method of the vLLM comparison) and with `kvfleet bench serve --client-processes
 # 8`, drains it with SIGTERM, then measures the offline figures for the same requests
-# (bench/offline_serve_requests.py). JSON lines and logs go to $OUT; a table at the end.
+# (bench/offline_serve_requests.py). JSON lines and logs go to $OUT (four files: serve_client.jsonl,
+# offline.json, metrics.txt and serve-core-rest.tgz with the rest); a table at the end.
 # Around the c1, c256 and c1024 serve_client.py loads it reads GET /debug/profile
 # (python -m kvfleet_engine.bench.profile_split): per process, how busy its loop thread was
 # (near 1.0: that process limits the server) and on what (named phases, GC pauses), and c1's
@@ -142,5 +143,10 @@ for path in sorted(out.glob("bench-*.json")):
           f"{res['ttft_ms']['p99']:>10.1f}{res['tpot_ms']['p50']:>10.2f}" + server_cells(res.get("server")))
 PY
 echo "=== where the time went: GET /debug/profile around the load"
-for name in c1 c256 c1024; do grep -v '^{' "$OUT/profile-$name.txt"; done
-echo "=== done ($(date +%T))"
+for name in c1 c256 c1024; do grep -v '^{' "$OUT/profile-$name.txt" 2>/dev/null; done
+# The run tool brings back at most 8 files: the client lines, the offline figure and the
+# counters stay as they are, everything else (bench serve JSON, profiles, server log) goes
+# into one archive.
+(cd "$OUT" && tar czf serve-core-rest.tgz --remove-files --ignore-failed-read \
+  $(ls | grep -vxE 'serve_client.jsonl|offline.json|metrics.txt|serve-core-rest.tgz'))
+echo "=== done ($(date +%T)): $(ls "$OUT" | tr '\n' ' ')"

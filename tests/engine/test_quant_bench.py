@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvfleet_cli.main import main
-from kvfleet_engine.bench import shapes
+from kvfleet_engine.bench import roofline, shapes
 
 
 @pytest.mark.slow
@@ -70,3 +70,29 @@ def test_the_sweep_times_only_the_kinds_asked_for_beside_bf16(
         quant_sweep.main(["--kinds", "fp8,int3"])
     assert exited.value.code == 2
     assert "--kinds: ['int3'] unknown" in capsys.readouterr().err
+
+
+def test_fp8_prompts_are_held_to_the_fp8_matrix_rate_where_the_gpu_has_one() -> None:
+    costs = {
+        name: roofline.ModelCosts(
+            weight_bytes=8_000_000_000,
+            kv_bytes_per_token=65_536,
+            weights_per_token=7_000_000_000,
+            fp8_products=name == "fp8",
+        )
+        for name in ("none", "int8", "fp8")
+    }
+    lens = [3968] * 64
+    hopper = roofline.Ceilings(bandwidth=4.0e12, matmul_flops=700e12, fp8_matmul_flops=1300e12)
+    prefill = {n: roofline.offline_seconds(c, hopper, lens, 1, 64) for n, c in costs.items()}
+    # 64 x 3,968 prompt tokens, 14 GFLOP each, at 1,300 (fp8) or 700 TFLOP/s (everything else)
+    assert prefill["fp8"] == pytest.approx(64 * 3968 * 14e9 / 1300e12)
+    assert prefill["int8"] == prefill["none"] == pytest.approx(64 * 3968 * 14e9 / 700e12)
+    # A GPU without fp8 products (no fp8 rate measured): every kind at the bf16 rate.
+    ampere = roofline.Ceilings(bandwidth=2.0e12, matmul_flops=300e12)
+    assert roofline.offline_seconds(costs["fp8"], ampere, lens, 1, 64) == pytest.approx(
+        64 * 3968 * 14e9 / 300e12
+    )
+    # A large decode batch is compute-bound too: fp8's step is the shorter.
+    big = {n: roofline.decode_step_seconds(c, hopper, 4096, 0) for n, c in costs.items()}
+    assert big["fp8"] < big["int8"] == big["none"]

@@ -23,6 +23,11 @@ def ceiling_rows(s: Setup) -> list[Any]:
         Row("roofline", "copy_bandwidth", s.ceilings.bandwidth / 1e9, "GB/s"),
         Row("roofline", "matmul_rate", s.ceilings.matmul_flops / 1e12, "TFLOP/s"),
         *(
+            [Row("roofline", "fp8_matmul_rate", s.ceilings.fp8_matmul_flops / 1e12, "TFLOP/s")]
+            if s.ceilings.fp8_matmul_flops
+            else []
+        ),
+        *(
             Row(label("roofline", name), "weight_bytes_per_step", costs.weight_bytes / 1e9, "GB")
             for name, costs in s.costs.items()
         ),

@@ -66,9 +66,11 @@ def setup(args: argparse.Namespace) -> Iterator[Setup]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     print("measuring copy bandwidth and matmul rate ...", flush=True)
     ceilings = roofline.measure_ceilings(device)
+    fp8 = ceilings.fp8_matmul_flops
     print(
         f"  copy {ceilings.bandwidth / 1e12:.2f} TB/s, "
-        f"matmul {ceilings.matmul_flops / 1e12:.0f} TFLOP/s",
+        f"matmul {ceilings.matmul_flops / 1e12:.0f} TFLOP/s bf16"
+        + (f", {fp8 / 1e12:.0f} fp8" if fp8 else ""),
         flush=True,
     )
     print(f"building a random {args.shape} model ...", flush=True)
@@ -84,6 +86,7 @@ def setup(args: argparse.Namespace) -> Iterator[Setup]:
             weight_bytes=shapes.weight_bytes_per_step(model, name, group_size),
             kv_bytes_per_token=kv_bytes_per_token,
             weights_per_token=shapes.matmul_weights_per_token(model),
+            fp8_products=name == "fp8",
         )
         for name in args.quantization
     }

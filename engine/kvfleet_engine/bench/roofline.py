@@ -1,6 +1,7 @@
-"""The two ceilings, measured at the start of a run (METHOD.md): copy bandwidth (bytes read +
-written by a large device-to-device copy) and the bf16 matrix-product rate; and the ideal
-times of decode and prefill they imply."""
+"""The ceilings, measured at the start of a run (METHOD.md): copy bandwidth (bytes read +
+written by a large device-to-device copy), the bf16 matrix-product rate and, on a GPU with fp8
+(compute capability 8.9 and up), the e4m3 one; and the ideal times of decode and prefill they
+imply. Products of fp8 (W8A8) weights are held to the fp8 rate, every other kind to bf16's."""
 
 from __future__ import annotations
 
@@ -16,6 +17,14 @@ import torch
 class Ceilings:
     bandwidth: float  # bytes/s, read + written, large device-to-device copy
     matmul_flops: float  # FLOP/s, square bf16 matrix product
+    fp8_matmul_flops: float | None = None  # FLOP/s, square e4m3 product; None: no fp8 here
+
+    def matmul_rate(self, fp8_products: bool) -> float:
+        """The rate a model's products are held to: fp8's where its products are fp8 and the
+        GPU has them, bf16's otherwise."""
+        if fp8_products and self.fp8_matmul_flops is not None:
+            return self.fp8_matmul_flops
+        return self.matmul_flops
 
 
 def time_median(fn: Callable[[], object], device: torch.device, repeats: int = 10) -> float:
@@ -61,7 +70,18 @@ def measure_ceilings(device: torch.device) -> Ceilings:
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     matmul_s = time_median(lambda: a @ b, device)
-    return Ceilings(bandwidth=bandwidth, matmul_flops=2 * n**3 / matmul_s)
+    fp8_flops = None
+    if on_gpu and torch.cuda.get_device_capability(device) >= (8, 9):
+        a8 = a.to(torch.float8_e4m3fn)
+        b8 = b.t().contiguous().to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm needs
+        one = torch.ones((), device=device)
+
+        def fp8_product() -> torch.Tensor:  # fast accumulation, as the engine's fp8 products
+            return torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16, use_fast_accum=True)
+
+        fp8_s = time_median(fp8_product, device)
+        fp8_flops = 2 * n**3 / fp8_s
+    return Ceilings(bandwidth, matmul_flops=2 * n**3 / matmul_s, fp8_matmul_flops=fp8_flops)
 
 
 @dataclass(frozen=True)
@@ -70,6 +90,7 @@ class ModelCosts:
     kv_bytes_per_token: int  # K and V of one token, all layers
     # Multiply-adds per token in the weight matrices; None: weight_bytes / 2 (bf16 weights).
     weights_per_token: int | None = None
+    fp8_products: bool = False  # W8A8: the products run at the fp8 matrix rate
 
     @property
     def flops_per_token(self) -> float:  # matmul FLOPs per token (2 per weight)
@@ -83,7 +104,7 @@ def decode_step_seconds(costs: ModelCosts, ceilings: Ceilings, batch: int, conte
     sequence's KV at the measured bandwidth."""
     weights = max(
         costs.weight_bytes / ceilings.bandwidth,
-        batch * costs.flops_per_token / ceilings.matmul_flops,
+        batch * costs.flops_per_token / ceilings.matmul_rate(costs.fp8_products),
     )
     return weights + batch * context * costs.kv_bytes_per_token / ceilings.bandwidth
 
@@ -97,7 +118,7 @@ def offline_seconds(
 ) -> float:
     """Ideal time for an offline workload: every prompt token at the matmul rate, then decode in
     waves of max_batch sequences, each step at decode_step_seconds for its mean context."""
-    prefill = sum(input_lens) * costs.flops_per_token / ceilings.matmul_flops
+    prefill = sum(input_lens) * costs.flops_per_token / ceilings.matmul_rate(costs.fp8_products)
     decode = 0.0
     for start in range(0, len(input_lens), max_batch):
         wave = input_lens[start : start + max_batch]

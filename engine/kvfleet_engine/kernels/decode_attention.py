@@ -50,6 +50,7 @@ from kvfleet_engine.kernels.decode_plan import (
     MIXED_SPLITS,
     TOKEN_MAJOR_FP8_TILES,
     choose_num_splits,
+    token_major_fp8_tile,
 )
 from kvfleet_engine.kernels.pdl import launch_options
 from kvfleet_engine.layers.attention_torch import KVCache
@@ -213,9 +214,10 @@ def _decode(
     group = num_q_heads // num_kv_heads
     max_context = block_tables.shape[1] * block_size
     v_rows = v_cache.stride() == k_cache.stride()  # else token major (`checks.check_cache`)
-    default_n, default_warps = (
-        TOKEN_MAJOR_FP8_TILES if k_scales is not None and not v_rows else DEFAULT_TILES
-    )
+    token_major_fp8 = k_scales is not None and not v_rows
+    default_n, default_warps = TOKEN_MAJOR_FP8_TILES if token_major_fp8 else DEFAULT_TILES
+    if token_major_fp8 and mixed is None and launch.num_warps in (None, 1):
+        default_n = token_major_fp8_tile(num_seqs, num_kv_heads, num_sms(query.device))
     block_n = launch.block_n or default_n
     num_warps = launch.num_warps or default_warps
     num_splits = launch.num_splits

@@ -12,6 +12,20 @@ import functools
 # every other cache by 4 warps over 64 tokens.
 TOKEN_MAJOR_FP8_TILES = (32, 1)
 DEFAULT_TILES = (64, 4)
+# ... and over 16-token tiles where unsplit programs fill two waves or more: H100, 512 x 1.5k
+# (4,096 programs, 3.9 waves): 639.5 against 672.9 us (2026-12-05) and 616.8 against 664.1 us
+# (90.1% of copy bandwidth against 83.7%, 2026-12-06), two calls; at 64 x 4k (512 programs, split
+# in 2) they lost, 244.9 against 239.6 us. Not yet measured on an H200 (bench/NOTES.md §24).
+SHORT_FP8_TILE = 16
+SHORT_FP8_TILE_WAVES = 2
+
+
+def token_major_fp8_tile(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """Context tokens per tile of the one-warp fp8 decode programs for a step of num_seqs."""
+    slots = programs_per_sm(None) * num_sms
+    if num_seqs * num_kv_heads >= SHORT_FP8_TILE_WAVES * slots:
+        return SHORT_FP8_TILE
+    return TOKEN_MAJOR_FP8_TILES[0]
 
 
 # One-warp programs (`TOKEN_MAJOR_FP8_TILES`) keep ptxas's own register count (255: 8 an SM). A cap
