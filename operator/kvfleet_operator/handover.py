@@ -8,6 +8,9 @@ from typing import Any
 
 from kvfleet_operator import api
 from kvfleet_operator.apply import Cluster
+from kvfleet_operator.autoscaling.spec import AutoscalingSpec
+
+Status = dict[str, Any]
 
 log = logging.getLogger(__name__)
 
@@ -48,3 +51,35 @@ def owns_replicas(obj: dict[str, Any], manager: str) -> bool:
             if "f:replicas" in entry.get("fieldsV1", {}).get("f:spec", {}):
                 return True
     return False
+
+
+# status field: the replicas of a LeaderWorkerSet deleted to change its group size while an
+# autoscaler owned them, until it is created again (`start_where_deleted`).
+RECREATING_REPLICAS = "recreatingReplicas"
+
+
+def replicas_to_recreate(workload: dict[str, Any], autoscaling: AutoscalingSpec | None) -> Status:
+    """The status fields to write as the workload is deleted to be created again: under
+    autoscaling, its replicas (which the rendered object leaves out); nothing otherwise."""
+    if autoscaling is None:
+        return {}
+    return {RECREATING_REPLICAS: workload.get("spec", {}).get("replicas", 1)}
+
+
+def start_where_deleted(
+    main: dict[str, Any], old_status: Status, autoscaling: AutoscalingSpec | None
+) -> Status:
+    """The workload being created again after a group-size change, under autoscaling, starts at
+    the replicas the deleted one had (within minReplicas-maxReplicas), not at the API server's
+    default of 1: the status fields to write once it is applied (the count, cleared). The next
+    pass hands spec.replicas to the autoscaler (`hand_replicas_to_autoscaler`)."""
+    replicas = old_status.get(RECREATING_REPLICAS)
+    if autoscaling is None or not isinstance(replicas, int):
+        return {}
+    replicas = min(max(replicas, autoscaling.min_replicas), autoscaling.max_replicas)
+    main["spec"] = {"replicas": replicas, **main["spec"]}
+    log.info(
+        "%s/%s: created again at %d replicas, as before its group size changed",
+        main["metadata"].get("namespace"), main["metadata"]["name"], replicas,
+    )  # fmt: skip
+    return {RECREATING_REPLICAS: None}

@@ -24,7 +24,11 @@ from kvfleet_operator.apply import (
     read_again,
     refused,
 )
-from kvfleet_operator.handover import hand_replicas_to_autoscaler
+from kvfleet_operator.handover import (
+    hand_replicas_to_autoscaler,
+    replicas_to_recreate,
+    start_where_deleted,
+)
 from kvfleet_operator.header_cache import HeaderCache
 from kvfleet_operator.models import InferenceDeploymentSpec
 from kvfleet_operator.plan import ClusterFeatures, Plan, Problem, plan_deployment
@@ -120,6 +124,7 @@ async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any
         return build
 
     workload_generation: int | None = None  # of the workload this pass applied
+    recorded: Status = {}  # status fields of this pass's writes (workloadGeneration, ...)
     if plan.ok:
         assert profile is not None and planned is not None
         children = render_children(
@@ -144,6 +149,8 @@ async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any
         for child in children:
             if child is main and leaving:
                 continue
+            if child is main and before is None:
+                recorded.update(start_where_deleted(child, old_status, autoscaling))
             try:
                 applied = await cluster.apply(child, owner=body)
             except Exception as exc:
@@ -152,6 +159,7 @@ async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any
                 error = api_error_summary(exc)
                 if child is main and before and size_change_refused(before, child, error):
                     await delete_leader_worker_set(cluster, before)
+                    recorded.update(replicas_to_recreate(before, autoscaling))
                     message = recreate_message(before, child, error)
                     await cluster.post_event(body, "Warning", "RecreatingLeaderWorkerSet", message)
                     continue
@@ -170,6 +178,8 @@ async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any
                 # status.workloadGeneration behind the workload's: the next pass tells it then.
                 # The event's name is the rollout's own, so telling it twice makes one event.
                 workload_generation = applied["metadata"].get("generation")
+                if workload_generation is not None:
+                    recorded["workloadGeneration"] = workload_generation
                 event = rollout_event(before, applied, planned)
                 if event is None and _untold(told, before, workload_generation):
                     event = rollout_event({"metadata": {"generation": told}}, applied, planned)
@@ -196,8 +206,7 @@ async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any
         log.debug("%s/%s not rolled out: %s", namespace, name, plan.problems[0].message)
 
     build = status_of(plan, found)
-    told_now = {} if workload_generation is None else {"workloadGeneration": workload_generation}
-    await _write_status(cluster, body, lambda old: {**build(old), **told_now})
+    await _write_status(cluster, body, lambda old: {**build(old), **recorded})
 
 
 def _untold(told: Any, before: dict[str, Any] | None, generation: int | None) -> bool:

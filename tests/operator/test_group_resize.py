@@ -10,7 +10,10 @@ from typing import Any
 import pytest
 from kubernetes_asyncio.client.exceptions import ApiException
 from test_reconcile import LLAMA_405B, TWO_NODES, MemoryCluster, infd
+from test_suspend_autoscaled import ReplicasOwnership
 
+from kvfleet_operator import api
+from kvfleet_operator.handover import RECREATING_REPLICAS
 from kvfleet_operator.header_cache import HeaderCache
 from kvfleet_operator.reconcile import reconcile
 
@@ -148,3 +151,47 @@ async def test_a_policy_that_names_the_size_field_deletes_nothing() -> None:
     assert "deletionTimestamp" not in cluster.objects[LWS]["metadata"]
     stalled = conditions(cluster)["Stalled"]
     assert (stalled["status"], stalled["reason"]) == ("True", "ApplyRejected")
+
+
+class AutoscaledLeaderWorkerSets(LeaderWorkerSets, ReplicasOwnership):
+    """LeaderWorkerSets whose spec.replicas follows server-side apply's owners."""
+
+    async def apply(self, manifest, *, owner=None, field_manager=api.FIELD_MANAGER):
+        return await super().apply(manifest, owner=owner, field_manager=field_manager)
+
+    def collect_garbage(self) -> None:
+        super().collect_garbage()
+        self.owners.pop(LWS, None)  # a new object: no owners yet
+
+
+@pytest.mark.parametrize("controller", ["Builtin", "HPA"])
+async def test_a_recreated_leader_worker_set_keeps_the_autoscalers_replicas(controller) -> None:
+    """Under autoscaling the rendered LeaderWorkerSet has no spec.replicas. Before, the one
+    created again after a group-size change started at the API server's default, 1 group of
+    the 3 the autoscaler had asked for, until it scaled up again. Now it starts at 3, and the
+    autoscaler owns the count again from the next pass."""
+    cluster = AutoscaledLeaderWorkerSets()
+    auto = {"controller": controller, "minReplicas": 1, "maxReplicas": 4,
+            "targets": {"kvCacheUtilization": 0.8}}  # fmt: skip
+    cluster.add(infd(model=LLAMA_405B, parallelism=TWO_NODES, autoscaling=auto))
+    await reconcile(cluster, "ns", "llama", HeaderCache())
+    await reconcile(cluster, "ns", "llama", HeaderCache())  # handed to the autoscaler
+    await cluster.scale("ns", "llama-group", 3, api_version=api.LEADER_WORKER_SET_API,
+                        kind="LeaderWorkerSet")  # fmt: skip
+    body = cluster.objects[("InferenceDeployment", "ns", "llama")]
+    body["spec"]["parallelism"] = FOUR_NODES
+    body["metadata"]["generation"] = 2
+
+    await reconcile(cluster, "ns", "llama", HeaderCache())  # refused: deleted, 3 recorded
+    assert cluster.events[-1] == "RecreatingLeaderWorkerSet"
+    assert body["status"][RECREATING_REPLICAS] == 3
+    await reconcile(cluster, "ns", "llama", HeaderCache())  # its groups still going
+    cluster.collect_garbage()
+    await reconcile(cluster, "ns", "llama", HeaderCache())
+    lws = cluster.objects[LWS]
+    assert lws["spec"]["leaderWorkerTemplate"]["size"] == 4 and lws["spec"]["replicas"] == 3
+    assert body["status"].get(RECREATING_REPLICAS) is None  # cleared by the merge patch
+
+    await reconcile(cluster, "ns", "llama", HeaderCache())
+    assert cluster.owners[LWS] == {api.AUTOSCALER_FIELD_MANAGER}
+    assert cluster.objects[LWS]["spec"]["replicas"] == 3

@@ -48,6 +48,7 @@ from kvfleet_engine.kernels.decode_plan import (
     DEFAULT_TILES,
     MIXED_PREFIX_SPLITS,
     MIXED_SPLITS,
+    SHORT_FP8_TILE,
     TOKEN_MAJOR_FP8_TILES,
     choose_num_splits,
     token_major_fp8_tile,
@@ -87,10 +88,11 @@ class _Launch:
     # fp8 cache only (kv_fp8): scores as K @ q^T (K the first tl.dot operand) instead of q @ K^T;
     # V converted to float16 before its trip through shared memory (`swapped_pairs`; a V cache
     # in K's row layout only: a token-major one goes through shared memory as codes, as K does);
-    # the next tile's scales loaded during this one (`prefetched_scales`).
+    # the next tile's scales loaded during this one (`prefetched_scales`; None: except over
+    # 16-token tiles, where loading them where used measured faster, `decode_plan`).
     transpose_scores: bool
     early_v: bool
-    prefetch_scales: bool
+    prefetch_scales: bool | None
     # ptxas's register cap per thread (None: its own choice); fewer registers, more programs per SM
     max_registers: int | None = None
     # rescale the accumulator only when a row's max grew (None: for one-warp programs, where
@@ -117,7 +119,7 @@ def paged_decode_attention(
     num_stages: int = 2,
     transpose_scores: bool = False,  # fp8 cache: see _Launch
     early_v: bool = True,
-    prefetch_scales: bool = True,
+    prefetch_scales: bool | None = None,
     max_registers: int | None = None,
     lazy_rescale: bool | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim] (a mixed step: [num_tokens, ...])
@@ -155,7 +157,7 @@ def rotary_decode_attention(
     num_stages: int = 2,
     transpose_scores: bool = False,
     early_v: bool = True,
-    prefetch_scales: bool = True,
+    prefetch_scales: bool | None = None,
     max_registers: int | None = None,
     lazy_rescale: bool | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
@@ -307,7 +309,9 @@ def _decode(
         EARLY_V=launch.early_v and v_rows,
         V_ROWS=v_rows,
         V_RUN=min(block_n, block_size),
-        PREFETCH_SCALES=launch.prefetch_scales,
+        PREFETCH_SCALES=(
+            block_n != SHORT_FP8_TILE if launch.prefetch_scales is None else launch.prefetch_scales
+        ),
         DOT_PRECISION=dot_precision(query.dtype),
         LAZY_RESCALE=num_warps == 1 if launch.lazy_rescale is None else launch.lazy_rescale,
         num_warps=num_warps,

@@ -15,7 +15,10 @@ DEFAULT_TILES = (64, 4)
 # ... and over 16-token tiles where unsplit programs fill two waves or more: H100, 512 x 1.5k
 # (4,096 programs, 3.9 waves): 639.5 against 672.9 us (2026-12-05) and 616.8 against 664.1 us
 # (90.1% of copy bandwidth against 83.7%, 2026-12-06), two calls; at 64 x 4k (512 programs, split
-# in 2) they lost, 244.9 against 239.6 us. Not yet measured on an H200 (bench/NOTES.md §24).
+# in 2) they lost, 244.9 against 239.6 us. Over 16-token tiles the scales are loaded where used,
+# not a tile ahead: 586.6 against 617.6 us at 512 x 1.5k (92.6% of copy bandwidth; the
+# prefetch still wins over 32-token tiles: 64 x 4k 236.4 against 275.2 us), one H100 call.
+# Not yet measured on an H200 (bench/NOTES.md section 24).
 SHORT_FP8_TILE = 16
 SHORT_FP8_TILE_WAVES = 2
 

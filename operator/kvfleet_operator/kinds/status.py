@@ -109,6 +109,11 @@ class InferenceDeploymentStatus(Model):
         description="metadata.generation of the engine workload whose rollout was last told "
         "(a RolloutStarted event): a rollout a restarted operator had not told yet is told then.",
     )
+    recreating_replicas: int | None = Field(
+        default=None,
+        description="Replicas of a LeaderWorkerSet deleted to change its group size while an "
+        "autoscaler owned them: it is created again with as many, then this is cleared.",
+    )
     autoscaling: dict[str, Any] | None = Field(
         default=None,
         description="Written by the autoscaler.",
