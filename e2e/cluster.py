@@ -86,10 +86,13 @@ def _build(config: ClusterConfig, integrations: bool) -> int:
 
 
 def _status(config: ClusterConfig) -> int:
+    """What runs; exit 1 only where something is wrong (a started process died, or the API
+    server does not answer): a control plane that was never started, or stopped, is an answer."""
     states = controlplane.status(config)
     if not states:
-        print(f"control plane not running (state dir: {config.state_dir})")
-        return 1
+        print(f"control plane not running (state dir: {config.state_dir}); start it with "
+              "`make cluster-up`")  # fmt: skip
+        return 0
     for state in states:
         word = "running" if state.alive else "DEAD"
         print(f"{state.name:<25} pid {state.pid:<8} {word:<8} log {config.log_path(state.name)}")

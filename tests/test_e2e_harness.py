@@ -59,3 +59,20 @@ def test_integration_binaries_carry_their_release_versions() -> None:
     assert binaries.KEDA_SPEC.binaries == ("keda-operator", "keda-adapter")
     assert binaries.HELM_SPEC in binaries.TOOL_SPECS
     assert not set(binaries.INTEGRATION_SPECS) & set(binaries.TOOL_SPECS)
+
+
+def test_cluster_status_of_a_stopped_control_plane_is_an_answer_not_a_failure(
+    tmp_path: Path,
+) -> None:
+    """`make cluster-status` before `make cluster-up` (or after `cluster-down`) says so and exits
+    0: make printed `Error 1` for it before."""
+    import subprocess
+
+    env = {"PATH": "/usr/bin:/bin", "KVFLEET_CLUSTER_DIR": str(tmp_path / "cluster")}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "e2e" / "cluster.py"), "status"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("control plane not running")
+    assert "make cluster-up" in result.stdout
