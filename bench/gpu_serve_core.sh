@@ -26,6 +26,17 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvfleet-serve-core}
 PORT=${PORT:-8100}
 mkdir -p "$OUT"
+# The run tool brings back at most 8 files: the client lines, the offline figure and the
+# counters stay as they are, everything else (bench serve JSON, profiles, server log) goes into
+# one archive, however the script ends (a step's cap, the call's limit, an early exit).
+bundle() {
+  local rest
+  rest=$(cd "$OUT" && ls | grep -vxE 'serve_client.jsonl|offline.json|metrics.txt|serve-core-rest.tgz')
+  [ -n "$rest" ] && (cd "$OUT" && tar czf serve-core-rest.tgz --remove-files $rest)
+  echo "under \$OUT: $(ls "$OUT" | tr '\n' ' ')"
+}
+trap bundle EXIT
+trap 'exit 143' TERM INT  # a step's or the call's timeout: bundle on the way out
 source bench/serve_env.sh
 # uvicorn's "auto" picks httptools and uvloop when they import (h11 and asyncio's loop if not).
 python3 -c "
@@ -144,9 +155,4 @@ for path in sorted(out.glob("bench-*.json")):
 PY
 echo "=== where the time went: GET /debug/profile around the load"
 for name in c1 c256 c1024; do grep -v '^{' "$OUT/profile-$name.txt" 2>/dev/null; done
-# The run tool brings back at most 8 files: the client lines, the offline figure and the
-# counters stay as they are, everything else (bench serve JSON, profiles, server log) goes
-# into one archive.
-(cd "$OUT" && tar czf serve-core-rest.tgz --remove-files --ignore-failed-read \
-  $(ls | grep -vxE 'serve_client.jsonl|offline.json|metrics.txt|serve-core-rest.tgz'))
-echo "=== done ($(date +%T)): $(ls "$OUT" | tr '\n' ' ')"
+echo "=== done ($(date +%T))"

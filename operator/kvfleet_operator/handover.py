@@ -59,27 +59,34 @@ RECREATING_REPLICAS = "recreatingReplicas"
 
 
 def replicas_to_recreate(workload: dict[str, Any], autoscaling: AutoscalingSpec | None) -> Status:
-    """The status fields to write as the workload is deleted to be created again: under
-    autoscaling, its replicas (which the rendered object leaves out); nothing otherwise."""
+    """The status fields to write before the workload is deleted to be created again (written
+    first, so that a pass that fails after the deletion loses nothing): under autoscaling, its
+    replicas, which the rendered object leaves out; nothing otherwise."""
     if autoscaling is None:
         return {}
     return {RECREATING_REPLICAS: workload.get("spec", {}).get("replicas", 1)}
 
 
 def start_where_deleted(
-    main: dict[str, Any], old_status: Status, autoscaling: AutoscalingSpec | None
+    main: dict[str, Any],
+    before: dict[str, Any] | None,
+    old_status: Status,
+    autoscaling: AutoscalingSpec | None,
 ) -> Status:
-    """The workload being created again after a group-size change, under autoscaling, starts at
-    the replicas the deleted one had (within minReplicas-maxReplicas), not at the API server's
-    default of 1: the status fields to write once it is applied (the count, cleared). The next
-    pass hands spec.replicas to the autoscaler (`hand_replicas_to_autoscaler`)."""
+    """The main workload about to be applied (`before`: as found, not being deleted). Created
+    again after a group-size change, under autoscaling, it starts at the replicas the deleted
+    one had (within minReplicas-maxReplicas), not at the API server's default of 1; the next
+    pass hands spec.replicas to the autoscaler (`hand_replicas_to_autoscaler`). The count is
+    cleared once the workload exists again, or when autoscaling no longer owns replicas
+    (suspended, fixed replicas): the status fields to write."""
     replicas = old_status.get(RECREATING_REPLICAS)
-    if autoscaling is None or not isinstance(replicas, int):
+    if replicas is None:
         return {}
-    replicas = min(max(replicas, autoscaling.min_replicas), autoscaling.max_replicas)
-    main["spec"] = {"replicas": replicas, **main["spec"]}
-    log.info(
-        "%s/%s: created again at %d replicas, as before its group size changed",
-        main["metadata"].get("namespace"), main["metadata"]["name"], replicas,
-    )  # fmt: skip
+    if before is None and autoscaling is not None and isinstance(replicas, int):
+        replicas = min(max(replicas, autoscaling.min_replicas), autoscaling.max_replicas)
+        main["spec"] = {"replicas": replicas, **main["spec"]}
+        log.info(
+            "%s/%s: created again at %d replicas, as before its group size changed",
+            main["metadata"].get("namespace"), main["metadata"]["name"], replicas,
+        )  # fmt: skip
     return {RECREATING_REPLICAS: None}

@@ -149,8 +149,8 @@ async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any
         for child in children:
             if child is main and leaving:
                 continue
-            if child is main and before is None:
-                recorded.update(start_where_deleted(child, old_status, autoscaling))
+            if child is main:
+                recorded.update(start_where_deleted(child, before, old_status, autoscaling))
             try:
                 applied = await cluster.apply(child, owner=body)
             except Exception as exc:
@@ -158,8 +158,10 @@ async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any
                     raise
                 error = api_error_summary(exc)
                 if child is main and before and size_change_refused(before, child, error):
+                    kept = replicas_to_recreate(before, autoscaling)
+                    if kept:  # before deleting: a pass that fails later must not lose it
+                        body = await patch_status_as_read(cluster, body, kept) or body
                     await delete_leader_worker_set(cluster, before)
-                    recorded.update(replicas_to_recreate(before, autoscaling))
                     message = recreate_message(before, child, error)
                     await cluster.post_event(body, "Warning", "RecreatingLeaderWorkerSet", message)
                     continue

@@ -923,20 +923,23 @@ def test_a_mixed_step_reads_the_quantized_cache_in_both_kernels(
     assert relative_error(out, dense_attention(case)) < tol
 
 
-@pytest.mark.parametrize(("num_seqs", "tile"), [(8, 32), (33, 16)])
+@pytest.mark.parametrize(
+    ("num_seqs", "codes", "tile"),
+    [(8, FP8_DTYPE, 32), (33, FP8_DTYPE, 16), (33, torch.int8, 32)],
+)
 def test_one_warp_fp8_decode_takes_short_tiles_where_its_programs_fill_two_waves(
-    num_seqs, tile
+    num_seqs, codes, tile
 ) -> None:
     """The one-warp fp8 decode reads 16-token tiles where its unsplit programs fill two waves of
     the GPU's (the interpreter's 4 SMs hold 32 one-warp programs: 33 sequences x 2 kv heads are
-    66 programs), 32-token tiles otherwise: its default launch is that explicit one, bit for bit,
-    and matches dense attention."""
+    66 programs), 32-token tiles otherwise and over int8 codes (not measured with 16): its
+    default launch is that explicit one, bit for bit, and matches dense attention."""
     decode_plan = importlib.import_module("kvfleet_engine.kernels.decode_plan")
     assert decode_plan.token_major_fp8_tile(512, 8, 132) == 16  # the 1k/1k decode on an H100
     assert decode_plan.token_major_fp8_tile(64, 8, 132) == 32  # 64 x 4k: 512 programs
     lens = [(7 * i) % 90 + 1 for i in range(num_seqs)]
     exact = make_paged_case(lens, [1] * num_seqs, **SMALL, dtype=torch.float32, device="cpu")
-    fp8 = _fp8_case(exact, "tokens")
+    fp8 = _fp8_case(exact, "tokens", codes)
     case = fp8.case
     cache = (fp8.k_cache, fp8.v_cache, case.block_tables, case.context_lens, case.scale)
     default = decode.paged_decode_attention(case.query, *cache, **fp8.cache, num_splits=1)

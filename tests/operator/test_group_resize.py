@@ -164,13 +164,10 @@ class AutoscaledLeaderWorkerSets(LeaderWorkerSets, ReplicasOwnership):
         self.owners.pop(LWS, None)  # a new object: no owners yet
 
 
-@pytest.mark.parametrize("controller", ["Builtin", "HPA"])
-async def test_a_recreated_leader_worker_set_keeps_the_autoscalers_replicas(controller) -> None:
-    """Under autoscaling the rendered LeaderWorkerSet has no spec.replicas. Before, the one
-    created again after a group-size change started at the API server's default, 1 group of
-    the 3 the autoscaler had asked for, until it scaled up again. Now it starts at 3, and the
-    autoscaler owns the count again from the next pass."""
-    cluster = AutoscaledLeaderWorkerSets()
+async def autoscaled_at_three_then_four_nodes(
+    cluster: AutoscaledLeaderWorkerSets, controller: str = "HPA"
+) -> dict[str, Any]:
+    """Two-node groups an autoscaler scaled to 3, then four nodes per group (generation 2)."""
     auto = {"controller": controller, "minReplicas": 1, "maxReplicas": 4,
             "targets": {"kvCacheUtilization": 0.8}}  # fmt: skip
     cluster.add(infd(model=LLAMA_405B, parallelism=TWO_NODES, autoscaling=auto))
@@ -181,6 +178,17 @@ async def test_a_recreated_leader_worker_set_keeps_the_autoscalers_replicas(cont
     body = cluster.objects[("InferenceDeployment", "ns", "llama")]
     body["spec"]["parallelism"] = FOUR_NODES
     body["metadata"]["generation"] = 2
+    return body
+
+
+@pytest.mark.parametrize("controller", ["Builtin", "HPA"])
+async def test_a_recreated_leader_worker_set_keeps_the_autoscalers_replicas(controller) -> None:
+    """Under autoscaling the rendered LeaderWorkerSet has no spec.replicas. Before, the one
+    created again after a group-size change started at the API server's default, 1 group of
+    the 3 the autoscaler had asked for, until it scaled up again. Now it starts at 3, and the
+    autoscaler owns the count again from the next pass."""
+    cluster = AutoscaledLeaderWorkerSets()
+    body = await autoscaled_at_three_then_four_nodes(cluster, controller)
 
     await reconcile(cluster, "ns", "llama", HeaderCache())  # refused: deleted, 3 recorded
     assert cluster.events[-1] == "RecreatingLeaderWorkerSet"
@@ -195,3 +203,44 @@ async def test_a_recreated_leader_worker_set_keeps_the_autoscalers_replicas(cont
     await reconcile(cluster, "ns", "llama", HeaderCache())
     assert cluster.owners[LWS] == {api.AUTOSCALER_FIELD_MANAGER}
     assert cluster.objects[LWS]["spec"]["replicas"] == 3
+
+
+class FailingServices(AutoscaledLeaderWorkerSets):
+    """The API server fails the Services' applies (500) while `failing`."""
+
+    failing = False
+
+    async def apply(self, manifest, *, owner=None, field_manager=api.FIELD_MANAGER):
+        if self.failing and manifest["kind"] == "Service":
+            raise ApiException(status=500, reason="Internal Server Error")
+        return await super().apply(manifest, owner=owner, field_manager=field_manager)
+
+
+async def test_the_count_outlives_a_pass_that_fails_after_the_deletion() -> None:
+    """The count is written before the LeaderWorkerSet is deleted: a pass that fails after
+    (a 500 on a later child, the operator killed) must not create it again at 1."""
+    cluster = FailingServices()
+    body = await autoscaled_at_three_then_four_nodes(cluster)
+    cluster.failing = True
+    with pytest.raises(ApiException):
+        await reconcile(cluster, "ns", "llama", HeaderCache())
+    assert cluster.objects[LWS]["metadata"]["deletionTimestamp"]
+    assert body["status"][RECREATING_REPLICAS] == 3
+    cluster.failing = False
+    cluster.collect_garbage()
+    await reconcile(cluster, "ns", "llama", HeaderCache())
+    assert cluster.objects[LWS]["spec"]["replicas"] == 3
+
+
+async def test_suspending_meanwhile_drops_the_count() -> None:
+    """Suspended before the old groups are gone: created again at 0, and the count is cleared
+    (left behind, it would size a later, unrelated creation under autoscaling)."""
+    cluster = AutoscaledLeaderWorkerSets()
+    body = await autoscaled_at_three_then_four_nodes(cluster)
+    await reconcile(cluster, "ns", "llama", HeaderCache())
+    body["spec"]["suspend"] = True
+    body["metadata"]["generation"] = 3
+    cluster.collect_garbage()
+    await reconcile(cluster, "ns", "llama", HeaderCache())
+    assert cluster.objects[LWS]["spec"]["replicas"] == 0
+    assert body["status"].get(RECREATING_REPLICAS) is None

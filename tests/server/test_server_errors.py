@@ -162,3 +162,55 @@ def test_a_body_sent_as_something_other_than_json_says_to_send_json(
     given = f"Content-Type: {content_type}" if content_type else "no Content-Type"
     assert f"({given})" in error["message"]
     assert "send a JSON object with Content-Type: application/json" in error["message"]
+
+
+def test_a_prompt_no_context_could_hold_is_refused_before_it_is_tokenized(
+    live_server, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """3 MB of prompt: before, its tokenization held the event loop for seconds (a liveness
+    probe timed out); now its length alone refuses it, naming the field."""
+    tokenizer = live_server.state.engine.tokenizer
+    encoded: list[int] = []
+    monkeypatch.setattr(tokenizer, "encode", lambda text, **kw: encoded.append(len(text)) or [1])
+    for path, body, param in [
+        ("completions", {**GOOD, "prompt": "x" * 3_000_000}, "prompt"),
+        ("completions", {**GOOD, "prompt": ["hi", "x" * 3_000_000]}, "prompt.1"),
+        ("chat/completions",
+         {**CHAT, "messages": [{"role": "user", "content": "x" * 3_000_000}]}, "messages"),
+    ]:  # fmt: skip
+        r = httpx.post(f"{live_server.url}/v1/{path}", json=body, timeout=30)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == param and "characters" in error["message"], error
+    assert all(n < 100 for n in encoded)  # only "hi" was tokenized
+
+
+def test_a_slow_tokenization_does_not_hold_health_or_other_requests(
+    live_server, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """Prompts are tokenized off the event loop: while one takes long, /health answers."""
+    import threading
+
+    tokenizer = live_server.state.engine.tokenizer
+    original, release = tokenizer.encode, threading.Event()
+
+    def slow_encode(text, **kw):  # type: ignore[no-untyped-def]
+        release.wait(20)
+        return original(text, **kw)
+
+    monkeypatch.setattr(tokenizer, "encode", slow_encode)
+    with httpx.Client(timeout=30) as client:
+        done: dict[str, Any] = {}
+        request = threading.Thread(
+            target=lambda: done.update(
+                r=client.post(f"{live_server.url}/v1/completions", json=GOOD)
+            )
+        )
+        request.start()
+        try:
+            health = httpx.get(f"{live_server.url}/health", timeout=2)
+            assert health.status_code == 200 and request.is_alive()
+        finally:
+            release.set()
+            request.join(30)
+    assert done["r"].status_code == 200, done["r"].text

@@ -201,15 +201,18 @@ def main(argv: list[str] | None = None) -> int:
         {"block_n": 16, "num_warps": 2},
     ]
     # fp8: the engine's default reads a token-major V cache (its codes go through shared memory
-    # as K's do), loads the next tile's scales during this one (prefetch_scales) and takes scores
-    # as q @ K^T; the sweep measures the V cache in K's row layout (converted to float16 before
-    # shared memory, early_v), the scales loaded where used, other tiles, pipelines and warps
-    # (fewer warps: fewer cross-warp reductions of the softmax), and the other order.
+    # as K's do) over 32-token tiles, 16 where its programs fill two waves
+    # (`decode_plan.token_major_fp8_tile`), loads the next tile's scales during this one
+    # (prefetch_scales) except over 16-token tiles, and takes scores as q @ K^T; the sweep
+    # measures the V cache in K's row layout (converted to float16 before shared memory,
+    # early_v), the scales loaded the other way, other tiles, pipelines and warps (fewer warps:
+    # fewer cross-warp reductions of the softmax), and the other order.
     fp8_sweep: list[dict] = [
         {},
         {"v_layout": "rows"},  # the engine's V cache before 2026-12-02 (with early_v)
         {"v_layout": "rows", "block_n": 128},
         {"prefetch_scales": False},
+        {"block_n": 16, "prefetch_scales": True},
         {"block_n": 32},
         {"block_n": 128},
         {"num_splits": 2},

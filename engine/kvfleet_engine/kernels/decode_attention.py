@@ -218,8 +218,11 @@ def _decode(
     v_rows = v_cache.stride() == k_cache.stride()  # else token major (`checks.check_cache`)
     token_major_fp8 = k_scales is not None and not v_rows
     default_n, default_warps = TOKEN_MAJOR_FP8_TILES if token_major_fp8 else DEFAULT_TILES
-    if token_major_fp8 and mixed is None and launch.num_warps in (None, 1):
-        default_n = token_major_fp8_tile(num_seqs, num_kv_heads, num_sms(query.device))
+    fp8_codes = k_cache.dtype == torch.float8_e4m3fn  # int8 codes: not measured, 32 tokens
+    if token_major_fp8 and fp8_codes and mixed is None and launch.num_warps in (None, 1):
+        default_n = token_major_fp8_tile(
+            num_seqs, num_kv_heads, num_sms(query.device), launch.max_registers
+        )
     block_n = launch.block_n or default_n
     num_warps = launch.num_warps or default_warps
     num_splits = launch.num_splits

@@ -16,11 +16,25 @@ if TYPE_CHECKING:
 MAX_CHOICES_PER_REQUEST = 256
 
 
-def tokenize_prompts(tokenizer: Any, prompt: Any) -> list[list[int]]:
+def prompt_char_limit(tokenizer: Any, max_model_len: int) -> int | None:
+    """The longest text whose tokens could fit the context: max_model_len tokens of the
+    vocabulary's longest (a token's vocabulary string has a character per byte, or more, of
+    what it encodes, and the tokenizers of the supported families drop no text: byte-level BPE,
+    SentencePiece with byte fallback). A longer prompt is refused before it is tokenized, which
+    takes seconds for a few megabytes. None where the tokenizer lists no vocabulary."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return None
+    longest = max((len(token) for token in get_vocab()), default=0)
+    return max_model_len * max(longest, 1)
+
+
+def tokenize_prompts(tokenizer: Any, prompt: Any, max_chars: int | None) -> list[list[int]]:
     """The completion request's prompt (a string, strings, token ids, lists of token ids) as one
-    list of token ids per prompt."""
+    list of token ids per prompt; a string longer than `max_chars` is a 400 without tokenizing
+    (`prompt_char_limit`)."""
     if isinstance(prompt, str):
-        return [encode(tokenizer, prompt, "prompt", add_special_tokens=True)]
+        return [encode(tokenizer, prompt, "prompt", add_special_tokens=True, max_chars=max_chars)]
     if not prompt:
         raise invalid_field("prompt", "must not be empty")
     if isinstance(prompt[0], int):
@@ -32,12 +46,16 @@ def tokenize_prompts(tokenizer: Any, prompt: Any) -> list[list[int]]:
     if isinstance(prompt[0], list):
         return [list(p) for p in prompt]
     return [
-        encode(tokenizer, p, f"prompt.{k}", add_special_tokens=True) for k, p in enumerate(prompt)
+        encode(tokenizer, p, f"prompt.{k}", add_special_tokens=True, max_chars=max_chars)
+        for k, p in enumerate(prompt)
     ]
 
 
-def chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
-    """The conversation through the model's chat template, as token ids."""
+def chat_prompt_ids(
+    tokenizer: Any, body: ChatCompletionRequest, max_chars: int | None
+) -> list[int]:
+    """The conversation through the model's chat template, as token ids (a rendered text longer
+    than `max_chars`: a 400 without tokenizing)."""
     if not getattr(tokenizer, "chat_template", None):
         raise invalid_field("messages", "this model has no chat template; use /v1/completions")
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -47,13 +65,21 @@ def chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
         )
     except Exception as exc:  # jinja raises on conversations the template forbids
         raise invalid_field("messages", f"rejected by the chat template: {exc}") from exc
-    return encode(tokenizer, str(text), "messages", add_special_tokens=False)
+    return encode(tokenizer, str(text), "messages", add_special_tokens=False, max_chars=max_chars)
 
 
-def encode(tokenizer: Any, text: str, field_name: str, add_special_tokens: bool) -> list[int]:
-    """Token ids of `text`; a 400 naming `field_name` when the tokenizer refuses it (the
-    protocol already refuses lone surrogates; this catches whatever else a tokenizer cannot
-    encode)."""
+def encode(
+    tokenizer: Any, text: str, field_name: str, add_special_tokens: bool, max_chars: int | None
+) -> list[int]:
+    """Token ids of `text`; a 400 naming `field_name` when it is longer than any context could
+    hold (`max_chars`) or the tokenizer refuses it (the protocol already refuses lone
+    surrogates; this catches whatever else a tokenizer cannot encode)."""
+    if max_chars is not None and len(text) > max_chars:
+        raise invalid_field(
+            field_name,
+            f"is {len(text):,} characters, more than this model's context holds in any "
+            f"tokenization (at most {max_chars:,}); shorten it",
+        )
     try:
         ids: list[int] = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     except Exception as exc:
