@@ -64,6 +64,14 @@ def test_malformed_json_and_unknown_route(live_server) -> None:  # type: ignore[
         timeout=30,
     )
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(
+        f"{live_server.url}/v1/completions",
+        content=b'{"model": "m", "prompt": "hi",, "n": 1}',
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )  # where and why, not only "JSON decode error"
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and "at character 30" in message, message
     missing = httpx.get(f"{live_server.url}/v1/nothing-here", timeout=30)
     assert missing.status_code == 404 and "error" in missing.json()
 
@@ -214,3 +222,25 @@ def test_a_slow_tokenization_does_not_hold_health_or_other_requests(
             release.set()
             request.join(30)
     assert done["r"].status_code == 200, done["r"].text
+
+
+def test_a_compressed_body_is_415_not_a_confusing_400(live_server) -> None:  # type: ignore[no-untyped-def]
+    """A gzip body was read as JSON: "not UTF-8 text (invalid byte at offset 1)"."""
+    import gzip
+
+    r = httpx.post(
+        f"{live_server.url}/v1/completions",
+        content=gzip.compress(json.dumps(GOOD).encode()),
+        headers={"content-type": "application/json", "content-encoding": "gzip"},
+        timeout=30,
+    )
+    assert r.status_code == 415, r.text
+    error = r.json()["error"]
+    assert error["code"] == "unsupported_content_encoding" and "'gzip'" in error["message"]
+    plain = httpx.post(
+        f"{live_server.url}/v1/completions",
+        json=GOOD,
+        headers={"content-encoding": "identity"},
+        timeout=30,
+    )
+    assert plain.status_code == 200, plain.text

@@ -1,4 +1,6 @@
-"""`BodyLimit`: requests whose body exceeds the limit get 413 before the app parses anything.
+"""`BodyLimit`: requests whose body exceeds the limit get 413 before the app parses anything;
+a body under a Content-Encoding (gzip, br, ...) gets 415: it is not decompressed, and read as
+JSON it would only be a confusing 400.
 
 A declared Content-Length over the limit is refused without reading the body; a chunked body is
 read up to the limit and refused as soon as it passes it (then replayed to the app, which would
@@ -26,6 +28,10 @@ class BodyLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        encoding = _header(scope, b"content-encoding")
+        if encoding is not None and encoding.strip().lower() not in (b"", b"identity"):
+            await _refuse_encoding(scope, send, encoding.decode("latin-1"))
             return
         length = _content_length(scope)
         if length is not None:  # the server's parser holds the body to its declared length
@@ -61,11 +67,28 @@ class BodyLimit:
         await response(scope, _no_receive, send)
 
 
-def _content_length(scope: Scope) -> int | None:
+async def _refuse_encoding(scope: Scope, send: Send, encoding: str) -> None:
+    body = error_body(
+        f"request bodies are not decompressed: Content-Encoding {encoding[:40]!r} is not "
+        "supported; send the JSON uncompressed",
+        type_="invalid_request_error",
+        param="body",
+        code="unsupported_content_encoding",
+    )
+    response = error_response(body, 415, headers={"Connection": "close"})
+    await response(scope, _no_receive, send)
+
+
+def _header(scope: Scope, wanted: bytes) -> bytes | None:
     for name, value in scope["headers"]:
-        if name == b"content-length":
-            return int(value) if value.isdigit() else None
+        if name == wanted:
+            return bytes(value)
     return None
+
+
+def _content_length(scope: Scope) -> int | None:
+    value = _header(scope, b"content-length")
+    return int(value) if value is not None and value.isdigit() else None
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -90,7 +90,12 @@ def invalid_request(errors: Sequence[Any], content_type: str | None) -> APIError
     error = telling_error(errors)
     kind = error.get("type")
     detail = str(error.get("msg", "invalid")).removeprefix("Value error, ")
-    if kind == "json_invalid":
+    if kind == "json_invalid":  # FastAPI: loc ("body", offset), ctx {"error": the decoder's}
+        loc, reason = error.get("loc", ()), (error.get("ctx") or {}).get("error")
+        if reason:
+            detail = str(reason)
+            if len(loc) > 1 and isinstance(loc[1], int):
+                detail += f" at character {loc[1]}"
         return APIError(400, f"request body is not valid JSON: {detail}", param="body")
     param = param_from_location(error.get("loc", ("body",)))
     if param == "body":
