@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvfleet_engine.tokenizer import byte_symbols
+
 log = logging.getLogger(__name__)
 
 BOS, EOS, IM_START, IM_END = "<s>", "</s>", "<|im_start|>", "<|im_end|>"
@@ -24,29 +26,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def _byte_symbols() -> list[str]:
-    """The printable stand-in of each byte 0..255 used by byte-level BPE (GPT-2's table)."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    symbols, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            symbols[byte] = chr(byte)
-        else:
-            symbols[byte] = chr(256 + extra)
-            extra += 1
-    return [symbols[byte] for byte in range(256)]
-
-
 def build_byte_tokenizer() -> Any:
     """A byte-level tokenizer (every UTF-8 byte is one token, no merges) with a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {symbol: byte for byte, symbol in enumerate(_byte_symbols())}
+    vocab = {symbol: byte for byte, symbol in enumerate(byte_symbols())}
     for offset, special in enumerate(SPECIAL_TOKENS):
         vocab[special] = 256 + offset
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))

@@ -1,7 +1,10 @@
-"""The model's tokenizer: from the Hugging Face directory, or built from the GGUF metadata."""
+"""The model's tokenizer: from the Hugging Face directory, or built from the GGUF metadata; and
+the raw bytes each token stands for (OpenAI's logprobs `bytes`)."""
 
 from __future__ import annotations
 
+import functools
+import re
 from typing import Any
 
 from kvfleet_engine.config import ModelConfig
@@ -15,3 +18,57 @@ def load_tokenizer(model: ModelConfig) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model.path)
+
+
+def byte_symbols() -> list[str]:
+    """The printable stand-in of each byte 0..255 in byte-level BPE vocabularies (GPT-2's
+    table): printable Latin-1 characters stand for themselves, the rest for chr(256 + k)."""
+    printable = {
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    }
+    symbols, extra = [], 0
+    for byte in range(256):
+        if byte in printable:
+            symbols.append(chr(byte))
+        else:
+            symbols.append(chr(256 + extra))
+            extra += 1
+    return symbols
+
+
+@functools.cache
+def _byte_of_symbol() -> dict[str, int]:
+    return {symbol: byte for byte, symbol in enumerate(byte_symbols())}
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+class TokenBytes:
+    """The UTF-8 bytes a token id stands for, which decoding it alone loses where it holds
+    part of a character (decode gives U+FFFD): from its vocabulary piece, read through GPT-2's
+    byte table (byte-level BPE), as one byte (SentencePiece's <0xNN>) or with "▁" as a space
+    (other SentencePiece pieces); decoded text for added tokens outside those forms."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self.byte_level = type(decoder).__name__ == "ByteLevel"
+        self.special = set(getattr(tokenizer, "all_special_tokens", ()))
+
+    def __call__(self, token_id: int) -> bytes:
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and piece not in self.special:
+            if self.byte_level:
+                table = _byte_of_symbol()
+                if all(c in table for c in piece):
+                    return bytes(table[c] for c in piece)
+            else:
+                match = _BYTE_PIECE.fullmatch(piece)
+                if match:
+                    return bytes([int(match.group(1), 16)])
+                return piece.replace("\u2581", " ").encode()
+        text: str = self.tokenizer.decode([token_id])
+        return text.encode()

@@ -12,7 +12,8 @@ import numpy as np
 import torch
 from gguf_pack import SUPPORTED, quantize
 
-from kvfleet_engine.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS, _byte_symbols
+from kvfleet_engine.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS
+from kvfleet_engine.tokenizer import byte_symbols
 
 _LAYER_PARTS = {
     "input_layernorm": "attn_norm",
@@ -57,7 +58,7 @@ def add_byte_tokenizer(writer: gguf.GGUFWriter) -> None:
     """kvfleet's tiny byte-level tokenizer, as a `gpt2` GGUF vocabulary."""
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
-    writer.add_token_list([*_byte_symbols(), *SPECIAL_TOKENS])
+    writer.add_token_list([*byte_symbols(), *SPECIAL_TOKENS])
     writer.add_token_types([1] * 256 + [3] * len(SPECIAL_TOKENS))
     writer.add_bos_token_id(256)
     writer.add_eos_token_id(257)

@@ -154,3 +154,26 @@ def test_streamed_choices_of_n_arrive_interleaved_and_all_finish(client: openai.
                 finished[choice.index] = choice.finish_reason
     assert finished == {0: "length", 1: "length", 2: "length"}
     assert all(count >= 1 for count in tokens_by_choice.values())
+
+
+def test_chat_logprob_bytes_are_each_tokens_own(live_server) -> None:  # type: ignore[no-untyped-def]
+    """The tiny model's tokens are single bytes; one that holds part of a UTF-8 character
+    decodes alone to U+FFFD. Its `bytes` are its own byte, not U+FFFD's three (the field exists
+    so that clients can join such tokens back into text)."""
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "héllo wörld"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 20,
+    }
+    r = httpx.post(f"{live_server.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    entries = r.json()["choices"][0]["logprobs"]["content"]
+    candidates = [top for entry in entries for top in entry["top_logprobs"]]
+    partial = [top for top in candidates if top["token"] == "\ufffd"]
+    assert partial, "no top candidate was a lone byte of a multi-byte character"
+    assert all(len(top["bytes"]) == 1 and top["bytes"][0] >= 0x80 for top in partial), partial
+    whole = [top for top in candidates if top["token"] != "\ufffd"]
+    assert all(bytes(top["bytes"]).decode() == top["token"] for top in whole)

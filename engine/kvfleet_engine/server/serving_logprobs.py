@@ -10,6 +10,7 @@ from kvfleet_engine.server.protocol import (
     CompletionLogprobs,
     TopLogprob,
 )
+from kvfleet_engine.tokenizer import TokenBytes
 
 if TYPE_CHECKING:
     from kvfleet_engine.outputs import CompletionOutput
@@ -17,10 +18,12 @@ if TYPE_CHECKING:
 
 class LogprobFormatter:
     """Turns a choice's token ids and logprob dicts into response logprobs (token texts come
-    from decoding each id alone)."""
+    from decoding each id alone; chat's `bytes` are each token's own, `TokenBytes`: a token that
+    holds part of a character decodes alone to U+FFFD)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self._bytes = TokenBytes(tokenizer)
 
     def completion(self, out: CompletionOutput | None, k: int | None) -> CompletionLogprobs | None:
         """A whole choice's logprobs (non-streaming completions)."""
@@ -59,14 +62,14 @@ class LogprobFormatter:
         for tid, lps in zip(out.token_ids[start:], out.logprobs[start:], strict=False):
             token = self._token_text(tid)
             top = [
-                TopLogprob(token=(t := self._token_text(i)), logprob=v, bytes=list(t.encode()))
+                TopLogprob(token=self._token_text(i), logprob=v, bytes=list(self._bytes(i)))
                 for i, v in _top(lps)[:k]
             ]
             entries.append(
                 ChatTokenLogprob(
                     token=token,
                     logprob=lps.get(tid, float("-inf")),
-                    bytes=list(token.encode()),
+                    bytes=list(self._bytes(tid)),
                     top_logprobs=top,
                 )
             )
