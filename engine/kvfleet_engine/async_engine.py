@@ -136,8 +136,9 @@ class AsyncEngine:
         self.client.send(AddRequest(request_id, prompt, fields, priority, arrival))
         return stream
 
-    def abort(self, request_ids: Sequence[str]) -> None:
-        """Abort requests (frees their KV blocks); their streams end without output."""
+    def abort(self, request_ids: Sequence[str], reason: str | None = None) -> None:
+        """Abort requests (frees their KV blocks); their streams end with an error that says
+        `reason` where one is given (a drain's timeout), without output."""
         ids = [rid for rid in request_ids if rid in self._streams]
         if not ids:
             return
@@ -149,14 +150,15 @@ class AsyncEngine:
                 finished.append(FinishedRequestStats("abort", now - timing.arrival_time, None))
             stream = self._streams.get(rid)
             if stream is not None and not stream.finished:
-                stream.put(RequestAbortedError(f"request {rid} was aborted"))
+                why = f": {reason}" if reason else ""
+                stream.put(RequestAbortedError(f"request {rid} was aborted{why}"))
             self._forget(rid)
         self.client.send(AbortRequests(ids))
         if self.metrics is not None and finished:
             self.metrics.observe_iteration(IterationStats(finished=finished))
 
-    def abort_all(self) -> None:
-        self.abort(list(self._streams))
+    def abort_all(self, reason: str | None = None) -> None:
+        self.abort(list(self._streams), reason)
 
     # --- named calls to the core -------------------------------------------------------------
 

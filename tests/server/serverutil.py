@@ -50,20 +50,23 @@ def scrape(url: str) -> str:
 class LiveServer:
     url: str  # http://127.0.0.1:PORT
     state: object  # kvfleet_engine.server.state.ServerState
+    server: object = None  # the uvicorn.Server (a DrainingServer with draining=True)
 
 
 @contextlib.contextmanager
 def serve_in_thread(
-    tiny_model_dir: Path, *, max_model_len: int = 512, **overrides: object
+    tiny_model_dir: Path, *, max_model_len: int = 512, draining: bool = False, **overrides: object
 ) -> Iterator[LiveServer]:
     """The tiny model's engine core and the app in a uvicorn thread, ready; `overrides` set
-    ServerSettings fields (api_key, max_request_body_bytes, log_requests, ...)."""
+    ServerSettings fields (api_key, max_request_body_bytes, log_requests, drain_timeout_s, ...);
+    `draining`: served by `kvfleet serve`'s DrainingServer (SIGTERM through handle_exit)."""
     from kvfleet_engine.async_engine import AsyncEngine
     from kvfleet_engine.client.core_client import CoreClient
     from kvfleet_engine.config import EngineConfig
     from kvfleet_engine.metrics import EngineInfo, EngineMetrics
     from kvfleet_engine.server.admission import AdmissionConfig
     from kvfleet_engine.server.app import build_app
+    from kvfleet_engine.server.cli import DrainingServer
     from kvfleet_engine.server.state import ServerSettings, ServerState
     from kvfleet_engine.tokenizer import load_tokenizer
 
@@ -85,20 +88,18 @@ def serve_in_thread(
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         max_num_seqs=config.scheduler.max_num_seqs,
         admission=AdmissionConfig(None, None, None, None),
-        drain_timeout_s=5.0,
-        **overrides,  # type: ignore[arg-type]
+        **{"drain_timeout_s": 5.0, **overrides},  # type: ignore[arg-type]
     )
     engine = AsyncEngine(client, load_tokenizer(config.model), metrics)
     state = ServerState(settings, engine, metrics)
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning")
-    )
+    config_ = uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning")
+    server = DrainingServer(config_, state) if draining else uvicorn.Server(config_)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
     wait_ready(url)
-    yield LiveServer(url, state)
+    yield LiveServer(url, state, server)
     server.should_exit = True
     thread.join(30)
     client.shutdown()

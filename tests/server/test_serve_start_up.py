@@ -92,3 +92,28 @@ def test_a_failed_warm_up_ends_the_server_with_exit_code_1(
     assert any(
         "start-up self-benchmark failed: ValueError: prompt is too long" in e for e in errors
     )
+
+
+def test_requests_past_the_drain_timeout_end_saying_why(tiny_model_dir: Path) -> None:
+    """SIGTERM with a stream in flight that outlasts --drain-timeout: the stream ends with an
+    error chunk that names the drain timeout (it said only "request ... was aborted")."""
+    import json
+    import signal
+
+    with serve_in_thread(
+        tiny_model_dir, max_model_len=2048, draining=True, drain_timeout_s=0.3
+    ) as live:
+        body = {"model": MODEL_NAME, "prompt": "long", "max_tokens": 2000, "ignore_eos": True,
+                "stream": True}  # fmt: skip
+        errors = []
+        with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {") and live.server is not None:
+                    live.server.handle_exit(signal.SIGTERM, None)  # type: ignore[attr-defined]
+                    live.server = None  # once
+                if line.startswith("data: {") and '"error"' in line:
+                    errors.append(json.loads(line.removeprefix("data: "))["error"]["message"])
+        assert len(errors) == 1, errors
+        assert "was aborted: the server is shutting down" in errors[0]
+        assert "drain timeout (0.3 s, --drain-timeout)" in errors[0]

@@ -344,7 +344,11 @@ class DrainingServer(uvicorn.Server):
             await asyncio.sleep(0.05)
         if engine.num_in_flight:
             log.warning("drain timeout: aborting %d requests", engine.num_in_flight)
-            engine.abort_all()
+            timeout = self.state.settings.drain_timeout_s
+            engine.abort_all(
+                f"the server is shutting down and its drain timeout ({timeout:g} s, "
+                "--drain-timeout) passed; send the request again, to another replica"
+            )
             await asyncio.sleep(0.1)  # let their responses end
         log.info("drained; shutting down")
         self.should_exit = True
