@@ -948,3 +948,28 @@ def test_one_warp_fp8_decode_takes_short_tiles_where_its_programs_fill_two_waves
     )
     assert torch.equal(default, explicit)
     assert relative_error(default, dense_attention(case)) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_short_fp8_tiles_decode_alike_at_a_full_batch_on_the_gpu(dtype) -> None:
+    """300 sequences x 8 kv heads fill two waves of an H100's / H200's one-warp programs: the
+    default launch takes 16-token tiles with the scales loaded where used, and matches the
+    32-token tiles with prefetched scales and dense attention over the dequantized cache."""
+    _skip_if_unavailable("cuda")
+    decode_plan = importlib.import_module("kvfleet_engine.kernels.decode_plan")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if decode_plan.token_major_fp8_tile(300, 8, sms) != 16:
+        pytest.skip(f"{sms} SMs: 300 sequences do not fill two waves")
+    lens = [(37 * i) % 700 + 1 for i in range(300)]
+    exact = make_paged_case(lens, [1] * 300, **LLAMA, dtype=dtype, device="cuda")
+    fp8 = _fp8_case(exact, "tokens")
+    case = fp8.case
+    cache = (fp8.k_cache, fp8.v_cache, case.block_tables, case.context_lens, case.scale)
+    short = decode.paged_decode_attention(case.query, *cache, **fp8.cache)
+    long = decode.paged_decode_attention(
+        case.query, *cache, **fp8.cache, block_n=32, prefetch_scales=True
+    )
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    assert relative_error(short, dense_attention(case)) < tol
+    assert relative_error(short, long) < tol
