@@ -164,7 +164,12 @@ def inference_deployment_crd() -> dict[str, Any]:
                 "rule": "size(self.metadata.name) <= 52",
                 "message": "metadata.name must be at most 52 characters (child names derive "
                 "from it)",
-            }
+            },
+            {
+                "rule": "self.metadata.name.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?$')",
+                "message": "metadata.name must be a DNS-1123 label (lowercase letters, digits "
+                "and '-', no dots): it names the Service, whose name may not hold a dot",
+            },
         ],
         "properties": {
             **_TYPE_META,

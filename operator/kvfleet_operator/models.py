@@ -41,7 +41,7 @@ from kvfleet_operator.kinds.status import (
     WorkloadKind,
 )
 from kvfleet_operator.kinds.topology import TENSOR_PARALLEL_SIZES, ParallelismSpec, ResourcesSpec
-from kvfleet_operator.wire import Model
+from kvfleet_operator.wire import INT32_MAX, Model
 
 __all__ = [
     "GGUF_SUFFIX",
@@ -108,7 +108,10 @@ class InferenceDeploymentSpec(Model):
     resources: ResourcesSpec = Field(description="GPU type, CPU, memory, /dev/shm.")
     engine: EngineSpec = Field(default_factory=EngineSpec, description="Engine settings.")
     replicas: int | None = Field(
-        default=None, ge=0, description="Fixed replica count (exclusive with autoscaling)."
+        default=None,
+        ge=0,
+        le=INT32_MAX,
+        description="Fixed replica count (exclusive with autoscaling).",
     )
     autoscaling: AutoscalingSpec | None = Field(
         default=None, description="Metric-driven replica count (exclusive with replicas)."

@@ -163,6 +163,8 @@ def plan_deployment(
     ]
     if memory is not None and not memory.fits:
         problems.append(Problem("InsufficientGPUMemory", _memory_message(spec, profile, memory)))
+    if known is not None:
+        problems += check_context(spec, known.numbers)
     external = spec.autoscaling.controller if spec.autoscaling is not None else "Builtin"
     if topology.kind == "StatefulSet" and external != "Builtin":
         problems.append(
@@ -201,6 +203,22 @@ def plan_deployment(
         problems=tuple(problems),
         memory_unknown_reason=model.reason if isinstance(model, UnknownModel) else None,
     )
+
+
+def check_context(spec: InferenceDeploymentSpec, model: ModelHints) -> list[Problem]:
+    """model.maxModelLen beyond the model's positions: the engine refuses it at start-up (the
+    pods would crash-loop), so nothing is rolled out."""
+    wanted, positions = spec.model.max_model_len, model.max_position_embeddings
+    if wanted is None or positions is None or wanted <= positions:
+        return []
+    return [
+        Problem(
+            "ContextTooLong",
+            f"model.maxModelLen={wanted} exceeds the model's {positions} positions "
+            "(max_position_embeddings), which the engine refuses; set at most "
+            f"{positions} or leave it unset",
+        )
+    ]
 
 
 def check_parallelism(spec: InferenceDeploymentSpec, model: ModelHints | None) -> list[Problem]:

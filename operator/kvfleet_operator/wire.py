@@ -6,6 +6,10 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
+# Replica counts are int32 in every workload, HPA and scale subresource: a larger one would
+# be admitted here and refused (or wrapped negative) in the children.
+INT32_MAX = 2**31 - 1
+
 
 def to_wire_name(field: str) -> str:
     """snake_case -> camelCase, keeping the unit GiB: memory_gib -> memoryGiB."""

@@ -59,7 +59,10 @@ def test_replicas_has_no_default_and_spec_rules_are_present() -> None:
     assert "either replicas or autoscaling" in messages
     assert "minReplicas must be <= autoscaling.maxReplicas" in messages
     model = spec["properties"]["model"]
-    assert model["properties"]["uri"]["pattern"] == "^(hf|pvc|s3|file)://.+"
+    assert (
+        "model.uri: hf://ORG/NAME"
+        in model["properties"]["uri"]["x-kubernetes-validations"][0]["message"]
+    )
     assert "oldSelf" in model["x-kubernetes-validations"][0]["rule"]
     tensor = spec["properties"]["parallelism"]["properties"]["tensor"]
     assert tensor["x-kubernetes-validations"][0]["rule"] == "self in [1, 2, 4, 8, 16]"
@@ -122,7 +125,7 @@ def test_a_gguf_uri_must_name_a_file_in_its_source() -> None:
     from kvfleet_operator.models import GGUF_URI_MESSAGE, GGUF_URI_PATTERN, ModelSpec
 
     uri = _schema()["properties"]["spec"]["properties"]["model"]["properties"]["uri"]
-    [rule] = uri["x-kubernetes-validations"]
+    rule = uri["x-kubernetes-validations"][-1]
     assert rule["rule"] == f"!self.endsWith('.gguf') || self.matches('{GGUF_URI_PATTERN}')"
     assert rule["message"] == GGUF_URI_MESSAGE
     valid = [
@@ -224,3 +227,44 @@ def test_hints_without_a_context_length_need_max_model_len() -> None:
         ModelSpec(uri="hf://org/custom", hints=hints)
     assert ModelSpec(uri="hf://org/custom", hints=hints, maxModelLen=4096)
     assert ModelSpec(uri="hf://org/custom", hints={**hints, "maxPositionEmbeddings": 8192})
+
+
+def test_a_model_uri_names_one_source_and_nothing_else() -> None:
+    """model.uri ends up in init-container and engine arguments and, for file://, in a hostPath
+    volume: an option (hf://--help), whitespace, a relative or root path on the node and `..`
+    segments are refused with the forms it takes; at admission (CEL, the same pattern) and by
+    the operator for objects stored before the rules."""
+    import re
+
+    import pytest
+    from pydantic import ValidationError
+
+    from kvfleet_operator.kinds.model import (
+        MODEL_URI_MESSAGE,
+        MODEL_URI_PATTERN,
+        PARENT_SEGMENT_MESSAGE,
+    )
+    from kvfleet_operator.models import ModelSpec
+
+    uri = _schema()["properties"]["spec"]["properties"]["model"]["properties"]["uri"]
+    rules = [(r["rule"], r["message"]) for r in uri["x-kubernetes-validations"]]
+    assert (f"self.matches(r'{MODEL_URI_PATTERN}')", MODEL_URI_MESSAGE) in rules
+    assert rules[1][1] == PARENT_SEGMENT_MESSAGE
+    for value in [
+        "hf://meta-llama/Llama-3.1-8B-Instruct", "hf://gpt2", "hf://org/repo.gguf/",
+        "pvc://models/llama", "pvc://models", "s3://bucket/prefix/", "file:///var/models/x",
+    ]:  # fmt: skip
+        assert re.match(MODEL_URI_PATTERN, value), value
+        ModelSpec(uri=value)
+    for value in [
+        "hf://--help", "hf://meta-llama/Llama 3.1 8B", "hf://-org/x", "pvc:///x", "pvc://:",
+        "pvc://Models/x", "file:///", "file://relative/dir", "s3://", "ftp://host/x",
+    ]:  # fmt: skip
+        assert not re.match(MODEL_URI_PATTERN, value), value
+        with pytest.raises(ValidationError, match=re.escape(MODEL_URI_MESSAGE)):
+            ModelSpec(uri=value)
+    for value in ["pvc://models/../../etc", "file:///var/models/..", "s3://bucket/x/../y"]:
+        with pytest.raises(ValidationError, match=re.escape(PARENT_SEGMENT_MESSAGE)):
+            ModelSpec(uri=value)
+    with pytest.raises(ValidationError, match="revision"):
+        ModelSpec(uri="hf://org/name", revision="--help")

@@ -253,7 +253,8 @@ def test_pipeline_larger_than_the_layers_is_refused(make_spec) -> None:
 
 def test_tensor_size_against_gguf_header_heads(make_spec, write_gguf) -> None:
     """The head count of an hf:// GGUF file's header checks the tensor size."""
-    header = parse_gguf_header(write_gguf(with_data=False, heads=4, kv_heads=2).read_bytes())
+    gguf = write_gguf(with_data=False, heads=4, kv_heads=2, context=8192)
+    header = parse_gguf_header(gguf.read_bytes())
     spec = make_spec(model={"uri": GGUF_URI}, parallelism={"tensor": 8})
     p = plan_deployment(
         "llama", spec, resolve_accelerator("h100-80gb", {}),

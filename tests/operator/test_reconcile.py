@@ -171,7 +171,8 @@ async def test_invalid_spec_is_reported_not_raised() -> None:
 
 
 async def test_hf_gguf_is_planned_from_its_header_read_once(write_gguf) -> None:
-    data = write_gguf(layers=32, hidden=4096, heads=32, kv_heads=8, with_data=False).read_bytes()
+    gguf = write_gguf(layers=32, hidden=4096, heads=32, kv_heads=8, with_data=False, context=8192)
+    data = gguf.read_bytes()
     requests: list[httpx.Request] = []
 
     def hub(request: httpx.Request) -> httpx.Response:

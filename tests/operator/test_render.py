@@ -137,7 +137,8 @@ def pod_of(deployment: dict) -> dict:
 
 
 def test_hf_gguf_downloads_only_that_file(check_golden, make_spec, write_gguf) -> None:
-    header = parse_gguf_header(write_gguf(with_data=False, layers=32, hidden=4096).read_bytes())
+    gguf = write_gguf(with_data=False, layers=32, hidden=4096, context=8192)
+    header = parse_gguf_header(gguf.read_bytes())
     spec = make_spec(
         model={"uri": HF_GGUF, "revision": "9a8b7c6", "credentialsSecret": {"name": "hf-token"}}
     )

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from kvfleet_operator.wire import Model, to_wire_name
+from kvfleet_operator.wire import INT32_MAX, Model, to_wire_name
 
 Controller = Literal["Builtin", "HPA", "KEDA"]
 MetricsSource = Literal["Direct", "Prometheus"]
@@ -234,11 +234,12 @@ class AutoscalingSpec(Model):
     min_replicas: int = Field(
         default=1,
         ge=0,
+        le=INT32_MAX,
         description="Fewest replicas. 0 scales to zero after routing.scaleToZeroAfterSeconds "
         "without requests, and back to one when a request waits in the router; it needs "
         "routing.enabled and controller Builtin.",
     )
-    max_replicas: int = Field(ge=1, description="Most replicas.")
+    max_replicas: int = Field(ge=1, le=INT32_MAX, description="Most replicas.")
     controller: Controller = Field(
         default="Builtin",
         description="Who scales: Builtin (the operator itself), HPA (an autoscaling/v2 "

@@ -10,7 +10,27 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from kvfleet_operator.kinds.cel import cel
 from kvfleet_operator.wire import Model
 
-MODEL_URI_PATTERN = r"^(hf|pvc|s3|file)://.+"
+# What each scheme names, no whitespace anywhere (the URI ends up in init-container and engine
+# arguments): a Hugging Face repo id (NAME or ORG/NAME, each starting with a letter or digit, so
+# never an option such as --help), then a file path inside it; a PersistentVolumeClaim's name
+# (DNS-1123) and a path in it; an S3 bucket and a key; an absolute path on the node that is not
+# the root. `..` segments are refused by a rule of their own (RE2, the API server's regex
+# engine, has no lookahead).
+_HF_ID = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+MODEL_URI_PATTERN = (
+    rf"^(hf://{_HF_ID}(/{_HF_ID})?(/\S*)?"
+    r"|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/\S*)?"
+    r"|s3://[a-z0-9][-a-z0-9.]*[a-z0-9](/\S*)?"
+    r"|file:///[^/\s]\S*)$"
+)
+MODEL_URI_MESSAGE = (
+    "model.uri: hf://ORG/NAME (a repo id: letters, digits, '.', '_', '-'; not starting with "
+    "'-'), pvc://CLAIM/PATH, s3://BUCKET/PREFIX or file:///PATH (absolute, not the root); no "
+    "whitespace"
+)
+# `..` as a path segment: refused (a claim's or node's path outside the one named).
+PARENT_SEGMENT_RULE = "!self.contains('/../') && !self.endsWith('/..')"
+PARENT_SEGMENT_MESSAGE = "model.uri: a '..' path segment is not allowed"
 
 # A URI ending in .gguf names one GGUF file inside its source; any other URI names a directory.
 GGUF_SUFFIX = ".gguf"
@@ -99,20 +119,24 @@ class ModelSpec(Model):
 
     uri: str = Field(
         max_length=2048,
-        pattern=MODEL_URI_PATTERN,
         description="Where the weights are: a directory, hf://ORG/NAME, pvc://CLAIM/PATH, "
         "s3://BUCKET/PREFIX or file:///PATH (on the node); or, ending in .gguf, one GGUF file: "
         "hf://ORG/REPO/FILE.gguf, pvc://CLAIM/PATH/FILE.gguf, s3://BUCKET/KEY.gguf or "
         "file:///PATH/FILE.gguf.",
         json_schema_extra=cel(
+            (f"self.matches(r'{MODEL_URI_PATTERN}')", MODEL_URI_MESSAGE),  # CEL raw string
+            (PARENT_SEGMENT_RULE, PARENT_SEGMENT_MESSAGE),
             (
                 f"!self.endsWith('{GGUF_SUFFIX}') || self.matches('{GGUF_URI_PATTERN}')",
                 GGUF_URI_MESSAGE,
-            )
+            ),
         ),
     )
     revision: str | None = Field(
-        default=None, max_length=128, description="hf:// only: branch, tag or commit to download."
+        default=None,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$",
+        description="hf:// only: branch, tag or commit to download (not starting with '-').",
     )
     served_model_name: str | None = Field(
         default=None,
@@ -133,10 +157,14 @@ class ModelSpec(Model):
 
     @field_validator("uri")
     @classmethod
-    def _gguf_names_a_file(cls, uri: str) -> str:
-        # The same rule as the CEL one above, for objects stored before it existed.
+    def _uri_names_one_source(cls, uri: str) -> str:
+        # The same rules as the CEL ones above, for objects stored before they existed.
         if uri.endswith(GGUF_SUFFIX) and not re.match(GGUF_URI_PATTERN, uri):
             raise ValueError(GGUF_URI_MESSAGE)
+        if not re.match(MODEL_URI_PATTERN, uri):
+            raise ValueError(MODEL_URI_MESSAGE)
+        if "/../" in uri or uri.endswith("/.."):
+            raise ValueError(PARENT_SEGMENT_MESSAGE)
         return uri
 
     @model_validator(mode="after")

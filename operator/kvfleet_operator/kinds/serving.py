@@ -2,19 +2,63 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from kvfleet_operator.kinds.cel import cel
 from kvfleet_operator.wire import Model
+
+# `kvfleet serve` flags the operator sets itself, and the spec field each comes from: given in
+# engine.extraArgs (which come last, so the engine's parser would take them) they would serve
+# another model or port than the Service, probes and router use, or bypass the checks and the
+# memory plan made for the spec's values (fp8 on a GPU without it, a context that does not fit).
+MANAGED_ENGINE_FLAGS = {
+    "--model": "model.uri",
+    "--served-model-name": "model.servedModelName",
+    "--host": "(the operator: every interface)",
+    "--port": "(the operator: the engine port the Service and probes use)",
+    "--max-model-len": "model.maxModelLen",
+    "--block-size": "engine.blockSize",
+    "--gpu-memory-utilization": "engine.gpuMemoryUtilization",
+    "--max-num-seqs": "engine.maxNumSeqs",
+    "--max-num-batched-tokens": "engine.maxNumBatchedTokens",
+    "--enable-prefix-caching": "engine.enablePrefixCaching",
+    "--no-enable-prefix-caching": "engine.enablePrefixCaching",
+    "--max-queued-requests": "engine.maxQueuedRequests",
+    "--max-queued-tokens": "engine.maxQueuedTokens",
+    "--tensor-parallel-size": "parallelism.tensor",
+    "--pipeline-parallel-size": "parallelism.pipeline",
+    "--nnodes": "parallelism (the operator: nodes per replica)",
+    "--node-rank": "parallelism (the operator: each pod's rank)",
+    "--master-addr": "parallelism (the operator: the group's leader)",
+    "--master-port": "parallelism (the operator)",
+    "--quantization": "quantization.weights",
+    "--kv-cache-dtype": "quantization.kvCache",
+    "--kv-cache-calibration": "quantization.kvCacheCalibration",
+    "--ttft-slo-ms": "sla.ttftMs",
+    "--tpot-slo-ms": "sla.tpotMs",
+    "--drain-timeout": "rollout.drainTimeoutSeconds",
+    "--api-key": "auth.apiKeySecretRef (a key in extraArgs would be readable in the pod spec)",
+}
+_FLAG_LIST = ", ".join(f"'{flag}'" for flag in MANAGED_ENGINE_FLAGS)
+MANAGED_FLAGS_RULE = (
+    f"self.all(arg, ![{_FLAG_LIST}].exists(f, arg == f || arg.startsWith(f + '=')))"
+)
+MANAGED_FLAGS_MESSAGE = (
+    "engine.extraArgs: flags the operator sets from the spec are not accepted there; set the "
+    "spec field instead (--model: model.uri, --quantization: quantization.weights, "
+    "--max-model-len: model.maxModelLen, --tensor-parallel-size: parallelism.tensor, ...)"
+)
 
 
 class EngineSpec(Model):  # defaults: the engine's (tests/engine/test_config_defaults.py)
     image: str | None = Field(
         default=None, max_length=512, description="Engine image; defaults to the operator's."
     )
-    block_size: int = Field(default=16, ge=1, le=256, description="Tokens per KV-cache block.")
+    block_size: Literal[1, 2, 4, 8, 16, 32, 64, 128, 256] = Field(
+        default=16, description="Tokens per KV-cache block: a power of two up to 256."
+    )
     gpu_memory_utilization: float = Field(
         default=0.9, gt=0, le=1, description="Fraction of GPU memory the engine may use."
     )
@@ -27,11 +71,28 @@ class EngineSpec(Model):  # defaults: the engine's (tests/engine/test_config_def
     max_queued_tokens: int | None = Field(
         default=None, ge=1, description="Prompt tokens that may wait; beyond it, 429."
     )
-    extra_args: list[Annotated[str, Field(description="One argument, e.g. --seed or 42.")]] = Field(
+    extra_args: list[
+        Annotated[str, Field(max_length=1024, description="One argument, e.g. --seed or 42.")]
+    ] = Field(
         default_factory=list,
         max_length=64,
-        description="Extra `kvfleet serve` arguments, appended after the generated ones.",
+        description="Extra `kvfleet serve` arguments, appended after the generated ones; not "
+        "the flags the operator sets from other fields.",
+        json_schema_extra=cel((MANAGED_FLAGS_RULE, MANAGED_FLAGS_MESSAGE)),
     )
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_managed_flags(cls, args: list[str]) -> list[str]:
+        # The CEL rule above, with the field to use, for objects stored before it existed.
+        for arg in args:
+            flag = arg.split("=", 1)[0]
+            if flag in MANAGED_ENGINE_FLAGS:
+                raise ValueError(
+                    f"engine.extraArgs: {flag} is set by the operator from "
+                    f"{MANAGED_ENGINE_FLAGS[flag]}; set that instead"
+                )
+        return args
 
 
 class SLASpec(Model):

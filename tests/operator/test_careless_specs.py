@@ -1,0 +1,86 @@
+"""Specs a careless or hostile user writes (found by driving the operator on the local control
+plane with ~70 of them): each is refused where it is written, naming the field, instead of
+rolling out pods that crash-loop or that run something else than the spec says."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from pydantic import ValidationError
+from test_crd import _schema
+from test_plan import plan
+
+from kvfleet_operator.kinds.serving import MANAGED_FLAGS_RULE
+from kvfleet_operator.render_pod import engine_args
+
+
+@pytest.mark.parametrize(
+    ("extra", "flag", "field"),
+    [
+        (["--port", "9000"], "--port", "the engine port the Service and probes use"),
+        (["--model=/etc"], "--model", "model.uri"),
+        (["--quantization=fp8"], "--quantization", "quantization.weights"),
+        (["--seed", "1", "--tensor-parallel-size", "8"], "--tensor-parallel-size",
+         "parallelism.tensor"),
+        (["--api-key", "sk-1"], "--api-key", "auth.apiKeySecretRef"),
+    ],
+)  # fmt: skip
+def test_extra_args_cannot_override_what_the_operator_sets(
+    make_spec, extra: list[str], flag: str, field: str
+) -> None:
+    """Before, `--quantization=fp8` in extraArgs ran fp8 on an A100 past the capability check,
+    `--port 9000` left the Service and probes on a port nobody listened on."""
+    with pytest.raises(ValidationError) as error:
+        make_spec(engine={"extraArgs": extra})
+    message = str(error.value)
+    assert f"engine.extraArgs: {flag} is set by the operator from" in message
+    assert field in message
+    # At admission the same list: every flag the operator renders is in the CEL rule.
+    spec = make_spec(
+        parallelism={"tensor": 2}, sla={"ttftMs": 500, "tpotMs": 50},
+        quantization={"weights": "fp8", "kvCache": "fp8"},
+        engine={"maxQueuedRequests": 8, "maxQueuedTokens": 9000, "extraArgs": ["--seed", "1"]},
+    )  # fmt: skip
+    plan_ = plan(spec)
+    rendered = [a for a in engine_args(spec, plan_, "/models/model") if a.startswith("--")]
+    assert all(f"'{a}'" in MANAGED_FLAGS_RULE for a in rendered if a != "--seed")
+
+
+def test_a_context_longer_than_the_models_positions_stalls(make_spec) -> None:
+    """Llama 3.1 8B has 131,072 positions; the engine refuses more at start-up."""
+    p = plan(make_spec(model={"maxModelLen": 1_000_000}, quantization={"kvCache": "fp8"}))
+    [problem] = [problem for problem in p.problems if problem.reason == "ContextTooLong"]
+    assert "model.maxModelLen=1000000 exceeds the model's 131072 positions" in problem.message
+    assert plan(make_spec(model={"maxModelLen": 131_072})).ok
+
+
+def test_a_block_size_the_engine_refuses_is_refused_here(make_spec) -> None:
+    with pytest.raises(ValidationError, match="blockSize"):
+        make_spec(engine={"blockSize": 3})
+    assert make_spec(engine={"blockSize": 32}).engine.block_size == 32
+    block = _schema()["properties"]["spec"]["properties"]["engine"]["properties"]["blockSize"]
+    assert block["enum"] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+def test_replica_counts_stay_within_int32(make_spec) -> None:
+    """maxReplicas 2^31 was admitted, then rendered into the HPA as -2147483648."""
+    auto = {"controller": "HPA", "minReplicas": 1, "maxReplicas": 2**31,
+            "targets": {"kvCacheUtilization": 0.8}}  # fmt: skip
+    with pytest.raises(ValidationError, match="maxReplicas"):
+        make_spec(replicas=None, autoscaling=auto)
+    with pytest.raises(ValidationError, match="replicas"):
+        make_spec(replicas=2**31)
+    spec = _schema()["properties"]["spec"]["properties"]
+    assert spec["replicas"]["maximum"] == 2**31 - 1
+    assert spec["autoscaling"]["properties"]["maxReplicas"]["maximum"] == 2**31 - 1
+
+
+def test_a_name_with_a_dot_is_refused_at_admission() -> None:
+    """`my.model` was admitted; its Service was then refused (no dots), half the children built,
+    and the operator retried it every 10 s for good."""
+    [rule] = [r for r in _schema()["x-kubernetes-validations"] if "DNS-1123" in r["message"]]
+    pattern = re.search(r"matches\('(.+)'\)", rule["rule"]).group(1)  # type: ignore[union-attr]
+    assert re.match(pattern, "llama-3-8b") and re.match(pattern, "m0")
+    for name in ("my.model", "Llama", "-x", "x-", "a_b"):
+        assert not re.match(pattern, name), name
