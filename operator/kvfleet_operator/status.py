@@ -43,11 +43,15 @@ class WorkloadState:
     failing_pods: tuple[str, ...]  # "pod: reason" for pods stuck in a failing state
     unschedulable: str | None  # the scheduler's message for a pending pod, if any
     quantization: str  # quantization.weights of the Deployment's engine container
+    # The Deployment's ReplicaFailure message: the API server or an admission webhook refuses
+    # its pods (a PodSecurity level, a quota), so no pod exists to report anything.
+    pods_refused: str | None = None
 
 
 def summarize_workload(deployment: dict[str, Any], pods: list[dict[str, Any]]) -> WorkloadState:
     spec, status = deployment.get("spec", {}), deployment.get("status", {})
     progressing = _find(status.get("conditions", []), "Progressing")
+    refused = _find(status.get("conditions", []), "ReplicaFailure")
     failing, unschedulable = pod_troubles(pods)
     return WorkloadState(
         desired=spec.get("replicas", 1),
@@ -61,6 +65,11 @@ def summarize_workload(deployment: dict[str, Any], pods: list[dict[str, Any]]) -
         failing_pods=failing,
         unschedulable=unschedulable,
         quantization=engine_weights(spec.get("template", {})),
+        pods_refused=(
+            refused.get("message", refused.get("reason", "ReplicaFailure"))
+            if refused and refused.get("status") == "True"
+            else None
+        ),
     )
 
 
@@ -230,6 +239,13 @@ def _rollout_conditions(
             "Stalled": ("False", "Healthy", message),
             "Reconciling": ("False", "Reconciled", message),
             "Ready": ("True", reason, message),
+        }
+    if workload.pods_refused:
+        message = f"the engine pods are refused: {workload.pods_refused}"
+        return {
+            "Stalled": ("True", "PodsRefused", message),
+            "Reconciling": ("False", "PodsRefused", message),
+            "Ready": ("False", "PodsRefused", message),
         }
     message = f"{workload.ready}/{desired} replicas ready, {workload.updated}/{desired} updated" + (
         f"; unschedulable: {workload.unschedulable}" if workload.unschedulable else ""

@@ -221,3 +221,37 @@ def test_quantization_is_the_weight_format_the_pods_run(make_spec) -> None:
     assert status["quantization"] == "none"
     # Nothing runs at all: no format is in effect.
     assert status_for(fp8_a100, None)["quantization"] is None
+
+
+def test_pods_the_api_server_refuses_are_named_in_status(make_spec) -> None:
+    """A namespace enforcing PodSecurity baseline refuses a file:// model's hostPath pod: the
+    Deployment says so in ReplicaFailure and no pod exists. Before, status read "RollingOut:
+    0/1 replicas ready" for the 600 s of the progress deadline, then a generic message."""
+    refusal = (
+        'pods "llama-5d9c-x" is forbidden: violates PodSecurity "baseline:latest": hostPath '
+        'volumes (volume "model")'
+    )
+    deployment = {
+        "metadata": {"generation": 2},
+        "spec": {"replicas": 1},
+        "status": {
+            "observedGeneration": 2,
+            "conditions": [
+                {"type": "Progressing", "status": "True", "reason": "NewReplicaSetCreated"},
+                {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
+                 "message": refusal},
+            ],
+        },
+    }  # fmt: skip
+    state = summarize_workload(deployment, [])
+    assert state.pods_refused == refusal
+    status = status_for(make_spec(replicas=1), state)
+    assert conditions(status)["Stalled"] == ("True", "PodsRefused")
+    assert conditions(status)["Ready"] == ("False", "PodsRefused")
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert refusal in ready["message"]
+    # Once the pods exist and serve, the old condition (cleared by the controller) is gone.
+    deployment["status"] = {"observedGeneration": 2, "replicas": 1, "updatedReplicas": 1,
+                            "readyReplicas": 1}  # fmt: skip
+    healthy = status_for(make_spec(replicas=1), summarize_workload(deployment, []))
+    assert conditions(healthy)["Ready"] == ("True", "AllReplicasReady")
