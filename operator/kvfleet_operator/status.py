@@ -46,12 +46,14 @@ class WorkloadState:
     # The Deployment's ReplicaFailure message: the API server or an admission webhook refuses
     # its pods (a PodSecurity level, a quota), so no pod exists to report anything.
     pods_refused: str | None = None
+    # Why the router's Deployment cannot run (its pods refused, its rollout past its deadline):
+    # status.endpoint.url points at the router, so nothing reaches the engines meanwhile.
+    router_failure: str | None = None
 
 
 def summarize_workload(deployment: dict[str, Any], pods: list[dict[str, Any]]) -> WorkloadState:
     spec, status = deployment.get("spec", {}), deployment.get("status", {})
     progressing = _find(status.get("conditions", []), "Progressing")
-    refused = _find(status.get("conditions", []), "ReplicaFailure")
     failing, unschedulable = pod_troubles(pods)
     return WorkloadState(
         desired=spec.get("replicas", 1),
@@ -65,12 +67,28 @@ def summarize_workload(deployment: dict[str, Any], pods: list[dict[str, Any]]) -
         failing_pods=failing,
         unschedulable=unschedulable,
         quantization=engine_weights(spec.get("template", {})),
-        pods_refused=(
-            refused.get("message", refused.get("reason", "ReplicaFailure"))
-            if refused and refused.get("status") == "True"
-            else None
-        ),
+        pods_refused=_replica_failure(status),
     )
+
+
+def _replica_failure(status: dict[str, Any]) -> str | None:
+    """A Deployment's ReplicaFailure message (the API server or a webhook refuses its pods)."""
+    refused = _find(status.get("conditions", []), "ReplicaFailure")
+    if refused is None or refused.get("status") != "True":
+        return None
+    return str(refused.get("message") or refused.get("reason") or "ReplicaFailure")
+
+
+def deployment_failure(deployment: dict[str, Any]) -> str | None:
+    """Why a Deployment cannot run: its pods refused, or its rollout past its deadline."""
+    status = deployment.get("status", {})
+    refused = _replica_failure(status)
+    if refused is not None:
+        return refused
+    progressing = _find(status.get("conditions", []), "Progressing")
+    if progressing and progressing.get("reason") == "ProgressDeadlineExceeded":
+        return str(progressing.get("message") or "its rollout exceeded its progress deadline")
+    return None
 
 
 def pod_troubles(pods: list[dict[str, Any]]) -> tuple[tuple[str, ...], str | None]:
@@ -216,6 +234,16 @@ def _rollout_conditions(
             "Stalled": ("True", reason, message),
             "Reconciling": ("False", reason, message),
             "Ready": ("False", reason, message),
+        }
+    if spec.routing.enabled and workload.router_failure:
+        message = (
+            f"the router cannot run ({workload.router_failure}); status.endpoint.url points at "
+            "it, so no request reaches the engines"
+        )
+        return {
+            "Stalled": ("True", "RouterFailing", message),
+            "Reconciling": ("False", "RouterFailing", message),
+            "Ready": ("False", "RouterFailing", message),
         }
     if workload.deadline_exceeded:
         message = "the rollout exceeded its progress deadline"

@@ -4,6 +4,7 @@ their pods. The decisions are topology_groups' (pure); this module only fetches 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,7 +14,7 @@ from kvfleet_operator.apply import Cluster
 from kvfleet_operator.autoscaling.actuators import EXTERNAL_KINDS
 from kvfleet_operator.render import selector_string
 from kvfleet_operator.render_router import router_name
-from kvfleet_operator.status import WorkloadState, summarize_workload
+from kvfleet_operator.status import WorkloadState, deployment_failure, summarize_workload
 from kvfleet_operator.topology import group_name
 from kvfleet_operator.topology_groups import (
     pods_to_replace,
@@ -36,6 +37,7 @@ class Workloads:
     statefulsets: list[Manifest] = field(default_factory=list)
     rank_service: Manifest | None = None  # the StatefulSet groups' headless Service
     pods: list[Manifest] = field(default_factory=list)
+    router: Manifest | None = None  # the router's Deployment (routing.enabled), for its health
 
     def objects(self) -> list[Manifest]:
         """Every workload object found (the candidates for pruning)."""
@@ -63,6 +65,12 @@ class Workloads:
         return next((kind for kind, here in present.items() if here), None)
 
     def summary(self, planned: str | None, desired_groups: int | None) -> WorkloadState | None:
+        state = self._engines(planned, desired_groups)
+        if state is None or self.router is None:
+            return state
+        return dataclasses.replace(state, router_failure=deployment_failure(self.router))
+
+    def _engines(self, planned: str | None, desired_groups: int | None) -> WorkloadState | None:
         kind = self.kind(planned)
         if kind == "Deployment":
             assert self.deployment is not None
@@ -87,6 +95,7 @@ async def read_workloads(
         statefulsets=await cluster.list("apps/v1", "StatefulSet", namespace, selector),
         rank_service=await cluster.get("v1", "Service", group_name(name), namespace),
         pods=await cluster.list("v1", "Pod", namespace, selector),
+        router=await cluster.get("apps/v1", "Deployment", router_name(name), namespace),
     )
     if leader_worker_set:
         found.leader_worker_set = await cluster.get(

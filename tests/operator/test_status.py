@@ -8,6 +8,7 @@ from kvfleet_operator.plan import ClusterFeatures, plan_deployment
 from kvfleet_operator.status import (
     WorkloadState,
     compute_status,
+    deployment_failure,
     invalid_spec_status,
     summarize_workload,
     transition_events,
@@ -255,3 +256,34 @@ def test_pods_the_api_server_refuses_are_named_in_status(make_spec) -> None:
                             "readyReplicas": 1}  # fmt: skip
     healthy = status_for(make_spec(replicas=1), summarize_workload(deployment, []))
     assert conditions(healthy)["Ready"] == ("True", "AllReplicasReady")
+
+
+def test_a_router_that_cannot_run_keeps_the_deployment_from_ready(make_spec) -> None:
+    """routing.image " " left the router's Deployment with a ReplicaFailure and 0/1 ready while
+    the resource said Ready (AllReplicasReady) and status.endpoint.url pointed at the router."""
+    router = {"status": {"conditions": [
+        {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
+         "message": 'Pod "llama-router-x" is invalid: spec.containers[0].image: Required value'},
+    ]}}  # fmt: skip
+    failure = deployment_failure(router)
+    assert failure is not None and "image: Required value" in failure
+    status = status_for(make_spec(), workload(router_failure=failure))
+    assert conditions(status)["Ready"] == ("False", "RouterFailing")
+    assert conditions(status)["Stalled"] == ("True", "RouterFailing")
+    late = {
+        "status": {
+            "conditions": [
+                {
+                    "type": "Progressing",
+                    "status": "False",
+                    "reason": "ProgressDeadlineExceeded",
+                    "message": 'ReplicaSet "llama-router-x" has timed out',
+                }
+            ]
+        }
+    }
+    assert deployment_failure(late) == 'ReplicaSet "llama-router-x" has timed out'
+    assert deployment_failure({"status": {"readyReplicas": 1}}) is None
+    # Without routing the router's Deployment is being pruned: its state does not count.
+    no_router = status_for(make_spec(routing={"enabled": False}), workload(router_failure=failure))
+    assert conditions(no_router)["Ready"] == ("True", "AllReplicasReady")
