@@ -416,4 +416,13 @@ def rollout_event(
     old, new = before["metadata"].get("generation"), after["metadata"].get("generation")
     if old == new:
         return None
+    if "spec" in before and _all_but_replicas(before) == _all_but_replicas(after):
+        # spec.suspend, or a new spec.replicas: the pods stay as they are, only their number
+        # changes (a RolloutStarted here read as if every replica were replaced).
+        was, now = before["spec"].get("replicas", 1), after["spec"].get("replicas", 1)
+        return Event("Normal", "Scaled", f"{kind} scaled from {was} to {now} replicas")
     return Event("Normal", "RolloutStarted", f"{kind} spec changed (generation {old} -> {new})")
+
+
+def _all_but_replicas(workload: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in workload.get("spec", {}).items() if k != "replicas"}

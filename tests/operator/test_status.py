@@ -184,6 +184,15 @@ def test_rollout_events() -> None:
     assert rollout_event(first, second).reason == "RolloutStarted"
     assert rollout_event(second, second) is None
     assert rollout_event(None, None) is None
+    # A new replica count alone (spec.suspend, spec.replicas) is a scale, not a rollout.
+    template = {"template": {"spec": {"containers": [{"name": "engine", "args": ["--seed"]}]}}}
+    running = {"metadata": {"generation": 2}, "spec": {"replicas": 2, **template}}
+    suspended = {"metadata": {"generation": 3}, "spec": {"replicas": 0, **template}}
+    scaled = rollout_event(running, suspended)
+    assert scaled is not None and scaled.reason == "Scaled"
+    assert scaled.message == "Deployment scaled from 2 to 0 replicas"
+    changed = {"metadata": {"generation": 4}, "spec": {"replicas": 0, "template": {}}}
+    assert rollout_event(suspended, changed).reason == "RolloutStarted"
 
 
 def test_memory_plan_says_where_its_numbers_came_from(make_spec) -> None:
