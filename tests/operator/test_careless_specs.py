@@ -84,3 +84,11 @@ def test_a_name_with_a_dot_is_refused_at_admission() -> None:
     assert re.match(pattern, "llama-3-8b") and re.match(pattern, "m0")
     for name in ("my.model", "Llama", "-x", "x-", "a_b"):
         assert not re.match(pattern, name), name
+
+
+def test_a_served_model_name_holds_no_whitespace(make_spec) -> None:
+    """It becomes an argument, a metric label and a log field: "llama\\n8b" was admitted."""
+    for name in ("llama\n8b", "my model", " llama"):
+        with pytest.raises(ValidationError, match="servedModelName"):
+            make_spec(model={"servedModelName": name})
+    assert make_spec(model={"servedModelName": "meta-llama/Llama-3.1-8B"}).model.served_model_name

@@ -141,7 +141,9 @@ class ModelSpec(Model):
     served_model_name: str | None = Field(
         default=None,
         max_length=253,
-        description="Name clients pass as `model`; defaults to metadata.name. Immutable.",
+        pattern=r"^\S+$",
+        description="Name clients pass as `model` (no whitespace: it is an argument, a metric "
+        "label and a log field); defaults to metadata.name. Immutable.",
     )
     max_model_len: int | None = Field(
         default=None, ge=16, description="Longest prompt + output per sequence, in tokens."
