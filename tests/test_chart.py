@@ -101,13 +101,15 @@ def test_values_set_namespaces_engine_image_resources_and_placement() -> None:
         "--set", "image.tag=0.2.0", "--set", "image.pullPolicy=Always",
         "--set", "resources.limits.memory=1Gi",
         "--set", "hfEndpoint=https://hf-mirror.example",
+        "--set", "hostPathPrefixes={/var/models,/mnt/weights}",
         "--set", "nodeSelector.pool=system",
     )  # fmt: skip
     container = _operator(objects)
     args = container["args"]
     assert args[args.index("--namespace") :] == [
         "--namespace", "team-a", "--namespace", "team-*", "--hf-endpoint",
-        "https://hf-mirror.example",
+        "https://hf-mirror.example", "--host-path-prefix", "/var/models",
+        "--host-path-prefix", "/mnt/weights",
     ]  # fmt: skip
     assert container["env"] == [
         {"name": "KVFLEET_ENGINE_IMAGE", "value": "registry.example/kvfleet-engine:dev"}

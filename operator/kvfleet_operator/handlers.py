@@ -32,7 +32,9 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.watching.client_timeout = 150
     memo.cluster = await Cluster.connect()
     memo.headers = HeaderCache(memo.get("hf_endpoint", api.DEFAULT_HF_ENDPOINT))
-    resync = functools.partial(reconcile, headers=memo.headers)
+    resync = functools.partial(
+        reconcile, headers=memo.headers, host_path_prefixes=memo.get("host_path_prefixes")
+    )
     memo.loops = Loops(memo.cluster, memo.get("namespaces", ()), resync, run_autoscaler)
     memo.loops_task = asyncio.create_task(memo.loops.run())
 
@@ -65,7 +67,10 @@ async def child_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 async def _reconcile(memo: kopf.Memo, namespace: str | None, name: str) -> None:
     assert namespace is not None, "InferenceDeployment is namespaced"
     try:
-        await reconcile(memo.cluster, namespace, name, memo.headers)
+        await reconcile(
+            memo.cluster, namespace, name, memo.headers,
+            host_path_prefixes=memo.get("host_path_prefixes"),
+        )  # fmt: skip
     except Exception as exc:  # API errors, timeouts: retried, not fatal
         message = f"reconcile failed: {api_error_summary(exc)}"
         raise kopf.TemporaryError(message, delay=RETRY_SECONDS) from exc

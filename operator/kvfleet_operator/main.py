@@ -46,8 +46,21 @@ def main(argv: list[str]) -> int:
         help="Hugging Face endpoint (or mirror) from which GGUF headers of hf:// files are "
         f"read; default $HF_ENDPOINT, else {api.DEFAULT_HF_ENDPOINT}",
     )
+    parser.add_argument(
+        "--host-path-prefix",
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="mount file:// models only from node directories under DIR (repeatable; an "
+        "absolute path); default: any node directory, which whoever may create an "
+        "InferenceDeployment can then read",
+    )
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
+    prefixes = args.host_path_prefix
+    for prefix in prefixes or ():
+        if not prefix.startswith("/") or "/../" in prefix + "/" or prefix.rstrip("/") == "":
+            parser.error(f"--host-path-prefix: an absolute directory other than /, got {prefix!r}")
 
     problem = asyncio.run(_preflight_with_timeout())
     if problem:
@@ -73,7 +86,11 @@ def main(argv: list[str]) -> int:
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=args.liveness,
-        memo=kopf.Memo(namespaces=tuple(args.namespace), hf_endpoint=args.hf_endpoint),
+        memo=kopf.Memo(
+            namespaces=tuple(args.namespace),
+            hf_endpoint=args.hf_endpoint,
+            host_path_prefixes=tuple(prefixes) if prefixes is not None else None,
+        ),
     )
     return 0
 

@@ -140,7 +140,11 @@ def plan_deployment(
     profile: AcceleratorProfileSpec | None,
     model: ModelArchitecture | UnknownModel,
     cluster: ClusterFeatures,
+    *,
+    host_path_prefixes: tuple[str, ...] | None = None,
 ) -> Plan:
+    """What to run for `spec`, or the problems that stop it. `host_path_prefixes`: the node
+    directories a file:// model may be under (`kvfleet operator --host-path-prefix`; None: any)."""
     served_model_name = spec.model.served_model_name or name
     if profile is None:
         problem = Problem(
@@ -165,6 +169,7 @@ def plan_deployment(
         problems.append(Problem("InsufficientGPUMemory", _memory_message(spec, profile, memory)))
     if known is not None:
         problems += check_context(spec, known.numbers)
+    problems += check_host_path(spec, host_path_prefixes)
     external = spec.autoscaling.controller if spec.autoscaling is not None else "Builtin"
     if topology.kind == "StatefulSet" and external != "Builtin":
         problems.append(
@@ -203,6 +208,28 @@ def plan_deployment(
         problems=tuple(problems),
         memory_unknown_reason=model.reason if isinstance(model, UnknownModel) else None,
     )
+
+
+def check_host_path(
+    spec: InferenceDeploymentSpec, prefixes: tuple[str, ...] | None
+) -> list[Problem]:
+    """A file:// model is a hostPath volume of the node: whoever may create an
+    InferenceDeployment would read any node directory through it. With `prefixes` set, only
+    paths under them are mounted (the CRD already refuses `..` segments and relative paths)."""
+    uri = spec.model.uri
+    if prefixes is None or not uri.startswith("file://"):
+        return []
+    path = uri.removeprefix("file://")
+    if any(path == p or path.startswith(p.rstrip("/") + "/") for p in prefixes):
+        return []
+    allowed = ", ".join(prefixes) if prefixes else "none"
+    return [
+        Problem(
+            "HostPathNotAllowed",
+            f"model.uri={uri}: this operator mounts node directories under {allowed} only "
+            "(kvfleet operator --host-path-prefix); use pvc://, hf:// or s3://",
+        )
+    ]
 
 
 def check_context(spec: InferenceDeploymentSpec, model: ModelHints) -> list[Problem]:

@@ -64,15 +64,28 @@ STATUS_WRITE_ATTEMPTS = 3
 Status = dict[str, Any]
 
 
-async def reconcile(cluster: Cluster, namespace: str, name: str, headers: HeaderCache) -> None:
+async def reconcile(
+    cluster: Cluster,
+    namespace: str,
+    name: str,
+    headers: HeaderCache,
+    *,
+    host_path_prefixes: tuple[str, ...] | None = None,
+) -> None:
+    """`host_path_prefixes`: where a file:// model may be (`plan_deployment`)."""
     async with _locks[(namespace, name)]:
         body = await cluster.get(api.API_VERSION, api.INFERENCE_DEPLOYMENT, name, namespace)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return  # gone: owner references let the garbage collector remove the children
-        await _reconcile(cluster, headers, body)
+        await _reconcile(cluster, headers, body, host_path_prefixes)
 
 
-async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any]) -> None:
+async def _reconcile(
+    cluster: Cluster,
+    headers: HeaderCache,
+    body: dict[str, Any],
+    host_path_prefixes: tuple[str, ...] | None,
+) -> None:
     meta = body["metadata"]
     name, namespace, generation = meta["name"], meta["namespace"], meta["generation"]
     old_status = body.get("status") or {}
@@ -98,7 +111,9 @@ async def _reconcile(cluster: Cluster, headers: HeaderCache, body: dict[str, Any
         keda=await cluster.has_crd(api.KEDA_SCALED_OBJECT_CRD),
     )
     architecture = await read_model_architecture(cluster, headers, namespace, spec.model)
-    plan = plan_deployment(name, spec, profile, architecture, features)
+    plan = plan_deployment(
+        name, spec, profile, architecture, features, host_path_prefixes=host_path_prefixes
+    )
     planned = plan.topology.kind if plan.topology is not None else None
     found = await read_workloads(
         cluster, namespace, name, leader_worker_set=features.leader_worker_set

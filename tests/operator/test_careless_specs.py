@@ -92,3 +92,28 @@ def test_a_served_model_name_holds_no_whitespace(make_spec) -> None:
         with pytest.raises(ValidationError, match="servedModelName"):
             make_spec(model={"servedModelName": name})
     assert make_spec(model={"servedModelName": "meta-llama/Llama-3.1-8B"}).model.served_model_name
+
+
+def test_file_models_only_from_the_directories_the_operator_allows(make_spec) -> None:
+    """A file:// model is a hostPath volume: `kvfleet operator --host-path-prefix /var/models`
+    keeps users who may create InferenceDeployments from mounting any other node directory."""
+    from kvfleet_operator.accelerators import resolve_accelerator
+    from kvfleet_operator.model_catalog import model_architecture
+    from kvfleet_operator.plan import ClusterFeatures, plan_deployment
+
+    def reasons_for(uri: str, prefixes: tuple[str, ...] | None) -> list[str]:
+        spec = make_spec(model={"uri": uri})
+        p = plan_deployment(
+            "llama", spec, resolve_accelerator("h100-80gb", {}), model_architecture(spec.model),
+            ClusterFeatures(leader_worker_set=False, service_monitor=False),
+            host_path_prefixes=prefixes,
+        )  # fmt: skip
+        return [problem.reason for problem in p.problems]
+
+    allowed = ("/var/models",)
+    assert reasons_for("file:///var/models/llama", allowed) == []
+    assert reasons_for("file:///var/models", allowed) == []
+    assert reasons_for("file:///etc/kubernetes", allowed) == ["HostPathNotAllowed"]
+    assert reasons_for("file:///var/models2/llama", allowed) == ["HostPathNotAllowed"]
+    assert reasons_for("file:///etc/kubernetes", None) == []  # no prefixes set: any
+    assert reasons_for("hf://meta-llama/Llama-3.1-8B-Instruct", ()) == []

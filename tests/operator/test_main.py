@@ -25,3 +25,13 @@ def test_operator_rejects_unknown_flags() -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["--bogus"])
     assert exit_.value.code == 2
+
+
+@pytest.mark.parametrize("prefix", ["var/models", "/", "/var/../etc"])
+def test_a_host_path_prefix_must_be_an_absolute_directory(
+    prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--host-path-prefix", prefix])
+    assert exit_.value.code == 2
+    assert "--host-path-prefix: an absolute directory other than /" in capsys.readouterr().err
