@@ -116,8 +116,9 @@ async def _reconcile(
     )
     planned = plan.topology.kind if plan.topology is not None else None
     found = await read_workloads(
-        cluster, namespace, name, leader_worker_set=features.leader_worker_set
-    )
+        cluster, namespace, name,
+        leader_worker_set=features.leader_worker_set, router=spec.routing.enabled,
+    )  # fmt: skip
     groups = group_count(spec, old_status, len(found.statefulsets))
 
     def status_of(plan: Plan, found: Workloads) -> Callable[[Status], Status]:
@@ -209,8 +210,9 @@ async def _reconcile(
         if old_status.get("observedGeneration") != generation:  # the spec changed (or is new)
             await prune_optional(cluster, namespace, name, children, meta["uid"])
         found = await read_workloads(
-            cluster, namespace, name, leader_worker_set=features.leader_worker_set
-        )
+            cluster, namespace, name,
+            leader_worker_set=features.leader_worker_set, router=spec.routing.enabled,
+        )  # fmt: skip
         if planned == "StatefulSet":
             replaced = await replace_group_pods(
                 cluster, namespace, found, spec.rollout.max_unavailable

@@ -53,7 +53,6 @@ class WorkloadState:
 
 def summarize_workload(deployment: dict[str, Any], pods: list[dict[str, Any]]) -> WorkloadState:
     spec, status = deployment.get("spec", {}), deployment.get("status", {})
-    progressing = _find(status.get("conditions", []), "Progressing")
     failing, unschedulable = pod_troubles(pods)
     return WorkloadState(
         desired=spec.get("replicas", 1),
@@ -61,9 +60,7 @@ def summarize_workload(deployment: dict[str, Any], pods: list[dict[str, Any]]) -
         updated=status.get("updatedReplicas", 0),
         ready=status.get("readyReplicas", 0),
         current=status.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 0),
-        deadline_exceeded=bool(
-            progressing and progressing.get("reason") == "ProgressDeadlineExceeded"
-        ),
+        deadline_exceeded=_past_deadline(status) is not None,
         failing_pods=failing,
         unschedulable=unschedulable,
         quantization=engine_weights(spec.get("template", {})),
@@ -82,13 +79,15 @@ def _replica_failure(status: dict[str, Any]) -> str | None:
 def deployment_failure(deployment: dict[str, Any]) -> str | None:
     """Why a Deployment cannot run: its pods refused, or its rollout past its deadline."""
     status = deployment.get("status", {})
-    refused = _replica_failure(status)
-    if refused is not None:
-        return refused
+    return _replica_failure(status) or _past_deadline(status)
+
+
+def _past_deadline(status: dict[str, Any]) -> str | None:
+    """A Deployment's ProgressDeadlineExceeded message (its rollout stopped progressing)."""
     progressing = _find(status.get("conditions", []), "Progressing")
-    if progressing and progressing.get("reason") == "ProgressDeadlineExceeded":
-        return str(progressing.get("message") or "its rollout exceeded its progress deadline")
-    return None
+    if progressing is None or progressing.get("reason") != "ProgressDeadlineExceeded":
+        return None
+    return str(progressing.get("message") or "its rollout exceeded its progress deadline")
 
 
 def pod_troubles(pods: list[dict[str, Any]]) -> tuple[tuple[str, ...], str | None]:

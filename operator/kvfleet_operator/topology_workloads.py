@@ -86,17 +86,19 @@ class Workloads:
 
 
 async def read_workloads(
-    cluster: Cluster, namespace: str, name: str, *, leader_worker_set: bool
+    cluster: Cluster, namespace: str, name: str, *, leader_worker_set: bool, router: bool
 ) -> Workloads:
-    """The workload objects and pods of `name`; the LeaderWorkerSet only where it is served."""
+    """The workload objects and pods of `name`; the LeaderWorkerSet only where it is served,
+    the router's Deployment only where routing is enabled."""
     selector = selector_string(name)
     found = Workloads(
         deployment=await cluster.get("apps/v1", "Deployment", name, namespace),
         statefulsets=await cluster.list("apps/v1", "StatefulSet", namespace, selector),
         rank_service=await cluster.get("v1", "Service", group_name(name), namespace),
         pods=await cluster.list("v1", "Pod", namespace, selector),
-        router=await cluster.get("apps/v1", "Deployment", router_name(name), namespace),
     )
+    if router:
+        found.router = await cluster.get("apps/v1", "Deployment", router_name(name), namespace)
     if leader_worker_set:
         found.leader_worker_set = await cluster.get(
             api.LEADER_WORKER_SET_API, "LeaderWorkerSet", group_name(name), namespace

@@ -70,8 +70,8 @@ def measure_ceilings(device: torch.device) -> Ceilings:
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     matmul_s = time_median(lambda: a @ b, device)
-    fp8_flops = None  # a GPU without fp8 products, or a torch without _scaled_mm: none
-    if on_gpu and torch.cuda.get_device_capability(device) >= (8, 9) and _has_scaled_mm():
+    fp8_flops = None  # a GPU without fp8 products: none
+    if on_gpu and torch.cuda.get_device_capability(device) >= (8, 9):
         a8 = a.to(torch.float8_e4m3fn)
         b8 = b.t().contiguous().to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm needs
         one = torch.ones((), device=device)
@@ -82,10 +82,6 @@ def measure_ceilings(device: torch.device) -> Ceilings:
         fp8_s = time_median(fp8_product, device)
         fp8_flops = 2 * n**3 / fp8_s
     return Ceilings(bandwidth, matmul_flops=2 * n**3 / matmul_s, fp8_matmul_flops=fp8_flops)
-
-
-def _has_scaled_mm() -> bool:
-    return callable(getattr(torch, "_scaled_mm", None))
 
 
 @dataclass(frozen=True)
