@@ -453,6 +453,9 @@ def test_invalid_specs_are_rejected_or_stalled(
             }
         ),
         "spec.model.uri": llama(model={"uri": "http://example.com/model"}),
+        "engine.extraArgs: --quantization is set by the operator from quantization.weights": llama(
+            engine={"extraArgs": ["--seed", "1", "--quantization=fp8"]}
+        ),
         "cannot both be 0": llama(rollout={"maxUnavailable": 0}),
         "hints without maxPositionEmbeddings needs model.maxModelLen": llama(
             model={"uri": "hf://org/custom", "hints": HINTS_WITHOUT_CONTEXT}

@@ -27,6 +27,11 @@ FAILING_WAIT_REASONS = frozenset(
         "CreateContainerError",
     }
 )
+# Those whose kubelet message says what to fix (`secret "my-api-key" not found`, the image that
+# cannot be pulled); CrashLoopBackOff's only says it backs off, the container's log says why.
+EXPLAINED_WAIT_REASONS = FAILING_WAIT_REASONS - {"CrashLoopBackOff"}
+MAX_WAIT_MESSAGE = 200  # characters of a kubelet message kept, on one line
+MAX_FAILING_PODS_SHOWN = 3  # failing pods the Stalled message names; the others are counted
 
 
 @dataclass(frozen=True)
@@ -40,7 +45,7 @@ class WorkloadState:
     ready: int  # replicas passing readiness (a group: its leader, ready once all ranks are)
     current: bool  # the workload's controller has seen the latest template
     deadline_exceeded: bool  # Progressing=False, ProgressDeadlineExceeded
-    failing_pods: tuple[str, ...]  # "pod: reason" for pods stuck in a failing state
+    failing_pods: tuple[str, ...]  # "pod: reason[: kubelet message]", pods stuck failing
     unschedulable: str | None  # the scheduler's message for a pending pod, if any
     quantization: str  # quantization.weights of the Deployment's engine container
     # The Deployment's ReplicaFailure message: the API server or an admission webhook refuses
@@ -91,8 +96,8 @@ def _past_deadline(status: dict[str, Any]) -> str | None:
 
 
 def pod_troubles(pods: list[dict[str, Any]]) -> tuple[tuple[str, ...], str | None]:
-    """("pod: reason" for each pod stuck in a failing state, sorted; the scheduler's message for
-    an unschedulable pod, if any), over the pods that are not terminating."""
+    """("pod: reason[: kubelet message]" for each pod stuck in a failing state, sorted; the
+    scheduler's message for an unschedulable pod, if any), over the pods not terminating."""
     failing, unschedulable = [], None
     for pod in pods:
         if pod["metadata"].get("deletionTimestamp"):
@@ -102,14 +107,25 @@ def pod_troubles(pods: list[dict[str, Any]]) -> tuple[tuple[str, ...], str | Non
             "containerStatuses", []
         )
         for container in statuses:
-            reason = (container.get("state", {}).get("waiting") or {}).get("reason")
-            if reason in FAILING_WAIT_REASONS:
-                failing.append(f"{pod['metadata']['name']}: {reason}")
+            waiting = container.get("state", {}).get("waiting") or {}
+            if waiting.get("reason") in FAILING_WAIT_REASONS:
+                failing.append(f"{pod['metadata']['name']}: {_waiting_trouble(waiting)}")
                 break
         scheduled = _find(pod_status.get("conditions", []), "PodScheduled")
         if scheduled and scheduled.get("reason") == "Unschedulable":
             unschedulable = scheduled.get("message", "Unschedulable")
     return tuple(sorted(failing)), unschedulable
+
+
+def _waiting_trouble(waiting: dict[str, Any]) -> str:
+    """A container's waiting reason, with the kubelet's message where it says what to fix."""
+    reason = str(waiting["reason"])
+    message = " ".join(str(waiting.get("message") or "").split())
+    if reason not in EXPLAINED_WAIT_REASONS or not message:
+        return reason
+    if len(message) > MAX_WAIT_MESSAGE:
+        message = message[: MAX_WAIT_MESSAGE - 1] + "…"
+    return f"{reason}: {message}"
 
 
 def engine_weights(template: dict[str, Any]) -> str:
@@ -227,7 +243,7 @@ def _rollout_conditions(
         }
     desired = _desired(spec, workload)
     if workload.failing_pods:
-        message = f"pods are not starting: {', '.join(workload.failing_pods)}"
+        message = f"pods are not starting: {_first_failing(workload.failing_pods)}"
         reason = "EngineFailing"
         return {
             "Stalled": ("True", reason, message),
@@ -286,6 +302,13 @@ def _rollout_conditions(
         "Reconciling": ("True", reason, message),
         "Ready": ("False", reason, message),
     }
+
+
+def _first_failing(failing_pods: tuple[str, ...]) -> str:
+    """The first few failing pods, then how many more: one message, whatever the replicas."""
+    shown = "; ".join(failing_pods[:MAX_FAILING_PODS_SHOWN])
+    more = len(failing_pods) - MAX_FAILING_PODS_SHOWN
+    return f"{shown}; and {more} more" if more > 0 else shown
 
 
 def _available(spec: InferenceDeploymentSpec, workload: WorkloadState | None) -> ConditionFields:

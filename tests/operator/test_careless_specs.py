@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from test_crd import _schema
 from test_plan import plan
 
-from kvfleet_operator.kinds.serving import MANAGED_FLAGS_RULE
+from kvfleet_operator.kinds.serving import MANAGED_FLAGS_MESSAGE
 from kvfleet_operator.render_pod import engine_args
 
 
@@ -36,7 +36,19 @@ def test_extra_args_cannot_override_what_the_operator_sets(
     message = str(error.value)
     assert f"engine.extraArgs: {flag} is set by the operator from" in message
     assert field in message
-    # At admission the same list: every flag the operator renders is in the CEL rule.
+    # At admission kube-apiserver shows the same message (v1.37.2, `kubectl apply
+    # --dry-run=server` with ["--seed", "1", "--quantization=fp8"]: "spec.engine.extraArgs:
+    # Invalid value: engine.extraArgs: --quantization is set by the operator from
+    # quantization.weights; set that instead"), built by the rule's messageExpression for the
+    # first such argument: its string for one flag is a concatenation that reads the same in
+    # Python (a JSON map is a CEL and a Python literal), so it is evaluated here.
+    [rule] = _schema()["properties"]["spec"]["properties"]["engine"]["properties"]["extraArgs"][
+        "x-kubernetes-validations"
+    ]
+    assert rule["message"] == MANAGED_FLAGS_MESSAGE  # when the expression fails
+    concatenation = rule["messageExpression"].split(".map(flag, ", 1)[1].removesuffix(")[0]")
+    assert eval(concatenation, {"__builtins__": {}}, {"flag": flag}) in message
+    # The same list: every flag the operator renders is refused by the CEL rule.
     spec = make_spec(
         parallelism={"tensor": 2}, sla={"ttftMs": 500, "tpotMs": 50},
         quantization={"weights": "fp8", "kvCache": "fp8"},
@@ -44,7 +56,7 @@ def test_extra_args_cannot_override_what_the_operator_sets(
     )  # fmt: skip
     plan_ = plan(spec)
     rendered = [a for a in engine_args(spec, plan_, "/models/model") if a.startswith("--")]
-    assert all(f"'{a}'" in MANAGED_FLAGS_RULE for a in rendered if a != "--seed")
+    assert all(f'"{a}"' in rule["rule"] for a in rendered if a != "--seed")
 
 
 def test_a_context_longer_than_the_models_positions_stalls(make_spec) -> None:

@@ -10,6 +10,7 @@ from kvfleet_operator.status import (
     compute_status,
     deployment_failure,
     invalid_spec_status,
+    pod_troubles,
     summarize_workload,
     transition_events,
 )
@@ -91,6 +92,78 @@ def test_crash_looping_pods_are_never_ready(make_spec) -> None:
     assert conditions(status)["Ready"] == ("False", "EngineFailing")
     assert conditions(status)["Stalled"] == ("True", "EngineFailing")
     assert "llama-abc: CrashLoopBackOff" in status["conditions"][0]["message"]
+
+
+def waiting_pod(name: str, reason: str, message: str | None = None) -> dict:
+    waiting = {"reason": reason} | ({"message": message} if message else {})
+    return {
+        "metadata": {"name": name},
+        "status": {"containerStatuses": [{"name": "engine", "state": {"waiting": waiting}}]},
+    }
+
+
+def stalled_by(make_spec, pods: list[dict]) -> tuple[dict, list]:
+    """The Stalled condition and the Warning events for a Deployment whose pods are these."""
+    deployment = {
+        "metadata": {"generation": 1},
+        "spec": {"replicas": len(pods)},
+        "status": {"observedGeneration": 1, "replicas": len(pods), "updatedReplicas": len(pods)},
+    }
+    status = status_for(make_spec(), summarize_workload(deployment, pods))
+    stalled = next(c for c in status["conditions"] if c["type"] == "Stalled")
+    return stalled, [e for e in transition_events({}, status) if e.type == "Warning"]
+
+
+def test_a_missing_secret_is_named_where_the_user_looks(make_spec) -> None:
+    """auth.apiKeySecretRef naming a Secret that does not exist: "CreateContainerConfigError"
+    alone did not say which; the kubelet's message does, in `kubectl describe` and the event."""
+    pod = waiting_pod(
+        "llama-7c9d-x2k", "CreateContainerConfigError", 'secret "my-api-key" not found'
+    )
+    stalled, [event] = stalled_by(make_spec, [pod])
+    expected = (
+        'pods are not starting: llama-7c9d-x2k: CreateContainerConfigError: secret "my-api-key" '
+        "not found"
+    )
+    assert (stalled["status"], stalled["reason"], stalled["message"]) == (
+        "True", "EngineFailing", expected,
+    )  # fmt: skip
+    assert (event.reason, event.message) == ("EngineFailing", expected)
+
+
+def test_kubelet_messages_are_kept_where_they_say_what_to_fix() -> None:
+    pull = 'failed to pull and unpack image "registry.example.com/kvfleet:tpyo":\n' + "x" * 400
+    failing, _ = pod_troubles([
+        waiting_pod("a", "ErrImagePull", pull),
+        waiting_pod("b", "CrashLoopBackOff", "back-off 5m0s restarting failed container=engine"),
+        waiting_pod("c", "ImagePullBackOff", 'Back-off pulling image "kvfleet:tpyo"'),
+        waiting_pod("d", "CreateContainerConfigError",
+                    "couldn't find key token in Secret team-a/llama-key"),
+        waiting_pod("e", "InvalidImageName"),
+    ])  # fmt: skip
+    assert failing[0].startswith('a: ErrImagePull: failed to pull and unpack image "registry')
+    assert "\n" not in failing[0] and failing[0].endswith("x…")
+    assert len(failing[0]) == len("a: ErrImagePull: ") + 200
+    assert failing[1:] == (
+        "b: CrashLoopBackOff",  # its message only says it backs off: the log says why
+        'c: ImagePullBackOff: Back-off pulling image "kvfleet:tpyo"',
+        "d: CreateContainerConfigError: couldn't find key token in Secret team-a/llama-key",
+        "e: InvalidImageName",
+    )
+
+
+def test_many_failing_pods_make_one_bounded_message(make_spec) -> None:
+    """40 replicas missing the same Secret key: three are named, the others counted, so the
+    condition and its event (1,024 characters at most) stay readable."""
+    missing = "couldn't find key token in Secret team-a/llama-key"
+    pods = [waiting_pod(f"llama-{i:02}", "CreateContainerConfigError", missing) for i in range(40)]
+    stalled, [event] = stalled_by(make_spec, pods)
+    assert stalled["message"] == (
+        f"pods are not starting: llama-00: CreateContainerConfigError: {missing}; "
+        f"llama-01: CreateContainerConfigError: {missing}; "
+        f"llama-02: CreateContainerConfigError: {missing}; and 37 more"
+    )
+    assert event.message == stalled["message"]
 
 
 def test_plan_problem_is_stalled_with_reason(make_spec) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
@@ -41,14 +42,20 @@ MANAGED_ENGINE_FLAGS = {
     "--drain-timeout": "rollout.drainTimeoutSeconds",
     "--api-key": "auth.apiKeySecretRef (a key in extraArgs would be readable in the pod spec)",
 }
-_FLAG_LIST = ", ".join(f"'{flag}'" for flag in MANAGED_ENGINE_FLAGS)
-MANAGED_FLAGS_RULE = (
-    f"self.all(arg, ![{_FLAG_LIST}].exists(f, arg == f || arg.startsWith(f + '=')))"
-)
+# The table as a CEL map literal (JSON's, double-quoted: a field may hold an apostrophe);
+# `arg.split('=')[0]` is the flag of `--flag` and of `--flag=value`.
+_FLAG_FIELDS = json.dumps(MANAGED_ENGINE_FLAGS)
+MANAGED_FLAGS_RULE = f"self.all(arg, !(arg.split('=')[0] in {_FLAG_FIELDS}))"
 MANAGED_FLAGS_MESSAGE = (
     "engine.extraArgs: flags the operator sets from the spec are not accepted there; set the "
     "spec field instead (--model: model.uri, --quantization: quantization.weights, "
     "--max-model-len: model.maxModelLen, --tensor-parallel-size: parallelism.tensor, ...)"
+)
+# What kubectl shows: the first such argument and its field, worded as `_no_managed_flags`.
+MANAGED_FLAGS_MESSAGE_EXPRESSION = (
+    f"self.map(arg, arg.split('=')[0]).filter(flag, flag in {_FLAG_FIELDS}).map(flag, "
+    "'engine.extraArgs: ' + flag + ' is set by the operator from ' + "
+    f"{_FLAG_FIELDS}[flag] + '; set that instead')[0]"
 )
 
 
@@ -78,13 +85,15 @@ class EngineSpec(Model):  # defaults: the engine's (tests/engine/test_config_def
         max_length=64,
         description="Extra `kvfleet serve` arguments, appended after the generated ones; not "
         "the flags the operator sets from other fields.",
-        json_schema_extra=cel((MANAGED_FLAGS_RULE, MANAGED_FLAGS_MESSAGE)),
+        json_schema_extra=cel(
+            (MANAGED_FLAGS_RULE, MANAGED_FLAGS_MESSAGE, MANAGED_FLAGS_MESSAGE_EXPRESSION)
+        ),
     )
 
     @field_validator("extra_args")
     @classmethod
     def _no_managed_flags(cls, args: list[str]) -> list[str]:
-        # The CEL rule above, with the field to use, for objects stored before it existed.
+        # The CEL rule above, for objects stored before it existed.
         for arg in args:
             flag = arg.split("=", 1)[0]
             if flag in MANAGED_ENGINE_FLAGS:
