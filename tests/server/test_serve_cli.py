@@ -18,6 +18,9 @@ import pytest
         (["--port", "0"], "--port: expected a port number in 1..65535, got 0"),
         (["--drain-timeout", "nan"], "--drain-timeout: expected a finite number >= 0, got 'nan'"),
         (["--drain-timeout", "-1"], "--drain-timeout: expected a finite number >= 0, got '-1'"),
+        (["--header-timeout", "0"], "--header-timeout: expected a positive number, got 0.0"),
+        (["--header-timeout", "-2"], "--header-timeout: expected a positive number, got -2.0"),
+        (["--header-timeout", "soon"], "--header-timeout: expected a positive number, got 'soon'"),
         (
             ["--tensor-parallel-size", "3"],
             "tensor_parallel_size=3 does not divide the model's num_attention_heads",

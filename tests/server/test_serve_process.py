@@ -1,6 +1,7 @@
 """`kvfleet serve` as a real process: 429 under overload, idle connections kept for
---keep-alive-timeout, and a SIGTERM drain that loses nothing (sent to the whole process group,
-engine core included, as a shell's `kill %1` sends it)."""
+--keep-alive-timeout, a request head that stalls closed after --header-timeout (both protocols'
+details: test_header_timeout.py), and a SIGTERM drain that loses nothing (sent to the whole
+process group, engine core included, as a shell's `kill %1` sends it)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +24,9 @@ from serverutil import MODEL_NAME, free_port, metric, wait_ready
 
 pytestmark = pytest.mark.slow
 
+HEADER_TIMEOUT_S = 1.0
+SLACK_S = 2.0  # a loaded CI machine's scheduling delay, on top of the timeout
+
 
 @pytest.fixture(scope="module")
 def served(
@@ -35,6 +40,7 @@ def served(
     command += ["--max-num-seqs", "8", "--max-num-batched-tokens", "512"]
     command += ["--max-queued-requests", "1", "--drain-timeout", "60", "--keep-alive-timeout", "8"]
     command += ["--ttft-slo-ms", "60000", "--tpot-slo-ms", "1000"]  # SLA mode, loose targets
+    command += ["--header-timeout", str(HEADER_TIMEOUT_S)]
     # a group of its own: the drain test signals the whole group, as a shell's `kill %1` does
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -94,6 +100,40 @@ def test_an_idle_connection_stays_open_for_the_keep_alive_timeout_then_closes(
         assert sock.recv(1) == b""
     finally:
         conn.close()
+
+
+def test_a_request_head_that_stalls_is_closed_after_the_header_timeout(
+    served: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    url, _ = served
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=HEADER_TIMEOUT_S + SLACK_S) as sock:
+        opened = time.monotonic()
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # no blank line: no end
+        health = httpx.get(f"{url}/health", timeout=10)  # others are served meanwhile
+        assert health.status_code == 200
+        assert sock.recv(1024) == b""  # closed by the server, nothing sent
+        waited = time.monotonic() - opened
+    assert HEADER_TIMEOUT_S * 0.9 <= waited <= HEADER_TIMEOUT_S + SLACK_S
+
+
+def test_a_request_body_slower_than_the_header_timeout_is_not_cut_off(
+    served: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    url, _ = served
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"model": "no-such-model", "prompt": "slow"}).encode()
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head.encode())
+        time.sleep(HEADER_TIMEOUT_S * 2)
+        sock.sendall(body)
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        error = json.loads(response.read())["error"]
+    # the whole body arrived: the model it names is unknown
+    assert response.status == 404 and "'no-such-model' does not exist" in error["message"]
 
 
 def test_sigterm_to_the_process_group_drains_in_flight_requests_then_exits_0(

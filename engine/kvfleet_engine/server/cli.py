@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 # uvicorn's own default is 5 s: a load balancer or ingress (AWS ALB, nginx: 60 s idle) would reuse
 # connections the server is closing, and its clients would see resets.
 DEFAULT_KEEP_ALIVE_TIMEOUT_S = 75
+# A request head (request line and headers) takes one round trip from any real client; one that
+# never completes is a slowloris holding a connection.
+DEFAULT_HEADER_TIMEOUT_S = 10.0
 
 
 class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -110,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
         help="seconds an idle client connection stays open; keep it above the idle timeout of "
         "the proxies in front (60 s for most), or one may reuse a connection as it closes",
+    )
+    server.add_argument(
+        "--header-timeout",
+        type=positive_float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="seconds from a connection's open, or from the next request's first byte, to the "
+        "end of the request's headers; past it the connection is closed (a stalled client)",
     )
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     server.add_argument(
@@ -178,6 +188,7 @@ def _serve_on(listener: socket.socket, args: argparse.Namespace, config: EngineC
     from kvfleet_engine.client.core_client import CoreClient, CoreStartError
     from kvfleet_engine.metrics import EngineInfo, EngineMetrics
     from kvfleet_engine.server.app import build_app
+    from kvfleet_engine.server.header_timeout import http_protocol
     from kvfleet_engine.server.state import ServerSettings, ServerState
     from kvfleet_engine.tokenizer import load_tokenizer
 
@@ -241,6 +252,7 @@ def _serve_on(listener: socket.socket, args: argparse.Namespace, config: EngineC
             port=args.port,
             log_level=args.log_level,
             timeout_keep_alive=args.keep_alive_timeout,
+            http=http_protocol(args.header_timeout),
         ),
         state,
     )
