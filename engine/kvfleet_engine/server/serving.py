@@ -7,14 +7,11 @@ detokenized) text, so a stream sends each character once.
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 
@@ -36,11 +33,13 @@ from kvfleet_engine.server.protocol import (
 from kvfleet_engine.server.request_log import RECORD_KEY, note
 from kvfleet_engine.server.serving_logprobs import LogprobFormatter
 from kvfleet_engine.server.serving_requests import (
+    chat_chars,
     chat_prompt_ids,
     check_num_choices,
     check_prompt_ids,
     generation_limit,
     prompt_char_limit,
+    prompt_chars,
     sampling_params,
     tokenize_prompts,
 )
@@ -55,12 +54,11 @@ from kvfleet_engine.server.serving_stream import (
     merge,
     stream_end,
 )
+from kvfleet_engine.server.tokenizing import PromptTokenizer
 
 if TYPE_CHECKING:
     from kvfleet_engine.async_engine import AsyncEngine
     from kvfleet_engine.server.state import ServerState
-
-T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -75,15 +73,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.logprobs = LogprobFormatter(engine.tokenizer)
         self.max_prompt_chars = prompt_char_limit(engine.tokenizer, state.settings.max_model_len)
-        # Prompts are tokenized off the event loop (a megabyte takes seconds, and /health,
-        # streams and other requests must not wait on it), one at a time: a fast tokenizer
-        # used from several threads at once can fail ("Already borrowed").
-        self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfleet-tokenize")
-
-    async def _tokenized(self, tokenize: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(
-            self._tokenizing, functools.partial(tokenize, self.tokenizer, *args)
-        )
+        self.tokenizing = PromptTokenizer(engine.tokenizer)
 
     # --- entry points ------------------------------------------------------------------------
 
@@ -92,7 +82,9 @@ class OpenAIServing:
     ) -> Any:
         stamps = self._first_stamps(http)
         self._check_common(body)
-        prompts = await self._tokenized(tokenize_prompts, body.prompt, self.max_prompt_chars)
+        prompts = await self.tokenizing.run(
+            prompt_chars(body.prompt), tokenize_prompts, body.prompt, self.max_prompt_chars
+        )
         group = await self._submit(
             body, prompts, body.max_tokens, body.logprobs, priority, "cmpl", stamps
         )
@@ -123,7 +115,9 @@ class OpenAIServing:
     ) -> Any:
         stamps = self._first_stamps(http)
         self._check_common(body)
-        prompt_ids = await self._tokenized(chat_prompt_ids, body, self.max_prompt_chars)
+        prompt_ids = await self.tokenizing.run(
+            chat_chars(body), chat_prompt_ids, body, self.max_prompt_chars
+        )
         max_tokens = body.max_completion_tokens or body.max_tokens
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         group = await self._submit(

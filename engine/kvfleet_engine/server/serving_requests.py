@@ -29,6 +29,23 @@ def prompt_char_limit(tokenizer: Any, max_model_len: int) -> int | None:
     return max_model_len * max(longest, 1)
 
 
+CHAT_MESSAGE_CHARS = 64  # a message's share of the chat template's own text
+
+
+def prompt_chars(prompt: Any) -> int:
+    """Characters of text in a completion request's prompt (token ids: none)."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    if not prompt or not isinstance(prompt[0], str):
+        return 0
+    return sum(len(p) for p in prompt)
+
+
+def chat_chars(body: ChatCompletionRequest) -> int:
+    """Characters the chat template will render for `body`, about."""
+    return sum(len(m.text()) + CHAT_MESSAGE_CHARS for m in body.messages)
+
+
 def tokenize_prompts(tokenizer: Any, prompt: Any, max_chars: int | None) -> list[list[int]]:
     """The completion request's prompt (a string, strings, token ids, lists of token ids) as one
     list of token ids per prompt; a string longer than `max_chars` is a 400 without tokenizing
