@@ -15,7 +15,9 @@
 # serve_client.py's prompts come from one seed, so c256's first 256 are c64's and c1024's first
 # 512 are c256's — and the engine's steps by kind. `kvfleet bench serve` runs c256 and c1024
 # again with prompts no earlier load sent (c256-cold, c1024-cold); BENCH_LOADS picks its loads
-# (default: all seven).
+# (default: all seven), CLIENT_LOADS serve_client.py's (default: c1 c64 c256 c1024 shared),
+# BENCH_SERVE=0 skips bench serve, OFFLINE=0 the offline figures: e.g. the c256 hops alone,
+#   CLIENT_LOADS="c1 c256" BENCH_SERVE=0 OFFLINE=0 WHEELS=.whl/server bash bench/gpu_serve_core.sh
 #   WHEELS=.whl/server bash bench/gpu_serve_core.sh   # WHEELS: fastapi, starlette, uvicorn,
 #     # pydantic(-core), annotated-types/-doc, typing-inspection, msgspec, httptools and, for
 #     # fastapi 0.165, opentelemetry-api wheels (the device image lacks them; cp312 manylinux);
@@ -86,13 +88,17 @@ bench() {  # NAME, then bench serve flags (its JSON holds the server's counters 
     --client-processes 8 --random-token-range 1000:119999 --output "$OUT/bench-$name.json" "$@" \
     | grep -E "completed|output token throughput|ttft_ms|tpot_ms|server:" | sed "s/^/  [$name] /"
 }
+want() {  # CLIENT_LOADS picks serve_client.py's loads (default: all five)
+  case " ${CLIENT_LOADS:-c1 c64 c256 c1024 shared} " in *" $1 "*) return 0 ;; esac
+  return 1
+}
 echo "=== serve_client.py loads ($(date +%T))"
 client 1 4 512 32 >/dev/null  # warm-up
-profiled c1 1 8 512 128
-client 64 256 512 256
-profiled c256 256 512 512 256
-profiled c1024 1024 2048 512 256
-client 64 256 2048 128 1536
+want c1 && profiled c1 1 8 512 128
+want c64 && client 64 256 512 256
+want c256 && profiled c256 256 512 512 256
+want c1024 && profiled c1024 1024 2048 512 256
+want shared && client 64 256 2048 128 1536
 if [ "${BENCH_SERVE:-1}" = 1 ]; then  # BENCH_SERVE=0 skips the same loads from kvfleet bench serve
 echo "=== kvfleet bench serve loads ($(date +%T))"
 bench c1 --concurrency 1 --num-prompts 8 --random-input-len 512 --random-output-len 128
