@@ -20,7 +20,7 @@ from typing import Any
 
 from kvfleet_operator.models import InferenceDeploymentSpec
 from kvfleet_operator.render_group import GROUP_LABEL, POD_INDEX_LABEL
-from kvfleet_operator.status import WorkloadState, engine_weights, pod_troubles
+from kvfleet_operator.workload_state import WorkloadState, engine_weights, pod_troubles
 
 Manifest = dict[str, Any]
 REVISION_LABEL = "controller-revision-hash"  # the StatefulSet revision a pod was created from

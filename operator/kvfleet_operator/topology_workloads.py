@@ -14,7 +14,6 @@ from kvfleet_operator.apply import Cluster
 from kvfleet_operator.autoscaling.actuators import EXTERNAL_KINDS
 from kvfleet_operator.render import selector_string
 from kvfleet_operator.render_router import router_name
-from kvfleet_operator.status import WorkloadState, deployment_failure, summarize_workload
 from kvfleet_operator.topology import group_name
 from kvfleet_operator.topology_groups import (
     pods_to_replace,
@@ -23,6 +22,7 @@ from kvfleet_operator.topology_groups import (
     summarize_leader_worker_set,
     summarize_statefulset_groups,
 )
+from kvfleet_operator.workload_state import WorkloadState, deployment_failure, summarize_workload
 
 log = logging.getLogger(__name__)
 Manifest = dict[str, Any]

@@ -5,14 +5,12 @@ from __future__ import annotations
 from kvfleet_operator.accelerators import resolve_accelerator
 from kvfleet_operator.model_catalog import model_architecture
 from kvfleet_operator.plan import ClusterFeatures, plan_deployment
-from kvfleet_operator.status import (
+from kvfleet_operator.status import compute_status, invalid_spec_status, transition_events
+from kvfleet_operator.workload_state import (
     WorkloadState,
-    compute_status,
     deployment_failure,
-    invalid_spec_status,
     pod_troubles,
     summarize_workload,
-    transition_events,
 )
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z"

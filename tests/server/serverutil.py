@@ -66,7 +66,7 @@ def serve_in_thread(
     from kvfleet_engine.metrics import EngineInfo, EngineMetrics
     from kvfleet_engine.server.admission import AdmissionConfig
     from kvfleet_engine.server.app import build_app
-    from kvfleet_engine.server.cli import DrainingServer
+    from kvfleet_engine.server.draining import DrainingServer
     from kvfleet_engine.server.state import ServerSettings, ServerState
     from kvfleet_engine.tokenizer import load_tokenizer
 

@@ -19,7 +19,7 @@ from serverutil import MODEL_NAME, free_port, serve_in_thread
 from kvfleet_engine.metrics import EngineInfo, EngineMetrics
 from kvfleet_engine.server.admission import AdmissionConfig
 from kvfleet_engine.server.app import build_app
-from kvfleet_engine.server.cli import DrainingServer
+from kvfleet_engine.server.draining import DrainingServer
 from kvfleet_engine.server.state import ServerSettings, ServerState
 
 
