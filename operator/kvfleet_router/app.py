@@ -18,6 +18,7 @@ from kvfleet_router.load import LoadScraper
 from kvfleet_router.metrics import RouterMetrics
 from kvfleet_router.proxy import Proxy
 from kvfleet_router.replicas import ReplicaPool
+from kvfleet_router.server import RouterRunner
 from kvfleet_router.settings import RouterSettings
 from kvfleet_router.strategies import make_strategy
 from kvfleet_router.waiting import WaitingQueue
@@ -65,6 +66,16 @@ class Router:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._completions)
         return app
+
+    def runner(self) -> RouterRunner:
+        """The HTTP server over build_app(), as `kvfleet router` runs it (the tests too)."""
+        return RouterRunner(
+            self.build_app(),
+            self.settings.header_timeout_s,
+            handler_cancellation=True,  # a client that disconnects cancels its request
+            access_log=None,
+            auto_decompress=False,  # an encoded body is refused (415), as the engine does
+        )
 
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=None, keepalive_timeout=30)
@@ -145,7 +156,7 @@ def run(settings: RouterSettings) -> None:
 
 
 async def _serve(router: Router, settings: RouterSettings) -> None:
-    runner = web.AppRunner(router.build_app(), handler_cancellation=True, access_log=None)
+    runner = router.runner()
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port, backlog=1024)
     try:

@@ -99,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
         "an error",
     )
     parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULTS.header_timeout_s,
+        metavar="SECONDS",
+        help="seconds from a connection's open, or from its next request's first byte, to the "
+        "end of the request's headers; past it the connection is closed (a stalled client)",
+    )
+    parser.add_argument(
         "--max-request-body-bytes",
         type=int,
         default=DEFAULTS.max_request_body_bytes,
@@ -140,6 +148,7 @@ def main(argv: list[str]) -> int:
             max_attempts=args.max_attempts,
             upstream_first_byte_timeout_s=args.upstream_first_byte_timeout,
             upstream_idle_timeout_s=args.upstream_idle_timeout,
+            header_timeout_s=args.header_timeout,
             max_request_body_bytes=args.max_request_body_bytes,
             api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         )
@@ -170,6 +179,7 @@ _FLAGS = {
     "max_attempts": "--max-attempts",
     "upstream_first_byte_timeout_s": "--upstream-first-byte-timeout",
     "upstream_idle_timeout_s": "--upstream-idle-timeout",
+    "header_timeout_s": "--header-timeout",
     "max_request_body_bytes": "--max-request-body-bytes",
 }
 

@@ -35,6 +35,7 @@ from kvfleet_router.auth import bearer
 from kvfleet_router.metrics import RouterMetrics
 from kvfleet_router.prefix import block_hashes
 from kvfleet_router.replicas import Replica, ReplicaPool
+from kvfleet_router.server import parser_error
 from kvfleet_router.settings import RouterSettings
 from kvfleet_router.strategies import RoutedRequest, Strategy
 from kvfleet_router.upstream import (
@@ -111,27 +112,11 @@ class Proxy:
     async def _forward(
         self, request: web.Request, arrived: float, result: _Outcome
     ) -> web.StreamResponse:
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
+        read = await self._read_body(request)
+        if isinstance(read, web.Response):
             result.outcome = m.BAD_REQUEST
-            limit = self._settings.max_request_body_bytes
-            return _error(
-                413,
-                f"request body is larger than {limit} bytes (--max-request-body-bytes)",
-                param="body",
-            )
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:  # UnicodeDecodeError is one
-            result.outcome = m.BAD_REQUEST
-            return _error(400, f"request body is not valid JSON: {exc}", param="body")
-        except RecursionError:  # arrays or objects nested thousands deep
-            result.outcome = m.BAD_REQUEST
-            return _error(400, "request body is nested too deeply", param="body")
-        if not isinstance(body, dict):
-            result.outcome = m.BAD_REQUEST
-            return _error(400, "request body must be a JSON object", param="body")
+            return read
+        raw, body = read
         model = body.get("model")
         if not isinstance(model, str) or not model:
             result.outcome = m.BAD_REQUEST
@@ -154,6 +139,44 @@ class Proxy:
             headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
             headers["Authorization"] = bearer(self._settings.api_key)
         return await self._send(request, raw, headers, routed, arrived, result)
+
+    async def _read_body(self, request: web.Request) -> tuple[bytes, dict[str, Any]] | web.Response:
+        """The body as received and parsed, or the 4xx that refuses it (the engine's answer to
+        the same body, so a client sees one answer whichever it reached)."""
+        encoding = request.headers.get("Content-Encoding", "").strip()
+        if encoding.lower() not in ("", "identity"):  # the engine does not decompress either
+            return _closing(
+                415,
+                f"request bodies are not decompressed: Content-Encoding {encoding[:40]!r} is not "
+                "supported; send the JSON uncompressed",
+                code="unsupported_content_encoding",
+            )
+        limit = self._settings.max_request_body_bytes
+        too_large = f"request body is larger than {limit} bytes (--max-request-body-bytes)"
+        if request.content_length is not None and request.content_length > limit:
+            return _closing(413, too_large, code="request_too_large")  # before it is sent
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:  # a chunked body, once past the limit
+            return _closing(413, too_large, code="request_too_large")
+        except web.RequestPayloadError as exc:  # its chunked framing broke mid-way
+            return _error(
+                400,
+                f"request body is malformed: {parser_error(exc.__cause__ or exc)}",
+                param="body",
+            )
+        try:
+            body = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:  # JSON is UTF-8 (RFC 8259); json.loads took UTF-16
+            message = f"request body is not UTF-8 text (invalid byte at offset {exc.start})"
+            return _error(400, message, param="body")
+        except ValueError as exc:
+            return _error(400, f"request body is not valid JSON: {exc}", param="body")
+        except RecursionError:  # arrays or objects nested thousands deep
+            return _error(400, "request body is nested too deeply", param="body")
+        if not isinstance(body, dict):
+            return _error(400, "request body must be a JSON object", param="body")
+        return raw, body
 
     async def _send(
         self,
@@ -318,3 +341,10 @@ def _error(
     """An OpenAI-style error body from the router itself."""
     body: dict[str, Any] = {"message": message, "type": type_, "param": param, "code": code}
     return web.json_response({"error": body}, status=status, headers=headers)
+
+
+def _closing(status: int, message: str, code: str) -> web.Response:
+    """A refusal of the body itself: the connection closes after it (its body may be unread)."""
+    response = _error(status, message, param="body", code=code)
+    response.force_close()
+    return response

@@ -39,6 +39,9 @@ class RouterSettings:
     # Longest wait for the next bytes of an answer's body; a stream then ends with an error.
     # The longest gap in an engine's stream: queue wait plus prefill before the first token.
     upstream_idle_timeout_s: float = 120.0
+    # A connection's request line and headers must be complete this long after it opens, or
+    # after its next request's first byte; else it is closed (a stalled client, a slowloris).
+    header_timeout_s: float = 10.0
     block_chars: int = 64  # characters per prefix block (about 16 tokens of English text)
     load_factor: float = 1.25  # bounded load: no replica above this x the mean load (prefix)
     # Larger request bodies get a 413 from the router; the engine's own default limit (a larger
@@ -79,6 +82,11 @@ class RouterSettings:
             (
                 "upstream_idle_timeout_s",
                 0 < self.upstream_idle_timeout_s < math.inf,
+                "a positive number of seconds",
+            ),
+            (
+                "header_timeout_s",
+                0 < self.header_timeout_s < math.inf,
                 "a positive number of seconds",
             ),
             ("block_chars", self.block_chars >= 1, ">= 1"),

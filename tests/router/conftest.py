@@ -1,5 +1,5 @@
-"""Fixtures: fake engines (small local HTTP servers) and a router in front of them, all in the
-test's event loop."""
+"""Fixtures: fake engines (small local HTTP servers) and a router in front of them, served as
+`kvfleet router` serves it (its runner, on a free port), all in the test's event loop."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
+from aiohttp import web
 from fake_engine import MODEL, FakeEngine
 
 from kvfleet_router.app import Router
@@ -21,12 +21,13 @@ from kvfleet_router.settings import RouterSettings
 @dataclass
 class RunningRouter:
     router: Router
-    server: TestServer
+    runner: web.AppRunner
+    port: int
     http: aiohttp.ClientSession
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.port}"
+        return f"http://127.0.0.1:{self.port}"
 
     async def wait_available(self, count: int, timeout: float = 5.0) -> None:
         deadline = time.monotonic() + timeout
@@ -65,10 +66,11 @@ async def start_router() -> AsyncIterator[StartRouter]:
             RouterSettings(backends=tuple(backends), served_model_names=(MODEL,)), **overrides
         )
         router = Router(settings)
-        server = TestServer(router.build_app(), port=0)
-        await server.start_server()
-        http = aiohttp.ClientSession()
-        result = RunningRouter(router, server, http)
+        runner = router.runner()
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port = runner.addresses[0][1]
+        result = RunningRouter(router, runner, port, aiohttp.ClientSession())
         running.append(result)
         if wait:
             await result.wait_available(len(backends))
@@ -77,4 +79,4 @@ async def start_router() -> AsyncIterator[StartRouter]:
     yield start
     for item in running:
         await item.http.close()
-        await item.server.close()
+        await item.runner.cleanup()

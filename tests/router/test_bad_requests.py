@@ -1,0 +1,179 @@
+"""Malformed and hostile requests at the router: each gets a 4xx naming the problem, in the
+OpenAI error shape of the engine's own answers, before any replica sees it; never a 5xx, never
+a traceback in the log."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import logging
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fake_engine import MODEL
+
+from conftest import StartEngines, StartRouter
+
+COMPLETION = json.dumps({"model": MODEL, "prompt": "Hello"}).encode()
+
+
+@pytest.fixture(autouse=True)
+def nothing_logged_as_an_error(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    caplog.set_level(logging.INFO)
+    yield
+    errors = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert not errors, [r.getMessage() for r in errors]
+
+
+async def exchange(port: int, *parts: bytes) -> tuple[int, dict[str, Any]]:
+    """Sends `parts` on one connection, a moment apart; the status and JSON body of the answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    for part in parts:
+        writer.write(part)
+        await writer.drain()
+        await asyncio.sleep(0.1)
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    length = re.search(rb"(?im)^content-length: *(\d+)", head)
+    assert length is not None and b"content-type: application/json" in head.lower(), head
+    body = await asyncio.wait_for(reader.readexactly(int(length.group(1))), 5)
+    writer.close()
+    return int(head.split(b" ", 2)[1]), json.loads(body)
+
+
+def post_head(length: int, *headers: bytes) -> bytes:
+    lines = [b"POST /v1/completions HTTP/1.1", b"Host: x", *headers, b"Content-Length: %d" % length]
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    ("body", "offset"),
+    [
+        (b'{"model": "tiny", "prompt": "\xed\xa0\x80"}', 29),  # a UTF-16 surrogate as UTF-8
+        ('{"model": "tiny", "prompt": "x"}'.encode("utf-16"), 0),  # json.loads reads UTF-16
+    ],
+    ids=["surrogate-bytes", "utf-16"],
+)
+async def test_a_body_that_is_not_utf8_is_a_400(
+    body: bytes, offset: int, start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    (engine,) = await start_engines(1)
+    router = await start_router([engine.url])
+    response = await router.post("/v1/completions", body)
+    assert response.status == 400
+    error = (await response.json())["error"]
+    assert error["message"] == f"request body is not UTF-8 text (invalid byte at offset {offset})"
+    assert (error["type"], error["param"]) == ("invalid_request_error", "body")
+    assert engine.bodies == []
+
+
+@pytest.mark.parametrize(
+    ("encoding", "body"),
+    [("gzip", gzip.compress(COMPLETION)), ("gzip", COMPLETION), ("br", b"x")],
+    ids=["gzip", "gzip-label-on-plain-json", "br"],
+)
+async def test_an_encoded_body_is_a_415_as_at_the_engine(
+    encoding: str, body: bytes, start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    """The engine reads no Content-Encoding; the router used to decompress gzip and send the
+    plain body on still labelled gzip, and to answer a mislabelled body or br with a 500."""
+    (engine,) = await start_engines(1)
+    router = await start_router([engine.url])
+    response = await router.post(
+        "/v1/completions", body, headers={"Content-Encoding": encoding}, compress=None
+    )
+    assert response.status == 415
+    error = (await response.json())["error"]
+    assert error["code"] == "unsupported_content_encoding"
+    assert f"Content-Encoding '{encoding}' is not supported" in error["message"]
+    assert engine.bodies == []
+
+
+async def test_a_declared_length_over_the_limit_is_a_413_before_the_body_comes(
+    start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    (engine,) = await start_engines(1)
+    router = await start_router([engine.url], max_request_body_bytes=1000)
+    sent = time.monotonic()
+    status, body = await exchange(router.port, post_head(50_000_000) + b'{"model": ')
+    assert time.monotonic() - sent < 3  # not after 1000 bytes of a body never sent
+    assert status == 413
+    assert body["error"]["code"] == "request_too_large"
+    assert "larger than 1000 bytes (--max-request-body-bytes)" in body["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "detail"),
+    [
+        (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"zz\r\n{}\r\n0\r\n\r\n",
+            "Invalid character in chunk size: b'zz'",
+        ),
+        (
+            b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n",
+            "a request line or header is longer than 8190 bytes",
+        ),
+        (
+            b"GET /health HTTP/1.1\r\nHost: x\r\n"
+            + b"".join(b"X-%d: y\r\n" % i for i in range(200))
+            + b"\r\n",
+            "Too many headers received",
+        ),
+        (b"GET /health HTTP/1.1\r\n\r\n", "Missing 'Host' header in request."),
+    ],
+    ids=["bad-chunk-size", "100-kb-header", "200-headers", "http-1.1-without-host"],
+)
+async def test_a_request_aiohttp_cannot_parse_is_a_400_in_the_openai_shape(
+    request_bytes: bytes, detail: str, start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    (engine,) = await start_engines(1)
+    router = await start_router([engine.url])
+    status, body = await exchange(router.port, request_bytes)
+    assert status == 400
+    assert body == {
+        "error": {
+            "message": f"malformed HTTP request: {detail}",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": None,
+        }
+    }
+
+
+async def test_a_chunked_body_that_breaks_mid_way_is_a_400(
+    start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    """The head and a first chunk, then a bad chunk size once the router reads the body."""
+    (engine,) = await start_engines(1)
+    router = await start_router([engine.url])
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    status, body = await exchange(router.port, head + b'5\r\n{"mod\r\n', b"zz\r\nabc\r\n0\r\n\r\n")
+    assert status == 400
+    error = body["error"]
+    assert error["message"] == "request body is malformed: Invalid character in chunk size: b'zz'"
+    assert (error["type"], error["param"]) == ("invalid_request_error", "body")
+    assert engine.bodies == []
+
+
+async def test_an_absolute_form_target_and_http_1_0_without_host_are_served(
+    start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    """RFC 9112: a server must accept the absolute form (the router routes on its path only, to
+    its own replicas), and Host is required of HTTP/1.1 requests alone."""
+    (engine,) = await start_engines(1)
+    router = await start_router([engine.url])
+    absolute = (
+        b"GET http://elsewhere.example/health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    assert await exchange(router.port, absolute) == (200, {"status": "ok"})
+    assert await exchange(router.port, b"GET /health HTTP/1.0\r\n\r\n") == (200, {"status": "ok"})
+    forwarded = b"POST http://elsewhere.example/v1/completions HTTP/1.0\r\n"
+    status, body = await exchange(
+        router.port, forwarded + b"Content-Length: %d\r\n\r\n" % len(COMPLETION) + COMPLETION
+    )
+    assert (status, body["id"]) == (200, "cmpl-1")
+    assert engine.bodies == [json.loads(COMPLETION)]
