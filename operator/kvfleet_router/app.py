@@ -72,6 +72,7 @@ class Router:
         return RouterRunner(
             self.build_app(),
             self.settings.header_timeout_s,
+            keepalive_timeout=self.settings.keep_alive_timeout_s,
             handler_cancellation=True,  # a client that disconnects cancels its request
             access_log=None,
             auto_decompress=False,  # an encoded body is refused (415), as the engine does

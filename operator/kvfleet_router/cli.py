@@ -107,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
         "end of the request's headers; past it the connection is closed (a stalled client)",
     )
     parser.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=DEFAULTS.keep_alive_timeout_s,
+        metavar="SECONDS",
+        help="seconds an idle client connection stays open; keep it above the idle timeout of "
+        "the proxies in front (60 s for most)",
+    )
+    parser.add_argument(
         "--max-request-body-bytes",
         type=int,
         default=DEFAULTS.max_request_body_bytes,
@@ -149,6 +157,7 @@ def main(argv: list[str]) -> int:
             upstream_first_byte_timeout_s=args.upstream_first_byte_timeout,
             upstream_idle_timeout_s=args.upstream_idle_timeout,
             header_timeout_s=args.header_timeout,
+            keep_alive_timeout_s=args.keep_alive_timeout,
             max_request_body_bytes=args.max_request_body_bytes,
             api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         )
@@ -180,6 +189,7 @@ _FLAGS = {
     "upstream_first_byte_timeout_s": "--upstream-first-byte-timeout",
     "upstream_idle_timeout_s": "--upstream-idle-timeout",
     "header_timeout_s": "--header-timeout",
+    "keep_alive_timeout_s": "--keep-alive-timeout",
     "max_request_body_bytes": "--max-request-body-bytes",
 }
 

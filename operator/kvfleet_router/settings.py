@@ -42,6 +42,10 @@ class RouterSettings:
     # A connection's request line and headers must be complete this long after it opens, or
     # after its next request's first byte; else it is closed (a stalled client, a slowloris).
     header_timeout_s: float = 10.0
+    # An idle client connection is closed after this long: above the idle timeout of the
+    # proxies in front (60 s for AWS ALB and nginx), as `kvfleet serve --keep-alive-timeout`,
+    # or one may reuse a connection as it closes; aiohttp's own default is an hour.
+    keep_alive_timeout_s: float = 75.0
     block_chars: int = 64  # characters per prefix block (about 16 tokens of English text)
     load_factor: float = 1.25  # bounded load: no replica above this x the mean load (prefix)
     # Larger request bodies get a 413 from the router; the engine's own default limit (a larger
@@ -87,6 +91,11 @@ class RouterSettings:
             (
                 "header_timeout_s",
                 0 < self.header_timeout_s < math.inf,
+                "a positive number of seconds",
+            ),
+            (
+                "keep_alive_timeout_s",
+                0 < self.keep_alive_timeout_s < math.inf,
                 "a positive number of seconds",
             ),
             ("block_chars", self.block_chars >= 1, ">= 1"),

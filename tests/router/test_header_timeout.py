@@ -204,3 +204,31 @@ def test_the_flag_is_read_into_the_settings(monkeypatch: pytest.MonkeyPatch) -> 
     assert router_main(backend) == 0
     assert router_main([*backend, "--header-timeout", "2.5"]) == 0
     assert [s.header_timeout_s for s in seen] == [10.0, 2.5]
+
+
+async def test_an_idle_connection_is_closed_after_the_keep_alive_timeout(
+    start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    """aiohttp's own default held idle connections for an hour; `--keep-alive-timeout` (75 s,
+    above the proxies' 60 s) is what closes them, after a response as before any request."""
+    (engine,) = await start_engines(1)
+    router = await start_router([engine.url], keep_alive_timeout_s=1.0)
+    reader, writer = await connect(router)
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    status, _ = await read_response(reader)
+    assert status == 200
+    answered = time.monotonic()
+    assert await asyncio.wait_for(reader.read(), 1.0 + SLACK_S + 5) == b""
+    assert 0.9 <= time.monotonic() - answered <= 1.0 + SLACK_S
+    writer.close()
+
+
+def test_the_keep_alive_timeout_flag_refuses_what_is_not_a_duration(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for value in ("0", "-1", "inf"):
+        with pytest.raises(SystemExit) as exit_info:
+            router_main(["--backend", "http://127.0.0.1:1", "--keep-alive-timeout", value])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert "--keep-alive-timeout" in err and "Traceback" not in err
