@@ -1,19 +1,20 @@
 """The offline figures for the requests bench/gpu_serve_core.sh serves: the same token ids
 (bench/serve_client.py's prompts: random.Random(7), ids in [1000, 120000)) through LLM.generate,
 with the server's defaults (256 sequences, 8192 tokens per step), and the process set up as the
-engine core sets up its own (start-up objects frozen out of GC), so the figures compare like for
-like with the served ones. Each figure's step phases (the engine core's profile: schedule,
+engine core sets up its own (`core.heap.settle`: start-up objects frozen out of GC, young
+collections every 20,000 allocations), so the figures compare like for like with the served
+ones. Each figure's step phases (the engine core's profile: schedule,
 launch, collect, update; GC pauses) come with it, under the same names as the served core's
 in `GET /debug/profile`.
 Usage: python bench/offline_serve_requests.py CKPT OUT.json; prints one JSON line per figure."""
 
-import gc
 import json
 import random
 import sys
 import time
 
 from kvfleet_engine import LLM, SamplingParams
+from kvfleet_engine.core import heap
 from kvfleet_engine.core.profile import interval
 
 
@@ -44,8 +45,7 @@ def served_settings_llm(ckpt: str, max_model_len: int = 4096) -> tuple[LLM, dict
         "system": "kvfleet-offline",
         "startup_s": round(time.perf_counter() - t0, 1),
     }
-    gc.collect()
-    gc.freeze()
+    heap.settle()
     llm.engine.profile.track_gc()
     return llm, res
 

@@ -16,7 +16,6 @@ the API process, which drains and then shuts the core down.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import queue
@@ -29,6 +28,7 @@ import msgspec
 
 from kvfleet_engine import logs
 from kvfleet_engine.config import EngineConfig
+from kvfleet_engine.core import heap
 from kvfleet_engine.core.capacity import measure_capacity
 from kvfleet_engine.core.records import (
     CALLS,
@@ -83,8 +83,7 @@ def run_engine_core(config: EngineConfig, conn: Connection, log_level: str = "IN
     if workers is not None:  # a rank that dies ends the core at once, with the reason
         workers.on_failure = loop.fail
     conn.send_bytes(encode(ready))
-    gc.collect()
-    gc.freeze()  # the model's objects live to the end: keep them out of every collection
+    heap.settle()  # the model's objects live to the end: out of every collection
     core.profile.track_gc()
     try:
         loop.run()

@@ -19,7 +19,6 @@ however it dies, the core notices the closed pipe and exits too.
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
 import socket
@@ -38,6 +37,7 @@ from kvfleet_engine.argtypes import (
     positive_float,
     positive_int,
 )
+from kvfleet_engine.core import heap
 from kvfleet_engine.server.admission import AdmissionConfig
 from kvfleet_engine.server.auth import API_KEY_ENV
 from kvfleet_engine.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -239,8 +239,7 @@ def _serve_on(listener: socket.socket, args: argparse.Namespace, config: EngineC
     engine = AsyncEngine(client, tokenizer, metrics)
     state = ServerState(settings, engine, metrics)
     app = build_app(state)
-    gc.collect()
-    gc.freeze()  # start-up objects (tokenizer, app, imports) stay out of every collection
+    heap.settle()  # start-up objects (tokenizer, app, imports) out of every collection
     engine.profile.track_gc()
     server = DrainingServer(
         uvicorn.Config(
