@@ -64,7 +64,19 @@ def trace_steps(
         f"  {e.key[:48]:<48} {e.self_cpu_time_total / 1e3:>9.2f} ms  {e.count:>6} calls"
         for e in host[:top]
     ]
-    return lines + _device_kinds(events, steps) + _device_gaps(prof, steps)
+    return lines + _device_kinds(events, steps) + _device_gaps(prof, steps) + _anatomy(prof, steps)
+
+
+def _anatomy(prof: Any, steps: int) -> list[str]:
+    """The device operations by their place in the model's repeating layer pattern."""
+    from kvfleet_engine.bench.layer_anatomy import report
+
+    spans = [
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    return report(spans, steps)
 
 
 def _device_kinds(events: Any, steps: int) -> list[str]:
