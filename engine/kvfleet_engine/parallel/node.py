@@ -39,6 +39,10 @@ FAILURE_GRACE_S = 1.0
 NOT_SERVED = "not served here: this node only computes; send requests to the leader (node 0)"
 # Seconds the ranks get to stop after Stop / SIGTERM before they are killed.
 STOP_TIMEOUT_S = 10.0
+# Seconds a connection may take to send its request (a probe's takes one round trip): past it
+# the connection is closed, so a stalled client does not hold a thread (`kvfleet serve
+# --header-timeout`'s default on the leader).
+REQUEST_TIMEOUT_S = 10.0
 
 
 def _run_rank(config: EngineConfig, rank: int, status: Connection, log_level: str) -> None:
@@ -69,6 +73,8 @@ class NodeHealth:
 
 def _handler(state: NodeHealth) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        timeout = REQUEST_TIMEOUT_S  # the connection's socket timeout: a stalled read ends it
+
         def _answer(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/health":
