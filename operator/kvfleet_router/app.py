@@ -63,8 +63,8 @@ class Router:
         app.router.add_get("/ready", self._ready)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_post("/v1/chat/completions", self._completions)
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            app.router.add_post(path, self._completions, expect_handler=self._expect)
         return app
 
     def runner(self) -> RouterRunner:
@@ -129,6 +129,10 @@ class Router:
     async def _models(self, request: web.Request) -> web.Response:
         assert self.proxy is not None, "set at start-up"
         return await self.proxy.models(request)
+
+    async def _expect(self, request: web.Request) -> web.Response | None:
+        assert self.proxy is not None, "set at start-up"
+        return await self.proxy.expect(request)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         assert self.proxy is not None, "set at start-up"

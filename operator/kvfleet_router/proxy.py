@@ -140,9 +140,9 @@ class Proxy:
             headers["Authorization"] = bearer(self._settings.api_key)
         return await self._send(request, raw, headers, routed, arrived, result)
 
-    async def _read_body(self, request: web.Request) -> tuple[bytes, dict[str, Any]] | web.Response:
-        """The body as received and parsed, or the 4xx that refuses it (the engine's answer to
-        the same body, so a client sees one answer whichever it reached)."""
+    def refused_by_headers(self, request: web.Request) -> web.Response | None:
+        """The 415 (a Content-Encoding) or 413 (a Content-Length over the limit) its headers
+        earn a request, before any of its body is read."""
         encoding = request.headers.get("Content-Encoding", "").strip()
         if encoding.lower() not in ("", "identity"):  # the engine does not decompress either
             return _closing(
@@ -151,23 +151,46 @@ class Proxy:
                 "supported; send the JSON uncompressed",
                 code="unsupported_content_encoding",
             )
+        if request.content_length is not None:
+            if request.content_length > self._settings.max_request_body_bytes:
+                return _closing(413, self._too_large(), code="request_too_large")
+        return None
+
+    async def expect(self, request: web.Request) -> web.Response | None:
+        """`Expect: 100-continue`: the refusal its headers earn instead of "100 Continue", so
+        a client (curl, for bodies over 1 KiB) does not send a body that would be refused."""
+        refusal = self.refused_by_headers(request)
+        if refusal is not None:
+            return refusal
+        if request.headers.get("Expect", "").lower() != "100-continue":
+            raise web.HTTPExpectationFailed(text=f"Unknown Expect: {request.headers['Expect']}")
+        if request.version >= (1, 1):
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return None
+
+    def _too_large(self) -> str:
         limit = self._settings.max_request_body_bytes
-        too_large = f"request body is larger than {limit} bytes (--max-request-body-bytes)"
-        if request.content_length is not None and request.content_length > limit:
-            return _closing(413, too_large, code="request_too_large")  # before it is sent
+        return f"request body is larger than {limit} bytes (--max-request-body-bytes)"
+
+    async def _read_body(self, request: web.Request) -> tuple[bytes, dict[str, Any]] | web.Response:
+        """The body as received and parsed, or the 4xx that refuses it (the engine's answer to
+        the same body, so a client sees one answer whichever it reached)."""
+        refusal = self.refused_by_headers(request)
+        if refusal is not None:
+            return refusal
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:  # a chunked body, once past the limit
-            return _closing(413, too_large, code="request_too_large")
+            return _closing(413, self._too_large(), code="request_too_large")
         except web.RequestPayloadError as exc:  # its chunked framing broke mid-way
             return _error(
                 400,
                 f"request body is malformed: {parser_error(exc.__cause__ or exc)}",
                 param="body",
             )
-        try:
-            body = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError as exc:  # JSON is UTF-8 (RFC 8259); json.loads took UTF-16
+        try:  # from bytes, as the engine parses it: UTF-8 (a BOM too), UTF-16 or UTF-32
+            body = json.loads(raw)
+        except UnicodeDecodeError as exc:
             message = f"request body is not UTF-8 text (invalid byte at offset {exc.start})"
             return _error(400, message, param="body")
         except ValueError as exc:

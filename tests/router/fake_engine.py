@@ -76,7 +76,7 @@ class FakeEngine:
         return web.Response(text=text, content_type="text/plain")
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
+        body = json.loads(await request.read())  # from bytes, as the engine (starlette) parses
         self.bodies.append(body)
         self.authorizations.append(request.headers.get("Authorization"))
         self.request_headers.append({k.lower(): v for k, v in request.headers.items()})

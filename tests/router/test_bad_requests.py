@@ -49,25 +49,59 @@ def post_head(length: int, *headers: bytes) -> bytes:
     return b"\r\n".join(lines) + b"\r\n\r\n"
 
 
-@pytest.mark.parametrize(
-    ("body", "offset"),
-    [
-        (b'{"model": "tiny", "prompt": "\xed\xa0\x80"}', 29),  # a UTF-16 surrogate as UTF-8
-        ('{"model": "tiny", "prompt": "x"}'.encode("utf-16"), 0),  # json.loads reads UTF-16
-    ],
-    ids=["surrogate-bytes", "utf-16"],
-)
-async def test_a_body_that_is_not_utf8_is_a_400(
-    body: bytes, offset: int, start_engines: StartEngines, start_router: StartRouter
+async def test_a_body_that_is_not_utf8_is_a_400_as_at_the_engine(
+    start_engines: StartEngines, start_router: StartRouter
 ) -> None:
     (engine,) = await start_engines(1)
     router = await start_router([engine.url])
-    response = await router.post("/v1/completions", body)
+    response = await router.post("/v1/completions", b'{"model": "tiny", "prompt": "\xff"}')
     assert response.status == 400
     error = (await response.json())["error"]
-    assert error["message"] == f"request body is not UTF-8 text (invalid byte at offset {offset})"
+    assert error["message"] == "request body is not UTF-8 text (invalid byte at offset 29)"
     assert (error["type"], error["param"]) == ("invalid_request_error", "body")
     assert engine.bodies == []
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"\xef\xbb\xbf" + COMPLETION,  # a UTF-8 BOM (Windows PowerShell 5.1 sends one)
+        COMPLETION.decode().encode("utf-16"),
+    ],
+    ids=["utf-8-bom", "utf-16"],
+)
+async def test_bodies_the_engine_reads_are_routed_not_refused(
+    body: bytes, start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    """The engine parses JSON from bytes (a BOM, UTF-16 and UTF-32 too): the router, which
+    had refused them, passes them on as received."""
+    (engine,) = await start_engines(1)
+    router = await start_router([engine.url])
+    response = await router.post("/v1/completions", body)
+    assert response.status == 200, await response.text()
+    assert len(engine.bodies) == 1
+
+
+async def test_expect_100_continue_over_the_limit_gets_the_413_instead_of_continue(
+    start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    """curl sends `Expect: 100-continue` for bodies over 1 KiB and waits: aiohttp answered
+    "100 Continue" before the handler ran, so the body came whole before its 413."""
+    (engine,) = await start_engines(1)
+    router = await start_router([engine.url], max_request_body_bytes=1000)
+    status, body = await exchange(router.port, post_head(50_000, b"Expect: 100-continue"))
+    assert status == 413
+    assert body["error"]["code"] == "request_too_large"
+    within = json.dumps({"model": MODEL, "prompt": "x" * 100}).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+    writer.write(post_head(len(within), b"Expect: 100-continue"))
+    assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5) == (
+        b"HTTP/1.1 100 Continue\r\n\r\n"
+    )
+    writer.write(within)
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert head.startswith(b"HTTP/1.1 200 ")
+    writer.close()
 
 
 @pytest.mark.parametrize(

@@ -204,6 +204,50 @@ def test_a_pipelined_head_has_the_timeout_from_the_end_of_the_response_before_it
     assert HEADER_TIMEOUT_S * 0.8 <= waited <= HEADER_TIMEOUT_S + SLACK_S
 
 
+def test_two_pipelined_streams_then_a_stalled_head_are_both_sent_whole(stub: StubServer) -> None:
+    """The first stream's end must not start the stalled head's deadline while the second
+    stream is still being sent (it had cut the second off on httptools)."""
+    stream = b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n"
+    with stub.connect() as sock:
+        sock.sendall(stream + stream + PARTIAL_HEAD)
+        received = b""
+        while received.count(b"0\r\n\r\n") < 2:  # both chunked responses' ends
+            chunk = sock.recv(1024)
+            assert chunk, f"closed mid-response after {received!r}"
+            received += chunk
+        ended = time.monotonic()
+        assert received.count(b"HTTP/1.1 200 ") == 2
+        assert sock.recv(1024) == b""
+        waited = time.monotonic() - ended
+    assert HEADER_TIMEOUT_S * 0.8 <= waited <= HEADER_TIMEOUT_S + SLACK_S
+
+
+def test_a_stray_line_break_after_a_response_is_timed_as_a_head(stub: StubServer) -> None:
+    """httptools skips a CRLF between requests without beginning one, and uvicorn stops its
+    keep-alive timer on any bytes: the connection had stayed open with no timer at all (h11
+    answers it with a 400 and closes)."""
+    with stub.connect() as sock:
+        sock.sendall(b"GET /first HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_response(sock) == (200, b"GET /first ")
+        sent = time.monotonic()
+        sock.sendall(b"\r\n")
+        sock.settimeout(KEEP_ALIVE_TIMEOUT_S + SLACK_S + 5)
+        answer = b""
+        while chunk := sock.recv(1024):
+            answer += chunk
+        waited = time.monotonic() - sent
+        assert answer in (b"",) or answer.startswith(b"HTTP/1.1 400 ")
+    assert waited <= HEADER_TIMEOUT_S + SLACK_S
+
+
+def test_a_head_sent_in_pieces_within_the_timeout_is_served(stub: StubServer) -> None:
+    with stub.connect() as sock:
+        for piece in (b"GET /slow", b"ly HTTP/1.1\r\n", b"Host: x\r\n", b"\r\n"):
+            sock.sendall(piece)
+            time.sleep(HEADER_TIMEOUT_S / 8)
+        assert read_response(sock) == (200, b"GET /slowly ")
+
+
 def test_a_client_that_leaves_mid_head_leaves_no_timer(stub: StubServer) -> None:
     with stub.connect() as sock:
         sock.sendall(PARTIAL_HEAD)

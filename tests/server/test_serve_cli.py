@@ -21,6 +21,9 @@ import pytest
         (["--header-timeout", "0"], "--header-timeout: expected a positive number, got 0.0"),
         (["--header-timeout", "-2"], "--header-timeout: expected a positive number, got -2.0"),
         (["--header-timeout", "soon"], "--header-timeout: expected a positive number, got 'soon'"),
+        # a prefix of a flag is no flag: `--quant` in engine.extraArgs had set --quantization
+        (["--quant", "fp8"], "unrecognized arguments: --quant fp8"),
+        (["--api", "sk-secret"], "unrecognized arguments: --api sk-secret"),
         (
             ["--tensor-parallel-size", "3"],
             "tensor_parallel_size=3 does not divide the model's num_attention_heads",

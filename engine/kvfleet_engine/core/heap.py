@@ -8,7 +8,7 @@ allocations the collector catches them alive, promotes them, and every so often 
 heap of in-flight requests. On the CPU with the tiny model at 1,024 streams (bench/cpu_gc_probe.sh,
 `bench/results/2026-12-06-cpu-gc-thresholds-c1024.json`, two rounds), the API process paused
 5.4-5.7 s of a ~40 s load in collections, 18 of them full ones of ~215 ms with every stream
-stalled, TPOT p99 218-244 ms; at 20,000: 0.9-1.1 s, none full (three middle ones of ~200 ms),
+stalled, TPOT p99 218-244 ms; at 20,000: 0.8-1.1 s, none full (three middle ones of ~200 ms),
 TPOT p99 153-163 ms.
 """
 

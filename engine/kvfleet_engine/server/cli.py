@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvfleet serve",
         description="Serve a model over an OpenAI-compatible HTTP API.",
         formatter_class=_DefaultsHelpFormatter,
+        # No prefixes of flags: `--quant fp8` in an InferenceDeployment's engine.extraArgs would
+        # set --quantization past the admission rule that refuses the flags the operator sets.
+        allow_abbrev=False,
     )
     server = parser.add_argument_group("server")
     server.add_argument("--served-model-name", help="model name clients send (default: --model)")

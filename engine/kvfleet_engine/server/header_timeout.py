@@ -124,9 +124,19 @@ else:
             self.head_deadline.stop()
             super().on_headers_complete()
 
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            # Bytes the parser took without beginning a message (a stray CRLF between requests,
+            # which llhttp skips) stop uvicorn's keep-alive timer: time them as a head.
+            idle = self.cycle is None or self.cycle.response_complete
+            if data and idle and not self.head_deadline.running and not self.transport.is_closing():
+                self.head_deadline.start(self.transport, self.client)
+
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if self._head_begun:  # a pipelined head, begun while the response was sent
+            # A pipelined head, begun while a response was sent: timed from the end of the
+            # last response parsed before it (`self.cycle`), not of an earlier one.
+            if self._head_begun and self.cycle.response_complete:
                 self.head_deadline.start(self.transport, self.client)
 
         def connection_lost(self, exc: Exception | None) -> None:

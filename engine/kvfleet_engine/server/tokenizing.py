@@ -3,8 +3,9 @@ with its own copy of the tokenizer when it is long.
 
 A megabyte of text takes seconds to tokenize, and /health, streams and other requests must not
 wait on it; but a hop to a thread waits for the GIL behind the busy loop: at 256 streams on an
-H100 it added 18.8 ms to every first token (`sent` in GET /debug/profile's hops; 0.11 ms
-inline), with nothing to tokenize in token-id prompts. The worker tokenizes one text at a time,
+H100, with every prompt hopping, the first token's `sent` hop in GET /debug/profile took 18.9 ms
+on average (0.11 ms in an earlier H200 run that tokenized on the loop), with nothing to tokenize
+in token-id prompts. The worker tokenizes one text at a time,
 with a copy of the tokenizer, since a fast tokenizer used from several threads at once can fail
 ("Already borrowed") and the loop keeps using its own (short texts, detokenizing).
 """
