@@ -78,25 +78,14 @@ class RouterSettings:
             ("scrape_interval_s", 0 < self.scrape_interval_s <= 0.1, "in (0, 0.1] (>= 10 Hz)"),
             ("max_attempts", self.max_attempts >= 1, ">= 1"),
             ("connect_timeout_s", self.connect_timeout_s > 0, "> 0"),
-            (
-                "upstream_first_byte_timeout_s",
-                0 < self.upstream_first_byte_timeout_s < math.inf,
-                "a positive number of seconds",
-            ),
-            (
-                "upstream_idle_timeout_s",
-                0 < self.upstream_idle_timeout_s < math.inf,
-                "a positive number of seconds",
-            ),
-            (
-                "header_timeout_s",
-                0 < self.header_timeout_s < math.inf,
-                "a positive number of seconds",
-            ),
-            (
-                "keep_alive_timeout_s",
-                0 < self.keep_alive_timeout_s < math.inf,
-                "a positive number of seconds",
+            *(
+                (name, 0 < getattr(self, name) < math.inf, "a positive number of seconds")
+                for name in (
+                    "upstream_first_byte_timeout_s",
+                    "upstream_idle_timeout_s",
+                    "header_timeout_s",
+                    "keep_alive_timeout_s",
+                )
             ),
             ("block_chars", self.block_chars >= 1, ">= 1"),
             ("load_factor", self.load_factor > 1, "> 1"),

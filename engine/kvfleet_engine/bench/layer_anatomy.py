@@ -21,9 +21,9 @@ Span = tuple[float, float, str]  # start, end (µs), kernel name
 @dataclass
 class Pattern:
     names: tuple[str, ...]
-    count: int = 0
-    durations: list[float] = field(default_factory=list)  # per position, summed over its runs
-    gaps: list[float] = field(default_factory=list)  # idle before each position, summed
+    count: int
+    durations: list[float] = field(init=False)  # per position, summed over its runs
+    gaps: list[float] = field(init=False)  # idle before each position, summed
 
     def __post_init__(self) -> None:
         self.durations = [0.0] * len(self.names)
@@ -38,16 +38,14 @@ def patterns(spans: Sequence[Span]) -> tuple[list[Pattern], float]:
     counts = collections.Counter(name for _, _, name in ordered)
     anchor = max(counts, key=lambda name: (counts[name], -_first(ordered, name)))
     cuts = [i for i, (_, _, name) in enumerate(ordered) if name == anchor] + [len(ordered)]
-    found: dict[tuple[str, ...], Pattern] = {}
-    pieces = [(0, cuts[0]), *itertools.pairwise(cuts)]
-    for begin, end in pieces:
-        names = tuple(name for _, _, name in ordered[begin:end])
-        if names:
-            found.setdefault(names, Pattern(names)).count += 1
-    repeated = {names: p for names, p in found.items() if p.count >= 2}
+    pieces = [
+        (begin, end, tuple(name for _, _, name in ordered[begin:end]))
+        for begin, end in [(0, cuts[0]), *itertools.pairwise(cuts)]
+    ]
+    counts_of = collections.Counter(names for _, _, names in pieces if names)
+    repeated = {names: Pattern(names, n) for names, n in counts_of.items() if n >= 2}
     loose = 0.0
-    for begin, end in pieces:
-        names = tuple(name for _, _, name in ordered[begin:end])
+    for begin, end, names in pieces:
         pattern = repeated.get(names)
         for position, i in enumerate(range(begin, end)):
             start, stop, _ = ordered[i]

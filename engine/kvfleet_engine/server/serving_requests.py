@@ -43,7 +43,16 @@ def prompt_chars(prompt: Any) -> int:
 
 def chat_chars(body: ChatCompletionRequest) -> int:
     """Characters the chat template will render for `body`, about."""
-    return sum(len(m.text()) + CHAT_MESSAGE_CHARS for m in body.messages)
+    return sum(_content_chars(m.content) + CHAT_MESSAGE_CHARS for m in body.messages)
+
+
+def _content_chars(content: Any) -> int:
+    """Characters of a message's content (a string or text parts), without joining them."""
+    if content is None:
+        return 0
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(part.text) for part in content)
 
 
 def tokenize_prompts(tokenizer: Any, prompt: Any, max_chars: int | None) -> list[list[int]]:
