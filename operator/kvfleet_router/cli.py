@@ -107,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
         "end of the request's headers; past it the connection is closed (a stalled client)",
     )
     parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULTS.body_timeout_s,
+        metavar="SECONDS",
+        help="seconds the router waits for a request body's next bytes; past it the request "
+        "gets 408 and its connection is closed (a client that stalled after its headers)",
+    )
+    parser.add_argument(
         "--keep-alive-timeout",
         type=float,
         default=DEFAULTS.keep_alive_timeout_s,
@@ -157,6 +165,7 @@ def main(argv: list[str]) -> int:
             upstream_first_byte_timeout_s=args.upstream_first_byte_timeout,
             upstream_idle_timeout_s=args.upstream_idle_timeout,
             header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout,
             keep_alive_timeout_s=args.keep_alive_timeout,
             max_request_body_bytes=args.max_request_body_bytes,
             api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
@@ -189,6 +198,7 @@ _FLAGS = {
     "upstream_first_byte_timeout_s": "--upstream-first-byte-timeout",
     "upstream_idle_timeout_s": "--upstream-idle-timeout",
     "header_timeout_s": "--header-timeout",
+    "body_timeout_s": "--body-timeout",
     "keep_alive_timeout_s": "--keep-alive-timeout",
     "max_request_body_bytes": "--max-request-body-bytes",
 }

@@ -22,7 +22,9 @@ declined it does not hold its prefix.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +37,7 @@ from kvfleet_router.auth import bearer
 from kvfleet_router.metrics import RouterMetrics
 from kvfleet_router.prefix import block_hashes
 from kvfleet_router.replicas import Replica, ReplicaPool
-from kvfleet_router.server import parser_error
+from kvfleet_router.server import RouterConnection, parser_error
 from kvfleet_router.settings import RouterSettings
 from kvfleet_router.strategies import RoutedRequest, Strategy
 from kvfleet_router.upstream import (
@@ -50,6 +52,20 @@ from kvfleet_router.upstream import (
 from kvfleet_router.waiting import QueueFull, WaitingQueue
 
 CHAT_PATH = "/v1/chat/completions"
+
+log = logging.getLogger(__name__)
+
+
+class _TooLarge(Exception):
+    """The body passed --max-request-body-bytes."""
+
+
+class _Stalled(Exception):
+    """No bytes of the body for --body-timeout, after `received` of them."""
+
+    def __init__(self, received: int) -> None:
+        super().__init__(received)
+        self.received = received
 
 
 @dataclass
@@ -179,9 +195,11 @@ class Proxy:
         if refusal is not None:
             return refusal
         try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:  # a chunked body, once past the limit
+            raw = await self._read_raw(request)
+        except _TooLarge:  # a chunked body, once past the limit
             return _closing(413, self._too_large(), code="request_too_large")
+        except _Stalled as stalled:
+            return self._stalled(request, stalled.received)
         except web.RequestPayloadError as exc:  # its chunked framing broke mid-way
             return _error(
                 400,
@@ -200,6 +218,41 @@ class Proxy:
         if not isinstance(body, dict):
             return _error(400, "request body must be a JSON object", param="body")
         return raw, body
+
+    async def _read_raw(self, request: web.Request) -> bytes:
+        """The body, each read waiting at most --body-timeout for its next bytes."""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            try:
+                async with asyncio.timeout(self._settings.body_timeout_s):
+                    chunk = await request.content.readany()
+            except TimeoutError:
+                raise _Stalled(size) from None
+            if not chunk:
+                return b"".join(chunks)
+            size += len(chunk)
+            if size > self._settings.max_request_body_bytes:
+                raise _TooLarge
+            chunks.append(chunk)
+
+    def _stalled(self, request: web.Request, received: int) -> web.Response:
+        timeout = self._settings.body_timeout_s
+        if isinstance(request.protocol, RouterConnection):
+            request.protocol.drop_unread_body()
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        log.info(
+            "closed the connection from %s: its request body stalled after %d bytes, nothing "
+            "more within %g s (--body-timeout)",
+            f"{peer[0]}:{peer[1]}" if peer else "a client",
+            received,
+            timeout,
+        )
+        message = (
+            f"request body stalled: no bytes of it for {timeout:g} s after {received} "
+            "(--body-timeout); the connection is closed, send the request again"
+        )
+        return _closing(408, message, code="request_timeout")
 
     async def _send(
         self,

@@ -84,6 +84,12 @@ class RouterConnection(web.RequestHandler):
             if self._head_begun and not self._num_unanswered:
                 self._start_head_deadline()
 
+    def drop_unread_body(self) -> None:
+        """Close the connection as soon as the response being made is sent, without aiohttp's
+        lingering read (up to 10 s) of the body its client has not finished: for a body that
+        stalled (--body-timeout), whose rest would not come anyway."""
+        self._lingering_time = 0.0
+
     def connection_lost(self, exc: BaseException | None) -> None:
         self._stop_head_deadline()
         super().connection_lost(exc)

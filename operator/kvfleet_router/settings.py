@@ -42,6 +42,9 @@ class RouterSettings:
     # A connection's request line and headers must be complete this long after it opens, or
     # after its next request's first byte; else it is closed (a stalled client, a slowloris).
     header_timeout_s: float = 10.0
+    # The longest wait for a request body's next bytes; then a 408 and the connection closed
+    # (a client that stalled after its head). nginx's client_body_timeout, as `kvfleet serve`.
+    body_timeout_s: float = 60.0
     # An idle client connection is closed after this long: above the idle timeout of the
     # proxies in front (60 s for AWS ALB and nginx), as `kvfleet serve --keep-alive-timeout`,
     # or one may reuse a connection as it closes; aiohttp's own default is an hour.
@@ -84,6 +87,7 @@ class RouterSettings:
                     "upstream_first_byte_timeout_s",
                     "upstream_idle_timeout_s",
                     "header_timeout_s",
+                    "body_timeout_s",
                     "keep_alive_timeout_s",
                 )
             ),

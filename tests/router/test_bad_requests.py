@@ -17,6 +17,8 @@ import pytest
 from fake_engine import MODEL
 
 from conftest import StartEngines, StartRouter
+from kvfleet_router.cli import main as router_main
+from kvfleet_router.settings import RouterSettings
 
 COMPLETION = json.dumps({"model": MODEL, "prompt": "Hello"}).encode()
 
@@ -211,3 +213,68 @@ async def test_an_absolute_form_target_and_http_1_0_without_host_are_served(
     )
     assert (status, body["id"]) == (200, "cmpl-1")
     assert engine.bodies == [json.loads(COMPLETION)]
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+async def test_a_body_that_stalls_gets_408_after_the_body_timeout_and_is_closed(
+    framing: str,
+    start_engines: StartEngines,
+    start_router: StartRouter,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    (engine,) = await start_engines(1)
+    router = await start_router([engine.url], body_timeout_s=0.5)
+    if framing == "chunked":
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        request = head + b"a\r\n" + COMPLETION[:10] + b"\r\n"
+    else:
+        request = post_head(len(COMPLETION)) + COMPLETION[:10]
+    reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+    writer.write(request)
+    sent = time.monotonic()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    waited = time.monotonic() - sent
+    assert head.startswith(b"HTTP/1.1 408 ")
+    rest = await asyncio.wait_for(reader.read(), 5)  # to the end: the router closed it
+    writer.close()
+    error = json.loads(rest)["error"]
+    assert 0.45 <= waited <= 0.5 + 1.5
+    assert (error["code"], error["param"]) == ("request_timeout", "body")
+    assert "no bytes of it for 0.5 s after 10 (--body-timeout)" in error["message"]
+    assert engine.bodies == []
+    (line,) = [r for r in caplog.records if "(--body-timeout)" in r.getMessage()]
+    assert line.levelno == logging.INFO and "from 127.0.0.1:" in line.getMessage()
+
+
+async def test_a_body_trickling_in_for_longer_than_the_body_timeout_is_routed(
+    start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    """The timeout bounds the wait for the next bytes, not the whole body."""
+    (engine,) = await start_engines(1)
+    router = await start_router([engine.url], body_timeout_s=0.5)
+    pieces = [COMPLETION[i : i + 8] for i in range(0, len(COMPLETION), 8)]
+    assert len(pieces) * 0.25 > 0.5 * 2
+    reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+    writer.write(post_head(len(COMPLETION)))
+    for piece in pieces:
+        await asyncio.sleep(0.25)
+        writer.write(piece)
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    writer.close()
+    assert head.startswith(b"HTTP/1.1 200 ")
+    assert engine.bodies == [json.loads(COMPLETION)]
+
+
+def test_the_body_timeout_flag_is_read_and_checked(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen: list[RouterSettings] = []
+    monkeypatch.setattr("kvfleet_router.app.run", seen.append)
+    backend = ["--backend", "http://127.0.0.1:8001"]
+    assert router_main(backend) == 0
+    assert router_main([*backend, "--body-timeout", "2.5"]) == 0
+    assert [s.body_timeout_s for s in seen] == [60.0, 2.5]
+    with pytest.raises(SystemExit) as exit_info:
+        router_main([*backend, "--body-timeout", "0"])
+    assert exit_info.value.code == 2
+    assert "--body-timeout: must be a positive number of seconds, got 0" in capsys.readouterr().err

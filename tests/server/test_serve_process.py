@@ -1,6 +1,7 @@
 """`kvfleet serve` as a real process: 429 under overload, idle connections kept for
 --keep-alive-timeout, a request head that stalls closed after --header-timeout (both protocols'
-details: test_header_timeout.py), and a SIGTERM drain that loses nothing (sent to the whole
+details: test_header_timeout.py), a body that stalls answered 408 after --body-timeout, and a
+SIGTERM drain that loses nothing (sent to the whole
 process group, engine core included, as a shell's `kill %1` sends it)."""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from serverutil import MODEL_NAME, free_port, metric, wait_ready
 pytestmark = pytest.mark.slow
 
 HEADER_TIMEOUT_S = 1.0
+BODY_TIMEOUT_S = 4.0  # above the slow-body test's pause, twice HEADER_TIMEOUT_S
 SLACK_S = 2.0  # a loaded CI machine's scheduling delay, on top of the timeout
 
 
@@ -40,7 +42,7 @@ def served(
     command += ["--max-num-seqs", "8", "--max-num-batched-tokens", "512"]
     command += ["--max-queued-requests", "1", "--drain-timeout", "60", "--keep-alive-timeout", "8"]
     command += ["--ttft-slo-ms", "60000", "--tpot-slo-ms", "1000"]  # SLA mode, loose targets
-    command += ["--header-timeout", str(HEADER_TIMEOUT_S)]
+    command += ["--header-timeout", str(HEADER_TIMEOUT_S), "--body-timeout", str(BODY_TIMEOUT_S)]
     # a group of its own: the drain test signals the whole group, as a shell's `kill %1` does
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -132,6 +134,63 @@ def test_a_request_body_slower_than_the_header_timeout_is_not_cut_off(
         response = http.client.HTTPResponse(sock)
         response.begin()
         error = json.loads(response.read())["error"]
+    # the whole body arrived: the model it names is unknown
+    assert response.status == 404 and "'no-such-model' does not exist" in error["message"]
+
+
+def _post_head(body_length: int | None) -> bytes:
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    if body_length is None:
+        head += "Transfer-Encoding: chunked\r\n"
+    else:
+        head += f"Content-Length: {body_length}\r\n"
+    return (head + "\r\n").encode()
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_a_request_body_that_stalls_gets_408_after_the_body_timeout_and_is_closed(
+    served: tuple[str, subprocess.Popen[bytes]], framing: str
+) -> None:
+    url, _ = served
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"model": MODEL_NAME, "prompt": "stalls"}).encode()
+    sent = body[:10]
+    with socket.create_connection((host, int(port)), timeout=BODY_TIMEOUT_S + SLACK_S) as sock:
+        if framing == "chunked":
+            sock.sendall(_post_head(None) + b"%x\r\n%s\r\n" % (len(sent), sent))
+        else:
+            sock.sendall(_post_head(len(body)) + sent)
+        stalled = time.monotonic()
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        error = json.loads(response.read())["error"]
+        waited = time.monotonic() - stalled
+        assert sock.recv(1) == b""  # and the connection is closed
+    assert response.status == 408 and error["code"] == "request_timeout"
+    assert error["param"] == "body" and "--body-timeout" in error["message"]
+    assert f"after {len(sent)}" in error["message"]
+    assert BODY_TIMEOUT_S * 0.9 <= waited <= BODY_TIMEOUT_S + SLACK_S
+
+
+def test_a_body_trickling_in_for_longer_than_the_body_timeout_is_served(
+    served: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    """The timeout bounds the wait for the next bytes, not the whole body: a slow link is
+    served."""
+    url, _ = served
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"model": "no-such-model", "prompt": "trickles"}).encode()
+    pieces = [body[:8], body[8:16], body[16:]]
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(_post_head(len(body)))
+        started = time.monotonic()
+        for piece in pieces:
+            time.sleep(BODY_TIMEOUT_S / 2)
+            sock.sendall(piece)
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        error = json.loads(response.read())["error"]
+    assert time.monotonic() - started > BODY_TIMEOUT_S
     # the whole body arrived: the model it names is unknown
     assert response.status == 404 and "'no-such-model' does not exist" in error["message"]
 

@@ -72,7 +72,11 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="kvfleet engine", version=state.metrics.info.version, lifespan=lifespan)
     # Outermost last: stamp, log, authenticate, bound the body, then route.
-    app.add_middleware(BodyLimit, max_bytes=state.settings.max_request_body_bytes)
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=state.settings.max_request_body_bytes,
+        idle_timeout_s=state.settings.body_timeout_s,
+    )
     if state.settings.api_key is not None:
         app.add_middleware(APIKeyAuth, api_key=state.settings.api_key)
     if state.settings.log_requests:

@@ -40,7 +40,7 @@ from kvfleet_engine.argtypes import (
 from kvfleet_engine.core import heap
 from kvfleet_engine.server.admission import AdmissionConfig
 from kvfleet_engine.server.auth import API_KEY_ENV
-from kvfleet_engine.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
+from kvfleet_engine.server.body_limit import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BODY_BYTES
 
 if TYPE_CHECKING:
     from kvfleet_engine.config import EngineConfig
@@ -119,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_HEADER_TIMEOUT_S,
         help="seconds from a connection's open, or from the next request's first byte, to the "
         "end of the request's headers; past it the connection is closed (a stalled client)",
+    )
+    server.add_argument(
+        "--body-timeout",
+        type=positive_float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds the server waits for a request body's next bytes; past it the request "
+        "gets 408 and its connection is closed (a client that stalled after its headers)",
     )
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     server.add_argument(
@@ -236,6 +243,7 @@ def _serve_on(listener: socket.socket, args: argparse.Namespace, config: EngineC
         ),
         drain_timeout_s=args.drain_timeout,
         max_request_body_bytes=args.max_request_body_bytes,
+        body_timeout_s=args.body_timeout,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         log_requests=args.log_requests,
     )

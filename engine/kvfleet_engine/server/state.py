@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from kvfleet_engine.async_engine import AsyncEngine
 from kvfleet_engine.metrics import EngineMetrics
 from kvfleet_engine.server.admission import AdmissionConfig, AdmissionPolicy, QueueSnapshot
-from kvfleet_engine.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
+from kvfleet_engine.server.body_limit import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BODY_BYTES
 from kvfleet_engine.server.errors import APIError
 
 
@@ -22,6 +22,7 @@ class ServerSettings:
     admission: AdmissionConfig  # queue bounds and SLA targets
     drain_timeout_s: float  # SIGTERM: how long in-flight requests may take to finish
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger bodies: 413
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # a body's next bytes within it, or 408
     api_key: str | None = field(default=None, repr=False)  # None: no authentication
     log_requests: bool = False  # one JSON line per request: ids, status, tokens, timings
 
