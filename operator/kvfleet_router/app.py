@@ -18,6 +18,7 @@ from kvfleet_router.load import LoadScraper
 from kvfleet_router.metrics import RouterMetrics
 from kvfleet_router.proxy import Proxy
 from kvfleet_router.replicas import ReplicaPool
+from kvfleet_router.request_body import RequestBody
 from kvfleet_router.server import RouterRunner
 from kvfleet_router.settings import RouterSettings
 from kvfleet_router.strategies import make_strategy
@@ -63,8 +64,10 @@ class Router:
         app.router.add_get("/ready", self._ready)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
+        # `Expect: 100-continue` gets the refusal the headers earn instead of "100 Continue".
+        expect = RequestBody(self.settings).expect
         for path in ("/v1/completions", "/v1/chat/completions"):
-            app.router.add_post(path, self._completions, expect_handler=self._expect)
+            app.router.add_post(path, self._completions, expect_handler=expect)
         return app
 
     def runner(self) -> RouterRunner:
@@ -129,10 +132,6 @@ class Router:
     async def _models(self, request: web.Request) -> web.Response:
         assert self.proxy is not None, "set at start-up"
         return await self.proxy.models(request)
-
-    async def _expect(self, request: web.Request) -> web.Response | None:
-        assert self.proxy is not None, "set at start-up"
-        return await self.proxy.expect(request)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         assert self.proxy is not None, "set at start-up"

@@ -22,12 +22,8 @@ declined it does not hold its prefix.
 
 from __future__ import annotations
 
-import asyncio
-import json
-import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -37,7 +33,7 @@ from kvfleet_router.auth import bearer
 from kvfleet_router.metrics import RouterMetrics
 from kvfleet_router.prefix import block_hashes
 from kvfleet_router.replicas import Replica, ReplicaPool
-from kvfleet_router.server import RouterConnection, parser_error
+from kvfleet_router.request_body import RequestBody, error_response
 from kvfleet_router.settings import RouterSettings
 from kvfleet_router.strategies import RoutedRequest, Strategy
 from kvfleet_router.upstream import (
@@ -52,20 +48,6 @@ from kvfleet_router.upstream import (
 from kvfleet_router.waiting import QueueFull, WaitingQueue
 
 CHAT_PATH = "/v1/chat/completions"
-
-log = logging.getLogger(__name__)
-
-
-class _TooLarge(Exception):
-    """The body passed --max-request-body-bytes."""
-
-
-class _Stalled(Exception):
-    """No bytes of the body for --body-timeout, after `received` of them."""
-
-    def __init__(self, received: int) -> None:
-        super().__init__(received)
-        self.received = received
 
 
 @dataclass
@@ -94,6 +76,7 @@ class Proxy:
         self._upstream = Upstream(
             session, settings.upstream_first_byte_timeout_s, settings.upstream_idle_timeout_s
         )
+        self._body = RequestBody(settings)
         self.started_at = int(time.time())
         self._served = frozenset(settings.served_model_names)
 
@@ -128,7 +111,7 @@ class Proxy:
     async def _forward(
         self, request: web.Request, arrived: float, result: _Outcome
     ) -> web.StreamResponse:
-        read = await self._read_body(request)
+        read = await self._body.read(request)
         if isinstance(read, web.Response):
             result.outcome = m.BAD_REQUEST
             return read
@@ -136,12 +119,12 @@ class Proxy:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             result.outcome = m.BAD_REQUEST
-            return _error(400, "model: required, the served model name (a string)", "model")
+            return error_response(400, "model: required, the served model name (a string)", "model")
         known = self.model_names()
         if known and model not in known:
             result.outcome = m.UNKNOWN_MODEL
             served = ", ".join(repr(name) for name in sorted(known))
-            return _error(
+            return error_response(
                 404,
                 f"model {model!r} does not exist; this router serves {served}",
                 param="model",
@@ -155,104 +138,6 @@ class Proxy:
             headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
             headers["Authorization"] = bearer(self._settings.api_key)
         return await self._send(request, raw, headers, routed, arrived, result)
-
-    def refused_by_headers(self, request: web.Request) -> web.Response | None:
-        """The 415 (a Content-Encoding) or 413 (a Content-Length over the limit) its headers
-        earn a request, before any of its body is read."""
-        encoding = request.headers.get("Content-Encoding", "").strip()
-        if encoding.lower() not in ("", "identity"):  # the engine does not decompress either
-            return _closing(
-                415,
-                f"request bodies are not decompressed: Content-Encoding {encoding[:40]!r} is not "
-                "supported; send the JSON uncompressed",
-                code="unsupported_content_encoding",
-            )
-        if request.content_length is not None:
-            if request.content_length > self._settings.max_request_body_bytes:
-                return _closing(413, self._too_large(), code="request_too_large")
-        return None
-
-    async def expect(self, request: web.Request) -> web.Response | None:
-        """`Expect: 100-continue`: the refusal its headers earn instead of "100 Continue", so
-        a client (curl, for bodies over 1 KiB) does not send a body that would be refused."""
-        refusal = self.refused_by_headers(request)
-        if refusal is not None:
-            return refusal
-        if request.headers.get("Expect", "").lower() != "100-continue":
-            raise web.HTTPExpectationFailed(text=f"Unknown Expect: {request.headers['Expect']}")
-        if request.version >= (1, 1):
-            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        return None
-
-    def _too_large(self) -> str:
-        limit = self._settings.max_request_body_bytes
-        return f"request body is larger than {limit} bytes (--max-request-body-bytes)"
-
-    async def _read_body(self, request: web.Request) -> tuple[bytes, dict[str, Any]] | web.Response:
-        """The body as received and parsed, or the 4xx that refuses it (the engine's answer to
-        the same body, so a client sees one answer whichever it reached)."""
-        refusal = self.refused_by_headers(request)
-        if refusal is not None:
-            return refusal
-        try:
-            raw = await self._read_raw(request)
-        except _TooLarge:  # a chunked body, once past the limit
-            return _closing(413, self._too_large(), code="request_too_large")
-        except _Stalled as stalled:
-            return self._stalled(request, stalled.received)
-        except web.RequestPayloadError as exc:  # its chunked framing broke mid-way
-            return _error(
-                400,
-                f"request body is malformed: {parser_error(exc.__cause__ or exc)}",
-                param="body",
-            )
-        try:  # from bytes, as the engine parses it: UTF-8 (a BOM too), UTF-16 or UTF-32
-            body = json.loads(raw)
-        except UnicodeDecodeError as exc:
-            message = f"request body is not UTF-8 text (invalid byte at offset {exc.start})"
-            return _error(400, message, param="body")
-        except ValueError as exc:
-            return _error(400, f"request body is not valid JSON: {exc}", param="body")
-        except RecursionError:  # arrays or objects nested thousands deep
-            return _error(400, "request body is nested too deeply", param="body")
-        if not isinstance(body, dict):
-            return _error(400, "request body must be a JSON object", param="body")
-        return raw, body
-
-    async def _read_raw(self, request: web.Request) -> bytes:
-        """The body, each read waiting at most --body-timeout for its next bytes."""
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            try:
-                async with asyncio.timeout(self._settings.body_timeout_s):
-                    chunk = await request.content.readany()
-            except TimeoutError:
-                raise _Stalled(size) from None
-            if not chunk:
-                return b"".join(chunks)
-            size += len(chunk)
-            if size > self._settings.max_request_body_bytes:
-                raise _TooLarge
-            chunks.append(chunk)
-
-    def _stalled(self, request: web.Request, received: int) -> web.Response:
-        timeout = self._settings.body_timeout_s
-        if isinstance(request.protocol, RouterConnection):
-            request.protocol.drop_unread_body()
-        peer = request.transport.get_extra_info("peername") if request.transport else None
-        log.info(
-            "closed the connection from %s: its request body stalled after %d bytes, nothing "
-            "more within %g s (--body-timeout)",
-            f"{peer[0]}:{peer[1]}" if peer else "a client",
-            received,
-            timeout,
-        )
-        message = (
-            f"request body stalled: no bytes of it for {timeout:g} s after {received} "
-            "(--body-timeout); the connection is closed, send the request again"
-        )
-        return _closing(408, message, code="request_timeout")
 
     async def _send(
         self,
@@ -288,7 +173,7 @@ class Proxy:
                     replicas = await self._queue.wait(deadline, busy)
                 except QueueFull:
                     result.outcome = m.QUEUE_FULL
-                    return _error(
+                    return error_response(
                         503,
                         f"{settings.queue_size} requests are already waiting for a replica",
                         type_="service_unavailable",
@@ -346,7 +231,7 @@ class Proxy:
         num_timed_out = len(failed) - num_lost
         if not num_timed_out:
             result.outcome = m.BROKEN
-            return _error(
+            return error_response(
                 502,
                 f"the replica closed the connection before answering ({num_lost} of "
                 f"{settings.max_attempts} attempts)",
@@ -354,7 +239,7 @@ class Proxy:
             )
         result.outcome = m.TIMEOUT
         also = f"; {num_lost} closed the connection" if num_lost else ""
-        return _error(
+        return error_response(
             504,
             f"no replica answered within {settings.upstream_first_byte_timeout_s:g} s "
             f"(--upstream-first-byte-timeout; {num_timed_out} of {settings.max_attempts} "
@@ -364,7 +249,7 @@ class Proxy:
 
     def _no_replica(self) -> web.Response:
         settings = self._settings
-        return _error(
+        return error_response(
             503,
             f"no replica became available within {settings.queue_timeout_s:g} s",
             type_="service_unavailable",
@@ -403,24 +288,3 @@ class Proxy:
             return response
         finally:
             replica.in_flight -= 1
-
-
-def _error(
-    status: int,
-    message: str,
-    param: str | None = None,
-    *,
-    type_: str = "invalid_request_error",
-    code: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> web.Response:
-    """An OpenAI-style error body from the router itself."""
-    body: dict[str, Any] = {"message": message, "type": type_, "param": param, "code": code}
-    return web.json_response({"error": body}, status=status, headers=headers)
-
-
-def _closing(status: int, message: str, code: str) -> web.Response:
-    """A refusal of the body itself: the connection closes after it (its body may be unread)."""
-    response = _error(status, message, param="body", code=code)
-    response.force_close()
-    return response
