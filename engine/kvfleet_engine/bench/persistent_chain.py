@@ -1,0 +1,350 @@
+"""Would one persistent kernel streaming a layer's products beat a kernel per product at batch 1?
+(bench/NOTES.md section 25: the one-row quantized steps spend 0.9-1.4 ms beyond their weights'
+bytes, ≈ 5 µs of ramp and tail per product kernel, four a layer; the issue's 1.8x / 3.0x targets
+need that overlapped, not tuned.)
+
+The probe times the four fp8 products of Llama-3.1-8B's layers, chained as a decode step chains
+them (qkv -> o -> gate_up -> SiLU * up -> down -> the next layer's qkv; attention and norms left
+out: the first 4,096 of qkv's outputs stand for attention's; down adds to the residual stream,
+the next layer's input), for 32 layers in a CUDA graph:
+
+  kernels     the engine's one-row fp8 GEMV per product, its silu_and_mul and a residual add,
+              as a step runs them (PDL on where the GPU has it)
+  persistent  one launch for all 32 layers: programs_per_sm x SMs programs walk one list of
+              tiles (layer, product, 64 output rows, a slice of K) in order, each tile waiting
+              only for the product whose outputs it reads (a counter per product, released by
+              the last slice of each row block as it sums the slices), with the first weight
+              tile of its slice loaded before that wait; so the next product's weights stream
+              while the last tiles of the one before finish
+
+Each as ms per step, µs per layer, and the weights' bytes over that time against copy bandwidth.
+A program waits only on tiles earlier in the list, and the earliest unfinished tile waits on
+nothing unfinished, so the walk cannot deadlock while every program is resident (the grid is
+sized to be); under TRITON_INTERPRET=1 the grid is one program, which walks the list in order.
+
+    python -m kvfleet_engine.bench.persistent_chain [--programs-per-sm 4] [--output probe.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from kvfleet_engine.bench.roofline import measure_ceilings
+from kvfleet_engine.kernels.activation import _silu_mul
+from kvfleet_engine.kernels.int_plan import INTERPRETED
+
+
+@dataclass(frozen=True)
+class Product:
+    """One product of the chain: [n, k] e4m3 weights, k split `splits` ways."""
+
+    name: str
+    n: int
+    k: int
+    splits: int
+
+
+def llama_8b_products() -> list[Product]:
+    # Splits as the engine's one-row fp8 plans choose them (quant_plans.json, rows 1).
+    return [
+        Product("qkv", 6144, 4096, 4),
+        Product("o", 4096, 4096, 8),
+        Product("gate_up", 28672, 4096, 1),
+        Product("down", 4096, 14336, 8),
+    ]
+
+
+@triton.jit
+def _tile_dot(w, x_ptr, offs_k, K, gated, acc, BF16: tl.constexpr):
+    """acc + row 0 of [x; zeros] (16 rows, the dot's least) times w [BLOCK_N, BLOCK_K]ᵀ; x from
+    x_ptr at offs_k, or where `gated` the SiLU of it times the value K further. The dot's
+    operands are bf16 (BF16) or float32 (the interpreter, whose dot takes bf16 as raw bits)."""
+    x = tl.load(x_ptr + offs_k, cache_modifier=".cg")
+    if gated:
+        x = _silu_mul(x, tl.load(x_ptr + K + offs_k, cache_modifier=".cg"))
+    offs_m = tl.arange(0, 16)
+    x16 = tl.where((offs_m == 0)[:, None], x[None, :], 0.0)
+    w = w.to(tl.float32)
+    if BF16:
+        x16, w = x16.to(tl.bfloat16), w.to(tl.bfloat16)
+    return tl.dot(x16, tl.trans(w), acc)
+
+
+@triton.jit
+def _tile_product(
+    w_ptr, scale_ptr, in_ptr, part_ptr, y_ptr, arrive_ptr, done_ptr, wait_ptr,
+    wait_target, need_wait, N, K, S, n_tile, split, gated,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BF16: tl.constexpr,
+):  # fmt: skip
+    """One tile: rows [n_tile * BLOCK_N, +BLOCK_N) of w over K slice `split` of S, times the
+    input (the SiLU of its two halves where `gated`), into the partials; the slice that
+    arrives last sums the row block's partials into y (added to y's rows where `gated`: the
+    down projection adds to the residual stream) and counts the block done. The slice's
+    first weight tile is loaded before waiting for the input (`need_wait`: until *wait_ptr
+    reaches wait_target)."""
+    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    span = K // S
+    k_start = split * span
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    first = tl.load(w_rows + offs_k[None, :])  # weights: no tile writes them
+    if need_wait:
+        ready = tl.atomic_add(wait_ptr, 0, sem="acquire", scope="gpu")
+        while ready < wait_target:
+            ready = tl.atomic_add(wait_ptr, 0, sem="acquire", scope="gpu")
+        tl.debug_barrier()
+    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    acc = _tile_dot(first, in_ptr, offs_k, K, gated, acc, BF16)
+    for k0 in tl.range(k_start + BLOCK_K, k_start + span, BLOCK_K, num_stages=STAGES):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        acc = _tile_dot(tl.load(w_rows + offs_k[None, :]), in_ptr, offs_k, K, gated, acc, BF16)
+    out = tl.sum(acc, axis=0) * tl.load(scale_ptr + offs_n)  # [BLOCK_N]: row 0's
+    tl.store(part_ptr + split * N + offs_n, out)
+    tl.debug_barrier()  # every thread's partial is written before the release below
+    arrived = tl.atomic_add(arrive_ptr + n_tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == S - 1:
+        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for s in range(S):
+            total += tl.load(part_ptr + s * N + offs_n, cache_modifier=".cg")
+        if gated:
+            total += tl.load(y_ptr + offs_n, cache_modifier=".cg")
+        tl.store(y_ptr + offs_n, total)
+        tl.atomic_xchg(arrive_ptr + n_tile, 0)
+        tl.debug_barrier()
+        tl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _chain_kernel(
+    w0, w1, w2, w3, sc0, sc1, sc2, sc3, y0, y1, y2, y3, p0, p1, p2, p3, arrive_ptr, done_ptr,
+    N0, K0, S0, N1, K1, S1, N2, K2, S2, N3, K3, S3, layers, num_programs,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BF16: tl.constexpr,
+):  # fmt: skip
+    """Walk the tiles of `layers` layers in list order, every num_programs-th from this
+    program's id. y3 holds the chain's input before the first layer and each layer's output;
+    done_ptr [layers, 4] counts each product's finished row blocks (zeroed before the launch)."""
+    T0 = (N0 // BLOCK_N) * S0
+    T1 = (N1 // BLOCK_N) * S1
+    T2 = (N2 // BLOCK_N) * S2
+    T3 = (N3 // BLOCK_N) * S3
+    per_layer = T0 + T1 + T2 + T3
+    for item in range(tl.program_id(0), layers * per_layer, num_programs):
+        layer = item // per_layer
+        r = item % per_layer
+        done = done_ptr + layer * 4
+        if r < T0:  # qkv, of the layer before's down (the input before layer 0)
+            t = r
+            _tile_product(
+                w0 + layer.to(tl.int64) * N0 * K0, sc0 + layer * N0, y3, p0, y0,
+                arrive_ptr, done, done - 1, N3 // BLOCK_N, layer > 0, N0, K0, S0, t // S0, t % S0,
+                False, BLOCK_N, BLOCK_K, STAGES, BF16,
+            )  # fmt: skip
+        elif r < T0 + T1:  # o, of qkv's first K1 outputs (attention's stand-in)
+            t = r - T0
+            _tile_product(
+                w1 + layer.to(tl.int64) * N1 * K1, sc1 + layer * N1, y0, p1, y1,
+                arrive_ptr + N0 // BLOCK_N, done + 1, done, N0 // BLOCK_N, True, N1, K1, S1,
+                t // S1, t % S1, False, BLOCK_N, BLOCK_K, STAGES, BF16,
+            )  # fmt: skip
+        elif r < T0 + T1 + T2:  # gate_up, of o
+            t = r - T0 - T1
+            _tile_product(
+                w2 + layer.to(tl.int64) * N2 * K2, sc2 + layer * N2, y1, p2, y2,
+                arrive_ptr + (N0 + N1) // BLOCK_N, done + 2, done + 1, N1 // BLOCK_N, True, N2,
+                K2, S2, t // S2, t % S2, False, BLOCK_N, BLOCK_K, STAGES, BF16,
+            )  # fmt: skip
+        else:  # down, of silu(gate) * up
+            t = r - T0 - T1 - T2
+            _tile_product(
+                w3 + layer.to(tl.int64) * N3 * K3, sc3 + layer * N3, y2, p3, y3,
+                arrive_ptr + (N0 + N1 + N2) // BLOCK_N, done + 3, done + 2, N2 // BLOCK_N, True,
+                N3, K3, S3, t // S3, t % S3, True, BLOCK_N, BLOCK_K, STAGES, BF16,
+            )  # fmt: skip
+
+
+class Chain:
+    """Random e4m3 weights (scaled to keep activations near 1) for `layers` layers of
+    `products`, and both ways of running them."""
+
+    def __init__(
+        self, products: list[Product], layers: int, device: torch.device, block_n: int = 64,
+        block_k: int = 256,
+    ) -> None:  # fmt: skip
+        qkv, o, gate_up, down = products
+        if not (o.k <= qkv.n and gate_up.k == o.n and down.k * 2 == gate_up.n and qkv.k == down.n):
+            raise ValueError("products do not chain: qkv -> o -> gate_up -> down -> qkv")
+        for p in products:
+            if p.n % block_n or p.k % p.splits or (p.k // p.splits) % block_k:
+                raise ValueError(f"{p.name}: {p.n} x {p.k} / {p.splits} does not tile by blocks")
+        self.products, self.layers, self.device = products, layers, device
+        self.block_n, self.block_k = block_n, block_k
+        gen = torch.Generator(device=device).manual_seed(0)
+        self.weights = [
+            torch.randn(layers, p.n, p.k, device=device, generator=gen).to(torch.float8_e4m3fn)
+            for p in products
+        ]
+        self.scales = [
+            torch.full((layers, p.n), 1 / math.sqrt(p.k), device=device) for p in products
+        ]
+        self.input = torch.randn(qkv.k, device=device, generator=gen)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(w.numel() for w in self.weights)
+
+    def reference(self) -> torch.Tensor:
+        """The chain in float32 torch."""
+        x = self.input
+        for layer in range(self.layers):
+            w = [
+                t[layer].float() * s[layer][:, None]
+                for t, s in zip(self.weights, self.scales, strict=True)
+            ]
+            y0 = w[0] @ x
+            y1 = w[1] @ y0[: self.products[1].k]
+            y2 = w[2] @ y1
+            gate, up = y2.chunk(2)
+            x = x + w[3] @ (torch.nn.functional.silu(gate) * up)
+        return x
+
+    def kernels(self) -> Callable[[], torch.Tensor]:
+        """The engine's kernels, one per product plus silu_and_mul and the residual add (where
+        the engine's norm adds it), bf16 between them (float32 in the interpreter)."""
+        from kvfleet_engine.kernels.activation import silu_and_mul
+        from kvfleet_engine.kernels.fp8_gemv import fp8_gemv
+
+        dtype = torch.float32 if INTERPRETED else torch.bfloat16  # as _tile_dot's BF16
+        x0 = self.input.to(dtype)[None, :]
+        k_o = self.products[1].k
+
+        def step() -> torch.Tensor:
+            x = x0
+            for layer in range(self.layers):
+                w, s = [t[layer] for t in self.weights], [t[layer] for t in self.scales]
+                y0 = fp8_gemv(x, w[0], s[0], dtype)
+                y1 = fp8_gemv(y0[:, :k_o], w[1], s[1], dtype)
+                y2 = fp8_gemv(y1, w[2], s[2], dtype)
+                x = x + fp8_gemv(silu_and_mul(y2), w[3], s[3], dtype)
+            return x[0].float()
+
+        return step
+
+    def persistent(
+        self, programs_per_sm: int, stages: int = 3
+    ) -> tuple[Callable[[], torch.Tensor], int]:
+        """One launch of `_chain_kernel` (float32 between the products), as (step, programs):
+        programs_per_sm per SM, fewer where fewer fit (a program that never becomes resident
+        would leave the others waiting on its tiles forever); one program in the interpreter."""
+        p, dev, bn = self.products, self.device, self.block_n
+        ys = [torch.empty(q.n, device=dev) for q in p]
+        parts = [torch.empty(q.splits, q.n, device=dev) for q in p]
+        arrive = torch.zeros(sum(q.n for q in p) // bn, dtype=torch.int32, device=dev)
+        done = torch.zeros(self.layers, 4, dtype=torch.int32, device=dev)
+        sizes = [v for q in p for v in (q.n, q.k, q.splits)]
+        args = (*self.weights, *self.scales, *ys, *parts, arrive, done, *sizes, self.layers)
+        options = dict(
+            BLOCK_N=bn, BLOCK_K=self.block_k, STAGES=stages, BF16=not INTERPRETED, num_warps=4
+        )
+        if INTERPRETED:
+            programs = 1
+        else:
+            compiled = _chain_kernel.warmup(*args, 1, grid=(1,), **options)
+            programs = min(programs_per_sm, resident_per_sm(compiled, dev, 4))
+            programs *= torch.cuda.get_device_properties(dev).multi_processor_count
+
+        def step() -> torch.Tensor:
+            done.zero_()
+            ys[3].copy_(self.input)
+            _chain_kernel[(programs,)](*args, programs, **options)
+            return ys[3]
+
+        return step, programs
+
+
+def resident_per_sm(compiled: Any, device: torch.device, num_warps: int) -> int:
+    """How many programs of a compiled Triton kernel fit on one SM at once (registers, shared
+    memory, warps)."""
+    props = torch.cuda.get_device_properties(device)
+    regs_per_warp = -(-compiled.n_regs * 32 // 256) * 256  # allocated in units of 256
+    regs: int = props.regs_per_multiprocessor  # type: ignore[attr-defined]  # not in the stubs
+    by_regs = regs // (regs_per_warp * num_warps)
+    shared = compiled.metadata.shared + 1024  # the runtime reserves 1 KiB a block
+    by_shared = props.shared_memory_per_multiprocessor // shared
+    by_warps = props.max_threads_per_multi_processor // (32 * num_warps)
+    return max(1, min(by_regs, by_shared, by_warps))
+
+
+def graph_ms(step: Callable[[], torch.Tensor], reps: int = 20) -> float:
+    """Median ms of one replay of `step` captured in a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--programs-per-sm", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--output", default=None, help="JSON results to this file")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    chain = Chain(llama_8b_products(), args.layers, device)
+    check = Chain(llama_8b_products(), 2, device)
+    expected = check.reference()
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    bandwidth = measure_ceilings(device).bandwidth / 1e9  # the bench's copy bandwidth
+    gb = chain.weight_bytes / 1e9
+    rows = []
+
+    def record(name: str, step: Callable[[], torch.Tensor], probe: Callable[[], torch.Tensor]):
+        got = probe()
+        error = ((got - expected).norm() / expected.norm()).item()
+        ms = graph_ms(step)
+        rows.append({"variant": name, "ms_per_step": ms, "us_per_layer": ms * 1e3 / args.layers,
+                     "weight_gb_per_s": gb / ms * 1e3, "of_copy": gb / ms * 1e3 / bandwidth,
+                     "error_2_layers": error})  # fmt: skip
+
+    record("kernels", chain.kernels(), check.kernels())
+    for per_sm in args.programs_per_sm:
+        step, programs = chain.persistent(per_sm)
+        record(f"persistent-{programs // sms}/sm", step, check.persistent(per_sm)[0])
+    name = torch.cuda.get_device_name(device)
+    print(f"{name}: copy {bandwidth:.0f} GB/s, weights {gb:.2f} GB")
+    print(f"{'variant':<16} {'ms/step':>8} {'us/layer':>9} {'GB/s':>7} {'of copy':>8} {'error':>9}")
+    for r in rows:
+        print(
+            f"{r['variant']:<16} {r['ms_per_step']:>8.3f} {r['us_per_layer']:>9.1f} "
+            f"{r['weight_gb_per_s']:>7.0f} {r['of_copy']:>8.1%} {r['error_2_layers']:>9.2e}"
+        )
+    if args.output:
+        result = {"gpu": name, "copy_gb_per_s": bandwidth, "weight_gb": gb, "rows": rows}
+        with open(args.output, "w") as f:
+            json.dump({**result, "layers": args.layers, "command": " ".join(sys.argv)}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
