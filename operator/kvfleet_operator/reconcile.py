@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 from collections import defaultdict
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -37,7 +38,8 @@ from kvfleet_operator.reconcile_inputs import (
     read_api_key_digest,
     read_model_architecture,
 )
-from kvfleet_operator.render import render_children
+from kvfleet_operator.render import labels, render_children
+from kvfleet_operator.render_group import render_group_key
 from kvfleet_operator.status import (
     compute_status,
     invalid_spec_status,
@@ -153,6 +155,8 @@ async def _reconcile(
             groups=groups,
             api_key_digest=await read_api_key_digest(cluster, namespace, spec),
         )
+        if plan.topology is not None and plan.topology.pods_per_replica > 1:
+            await ensure_group_key(cluster, body, name, namespace)
         before = found.main(planned)
         # A workload being deleted (a LeaderWorkerSet whose group size changes) is left to go;
         # a later pass creates it again.
@@ -293,3 +297,25 @@ async def _write_status(
 def _describe(error: Any) -> str:
     where = ".".join(str(part) for part in error["loc"])
     return f"spec.{where}: {error['msg']}" if where else f"spec: {error['msg']}"
+
+
+async def ensure_group_key(
+    cluster: Cluster, owner: dict[str, Any], name: str, namespace: str
+) -> None:
+    """The Secret of the groups' step-channel key, created with a random key where it is
+    absent (and never changed: the ranks of a running group share it). Where the operator may
+    not create Secrets, the ranks start on the engine's default key (their reference to the
+    Secret is optional), and an event says so once."""
+    secret = render_group_key(name, namespace, labels(name), secrets.token_urlsafe(32))
+    try:
+        await cluster.create_if_absent(secret, owner=owner)
+    except Exception as exc:
+        if not refused(exc):  # conflicts, throttling, server errors: the pass is retried
+            raise
+        message = (
+            f"could not create Secret {secret['metadata']['name']}: {api_error_summary(exc)}; "
+            "the groups' ranks join on the engine's default key, so only the NetworkPolicy "
+            "keeps other pods from joining a group (grant the operator create on secrets)"
+        )
+        await cluster.post_event(owner, "Warning", "GroupKeyNotCreated", message,
+                                 name=f"{name}.group-key-not-created")  # fmt: skip

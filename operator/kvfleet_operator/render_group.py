@@ -23,8 +23,14 @@ from typing import Any
 from kvfleet_operator import api
 from kvfleet_operator.models import AcceleratorProfileSpec, InferenceDeploymentSpec
 from kvfleet_operator.plan import Plan
-from kvfleet_operator.render_pod import ENGINE_TYPE_LABEL, MASTER_PORT, Ranks, pod_spec
-from kvfleet_operator.topology import group_name, statefulset_name
+from kvfleet_operator.render_pod import (
+    ENGINE_TYPE_LABEL,
+    GROUP_KEY,
+    MASTER_PORT,
+    Ranks,
+    pod_spec,
+)
+from kvfleet_operator.topology import group_key_secret, group_name, statefulset_name
 
 Manifest = dict[str, Any]
 
@@ -50,6 +56,21 @@ def leader_selector(kind: str) -> dict[str, str]:
     return {}
 
 
+def render_group_key(name: str, namespace: str, labels: dict[str, str], key: str) -> Manifest:
+    """The Secret of the groups' step-channel key: every rank answers the leader's challenge
+    with it, so only the pods of this deployment can join a group (and read its steps: the
+    prompts' token ids). `key` is random, made once by the reconciler when it creates the
+    Secret, never rendered again (applying it on each pass would change it under running
+    groups)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {"name": group_key_secret(name), "namespace": namespace, "labels": labels},
+        "stringData": {GROUP_KEY: key},
+    }
+
+
 def render_leader_worker_set(
     name: str,
     namespace: str,
@@ -63,6 +84,7 @@ def render_leader_worker_set(
         nnodes=plan.topology.pods_per_replica,
         node_rank="$(LWS_WORKER_INDEX)",
         master_addr="$(LWS_LEADER_ADDRESS)",
+        key_secret=group_key_secret(name),
     )
     # Apart within a group (LWS gives each group its own group-key), side by side across groups.
     apart = _one_per_node({api.DEPLOYMENT_LABEL: name}, match_label_keys=[LWS_GROUP_KEY_LABEL])
@@ -126,6 +148,7 @@ def render_statefulset(
         nnodes=plan.topology.pods_per_replica,
         node_rank=f"$({NODE_RANK_ENV})",
         master_addr=leader_address(name, namespace, index),
+        key_secret=group_key_secret(name),
         env=[{"name": NODE_RANK_ENV, "valueFrom": pod_index}],
     )
     pod_labels = {**labels, GROUP_LABEL: str(index)}

@@ -25,6 +25,10 @@ MASTER_PORT = 29500
 # reads the checkpoint's config.json (a plain checkpoint then loads as bf16).
 ENGINE_QUANTIZATION = {"int8": "int8", "fp8": "fp8", "int4-awq": "awq", "int4-gptq": "gptq"}
 API_KEY_ENV = "KVFLEET_API_KEY"  # `kvfleet serve` reads its API key from it
+# The key of a group's step channel (the HMAC challenge each rank answers when it joins the
+# leader), which the engine reads from this variable, and its key in the group's Secret.
+PARALLEL_AUTHKEY_ENV = "KVFLEET_PARALLEL_AUTHKEY"
+GROUP_KEY = "authkey"
 # On every engine pod template: the pods speak vLLM's model-server protocol (its metric names,
 # vllm:cache_config_info), so llm-d's router or any Gateway API Inference Extension endpoint
 # picker can front them.
@@ -39,7 +43,15 @@ class Ranks:
     nnodes: int  # pods (nodes) in the group
     node_rank: str  # this pod's rank: `$(VAR)`, which the kubelet expands from `env`
     master_addr: str  # the leader pod's stable DNS name (or `$(VAR)`)
+    key_secret: str  # the Secret holding the step channel's key (`group_key_secret`)
     env: list[dict[str, Any]] = field(default_factory=list)  # the variables those refer to
+
+    def all_env(self) -> list[dict[str, Any]]:
+        """`env`, and the step channel's key from the group's Secret. Optional: where the
+        operator could not create the Secret (no `create` on secrets), the ranks still start,
+        on the engine's default key (the NetworkPolicy then is what keeps others out)."""
+        source = {"name": self.key_secret, "key": GROUP_KEY, "optional": True}
+        return [*self.env, {"name": PARALLEL_AUTHKEY_ENV, "valueFrom": {"secretKeyRef": source}}]
 
     def args(self) -> list[str]:
         return [
@@ -179,7 +191,7 @@ def _engine_container(
         "command": ["kvfleet", "serve"],
         "args": engine_args(spec, plan, source.path, ranks),
         "ports": [{"name": "http", "containerPort": api.ENGINE_PORT, "protocol": "TCP"}],
-        "env": _cache_env() + (ranks.env if ranks is not None else []) + _api_key_env(spec),
+        "env": _cache_env() + (ranks.all_env() if ranks is not None else []) + _api_key_env(spec),
         "resources": resources,
         "startupProbe": {
             "httpGet": dict(ready),

@@ -100,6 +100,11 @@ def group_name(name: str) -> str:
     return f"{name}-group"
 
 
+def group_key_secret(name: str) -> str:
+    """The Secret holding the key of the groups' step channel (`render_group.render_group_key`)."""
+    return f"{name}-group-key"
+
+
 def statefulset_name(name: str, index: int) -> str:
     """Replica `index`'s StatefulSet (one per replica), or a LeaderWorkerSet's worker set."""
     return f"{group_name(name)}-{index}"

@@ -107,3 +107,20 @@ def test_a_rank_that_dies_fails_the_call(world: Any) -> None:
     assert time.monotonic() - began < 30
     with pytest.raises(RankFailed, match="rank 1"):  # and every call after it
         llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=params, use_tqdm=False)
+
+
+def test_a_leader_taking_other_hosts_on_the_default_key_warns(monkeypatch, caplog) -> None:
+    from kvfleet_engine.config import ParallelConfig
+    from kvfleet_engine.parallel import channel
+
+    two_hosts = ParallelConfig(tensor_parallel_size=2, nnodes=2)
+    monkeypatch.delenv(channel.AUTHKEY_ENV, raising=False)
+    with caplog.at_level("WARNING"):
+        channel.warn_if_default_key(ParallelConfig(tensor_parallel_size=2))  # one host: quiet
+        assert caplog.records == []
+        channel.warn_if_default_key(two_hosts)
+    assert "set KVFLEET_PARALLEL_AUTHKEY to the same secret on every host" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv(channel.AUTHKEY_ENV, "a-secret-of-this-deployment")
+    channel.warn_if_default_key(two_hosts)
+    assert caplog.records == [] and channel.authkey() == b"a-secret-of-this-deployment"

@@ -108,3 +108,10 @@ def _expand(arg: str, env: dict[str, str]) -> str:
     for key, value in env.items():
         arg = arg.replace(f"$({key})", value)
     return arg
+
+
+def test_the_group_key_variable_is_the_one_the_engine_reads() -> None:
+    channel = pytest.importorskip("kvfleet_engine.parallel.channel")
+    from kvfleet_operator.render_pod import PARALLEL_AUTHKEY_ENV
+
+    assert PARALLEL_AUTHKEY_ENV == channel.AUTHKEY_ENV

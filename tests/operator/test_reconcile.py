@@ -41,6 +41,8 @@ class MemoryCluster:
         self.event_names: set[str | None] = set()  # events posted with their own name
         self.leader_worker_set = False  # whether the LeaderWorkerSet API is served
         self.versions = 0  # the last resourceVersion handed out
+        self.created: list[str] = []  # "Kind/name" made by create_if_absent
+        self.refuse_creates: ApiException | None = None  # what create_if_absent raises
 
     def add(self, obj: dict[str, Any]) -> None:
         meta = obj["metadata"]
@@ -99,6 +101,16 @@ class MemoryCluster:
         self.bump(stored)
         self.applied.append(manifest["kind"])
         return copy.deepcopy(stored)
+
+    async def create_if_absent(self, manifest: dict[str, Any], *, owner) -> bool:
+        if self.refuse_creates is not None:
+            raise self.refuse_creates
+        meta = manifest["metadata"]
+        if (manifest["kind"], meta["namespace"], meta["name"]) in self.objects:
+            return False
+        self.add(copy.deepcopy(with_owner(manifest, owner)))
+        self.created.append(f"{manifest['kind']}/{meta['name']}")
+        return True
 
     async def patch_status(
         self, api_version, kind, name, namespace, status, *, resource_version=None
@@ -488,6 +500,46 @@ async def test_a_rollout_is_told_once_across_an_operator_killed_mid_pass(kill_at
     status = cluster.objects[("InferenceDeployment", "ns", "llama")]["status"]
     workload = cluster.objects[("Deployment", "ns", "llama")]
     assert status["workloadGeneration"] == workload["metadata"]["generation"] == 2
+
+
+async def test_a_group_gets_a_random_step_channel_key_made_once() -> None:
+    """The ranks of a multi-node replica answer the leader's challenge with a key of their own
+    deployment's, not the engine's default: created once, kept across passes and rollouts."""
+    cluster = MemoryCluster()
+    cluster.add(infd(replicas=1, model=LLAMA_405B, parallelism=TWO_NODES))
+    await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
+    assert cluster.created == ["Secret/llama-group-key"]
+    secret = cluster.objects[("Secret", "ns", "llama-group-key")]
+    key = secret["stringData"]["authkey"]
+    assert len(key) >= 40 and secret["type"] == "Opaque"
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "u-1"  # goes with the deployment
+    body = cluster.objects[("InferenceDeployment", "ns", "llama")]
+    body["spec"]["replicas"], body["metadata"]["generation"] = 2, 2
+    await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
+    assert cluster.created == ["Secret/llama-group-key"]  # not made again, not changed
+    assert cluster.objects[("Secret", "ns", "llama-group-key")]["stringData"]["authkey"] == key
+    other = MemoryCluster()
+    other.add(infd(replicas=1, model=LLAMA_405B, parallelism=TWO_NODES))
+    await reconcile(other, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
+    assert other.objects[("Secret", "ns", "llama-group-key")]["stringData"]["authkey"] != key
+
+
+async def test_a_one_pod_replica_gets_no_group_key() -> None:
+    cluster = MemoryCluster()
+    cluster.add(infd(replicas=1))
+    await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
+    assert cluster.created == []
+
+
+async def test_no_right_to_create_secrets_leaves_the_groups_on_the_default_key_and_says_so():
+    cluster = MemoryCluster()
+    cluster.refuse_creates = ApiException(status=403, reason="Forbidden")
+    cluster.add(infd(replicas=1, model=LLAMA_405B, parallelism=TWO_NODES))
+    await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
+    assert "StatefulSet" in cluster.applied  # the group still rolls out
+    assert "GroupKeyNotCreated" in cluster.events
+    await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
+    assert cluster.events.count("GroupKeyNotCreated") == 1  # told once
 
 
 async def test_leader_worker_set_when_served() -> None:

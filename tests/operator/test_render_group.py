@@ -61,6 +61,7 @@ def test_tensor_parallel_replica_on_one_node_is_one_pod(check_golden, make_spec)
         "4", "2"
     )  # fmt: skip
     assert "--nnodes" not in args
+    assert group_key_env(engine(pod)) is None  # its ranks are processes of one pod
     assert engine(pod)["resources"]["limits"] == {"nvidia.com/gpu": 8}
     # /dev/shm: 2 GiB per GPU of the pod when resources.sharedMemory is smaller.
     assert pod["volumes"][0]["emptyDir"]["sizeLimit"] == "16Gi"
@@ -74,6 +75,16 @@ def test_shared_memory_kept_when_large_enough(make_spec) -> None:
     spec = make_spec(parallelism={"tensor": 2}, resources={"sharedMemory": "1Gi"})
     pod = children(spec)[0]["spec"]["template"]["spec"]
     assert pod["volumes"][0]["emptyDir"]["sizeLimit"] == "4Gi"
+
+
+# Every rank answers the leader's challenge with the deployment's own key (the Secret the
+# reconciler creates); optional, so ranks still start where the operator could not create it.
+GROUP_KEY_REF = {"secretKeyRef": {"name": "llama-group-key", "key": "authkey", "optional": True}}
+
+
+def group_key_env(container: dict) -> dict | None:
+    found = [e for e in container["env"] if e["name"] == "KVFLEET_PARALLEL_AUTHKEY"]
+    return found[0]["valueFrom"] if found else None
 
 
 def test_native_group_is_one_statefulset_per_replica(check_golden, make_spec) -> None:
@@ -110,6 +121,7 @@ def test_native_group_is_one_statefulset_per_replica(check_golden, make_spec) ->
         assert rank_env["valueFrom"]["fieldRef"]["fieldPath"] == (
             "metadata.labels['apps.kubernetes.io/pod-index']"
         )
+        assert group_key_env(container) == GROUP_KEY_REF
         assert container["resources"]["limits"] == {"nvidia.com/gpu": 8}
         # The ranks of one group keep off each other's nodes; other groups may share them.
         term = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
@@ -172,6 +184,7 @@ def test_leader_worker_set_when_the_cluster_serves_it(check_golden, make_spec) -
     template = lws["spec"]["leaderWorkerTemplate"]
     assert (template["size"], template["restartPolicy"]) == (2, "RecreateGroupOnPodRestart")
     args = engine(template["workerTemplate"]["spec"])["args"]
+    assert group_key_env(engine(template["workerTemplate"]["spec"])) == GROUP_KEY_REF
     assert flag(args, "--node-rank") == "$(LWS_WORKER_INDEX)"
     assert flag(args, "--master-addr") == "$(LWS_LEADER_ADDRESS)"
     affinity = template["workerTemplate"]["spec"]["affinity"]["podAntiAffinity"]

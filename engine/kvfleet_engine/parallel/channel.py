@@ -3,6 +3,7 @@ hosts' launcher uses it too)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from multiprocessing.connection import Client, Connection
@@ -10,11 +11,26 @@ from multiprocessing.connection import Client, Connection
 from kvfleet_engine.config import ParallelConfig
 
 # The channel's shared key (HMAC challenge on connect); set the same on every host to change it.
+# The operator gives each multi-node deployment a random one (its Secret NAME-group-key).
 AUTHKEY_ENV = "KVFLEET_PARALLEL_AUTHKEY"
+DEFAULT_AUTHKEY = b"kvfleet-parallel"
+
+log = logging.getLogger(__name__)
 
 
 def authkey() -> bytes:
-    return os.environ.get(AUTHKEY_ENV, "kvfleet-parallel").encode()
+    return os.environ.get(AUTHKEY_ENV, "").encode() or DEFAULT_AUTHKEY
+
+
+def warn_if_default_key(parallel: ParallelConfig) -> None:
+    """Where other hosts join over the network on the default key, anyone who reaches the
+    port can join a group and read its steps: say so, and how to set a key."""
+    if parallel.nnodes > 1 and authkey() == DEFAULT_AUTHKEY:
+        log.warning(
+            "the step channel accepts other hosts on its default key: set %s to the same "
+            "secret on every host (the operator sets it from the Secret NAME-group-key)",
+            AUTHKEY_ENV,
+        )
 
 
 def channel_address(parallel: ParallelConfig) -> tuple[str, int]:

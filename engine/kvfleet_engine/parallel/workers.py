@@ -25,7 +25,7 @@ import msgspec
 
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.parallel import messages
-from kvfleet_engine.parallel.channel import authkey, listen_address
+from kvfleet_engine.parallel.channel import authkey, listen_address, warn_if_default_key
 from kvfleet_engine.parallel.messages import Failed, Hello, Stop
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ class WorkerGroup:
 
     def start(self) -> None:
         """Listen, start this host's workers and wait until every rank has connected."""
+        warn_if_default_key(self.parallel)
         listener = Listener(listen_address(self.parallel), authkey=authkey())
         context = multiprocessing.get_context("spawn")
         from kvfleet_engine.parallel.worker import run_worker
