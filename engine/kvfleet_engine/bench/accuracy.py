@@ -82,7 +82,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--chunk", type=positive_int, default=512, help="prefill chunk")
     parser.add_argument("--prompts", type=positive_int, default=len(PROMPTS))
     parser.add_argument("--new-tokens", type=positive_int, default=64)
-    parser.add_argument("--output", type=writable_dir, default="bench/results")
+    parser.add_argument(
+        "--output", type=writable_dir, default="bench/results", help="where the JSON goes"
+    )
     args = parser.parse_args(argv)
     try:
         configs = [parse_config(text) for text in args.config]

@@ -191,8 +191,12 @@ def latency_args(argv: list[str]) -> argparse.Namespace:
         description="Decode speed of a small batch (default 1 sequence; greedy, ignore EOS).",
     )
     common_args(parser)
-    parser.add_argument("--batch-size", type=positive_int, default=1)
-    parser.add_argument("--input-len", type=positive_int, default=128)
+    parser.add_argument(
+        "--batch-size", type=positive_int, default=1, help="sequences decoded together"
+    )
+    parser.add_argument(
+        "--input-len", type=positive_int, default=128, help="prompt tokens of each sequence"
+    )
     parser.add_argument("--output-len", type=positive_int, default=256)
     args = parser.parse_args(argv)
     if args.output_len < 2:

@@ -107,7 +107,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--random-input-len", type=positive_int, default=256)
     parser.add_argument("--random-output-len", type=positive_int, default=128)
-    parser.add_argument("--random-range-ratio", type=float, default=0.0)
+    parser.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="random prompt and output lengths drawn from len x [1 - R, 1 + R] (0: exact)",
+    )
     parser.add_argument(
         "--random-prefix-len",
         type=int,
@@ -120,7 +125,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="3:250",
         help="LOW:HIGH token ids for random prompts (fits every vocabulary by default)",
     )
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)"
+    )
     parser.add_argument(
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,
