@@ -129,6 +129,7 @@ def _chain_kernel(
     w0, w1, w2, w3, sc0, sc1, sc2, sc3, y0, y1, y2, y3, p0, p1, p2, p3, arrive_ptr, done_ptr,
     N0, K0, S0, N1, K1, S1, N2, K2, S2, N3, K3, S3, layers, num_programs,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BF16: tl.constexpr,
+    WAIT: tl.constexpr = True,
 ):  # fmt: skip
     """Walk the tiles of `layers` layers in list order, every num_programs-th from this
     program's id. y3 holds the chain's input before the first layer and each layer's output;
@@ -146,28 +147,28 @@ def _chain_kernel(
             t = r
             _tile_product(
                 w0 + layer.to(tl.int64) * N0 * K0, sc0 + layer * N0, y3, p0, y0,
-                arrive_ptr, done, done - 1, N3 // BLOCK_N, layer > 0, N0, K0, S0, t // S0, t % S0,
-                False, BLOCK_N, BLOCK_K, STAGES, BF16,
+                arrive_ptr, done, done - 1, N3 // BLOCK_N, (layer > 0) if WAIT else False, N0,
+                K0, S0, t // S0, t % S0, False, BLOCK_N, BLOCK_K, STAGES, BF16,
             )  # fmt: skip
         elif r < T0 + T1:  # o, of qkv's first K1 outputs (attention's stand-in)
             t = r - T0
             _tile_product(
                 w1 + layer.to(tl.int64) * N1 * K1, sc1 + layer * N1, y0, p1, y1,
-                arrive_ptr + N0 // BLOCK_N, done + 1, done, N0 // BLOCK_N, True, N1, K1, S1,
+                arrive_ptr + N0 // BLOCK_N, done + 1, done, N0 // BLOCK_N, WAIT, N1, K1, S1,
                 t // S1, t % S1, False, BLOCK_N, BLOCK_K, STAGES, BF16,
             )  # fmt: skip
         elif r < T0 + T1 + T2:  # gate_up, of o
             t = r - T0 - T1
             _tile_product(
                 w2 + layer.to(tl.int64) * N2 * K2, sc2 + layer * N2, y1, p2, y2,
-                arrive_ptr + (N0 + N1) // BLOCK_N, done + 2, done + 1, N1 // BLOCK_N, True, N2,
+                arrive_ptr + (N0 + N1) // BLOCK_N, done + 2, done + 1, N1 // BLOCK_N, WAIT, N2,
                 K2, S2, t // S2, t % S2, False, BLOCK_N, BLOCK_K, STAGES, BF16,
             )  # fmt: skip
         else:  # down, of silu(gate) * up
             t = r - T0 - T1 - T2
             _tile_product(
                 w3 + layer.to(tl.int64) * N3 * K3, sc3 + layer * N3, y2, p3, y3,
-                arrive_ptr + (N0 + N1 + N2) // BLOCK_N, done + 3, done + 2, N2 // BLOCK_N, True,
+                arrive_ptr + (N0 + N1 + N2) // BLOCK_N, done + 3, done + 2, N2 // BLOCK_N, WAIT,
                 N3, K3, S3, t // S3, t % S3, True, BLOCK_N, BLOCK_K, STAGES, BF16,
             )  # fmt: skip
 
@@ -240,7 +241,7 @@ class Chain:
         return step
 
     def persistent(
-        self, programs_per_sm: int, stages: int = 3
+        self, programs_per_sm: int, stages: int = 3, wait: bool = True
     ) -> tuple[Callable[[], torch.Tensor], int]:
         """One launch of `_chain_kernel` (float32 between the products), as (step, programs):
         programs_per_sm per SM, fewer where fewer fit (a program that never becomes resident
@@ -253,7 +254,12 @@ class Chain:
         sizes = [v for q in p for v in (q.n, q.k, q.splits)]
         args = (*self.weights, *self.scales, *ys, *parts, arrive, done, *sizes, self.layers)
         options = dict(
-            BLOCK_N=bn, BLOCK_K=self.block_k, STAGES=stages, BF16=not INTERPRETED, num_warps=4
+            BLOCK_N=bn,
+            BLOCK_K=self.block_k,
+            STAGES=stages,
+            BF16=not INTERPRETED,
+            WAIT=wait,
+            num_warps=4,
         )
         if INTERPRETED:
             programs = 1
@@ -275,6 +281,7 @@ def resident_per_sm(compiled: Any, device: torch.device, num_warps: int) -> int:
     """How many programs of a compiled Triton kernel fit on one SM at once (registers, shared
     memory, warps)."""
     props = torch.cuda.get_device_properties(device)
+    compiled._init_handles()  # loads the module: sets n_regs
     regs_per_warp = -(-compiled.n_regs * 32 // 256) * 256  # allocated in units of 256
     regs: int = props.regs_per_multiprocessor  # type: ignore[attr-defined]  # not in the stubs
     by_regs = regs // (regs_per_warp * num_warps)
@@ -310,6 +317,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--programs-per-sm", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--output", default=None, help="JSON results to this file")
+    parser.add_argument(
+        "--no-wait", action="store_true", help="also time the tiles without their waits"
+    )
     args = parser.parse_args()
     device = torch.device("cuda")
     chain = Chain(llama_8b_products(), args.layers, device)
@@ -332,6 +342,9 @@ def main() -> None:
     for per_sm in args.programs_per_sm:
         step, programs = chain.persistent(per_sm)
         record(f"persistent-{programs // sms}/sm", step, check.persistent(per_sm)[0])
+    if args.no_wait:  # the tiles' own speed: no tile waits for its input (wrong results)
+        step, programs = chain.persistent(2, wait=False)
+        record(f"no-wait-{programs // sms}/sm", step, check.persistent(2, wait=False)[0])
     name = torch.cuda.get_device_name(device)
     print(f"{name}: copy {bandwidth:.0f} GB/s, weights {gb:.2f} GB")
     print(f"{'variant':<16} {'ms/step':>8} {'us/layer':>9} {'GB/s':>7} {'of copy':>8} {'error':>9}")
