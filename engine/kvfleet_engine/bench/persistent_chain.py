@@ -94,7 +94,9 @@ def _tile_product(
     reaches wait_target)."""
     offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     span = K // S
-    k_start = split * span
+    # A whole number of BLOCK_K (Chain checks it): said, so the loads are 16-byte vectors (the
+    # compiler cannot see it through the division, and would load the weights byte by byte).
+    k_start = tl.multiple_of(split * span, BLOCK_K)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
     offs_k = k_start + tl.arange(0, BLOCK_K)
     first = tl.load(w_rows + offs_k[None, :])  # weights: no tile writes them
