@@ -121,7 +121,11 @@ def router_args(name: str, namespace: str, spec: InferenceDeploymentSpec, plan: 
     """`kvfleet router` arguments: the engine Service `name` (its EndpointSlices) and the spec's
     routing settings."""
     routing = spec.routing
-    body_limit = _engine_flag(spec.engine.extra_args, BODY_LIMIT_FLAG)
+    mirrored = [  # the engine's own body settings, where engine.extraArgs sets them
+        (flag, value)
+        for flag in MIRRORED_ENGINE_FLAGS
+        if (value := _engine_flag(spec.engine.extra_args, flag)) is not None
+    ]
     return [
         "--deployment", name,
         "--namespace", namespace,
@@ -130,13 +134,14 @@ def router_args(name: str, namespace: str, spec: InferenceDeploymentSpec, plan: 
         "--queue-size", str(routing.queue_size),
         "--queue-timeout", str(routing.queue_timeout_seconds),
         "--port", str(ROUTER_PORT),
-        *([BODY_LIMIT_FLAG, body_limit] if body_limit is not None else []),
+        *(part for pair in mirrored for part in pair),
     ]  # fmt: skip
 
 
-# The engine's request-body limit, which the router enforces first with the same default: an
-# engine given a larger one in engine.extraArgs gets a router that lets those bodies through.
-BODY_LIMIT_FLAG = "--max-request-body-bytes"
+# The engine's request-body limit and body timeout, which the router enforces first with the
+# same defaults: an engine given a larger limit or a longer timeout in engine.extraArgs gets a
+# router that lets those bodies through.
+MIRRORED_ENGINE_FLAGS = ("--max-request-body-bytes", "--body-timeout")
 
 
 def _engine_flag(args: list[str], flag: str) -> str | None:

@@ -91,6 +91,18 @@ def test_an_engine_body_limit_raised_in_extra_args_is_the_routers_too(
     assert "--max-request-body-bytes" not in default["containers"][0]["args"]
 
 
+def test_an_engine_body_timeout_in_extra_args_is_the_routers_too(make_spec) -> None:
+    """A slow client's body the engine waits 300 s for must not get the router's 408 at 60."""
+    extra = ["--body-timeout=300", "--max-request-body-bytes", "8388608"]
+    spec = make_spec(engine={"extraArgs": extra})
+    args = rendered(spec)[("Deployment", "llama-router")]["spec"]["template"]["spec"]
+    assert args["containers"][0]["args"][-4:] == [
+        "--max-request-body-bytes", "8388608", "--body-timeout", "300"
+    ]  # fmt: skip
+    default = rendered(make_spec())[("Deployment", "llama-router")]["spec"]["template"]["spec"]
+    assert "--body-timeout" not in default["containers"][0]["args"]
+
+
 def test_routing_disabled_renders_no_router_and_points_at_the_engines(make_spec) -> None:
     spec = make_spec(routing={"enabled": False})
     assert [kind for kind, _ in rendered(spec)] == [
