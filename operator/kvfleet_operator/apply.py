@@ -170,19 +170,16 @@ class Cluster:
         assert result is not None
         return result
 
-    async def create_if_absent(self, manifest: Manifest, *, owner: Manifest) -> bool:
-        """Create `manifest` (with `owner` as its controller) unless an object of its name
-        exists; whether this call created it. For what is made once and never rendered again
-        (a random key), where `apply` would replace it on every pass."""
+    async def create(self, manifest: Manifest, *, owner: Manifest) -> bool:
+        """Create `manifest` with `owner` as its controller; False when an object of its name
+        exists already (409), which is left as it is. For what is made once and never
+        rendered again (a random key), where `apply` would replace it on every pass."""
         meta = manifest["metadata"]
-        namespace = meta.get("namespace")
-        if await self.get(manifest["apiVersion"], manifest["kind"], meta["name"], namespace):
-            return False
-        path = _path(manifest["apiVersion"], manifest["kind"], namespace)
+        path = _path(manifest["apiVersion"], manifest["kind"], meta.get("namespace"))
         try:
             await self._request("POST", path, body=with_owner(manifest, owner))
         except ApiException as exc:
-            if exc.status == 409:  # made meanwhile (another pass)
+            if exc.status == 409:
                 return False
             raise
         return True

@@ -303,19 +303,34 @@ async def ensure_group_key(
     cluster: Cluster, owner: dict[str, Any], name: str, namespace: str
 ) -> None:
     """The Secret of the groups' step-channel key, created with a random key where it is
-    absent (and never changed: the ranks of a running group share it). Where the operator may
-    not create Secrets, the ranks start on the engine's default key (their reference to the
-    Secret is optional), and an event says so once."""
+    absent (and never changed: the ranks of a running group share it). One left by a deleted
+    deployment of the same name (owned by another uid, or being deleted) is waited out: its
+    key would vanish under the new groups. Where the operator may not create Secrets, the ranks
+    start on the engine's default key (their reference to the Secret is optional), and an
+    event says so once."""
     secret = render_group_key(name, namespace, labels(name), secrets.token_urlsafe(32))
+    secret_name = secret["metadata"]["name"]
     try:
-        await cluster.create_if_absent(secret, owner=owner)
+        if await cluster.create(secret, owner=owner):
+            return
+        found = await cluster.get("v1", "Secret", secret_name, namespace)
     except Exception as exc:
         if not refused(exc):  # conflicts, throttling, server errors: the pass is retried
             raise
         message = (
-            f"could not create Secret {secret['metadata']['name']}: {api_error_summary(exc)}; "
-            "the groups' ranks join on the engine's default key, so only the NetworkPolicy "
-            "keeps other pods from joining a group (grant the operator create on secrets)"
+            f"could not create or read Secret {secret_name}: {api_error_summary(exc)}; the "
+            "groups' ranks join on the engine's default key, so only the NetworkPolicy keeps "
+            "other pods from joining a group (grant the operator get and create on secrets)"
         )
         await cluster.post_event(owner, "Warning", "GroupKeyNotCreated", message,
                                  name=f"{name}.group-key-not-created")  # fmt: skip
+        return
+    if found is None:
+        raise RuntimeError(f"Secret {secret_name} went away as it was created; trying again")
+    uid = owner["metadata"]["uid"]
+    owners = [ref.get("uid") for ref in found["metadata"].get("ownerReferences", [])]
+    if found["metadata"].get("deletionTimestamp") or uid not in owners:
+        raise RuntimeError(
+            f"Secret {secret_name} belongs to an earlier InferenceDeployment of this name "
+            "(another uid, or being deleted); waiting for the garbage collector to remove it"
+        )

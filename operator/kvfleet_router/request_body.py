@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from typing import Any
 
 from aiohttp import web
@@ -28,7 +29,9 @@ log = logging.getLogger(__name__)
 class RequestBody:
     def __init__(self, settings: RouterSettings) -> None:
         self._max_bytes = settings.max_request_body_bytes
-        self._idle_timeout_s = settings.body_timeout_s
+        timeout = settings.body_timeout_s
+        self._idle_timeout_s = timeout
+        self._deadline_s = None if math.isinf(timeout) else timeout  # asyncio.timeout's
 
     def refused_by_headers(self, request: web.Request) -> web.Response | None:
         """The 415 (a Content-Encoding) or 413 (a Content-Length over the limit) its headers
@@ -98,7 +101,7 @@ class RequestBody:
         size = 0
         while True:
             try:
-                async with asyncio.timeout(self._idle_timeout_s):
+                async with asyncio.timeout(self._deadline_s):
                     chunk = await request.content.readany()
             except TimeoutError:
                 raise _Stalled(size) from None

@@ -87,10 +87,12 @@ class RouterSettings:
                     "upstream_first_byte_timeout_s",
                     "upstream_idle_timeout_s",
                     "header_timeout_s",
-                    "body_timeout_s",
                     "keep_alive_timeout_s",
                 )
             ),
+            # inf: no body timeout, as the engine's `--body-timeout inf` (which the operator
+            # passes on from engine.extraArgs)
+            ("body_timeout_s", self.body_timeout_s > 0, "a positive number of seconds or inf"),
             ("block_chars", self.block_chars >= 1, ">= 1"),
             ("load_factor", self.load_factor > 1, "> 1"),
             ("max_request_body_bytes", self.max_request_body_bytes >= 1, ">= 1"),

@@ -124,3 +124,33 @@ def test_a_leader_taking_other_hosts_on_the_default_key_warns(monkeypatch, caplo
     monkeypatch.setenv(channel.AUTHKEY_ENV, "a-secret-of-this-deployment")
     channel.warn_if_default_key(two_hosts)
     assert caplog.records == [] and channel.authkey() == b"a-secret-of-this-deployment"
+
+
+def test_the_leader_refuses_strangers_and_goes_on_accepting_ranks(caplog) -> None:
+    """A client with another key, or one that connects and closes (a port probe), is refused
+    with a warning; the rank after it still joins."""
+    import socket
+    import threading
+    from multiprocessing import AuthenticationError
+    from multiprocessing.connection import Client, Listener
+
+    from kvfleet_engine.parallel.workers import accept_ranks
+
+    listener = Listener(("127.0.0.1", 0), authkey=b"the-group-key")
+    accepted: list = []
+    closing = threading.Event()
+    thread = threading.Thread(target=accept_ranks, args=(listener, 1, accepted, closing))
+    with caplog.at_level("WARNING"):
+        thread.start()
+        with pytest.raises(AuthenticationError):
+            Client(listener.address, authkey=b"another-key")
+        socket.create_connection(listener.address).close()  # a probe
+        rank = Client(listener.address, authkey=b"the-group-key")
+        thread.join(10)
+    assert not thread.is_alive() and len(accepted) == 1
+    refusals = [r for r in caplog.records if "refused a connection" in r.getMessage()]
+    assert len(refusals) == 2 and "AuthenticationError" in refusals[0].getMessage()
+    rank.close()
+    accepted[0].close()
+    closing.set()
+    listener.close()

@@ -41,8 +41,8 @@ class MemoryCluster:
         self.event_names: set[str | None] = set()  # events posted with their own name
         self.leader_worker_set = False  # whether the LeaderWorkerSet API is served
         self.versions = 0  # the last resourceVersion handed out
-        self.created: list[str] = []  # "Kind/name" made by create_if_absent
-        self.refuse_creates: ApiException | None = None  # what create_if_absent raises
+        self.created: list[str] = []  # "Kind/name" made by create
+        self.refuse_creates: ApiException | None = None  # what create raises
 
     def add(self, obj: dict[str, Any]) -> None:
         meta = obj["metadata"]
@@ -102,12 +102,12 @@ class MemoryCluster:
         self.applied.append(manifest["kind"])
         return copy.deepcopy(stored)
 
-    async def create_if_absent(self, manifest: dict[str, Any], *, owner) -> bool:
+    async def create(self, manifest: dict[str, Any], *, owner) -> bool:
         if self.refuse_creates is not None:
             raise self.refuse_creates
         meta = manifest["metadata"]
         if (manifest["kind"], meta["namespace"], meta["name"]) in self.objects:
-            return False
+            return False  # 409
         self.add(copy.deepcopy(with_owner(manifest, owner)))
         self.created.append(f"{manifest['kind']}/{meta['name']}")
         return True
@@ -522,6 +522,25 @@ async def test_a_group_gets_a_random_step_channel_key_made_once() -> None:
     other.add(infd(replicas=1, model=LLAMA_405B, parallelism=TWO_NODES))
     await reconcile(other, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
     assert other.objects[("Secret", "ns", "llama-group-key")]["stringData"]["authkey"] != key
+
+
+async def test_a_group_key_left_by_an_earlier_deployment_of_the_name_is_waited_out() -> None:
+    """Deleted and made again at once: the old Secret, still owned by the old uid, is not
+    reused (the garbage collector would take its key from under the new groups)."""
+    cluster = MemoryCluster()
+    body = infd(replicas=1, model=LLAMA_405B, parallelism=TWO_NODES)
+    old_owner = copy.deepcopy(body)
+    old_owner["metadata"]["uid"] = "u-0"
+    stale = {"apiVersion": "v1", "kind": "Secret", "stringData": {"authkey": "old"},
+             "metadata": {"name": "llama-group-key", "namespace": "ns"}}  # fmt: skip
+    cluster.add(with_owner(stale, old_owner))
+    cluster.add(body)
+    with pytest.raises(RuntimeError, match="belongs to an earlier InferenceDeployment"):
+        await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
+    assert "StatefulSet" not in cluster.applied  # no group starts on a key about to vanish
+    del cluster.objects[("Secret", "ns", "llama-group-key")]  # the garbage collector
+    await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
+    assert cluster.created == ["Secret/llama-group-key"] and "StatefulSet" in cluster.applied
 
 
 async def test_a_one_pod_replica_gets_no_group_key() -> None:

@@ -277,4 +277,9 @@ def test_the_body_timeout_flag_is_read_and_checked(
     with pytest.raises(SystemExit) as exit_info:
         router_main([*backend, "--body-timeout", "0"])
     assert exit_info.value.code == 2
-    assert "--body-timeout: must be a positive number of seconds, got 0" in capsys.readouterr().err
+    assert "--body-timeout: must be a positive number of seconds or inf, got 0" in (
+        capsys.readouterr().err
+    )
+    # inf, as the engine takes it (the operator passes the engine's value on): no timeout
+    assert router_main([*backend, "--body-timeout", "inf"]) == 0
+    assert seen[-1].body_timeout_s == float("inf")

@@ -17,6 +17,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener, wait
 from multiprocessing.process import BaseProcess
 from typing import TypeVar
@@ -35,6 +36,25 @@ R = TypeVar("R")
 # Seconds a step may take to raise once a rank has failed before the process exits (a
 # collective stuck on a dead peer, NCCL's case, would otherwise hang it).
 FAILURE_EXIT_GRACE_S = 20.0
+
+
+def accept_ranks(
+    listener: Listener, count: int, accepted: list[Connection], closing: threading.Event
+) -> None:
+    """Accept `count` ranks' connections into `accepted` until `closing` is set. A connection
+    that fails the key's challenge (another key, or a port probe that closes at once) is
+    refused with a warning, and accepting goes on: one stray client does not end start-up."""
+    while len(accepted) < count:
+        try:
+            accepted.append(listener.accept())
+        except (AuthenticationError, EOFError, OSError) as error:
+            if closing.is_set():
+                return  # closed: start-up is over
+            log.warning(
+                "refused a connection to the step channel: %s",
+                f"{type(error).__name__}: {error}" if str(error) else type(error).__name__,
+            )
+            time.sleep(0.05)  # a listener that keeps failing does not spin
 
 
 class RankFailed(RuntimeError):
@@ -83,15 +103,13 @@ class WorkerGroup:
             process.start()
             self.processes[rank] = process
         accepted: list[Connection] = []
-
-        def accept() -> None:
-            try:
-                while len(accepted) < len(self.ranks):
-                    accepted.append(listener.accept())
-            except (OSError, EOFError):
-                pass  # closed: start-up gave up
-
-        thread = threading.Thread(target=accept, name="kvfleet-accept", daemon=True)
+        closing = threading.Event()
+        thread = threading.Thread(
+            target=accept_ranks,
+            args=(listener, len(self.ranks), accepted, closing),
+            name="kvfleet-accept",
+            daemon=True,
+        )
         thread.start()
         deadline = time.monotonic() + self.parallel.join_timeout_s
         try:
@@ -105,6 +123,7 @@ class WorkerGroup:
                     )
                 thread.join(0.05)
         finally:
+            closing.set()
             listener.close()
         for conn in accepted:
             hello = self._receive(conn, Hello, deadline)

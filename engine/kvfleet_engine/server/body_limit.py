@@ -1,8 +1,9 @@
 """`BodyLimit`: requests whose body exceeds the limit get 413 before the app parses anything;
 a body under a Content-Encoding (gzip, br, ...) gets 415: it is not decompressed, and read as
 JSON it would only be a confusing 400; a body whose next bytes do not come within the idle
-timeout (a client that stalls after its headers) gets 408 and its connection is closed, so it
-cannot hold the connection forever.
+timeout (a client that stalls after its headers) gets 408 and its connection is closed. The
+timeout bounds each wait, not the whole body (as nginx's client_body_timeout): a client that
+sends a byte just within it every time holds its connection until the limit's bytes came.
 
 A declared Content-Length over the limit is refused without reading the body; any other body is
 read up to the limit and refused as soon as it passes it. The body is read here, whole, then
