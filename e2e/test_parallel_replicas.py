@@ -182,6 +182,19 @@ def test_two_node_group_runs_as_statefulsets_and_scales_by_groups(
     assert obj["status"]["replicasSummary"] == "1/1"
     pdb = kubectl.json("get", "pdb", name, "-n", namespace)
     assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    # The ranks' step-channel key: a Secret of this deployment's own, which its pods read.
+    secret = kubectl.json("get", "secret", f"{name}-group-key", "-n", namespace)
+    (owner,) = secret["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["name"], owner["controller"]) == (
+        "InferenceDeployment",
+        name,
+        True,
+    )
+    assert len(secret["data"]["authkey"]) >= 40
+    env = {e["name"]: e for e in pods[1]["spec"]["containers"][0]["env"]}
+    assert (
+        env["KVFLEET_PARALLEL_AUTHKEY"]["valueFrom"]["secretKeyRef"]["name"] == f"{name}-group-key"
+    )
 
     # 1 -> 2 groups: a second StatefulSet, counted as one replica.
     kubectl("scale", "infd", name, "-n", namespace, "--replicas=2")
