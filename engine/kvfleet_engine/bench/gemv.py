@@ -68,7 +68,7 @@ def replay_seconds(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def capture_graph(step: Callable[[], None]) -> torch.cuda.CUDAGraph:
+def capture_graph(step: Callable[[], object]) -> torch.cuda.CUDAGraph:
     """`step` run once (compiles outside capture), captured in a CUDA graph, replayed 3 times."""
     step()
     torch.cuda.synchronize()
@@ -80,7 +80,7 @@ def capture_graph(step: Callable[[], None]) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def graph_seconds(step: Callable[[], None], replays: int = 15) -> float:
+def graph_seconds(step: Callable[[], object], replays: int = 15) -> float:
     """Median time of one replay of `step` captured in a CUDA graph."""
     return replay_seconds(capture_graph(step), replays)
 

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet_engine.bench.gemv import graph_seconds, layer_shapes
 from kvfleet_engine.bench.roofline import measure_ceilings
 from kvfleet_engine.kernels.activation import _silu_mul
 from kvfleet_engine.kernels.int_plan import INTERPRETED
@@ -54,14 +55,12 @@ class Product:
     splits: int
 
 
+# K splits as the engine's one-row fp8 plans choose them for the 8B shape (quant_plans.json).
+SPLITS = {"qkv": 4, "o": 8, "gate_up": 1, "down": 8}
+
+
 def llama_8b_products() -> list[Product]:
-    # Splits as the engine's one-row fp8 plans choose them (quant_plans.json, rows 1).
-    return [
-        Product("qkv", 6144, 4096, 4),
-        Product("o", 4096, 4096, 8),
-        Product("gate_up", 28672, 4096, 1),
-        Product("down", 4096, 14336, 8),
-    ]
+    return [Product(name, n, k, SPLITS[name]) for name, n, k in layer_shapes("llama-3.1-8b")]
 
 
 @triton.jit
@@ -293,27 +292,6 @@ def resident_per_sm(compiled: Any, device: torch.device, num_warps: int) -> int:
     return max(1, min(by_regs, by_shared, by_warps))
 
 
-def graph_ms(step: Callable[[], torch.Tensor], reps: int = 20) -> float:
-    """Median ms of one replay of `step` captured in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=32)
@@ -335,7 +313,7 @@ def main() -> None:
     def record(name: str, step: Callable[[], torch.Tensor], probe: Callable[[], torch.Tensor]):
         got = probe()
         error = ((got - expected).norm() / expected.norm()).item()
-        ms = graph_ms(step)
+        ms = graph_seconds(step, replays=20) * 1e3
         rows.append({"variant": name, "ms_per_step": ms, "us_per_layer": ms * 1e3 / args.layers,
                      "weight_gb_per_s": gb / ms * 1e3, "of_copy": gb / ms * 1e3 / bandwidth,
                      "error_2_layers": error})  # fmt: skip
