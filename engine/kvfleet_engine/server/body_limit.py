@@ -81,36 +81,30 @@ class BodyLimit:
             received,
             self.idle_timeout_s,
         )
-        body = error_body(
+        message = (
             f"request body stalled: no bytes of it for {self.idle_timeout_s:g} s after "
-            f"{received} (--body-timeout); the connection is closed, send the request again",
-            type_="invalid_request_error",
-            param="body",
-            code="request_timeout",
+            f"{received} (--body-timeout); the connection is closed, send the request again"
         )
-        response = error_response(body, 408, headers={"Connection": "close"})
-        await response(scope, _no_receive, send)
+        await _refuse_body(scope, send, 408, message, "request_timeout")
 
     async def _refuse(self, scope: Scope, send: Send) -> None:
-        body = error_body(
-            f"request body exceeds {self.max_bytes} bytes (--max-request-body-bytes)",
-            type_="invalid_request_error",
-            param="body",
-            code="request_too_large",
-        )
-        response = error_response(body, 413, headers={"Connection": "close"})
-        await response(scope, _no_receive, send)
+        message = f"request body exceeds {self.max_bytes} bytes (--max-request-body-bytes)"
+        await _refuse_body(scope, send, 413, message, "request_too_large")
 
 
 async def _refuse_encoding(scope: Scope, send: Send, encoding: str) -> None:
-    body = error_body(
+    message = (
         f"request bodies are not decompressed: Content-Encoding {encoding[:40]!r} is not "
-        "supported; send the JSON uncompressed",
-        type_="invalid_request_error",
-        param="body",
-        code="unsupported_content_encoding",
+        "supported; send the JSON uncompressed"
     )
-    response = error_response(body, 415, headers={"Connection": "close"})
+    await _refuse_body(scope, send, 415, message, "unsupported_content_encoding")
+
+
+async def _refuse_body(scope: Scope, send: Send, status: int, message: str, code: str) -> None:
+    """The refusal of a request's body, in the API's error shape; the connection closes after it
+    (the rest of the body may be unread)."""
+    body = error_body(message, type_="invalid_request_error", param="body", code=code)
+    response = error_response(body, status, headers={"Connection": "close"})
     await response(scope, _no_receive, send)
 
 
