@@ -114,13 +114,14 @@ class RequestBody:
 
     def _stalled(self, request: web.Request, received: int) -> web.Response:
         timeout = self._idle_timeout_s
-        if isinstance(request.protocol, RouterConnection):
+        peer = "a client"
+        if isinstance(request.protocol, RouterConnection):  # the router's server makes them
             request.protocol.drop_unread_body()
-        peer = request.transport.get_extra_info("peername") if request.transport else None
+            peer = request.protocol.peer()
         log.info(
             "closed the connection from %s: its request body stalled after %d bytes, nothing "
             "more within %g s (--body-timeout)",
-            f"{peer[0]}:{peer[1]}" if peer else "a client",
+            peer,
             received,
             timeout,
         )

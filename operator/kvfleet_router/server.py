@@ -105,7 +105,7 @@ class RouterConnection(web.RequestHandler):
             return super().handle_error(request, status, exc, message)
         # aiohttp's parser refused the request (its only 4xx): the client's error.
         detail = parser_error(exc)
-        log.info("answered %d to %s: malformed HTTP request: %s", status, self._peer(), detail)
+        log.info("answered %d to %s: malformed HTTP request: %s", status, self.peer(), detail)
         body = {
             "message": f"malformed HTTP request: {detail}",
             "type": "invalid_request_error",
@@ -120,7 +120,7 @@ class RouterConnection(web.RequestHandler):
         error = kwargs.get("exc_info")
         if isinstance(error, web.RequestPayloadError):  # the body's framing broke: the client's
             detail = parser_error(error.__cause__ or error)
-            log.info("closed the connection from %s: bad request body: %s", self._peer(), detail)
+            log.info("closed the connection from %s: bad request body: %s", self.peer(), detail)
             return
         super().log_exception(*args, **kwargs)
 
@@ -142,12 +142,13 @@ class RouterConnection(web.RequestHandler):
         log.info(
             "closed the connection from %s: no complete request head within %g s "
             "(--header-timeout)",
-            self._peer(),
+            self.peer(),
             self.header_timeout_s,
         )
         self.force_close()
 
-    def _peer(self) -> str:
+    def peer(self) -> str:
+        """The client's host:port, for log lines."""
         peer = self.peername
         return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "a client"
 
