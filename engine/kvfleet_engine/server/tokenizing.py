@@ -5,9 +5,9 @@ A megabyte of text takes seconds to tokenize, and /health, streams and other req
 wait on it; but a hop to a thread waits for the GIL behind the busy loop: at 256 streams on an
 H100, with every prompt hopping, the first token's `sent` hop in GET /debug/profile took 18.9 ms
 on average (0.11 ms in an earlier H200 run that tokenized on the loop), with nothing to tokenize
-in token-id prompts. The worker tokenizes one text at a time,
-with a copy of the tokenizer, since a fast tokenizer used from several threads at once can fail
-("Already borrowed") and the loop keeps using its own (short texts, detokenizing).
+in token-id prompts. The worker tokenizes one text at a time, with a copy of the tokenizer,
+since a fast tokenizer used from several threads at once can fail ("Already borrowed") and the
+loop keeps using its own (short texts, detokenizing).
 """
 
 from __future__ import annotations
