@@ -47,6 +47,26 @@ def test_the_persistent_launch_computes_the_chain(per_sm: int) -> None:
     assert relative_error(step(), expected) < 2e-2  # again: the counters start from zero
 
 
+@pytest.mark.parametrize("per_sm", [1, 3] if ON_GPU else [1])
+@pytest.mark.parametrize("gate_up_splits", [1, 2])
+def test_the_launch_waiting_for_the_rows_each_tile_reads_computes_the_chain(
+    per_sm: int, gate_up_splits: int
+) -> None:
+    """Slice by slice, each tile waiting on its slice's counter, gate and up blocks alternating,
+    down adding to the residual stream once the layer before wrote its rows."""
+    chain = probe.Chain(TINY, layers=3, device=DEVICE, block_n=16, block_k=16)
+    expected = chain.reference()
+    step, _ = chain.persistent(per_sm, segments=True, splits={"gate_up": gate_up_splits})
+    assert relative_error(step(), expected) < 2e-2
+    assert relative_error(step(), expected) < 2e-2
+
+
+def test_splits_that_do_not_tile_are_refused_at_launch() -> None:
+    chain = probe.Chain(TINY, layers=1, device=DEVICE, block_n=16, block_k=16)
+    with pytest.raises(ValueError, match="gate_up: 64 x 32 / 4 does not tile"):
+        chain.persistent(1, segments=True, splits={"gate_up": 4})
+
+
 def test_the_kernel_per_product_path_computes_the_chain() -> None:
     chain = probe.Chain(TINY, layers=3, device=DEVICE, block_n=16, block_k=16)
     assert relative_error(chain.kernels()(), chain.reference()) < 5e-2  # bf16 between

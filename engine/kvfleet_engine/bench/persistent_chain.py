@@ -80,18 +80,31 @@ def _tile_dot(w, x_ptr, offs_k, K, gated, acc, BF16: tl.constexpr):
 
 
 @triton.jit
+def _wait_for(counter_ptr, target):
+    """Spin until *counter_ptr reaches target (acquire: what the counter's releases wrote is
+    seen after)."""
+    ready = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    while ready < target:
+        ready = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
 def _tile_product(
-    w_ptr, scale_ptr, in_ptr, part_ptr, y_ptr, arrive_ptr, done_ptr, wait_ptr,
-    wait_target, need_wait, N, K, S, n_tile, split, gated,
+    w_ptr, scale_ptr, in_ptr, part_ptr, y_ptr, res_ptr, arrive_ptr, wait_ptr, wait_target,
+    need_wait, res_wait_ptr, res_target, need_res_wait, post_ptr, post_mod, post_span,
+    post_limit, N, K, S, row_block, split, gated,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BF16: tl.constexpr,
 ):  # fmt: skip
-    """One tile: rows [n_tile * BLOCK_N, +BLOCK_N) of w over K slice `split` of S, times the
+    """One tile: rows [row_block * BLOCK_N, +BLOCK_N) of w over K slice `split` of S, times the
     input (the SiLU of its two halves where `gated`), into the partials; the slice that
-    arrives last sums the row block's partials into y (added to y's rows where `gated`: the
-    down projection adds to the residual stream) and counts the block done. The slice's
-    first weight tile is loaded before waiting for the input (`need_wait`: until *wait_ptr
-    reaches wait_target)."""
-    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    arrives last sums the row block's partials into y (plus the residual stream's rows at
+    res_ptr where `gated`: the down projection adds to it, once its rows are written) and
+    counts the block in its consumer's counter: post_ptr[(row % post_mod) // post_span] for
+    rows below post_limit (the rows its consumer reads). The slice's first weight tile is
+    loaded before waiting for the input (`need_wait`: until *wait_ptr reaches wait_target)."""
+    row0 = row_block * BLOCK_N
+    offs_n = row0 + tl.arange(0, BLOCK_N)
     span = K // S
     # A whole number of BLOCK_K (Chain checks it): said, so the loads are 16-byte vectors (the
     # compiler cannot see it through the division, and would load the weights byte by byte).
@@ -100,10 +113,7 @@ def _tile_product(
     offs_k = k_start + tl.arange(0, BLOCK_K)
     first = tl.load(w_rows + offs_k[None, :])  # weights: no tile writes them
     if need_wait:
-        ready = tl.atomic_add(wait_ptr, 0, sem="acquire", scope="gpu")
-        while ready < wait_target:
-            ready = tl.atomic_add(wait_ptr, 0, sem="acquire", scope="gpu")
-        tl.debug_barrier()
+        _wait_for(wait_ptr, wait_target)
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     acc = _tile_dot(first, in_ptr, offs_k, K, gated, acc, BF16)
     for k0 in tl.range(k_start + BLOCK_K, k_start + span, BLOCK_K, num_stages=STAGES):
@@ -112,17 +122,31 @@ def _tile_product(
     out = tl.sum(acc, axis=0) * tl.load(scale_ptr + offs_n)  # [BLOCK_N]: row 0's
     tl.store(part_ptr + split * N + offs_n, out)
     tl.debug_barrier()  # every thread's partial is written before the release below
-    arrived = tl.atomic_add(arrive_ptr + n_tile, 1, sem="acq_rel", scope="gpu")
+    arrived = tl.atomic_add(arrive_ptr + row_block, 1, sem="acq_rel", scope="gpu")
     if arrived == S - 1:
         total = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for s in range(S):
             total += tl.load(part_ptr + s * N + offs_n, cache_modifier=".cg")
         if gated:
-            total += tl.load(y_ptr + offs_n, cache_modifier=".cg")
+            if need_res_wait:
+                _wait_for(res_wait_ptr, res_target)
+            total += tl.load(res_ptr + offs_n, cache_modifier=".cg")
         tl.store(y_ptr + offs_n, total)
-        tl.atomic_xchg(arrive_ptr + n_tile, 0)
         tl.debug_barrier()
-        tl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
+        if row0 < post_limit:
+            segment = (row0 % post_mod) // post_span
+            tl.atomic_add(post_ptr + segment, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _counted(K, S, gated, SEGMENTS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For a product reading K inputs (2 K, its gate and up, where `gated`) in S slices:
+    how its producer counts finished row blocks for it (rows below `limit`, counter
+    (row % K) // span), and how many blocks fill one counter. SEGMENTS: a counter per slice
+    (a tile waits for the rows it reads); else one counter (it waits for the whole product)."""
+    limit = K * (2 if gated else 1)
+    span = K // S if SEGMENTS else K
+    return limit, span, limit // K * span // BLOCK_N
 
 
 @triton.jit
@@ -130,47 +154,82 @@ def _chain_kernel(
     w0, w1, w2, w3, sc0, sc1, sc2, sc3, y0, y1, y2, y3, p0, p1, p2, p3, arrive_ptr, done_ptr,
     N0, K0, S0, N1, K1, S1, N2, K2, S2, N3, K3, S3, layers, num_programs,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BF16: tl.constexpr,
-    WAIT: tl.constexpr = True,
+    WAIT: tl.constexpr = True, SEGMENTS: tl.constexpr = False,
 ):  # fmt: skip
     """Walk the tiles of `layers` layers in list order, every num_programs-th from this
-    program's id. y3 holds the chain's input before the first layer and each layer's output;
-    done_ptr [layers, 4] counts each product's finished row blocks (zeroed before the launch)."""
-    T0 = (N0 // BLOCK_N) * S0
-    T1 = (N1 // BLOCK_N) * S1
-    T2 = (N2 // BLOCK_N) * S2
-    T3 = (N3 // BLOCK_N) * S3
-    per_layer = T0 + T1 + T2 + T3
+    program's id. Every buffer has a row per layer, so no tile overwrites what a later one
+    reads: y_i [layers, N_i] (y3 [layers + 1, N3]: the chain's input, then each layer's
+    output), the partials p_i [layers, S_i, N_i], the slices' arrivals [layers, row blocks];
+    done_ptr [layers + 1, 4, SMAX] counts, for product c of a layer, its producer's finished
+    row blocks (all zeroed before the launch).
+
+    SEGMENTS=False: a product's tiles go row block by row block, each tile waiting for the
+    whole product before it. SEGMENTS=True: slice by slice (the first slice of every row block,
+    then the second...), each tile waiting only for the rows of its slice, and gate_up's row
+    blocks alternate gate and up, so down's first slice is ready early; the rows that complete
+    first are the ones the next product's first tiles read."""
+    SMAX = tl.maximum(tl.maximum(S0, S1), tl.maximum(S2, S3))
+    B0 = N0 // BLOCK_N
+    B1 = N1 // BLOCK_N
+    B2 = N2 // BLOCK_N
+    B3 = N3 // BLOCK_N
+    per_layer = B0 * S0 + B1 * S1 + B2 * S2 + B3 * S3
+    lim0, span0, target0 = _counted(K0, S0, False, SEGMENTS, BLOCK_N)
+    lim1, span1, target1 = _counted(K1, S1, False, SEGMENTS, BLOCK_N)
+    lim2, span2, target2 = _counted(K2, S2, False, SEGMENTS, BLOCK_N)
+    lim3, span3, target3 = _counted(K3, S3, True, SEGMENTS, BLOCK_N)
     for item in range(tl.program_id(0), layers * per_layer, num_programs):
         layer = item // per_layer
-        r = item % per_layer
-        done = done_ptr + layer * 4
-        if r < T0:  # qkv, of the layer before's down (the input before layer 0)
-            t = r
+        t = item % per_layer
+        done = done_ptr + layer * 4 * SMAX  # this layer's four products' counters
+        arrive = arrive_ptr + layer * (B0 + B1 + B2 + B3)
+        # which product (qkv, o, gate_up, down), and the tile's index within it
+        E0 = B0 * S0
+        E1 = E0 + B1 * S1
+        E2 = E1 + B2 * S2
+        c = (t >= E0).to(tl.int32) + (t >= E1).to(tl.int32) + (t >= E2).to(tl.int32)
+        t -= tl.where(c == 0, 0, tl.where(c == 1, E0, tl.where(c == 2, E1, E2)))
+        B = tl.where(c == 0, B0, tl.where(c == 1, B1, tl.where(c == 2, B2, B3)))
+        S = tl.where(c == 0, S0, tl.where(c == 1, S1, tl.where(c == 2, S2, S3)))
+        if SEGMENTS:
+            split = t // B
+            block = t % B
+            # gate and up blocks alternate: gate_up's tile 2i is gate's i-th, 2i + 1 up's
+            block = tl.where(c == 2, block // 2 + (block % 2) * (B // 2), block)
+        else:
+            split = t % S
+            block = t // S
+        wait_at = split if SEGMENTS else 0
+        if c == 0:
             _tile_product(
-                w0 + layer.to(tl.int64) * N0 * K0, sc0 + layer * N0, y3, p0, y0,
-                arrive_ptr, done, done - 1, N3 // BLOCK_N, (layer > 0) if WAIT else False, N0,
-                K0, S0, t // S0, t % S0, False, BLOCK_N, BLOCK_K, STAGES, BF16,
+                w0 + layer.to(tl.int64) * N0 * K0, sc0 + layer * N0, y3 + layer * N3,
+                p0 + layer * S0 * N0, y0 + layer * N0, y0, arrive, done + wait_at, target0,
+                (layer > 0) if WAIT else False, done, 0, False, done + SMAX, K1, span1, lim1,
+                N0, K0, S0, block, split, False, BLOCK_N, BLOCK_K, STAGES, BF16,
             )  # fmt: skip
-        elif r < T0 + T1:  # o, of qkv's first K1 outputs (attention's stand-in)
-            t = r - T0
+        elif c == 1:
             _tile_product(
-                w1 + layer.to(tl.int64) * N1 * K1, sc1 + layer * N1, y0, p1, y1,
-                arrive_ptr + N0 // BLOCK_N, done + 1, done, N0 // BLOCK_N, WAIT, N1, K1, S1,
-                t // S1, t % S1, False, BLOCK_N, BLOCK_K, STAGES, BF16,
+                w1 + layer.to(tl.int64) * N1 * K1, sc1 + layer * N1, y0 + layer * N0,
+                p1 + layer * S1 * N1, y1 + layer * N1, y1, arrive + B0,
+                done + SMAX + wait_at, target1, WAIT, done, 0, False, done + 2 * SMAX, K2,
+                span2, lim2, N1, K1, S1, block, split, False, BLOCK_N, BLOCK_K, STAGES, BF16,
             )  # fmt: skip
-        elif r < T0 + T1 + T2:  # gate_up, of o
-            t = r - T0 - T1
+        elif c == 2:
             _tile_product(
-                w2 + layer.to(tl.int64) * N2 * K2, sc2 + layer * N2, y1, p2, y2,
-                arrive_ptr + (N0 + N1) // BLOCK_N, done + 2, done + 1, N1 // BLOCK_N, WAIT, N2,
-                K2, S2, t // S2, t % S2, False, BLOCK_N, BLOCK_K, STAGES, BF16,
+                w2 + layer.to(tl.int64) * N2 * K2, sc2 + layer * N2, y1 + layer * N1,
+                p2 + layer * S2 * N2, y2 + layer * N2, y2, arrive + B0 + B1,
+                done + 2 * SMAX + wait_at, target2, WAIT, done, 0, False, done + 3 * SMAX,
+                K3, span3, lim3, N2, K2, S2, block, split, False, BLOCK_N, BLOCK_K, STAGES,
+                BF16,
             )  # fmt: skip
-        else:  # down, of silu(gate) * up
-            t = r - T0 - T1 - T2
+        else:  # adds to the residual stream y3[layer], once the layer before wrote its rows
+            res_at = (block * BLOCK_N) // span0 if SEGMENTS else 0
             _tile_product(
-                w3 + layer.to(tl.int64) * N3 * K3, sc3 + layer * N3, y2, p3, y3,
-                arrive_ptr + (N0 + N1 + N2) // BLOCK_N, done + 3, done + 2, N2 // BLOCK_N, WAIT,
-                N3, K3, S3, t // S3, t % S3, True, BLOCK_N, BLOCK_K, STAGES, BF16,
+                w3 + layer.to(tl.int64) * N3 * K3, sc3 + layer * N3, y2 + layer * N2,
+                p3 + layer * S3 * N3, y3 + (layer + 1) * N3, y3 + layer * N3,
+                arrive + B0 + B1 + B2, done + 3 * SMAX + wait_at, target3, WAIT,
+                done + res_at, target0, (layer > 0) if WAIT else False, done + 4 * SMAX, K0, span0,
+                lim0, N3, K3, S3, block, split, True, BLOCK_N, BLOCK_K, STAGES, BF16,
             )  # fmt: skip
 
 
@@ -185,11 +244,9 @@ class Chain:
         qkv, o, gate_up, down = products
         if not (o.k <= qkv.n and gate_up.k == o.n and down.k * 2 == gate_up.n and qkv.k == down.n):
             raise ValueError("products do not chain: qkv -> o -> gate_up -> down -> qkv")
-        for p in products:
-            if p.n % block_n or p.k % p.splits or (p.k // p.splits) % block_k:
-                raise ValueError(f"{p.name}: {p.n} x {p.k} / {p.splits} does not tile by blocks")
         self.products, self.layers, self.device = products, layers, device
         self.block_n, self.block_k = block_n, block_k
+        self._check_tiles(products)
         gen = torch.Generator(device=device).manual_seed(0)
         self.weights = [
             torch.randn(layers, p.n, p.k, device=device, generator=gen).to(torch.float8_e4m3fn)
@@ -199,6 +256,14 @@ class Chain:
             torch.full((layers, p.n), 1 / math.sqrt(p.k), device=device) for p in products
         ]
         self.input = torch.randn(qkv.k, device=device, generator=gen)
+
+    def _check_tiles(self, products: list[Product]) -> None:
+        """Each product's slices are whole BLOCK_Ks and whole BLOCK_Ns (so a row block of the
+        product before falls in one slice), and its rows whole BLOCK_Ns."""
+        for p in products:
+            span = p.k // p.splits
+            if p.n % self.block_n or p.k % p.splits or span % self.block_k or span % self.block_n:
+                raise ValueError(f"{p.name}: {p.n} x {p.k} / {p.splits} does not tile by blocks")
 
     @property
     def weight_bytes(self) -> int:
@@ -242,24 +307,31 @@ class Chain:
         return step
 
     def persistent(
-        self, programs_per_sm: int, stages: int = 3, wait: bool = True
-    ) -> tuple[Callable[[], torch.Tensor], int]:
+        self, programs_per_sm: int, stages: int = 3, wait: bool = True, segments: bool = False,
+        splits: dict[str, int] | None = None,
+    ) -> tuple[Callable[[], torch.Tensor], int]:  # fmt: skip
         """One launch of `_chain_kernel` (float32 between the products), as (step, programs):
         programs_per_sm per SM, fewer where fewer fit (a program that never becomes resident
-        would leave the others waiting on its tiles forever); one program in the interpreter."""
-        p, dev, bn = self.products, self.device, self.block_n
-        ys = [torch.empty(q.n, device=dev) for q in p]
-        parts = [torch.empty(q.splits, q.n, device=dev) for q in p]
-        arrive = torch.zeros(sum(q.n for q in p) // bn, dtype=torch.int32, device=dev)
-        done = torch.zeros(self.layers, 4, dtype=torch.int32, device=dev)
+        would leave the others waiting on its tiles forever); one program in the interpreter.
+        `segments`: each tile waits only for the rows it reads (else for the whole product);
+        `splits`: K splits by product name instead of the products' own."""
+        p = [Product(q.name, q.n, q.k, (splits or {}).get(q.name, q.splits)) for q in self.products]
+        self._check_tiles(p)
+        dev, bn, layers = self.device, self.block_n, self.layers
+        ys = [torch.empty(layers + (q.name == "down"), q.n, device=dev) for q in p]
+        parts = [torch.empty(layers, q.splits, q.n, device=dev) for q in p]
+        arrive = torch.zeros(layers, sum(q.n for q in p) // bn, dtype=torch.int32, device=dev)
+        smax = max(q.splits for q in p)
+        done = torch.zeros(layers + 1, 4, smax, dtype=torch.int32, device=dev)
         sizes = [v for q in p for v in (q.n, q.k, q.splits)]
-        args = (*self.weights, *self.scales, *ys, *parts, arrive, done, *sizes, self.layers)
+        args = (*self.weights, *self.scales, *ys, *parts, arrive, done, *sizes, layers)
         options = dict(
             BLOCK_N=bn,
             BLOCK_K=self.block_k,
             STAGES=stages,
             BF16=not INTERPRETED,
             WAIT=wait,
+            SEGMENTS=segments,
             num_warps=4,
         )
         if INTERPRETED:
@@ -271,9 +343,10 @@ class Chain:
 
         def step() -> torch.Tensor:
             done.zero_()
-            ys[3].copy_(self.input)
+            arrive.zero_()
+            ys[3][0].copy_(self.input)
             _chain_kernel[(programs,)](*args, programs, **options)
-            return ys[3]
+            return ys[3][-1]
 
         return step, programs
 
@@ -297,6 +370,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--programs-per-sm", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--output", default=None, help="JSON results to this file")
+    parser.add_argument(
+        "--segments", type=int, nargs="*", default=[], metavar="GATE_UP_SPLITS",
+        help="also time the launch whose tiles wait only for the rows they read, slice by "
+        "slice, once per gate_up K split given (the engine's plan has 1)",
+    )  # fmt: skip
     parser.add_argument(
         "--no-wait", action="store_true", help="also time the tiles without their waits"
     )
@@ -322,15 +400,21 @@ def main() -> None:
     for per_sm in args.programs_per_sm:
         step, programs = chain.persistent(per_sm)
         record(f"persistent-{programs // sms}/sm", step, check.persistent(per_sm)[0])
+    for gate_up_splits in args.segments:
+        split = {"gate_up": gate_up_splits}
+        for per_sm in args.programs_per_sm:
+            step, programs = chain.persistent(per_sm, segments=True, splits=split)
+            label = f"segments-{programs // sms}/sm-gu{gate_up_splits}"
+            record(label, step, check.persistent(per_sm, segments=True, splits=split)[0])
     if args.no_wait:  # the tiles' own speed: no tile waits for its input (wrong results)
         step, programs = chain.persistent(2, wait=False)
         record(f"no-wait-{programs // sms}/sm", step, check.persistent(2, wait=False)[0])
     name = torch.cuda.get_device_name(device)
     print(f"{name}: copy {bandwidth:.0f} GB/s, weights {gb:.2f} GB")
-    print(f"{'variant':<16} {'ms/step':>8} {'us/layer':>9} {'GB/s':>7} {'of copy':>8} {'error':>9}")
+    print(f"{'variant':<22} {'ms/step':>8} {'us/layer':>9} {'GB/s':>7} {'of copy':>8} {'error':>9}")
     for r in rows:
         print(
-            f"{r['variant']:<16} {r['ms_per_step']:>8.3f} {r['us_per_layer']:>9.1f} "
+            f"{r['variant']:<22} {r['ms_per_step']:>8.3f} {r['us_per_layer']:>9.1f} "
             f"{r['weight_gb_per_s']:>7.0f} {r['of_copy']:>8.1%} {r['error_2_layers']:>9.2e}"
         )
     if args.output:
