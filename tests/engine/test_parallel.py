@@ -130,27 +130,71 @@ def test_the_leader_refuses_strangers_and_goes_on_accepting_ranks(caplog) -> Non
     """A client with another key, or one that connects and closes (a port probe), is refused
     with a warning; the rank after it still joins."""
     import socket
-    import threading
     from multiprocessing import AuthenticationError
-    from multiprocessing.connection import Client, Listener
+    from multiprocessing.connection import Client
 
-    from kvfleet_engine.parallel.workers import accept_ranks
+    from kvfleet_engine.parallel.listener import RankListener
 
-    listener = Listener(("127.0.0.1", 0), authkey=b"the-group-key")
-    accepted: list = []
-    closing = threading.Event()
-    thread = threading.Thread(target=accept_ranks, args=(listener, 1, accepted, closing))
+    listener = RankListener(("127.0.0.1", 0), b"the-group-key")
     with caplog.at_level("WARNING"):
-        thread.start()
+        listener.start()
         with pytest.raises(AuthenticationError):
             Client(listener.address, authkey=b"another-key")
         socket.create_connection(listener.address).close()  # a probe
         rank = Client(listener.address, authkey=b"the-group-key")
-        thread.join(10)
-    assert not thread.is_alive() and len(accepted) == 1
-    refusals = [r for r in caplog.records if "refused a connection" in r.getMessage()]
-    assert len(refusals) == 2 and "AuthenticationError" in refusals[0].getMessage()
+        assert _eventually(lambda: listener.joined == 1 and len(_refusals(caplog)) == 2)
+    joined = listener.close()
+    assert len(joined) == 1
+    refusals = _refusals(caplog)
+    assert any("AuthenticationError" in r for r in refusals), refusals
+    joined[0].send_bytes(b"step")  # the joined connection is the rank's
+    assert rank.recv_bytes() == b"step"
     rank.close()
-    accepted[0].close()
-    closing.set()
-    listener.close()
+    joined[0].close()
+
+
+def test_a_silent_connection_does_not_hold_up_the_ranks_behind_it(caplog) -> None:
+    """One that connects and never answers the challenge is refused at the time limit, and a
+    rank that connects after it joins at once, not after that limit."""
+    import socket
+    import time
+    from multiprocessing.connection import Client
+
+    from kvfleet_engine.parallel.listener import RankListener
+
+    listener = RankListener(("127.0.0.1", 0), b"the-group-key", handshake_timeout_s=3.0)
+    with caplog.at_level("WARNING"):
+        listener.start()
+        silent = socket.create_connection(listener.address)
+        time.sleep(0.2)  # its challenge is under way
+        started = time.monotonic()
+        rank = Client(listener.address, authkey=b"the-group-key")
+        assert _eventually(lambda: listener.joined == 1)
+        assert time.monotonic() - started < 2.0  # not behind the silent one's 3 s
+        assert _refusals(caplog) == []
+        assert _eventually(lambda: _refusals(caplog) != [], within=6.0)
+    assert _refusals(caplog) == [
+        "refused a connection to the step channel from 127.0.0.1: no answer to the key's "
+        "challenge within 3 s"
+    ]
+    assert silent.recv(1 << 16) != b""  # it had the challenge, then
+    silent.settimeout(1.0)
+    assert silent.recv(1 << 16) == b""  # its connection was closed
+    silent.close()
+    assert len(listener.close()) == 1
+    rank.close()
+
+
+def _refusals(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
+
+
+def _eventually(check, within: float = 5.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + within
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True

@@ -17,8 +17,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, Listener, wait
+from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import TypeVar
 
@@ -27,6 +26,7 @@ import msgspec
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.parallel import messages
 from kvfleet_engine.parallel.channel import authkey, listen_address, warn_if_default_key
+from kvfleet_engine.parallel.listener import RankListener
 from kvfleet_engine.parallel.messages import Failed, Hello, Stop
 
 log = logging.getLogger(__name__)
@@ -36,25 +36,6 @@ R = TypeVar("R")
 # Seconds a step may take to raise once a rank has failed before the process exits (a
 # collective stuck on a dead peer, NCCL's case, would otherwise hang it).
 FAILURE_EXIT_GRACE_S = 20.0
-
-
-def accept_ranks(
-    listener: Listener, count: int, accepted: list[Connection], closing: threading.Event
-) -> None:
-    """Accept `count` ranks' connections into `accepted` until `closing` is set. A connection
-    that fails the key's challenge (another key, or a port probe that closes at once) is
-    refused with a warning, and accepting goes on: one stray client does not end start-up."""
-    while len(accepted) < count:
-        try:
-            accepted.append(listener.accept())
-        except (AuthenticationError, EOFError, OSError) as error:
-            if closing.is_set():
-                return  # closed: start-up is over
-            log.warning(
-                "refused a connection to the step channel: %s",
-                f"{type(error).__name__}: {error}" if str(error) else type(error).__name__,
-            )
-            time.sleep(0.05)  # a listener that keeps failing does not spin
 
 
 class RankFailed(RuntimeError):
@@ -87,7 +68,7 @@ class WorkerGroup:
     def start(self) -> None:
         """Listen, start this host's workers and wait until every rank has connected."""
         warn_if_default_key(self.parallel)
-        listener = Listener(listen_address(self.parallel), authkey=authkey())
+        listener = RankListener(listen_address(self.parallel), authkey())
         context = multiprocessing.get_context("spawn")
         from kvfleet_engine.parallel.worker import run_worker
 
@@ -102,29 +83,23 @@ class WorkerGroup:
             )
             process.start()
             self.processes[rank] = process
-        accepted: list[Connection] = []
-        closing = threading.Event()
-        thread = threading.Thread(
-            target=accept_ranks,
-            args=(listener, len(self.ranks), accepted, closing),
-            name="kvfleet-accept",
-            daemon=True,
-        )
-        thread.start()
+        listener.start()
         deadline = time.monotonic() + self.parallel.join_timeout_s
         try:
-            while len(accepted) < len(self.ranks):
+            while listener.joined < len(self.ranks):
                 self._check_processes("during start-up")
                 if time.monotonic() > deadline:
                     raise RankFailed(
-                        f"{len(accepted)} of {len(self.ranks)} other ranks connected to "
+                        f"{listener.joined} of {len(self.ranks)} other ranks connected to "
                         f"{listen_address(self.parallel)} within "
                         f"{self.parallel.join_timeout_s:.0f} s"
                     )
-                thread.join(0.05)
+                time.sleep(0.05)
         finally:
-            closing.set()
-            listener.close()
+            accepted = listener.close()
+        for conn in accepted[len(self.ranks) :]:  # more than the ranks: not one of this group's
+            conn.close()
+        accepted = accepted[: len(self.ranks)]
         for conn in accepted:
             hello = self._receive(conn, Hello, deadline)
             self.conns[hello.rank] = conn
