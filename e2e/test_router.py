@@ -329,7 +329,9 @@ def test_zero_replicas_a_request_waits_scales_to_one_and_completes(
         "behavior": {"syncPeriodSeconds": 1, "stableWindowSeconds": 10, "panicWindowSeconds": 4,
                      "warmupSeconds": 0},
     }  # fmt: skip
-    routing = {"scaleToZeroAfterSeconds": 30, "queueTimeoutSeconds": 600}
+    # One router pod: one RouterProcess stands for it at its IP, and the autoscaler counts the
+    # routers idle only when every ready router pod answers.
+    routing = {"scaleToZeroAfterSeconds": 30, "queueTimeoutSeconds": 600, "replicas": 1}
     manifest = infd(namespace, "zero", model, autoscaling=autoscaling, routing=routing)
     kubectl("apply", "--server-side", "-f", "-", input=json.dumps(manifest))
 

@@ -2,7 +2,8 @@
 
     ServiceAccount, Role, RoleBinding  the router reads the engine Service's EndpointSlices
                                        (get, list, watch; nothing else)
-    Deployment                         one router pod (operator image, `kvfleet router`)
+    Deployment                         routing.replicas router pods (operator image, `kvfleet
+                                       router`), spread over nodes
     Service                            <name>-router:8000, what status.endpoint.url names
     PodDisruptionBudget                maxUnavailable 1
 
@@ -204,7 +205,7 @@ def render_router_deployment(
         "kind": "Deployment",
         "metadata": _metadata(name, namespace),
         "spec": {
-            "replicas": 1,
+            "replicas": spec.routing.replicas,
             "selector": {"matchLabels": router_selector(name)},
             "strategy": {
                 "type": "RollingUpdate",
@@ -222,6 +223,15 @@ def render_router_deployment(
                         "seccompProfile": {"type": "RuntimeDefault"},
                     },
                     "terminationGracePeriodSeconds": PRE_STOP_SECONDS + STREAM_DRAIN_SECONDS,
+                    # One node's failure takes one router, not all: spread where the nodes allow.
+                    "topologySpreadConstraints": [
+                        {
+                            "maxSkew": 1,
+                            "topologyKey": "kubernetes.io/hostname",
+                            "whenUnsatisfiable": "ScheduleAnyway",
+                            "labelSelector": {"matchLabels": router_selector(name)},
+                        }
+                    ],
                     "containers": [container],
                 },
             },

@@ -147,3 +147,31 @@ async def test_the_autoscaler_reads_the_routers_queue_and_scales_from_zero() -> 
     assert cluster.writes[1][:2] == ("event", "ScaledUp")
     assert "scale from zero: 3 queued" in cluster.writes[1][2]
     assert cluster.infd["status"]["autoscaling"]["desiredReplicas"] == 1
+
+
+async def test_with_several_routers_idle_needs_every_one_and_a_queue_needs_one() -> None:
+    """Two router pods: their queues add up; idleness counts only when both answered (one that
+    did not may be serving, and scaling to zero would cut its streams)."""
+    from kvfleet_operator.autoscaling.pods import PodFacts
+    from kvfleet_operator.autoscaling.sources import scrape_routers
+
+    pods = [PodFacts(f"router-{i}", f"127.2.0.{i}", T0, False, None) for i in (1, 2)]
+    answers = {"127.2.0.1": (2, 900.0), "127.2.0.2": (1, 700.0)}
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.host not in answers:
+            raise httpx.ConnectError("refused", request=request)
+        queued, idle = answers[request.url.host]
+        text = (
+            f"kvfleet_router_queued_requests {queued}\n"
+            "kvfleet_router_requests_in_flight 0\n"
+            f"kvfleet_router_idle_seconds {idle}\n"
+        )
+        return httpx.Response(200, text=text)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as http:
+        assert await scrape_routers(http, pods) == RouterDemand(3, 0, 700.0)
+        del answers["127.2.0.2"]  # one router does not answer this tick
+        assert await scrape_routers(http, pods) == RouterDemand(2, 0, 0.0)
+        answers.clear()
+        assert await scrape_routers(http, pods) is None

@@ -72,6 +72,27 @@ def test_the_router_fronts_the_engine_service_with_the_spec_settings(make_spec) 
     assert engine_pod["metadata"]["labels"]["llm-d.ai/engine-type"] == "vllm"
 
 
+def test_the_routers_are_several_and_spread_over_nodes(make_spec) -> None:
+    """Two by default, so one node's failure or a rolling update leaves a router up (the PDB
+    lets one go at a time); routing.replicas sets how many."""
+    for routing, count in (({}, 2), ({"replicas": 3}, 3), ({"replicas": 1}, 1)):
+        objects = rendered(make_spec(routing=routing))
+        router = objects[("Deployment", "llama-router")]
+        assert router["spec"]["replicas"] == count
+        assert router["spec"]["template"]["spec"]["topologySpreadConstraints"] == [
+            {
+                "maxSkew": 1,
+                "topologyKey": "kubernetes.io/hostname",
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": {"kvfleet.io/router": "llama"}},
+            }
+        ]
+        pdb = objects[("PodDisruptionBudget", "llama-router")]
+        assert pdb["spec"]["maxUnavailable"] == 1
+    with pytest.raises(ValidationError, match=r"routing\.replicas"):
+        make_spec(routing={"replicas": 0})
+
+
 @pytest.mark.parametrize(
     "extra_args",
     [

@@ -166,7 +166,9 @@ async def test_a_replica_that_failed_a_prompt_does_not_learn_its_prefix(
     failure: str, start_engines: StartEngines, start_router: StartRouter
 ) -> None:
     failing, other = await start_engines(2)
-    other.waiting = 1  # busier: the prefix strategy tries `failing` first while neither has it
+    # Busier by more than NEW_SLACK: the prefix strategy tries `failing` first while neither
+    # has the prompt, whatever the prompt hashes to.
+    other.waiting = 2
     if failure == "429":
         failing.status = 429
     elif failure == "dropped":

@@ -49,6 +49,42 @@ def test_a_conversation_stays_on_one_replica() -> None:
         strategy.routed(chat_request(*turns), first)
 
 
+def test_a_conversation_whose_turns_reach_different_routers_stays_on_one_replica() -> None:
+    """Two router processes, each with its own view of the same three pods (as behind the
+    router Service), each learning only what it routed: turns alternating between them land
+    on one replica, the one the first block hashes to."""
+    routers = [PrefixAffinity(BLOCK, load_factor=1.25) for _ in range(2)]
+    views = [
+        [Replica(f"10.0.0.{i}:8000", reachable=True, name=f"engine-{i}") for i in range(3)]
+        for _ in routers
+    ]
+    question, answer = "How do I rotate a key? " * 4, "Create the new key first. " * 4
+    for conversation in range(12):
+        system = f"You are the support assistant of team {conversation}. "
+        homes = set()
+        for turn in range(1, 5):
+            at = turn % 2
+            request = chat_request(*([question, answer] * (turn - 1) + [question]), system=system)
+            ranking = routers[at].rank(request, views[at])
+            assert ranking.reason == ("hash" if turn < 3 else "prefix")  # each router's first
+            routers[at].routed(request, ranking.replicas[0])
+            homes.add(ranking.replicas[0].name)
+        assert len(homes) == 1, (conversation, homes)
+
+
+def test_a_new_prompt_goes_to_its_hashed_replica_only_near_the_least_load() -> None:
+    fleet = replicas(3)
+    strategy = PrefixAffinity(BLOCK, load_factor=1.25)
+    request = chat_request("hello")
+    home = strategy.rank(request, fleet).replicas[0]
+    assert strategy.rank(request, fleet).reason == "hash"
+    home.in_flight = 1  # within NEW_SLACK of the others: still its replica
+    assert strategy.rank(request, fleet).replicas[0] is home
+    home.in_flight = 2  # beyond it: another, and `home` is the last resort
+    ranking = strategy.rank(request, fleet)
+    assert ranking.replicas[0] is not home and ranking.replicas[-1] is home
+
+
 def test_what_is_kept_per_replica_goes_when_the_pool_drops_it() -> None:
     """Autoscaling and scale to zero bring new pod IPs all day: the prefix blocks learnt for a
     pod that left are freed with it, not kept for the router's lifetime."""

@@ -66,8 +66,10 @@ async def _scrape(
 async def scrape_routers(
     http: httpx.AsyncClient, pods: list[PodFacts], port: int = ENGINE_PORT
 ) -> RouterDemand | None:
-    """The routers' demand, summed over the ready router pods that answered (the least idle
-    time of them); None when none did."""
+    """The routers' demand, summed over the ready router pods that answered; None when none
+    did. Idle (the least idle time of them) only when every ready router answered: one that
+    did not may be serving, so scaling to zero waits for the next tick (its queue, the signal
+    to scale up from zero, needs only one router to tell)."""
     ready = [pod for pod in pods if pod.ready_since is not None and pod.ip]
     demands = [
         d for d in await asyncio.gather(*(_scrape_router(http, p, port) for p in ready)) if d
@@ -77,7 +79,7 @@ async def scrape_routers(
     return RouterDemand(
         queued=sum(d.queued for d in demands),
         in_flight=sum(d.in_flight for d in demands),
-        idle_seconds=min(d.idle_seconds for d in demands),
+        idle_seconds=min(d.idle_seconds for d in demands) if len(demands) == len(ready) else 0.0,
     )
 
 

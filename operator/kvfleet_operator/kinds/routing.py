@@ -21,6 +21,15 @@ class RoutingSpec(Model):
         description="Render the router (Deployment, Service, PDB, RBAC); status.endpoint.url "
         "then points at it. Without it clients reach the engines through their Service.",
     )
+    replicas: int = Field(
+        default=2,
+        ge=1,
+        le=32,
+        description="Router pods. Two or more keep the deployment reachable while one is "
+        "replaced or its node fails (they spread over nodes; the PodDisruptionBudget keeps all "
+        "but one up). A prompt no router has seen goes to the same replica from every router, "
+        "so a conversation stays on one replica whichever router its turns reach.",
+    )
     strategy: RoutingStrategy = Field(
         default="prefix",
         description="prefix: the replica holding the longest prefix of the prompt, within a "

@@ -1,5 +1,6 @@
 """prefix (default): the replica that holds the longest prefix of the prompt, within a load
-bound; with no prefix anywhere, the least loaded.
+bound; with no prefix anywhere, the prompt's own replica by rendezvous hashing of its first
+block, among the replicas within NEW_SLACK requests of the least loaded.
 
 The router remembers, per replica, the prefix blocks of the requests that replica answered
 with a 2xx (prefix_index; one that failed or declined a prompt does not hold it), sized like
@@ -10,10 +11,18 @@ a hot prefix spreads over as many replicas as its load needs. Unlike CHWBL the b
 absolute slack of SPILL_SLACK requests: an engine batches, so a few more requests on one replica
 cost little, while a prefix miss costs the whole prefill (without it, two requests of one
 tenant on an idle fleet of three would already land on two replicas).
+
+Several routers in front of one fleet (routing.replicas) each learn only what they routed, so
+a conversation whose turns reach different routers would land anywhere. A prompt none of them
+has seen goes where every router would send it: the replica whose name hashes highest with the
+prompt's first block (rendezvous hashing; names are the pods', the same in every router), among
+the replicas within NEW_SLACK requests of the least loaded, so that placing it never costs more
+balance than that. The next turn, at whichever router, hashes the same block to the same replica.
 """
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 from collections.abc import Sequence
 
@@ -22,6 +31,7 @@ from kvfleet_router.replicas import Replica
 from kvfleet_router.strategies.base import Ranking, RoutedRequest, by_load
 
 SPILL_SLACK = 2.0  # requests a replica may hold above the relative bound before spilling
+NEW_SLACK = 1.0  # a prompt seen nowhere goes to its hashed replica within this of the least load
 
 
 class PrefixAffinity:
@@ -44,13 +54,16 @@ class PrefixAffinity:
         total = sum(r.load for r in replicas)
         bound = self._load_factor * (total + 1) / len(replicas) + SPILL_SLACK
         matched = {r.address: self._index(r).match(hashes) for r in ordered}
+        if max(matched.values()) == 0:  # seen nowhere: its hashed replica, near the least load
+            near = min(r.load for r in ordered) + NEW_SLACK
+            ranked = sorted(
+                ordered, key=lambda r: (r.load > near, -rendezvous_weight(hashes[0], r.name))
+            )
+            return Ranking(tuple(ranked), "hash")
         # Stable sort: equal (bound, match) keep the load order.
         ranked = sorted(ordered, key=lambda r: (r.load > bound, -matched[r.address]))
         best = ranked[0]
-        if matched[best.address] == 0:
-            reason = "spill" if max(matched.values()) > 0 else "least-load"
-        else:
-            reason = "prefix"
+        reason = "prefix" if matched[best.address] else "spill"
         return Ranking(tuple(ranked), reason, matched[best.address])
 
     def routed(self, request: RoutedRequest, replica: Replica) -> None:
@@ -70,3 +83,9 @@ class PrefixAffinity:
         elif index.capacity != capacity:
             index.resize(capacity)
         return index
+
+
+def rendezvous_weight(block: int, replica_name: str) -> int:
+    """The same number for (block, name) in every router process (not Python's salted hash)."""
+    digest = hashlib.blake2b(f"{block}/{replica_name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
