@@ -1,7 +1,8 @@
 """Prefix-aware against round-robin routing on the same real engines, in one run.
 
     python bench/router_prefix.py [--engines 3] [--tenants 12] [--system-chars 3200]
-        [--users 6] [--turns 3] [--concurrency 6] [--out bench/results/router-prefix.json]
+        [--users 6] [--turns 3] [--concurrency 6] [--routers 1]
+        [--strategies round-robin prefix] [--out bench/results/router-prefix.json]
 
 Starts `--engines` CPU engines (`kvfleet serve --device cpu`, one thread each; SmolLM2 by
 default, `--model` for another) and two routers in front of all of them, `--strategy prefix`
@@ -17,6 +18,12 @@ phase) and the ideal hit rate of the workload: each request could at best reuse 
 turn's whole prompt (later turns) or its tenant's system prompt (first turns of later users),
 in full 16-token blocks; shared characters are turned into tokens at the request's own
 tokens-per-character ratio (usage.prompt_tokens / rendered characters).
+
+`--routers N` starts N router processes per strategy, and every request goes to one of them at
+random (as a Service spreads connections over router pods), so a conversation's turns reach
+different routers, each of which learns only what it routed. `--strategies` picks the phases.
+ROUTER_TREE=DIR runs the routers from DIR/operator (an older tree, `git archive REV operator`),
+the engines and the client from this one: an A/B of the router alone.
 
 Targets (issue 17): prefix TTFT p90 at least 3x lower than round-robin; prefix hit rate within
 10% of the ideal.
@@ -90,16 +97,21 @@ def canonical_chars(messages: list[dict[str, str]]) -> int:
 
 
 async def run_phase(
-    url: str, model: str, plan: list[tuple[int, str, list[str]]], concurrency: int
-) -> list[dict[str, Any]]:
-    """Every conversation through `url`; one record per request."""
+    urls: list[str], model: str, plan: list[tuple[int, str, list[str]]], concurrency: int,
+    seed: int,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Every conversation through the routers at `urls` (each request to one at random); one
+    record per request."""
+    pick = random.Random(seed)
     records: list[dict[str, Any]] = []
-    queue: asyncio.Queue[tuple[int, str, list[str]]] = asyncio.Queue()
-    for item in plan:
-        queue.put_nowait(item)
+    queue: asyncio.Queue[tuple[int, int, str, list[str]]] = asyncio.Queue()
+    for number, item in enumerate(plan):
+        queue.put_nowait((number, *item))
     seen_tenants: set[int] = set()
 
-    async def conversation(http: httpx.AsyncClient, tenant: int, system: str, qs: list[str]):
+    async def conversation(
+        http: httpx.AsyncClient, number: int, tenant: int, system: str, qs: list[str]
+    ):
         messages = [{"role": "system", "content": system}]
         first_of_tenant = tenant not in seen_tenants
         seen_tenants.add(tenant)
@@ -114,6 +126,7 @@ async def run_phase(
             started = time.perf_counter()
             first = None
             text, usage, replica = [], None, None
+            url = pick.choice(urls)
             async with http.stream("POST", url + "/v1/chat/completions", json=body) as response:
                 replica = response.headers.get("x-kvfleet-replica")
                 if response.status_code != 200:
@@ -138,6 +151,8 @@ async def run_phase(
                     "ttft_s": None if first is None else first - started,
                     "e2e_s": time.perf_counter() - started,
                     "replica": replica,
+                    "router": urls.index(url),
+                    "conversation": number,
                     "tenant": tenant,
                     "turn": turn,
                     "prompt_tokens": prompt_tokens,
@@ -203,8 +218,14 @@ def summarize(name: str, records: list[dict[str, Any]], hits: float, queries: fl
     by_replica: dict[str, int] = {}
     for r in ok:
         by_replica[r["replica"]] = by_replica.get(r["replica"], 0) + 1
+    homes: dict[int, set[str]] = {}
+    for r in ok:
+        homes.setdefault(r["conversation"], set()).add(r["replica"])
     return {
         "strategy": name,
+        "conversations_on_one_replica": sum(len(h) == 1 for h in homes.values()) / len(homes)
+        if homes
+        else None,
         "requests": len(records),
         "failed": len(records) - len(ok),
         "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
@@ -228,6 +249,11 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=6)
     parser.add_argument("--kv-cache-blocks", type=int, default=320, help="per engine")
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--routers", type=int, default=1, help="router processes per strategy")
+    parser.add_argument(
+        "--strategies", nargs="+", default=["round-robin", "prefix"],
+        choices=["round-robin", "prefix", "least-load"],
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     model = args.model
@@ -255,29 +281,34 @@ def main() -> int:
             ]  # fmt: skip
             with (logs / f"engine-{i}.log").open("wb") as log:
                 procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=log))
-        routers = {}
-        for strategy in ("round-robin", "prefix"):
-            port = free_port()
-            backends = [a for url in engine_urls for a in ("--backend", url)]
-            command = [
-                sys.executable, "-m", "kvfleet_cli", "router", *backends, "--strategy", strategy,
-                "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-            ]  # fmt: skip
-            with (logs / f"router-{strategy}.log").open("wb") as log:
-                procs.append(subprocess.Popen(command, stdout=log, stderr=log))
-            routers[strategy] = f"http://127.0.0.1:{port}"
+        routers: dict[str, list[str]] = {}
+        tree = os.environ.get("ROUTER_TREE")
+        router_env = (
+            {**os.environ, "PYTHONPATH": str(Path(tree, "operator").resolve())} if tree else None
+        )
+        for strategy in args.strategies:
+            for n in range(args.routers):
+                port = free_port()
+                backends = [a for url in engine_urls for a in ("--backend", url)]
+                command = [
+                    sys.executable, "-m", "kvfleet_cli", "router", *backends, "--strategy",
+                    strategy, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+                ]  # fmt: skip
+                with (logs / f"router-{strategy}-{n}.log").open("wb") as log:
+                    procs.append(subprocess.Popen(command, stdout=log, stderr=log, env=router_env))
+                routers.setdefault(strategy, []).append(f"http://127.0.0.1:{port}")
         for url in engine_urls:
             wait_ready(url + "/ready", 600)
-        for url in routers.values():
+        for url in [u for urls in routers.values() for u in urls]:
             wait_ready(url + "/ready", 60)
         time.sleep(1.0)  # first scrapes: every engine available in both routers
 
         results = []
-        for seed, (strategy, url) in enumerate(routers.items(), start=1):
+        for seed, (strategy, urls) in enumerate(routers.items(), start=1):
             plan = conversations(seed, args)
             hits0, queries0 = prefix_counters(engine_urls)
             started = time.perf_counter()
-            records = asyncio.run(run_phase(url, served, plan, args.concurrency))
+            records = asyncio.run(run_phase(urls, served, plan, args.concurrency, seed))
             wall = time.perf_counter() - started
             hits1, queries1 = prefix_counters(engine_urls)
             summary = summarize(strategy, records, hits1 - hits0, queries1 - queries0, wall)
@@ -292,15 +323,18 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
 
-    rr, prefix = results
     print(f"\n{'strategy':<12} {'hit rate':>9} {'ideal':>7} {'TTFT p50':>9} {'TTFT p90':>9} "
-          f"{'req/s':>7}")  # fmt: skip
+          f"{'req/s':>7} {'one home':>9}")  # fmt: skip
     for r in results:
         rates = f"{r['prefix_hit_rate']:>9.3f} {r['ideal_hit_rate']:>7.3f}"
         ttfts = f"{r['ttft_p50_s']:>8.3f}s {r['ttft_p90_s']:>8.3f}s"
-        print(f"{r['strategy']:<12} {rates} {ttfts} {r['requests_per_s']:>7.2f}")
-    ratio = rr["ttft_p90_s"] / prefix["ttft_p90_s"]
-    print(f"TTFT p90 round-robin / prefix = {ratio:.2f} (target >= 3)")
+        homes = f"{r['conversations_on_one_replica']:>9.2f}"
+        print(f"{r['strategy']:<12} {rates} {ttfts} {r['requests_per_s']:>7.2f} {homes}")
+    by_name = {r["strategy"]: r for r in results}
+    ratio = None
+    if "round-robin" in by_name and "prefix" in by_name:
+        ratio = by_name["round-robin"]["ttft_p90_s"] / by_name["prefix"]["ttft_p90_s"]
+        print(f"TTFT p90 round-robin / prefix = {ratio:.2f} (target >= 3)")
     if args.out is not None:
         out = {
             "bench": "router-prefix",
@@ -309,6 +343,7 @@ def main() -> int:
             "cpus": os.cpu_count(),
             "model": model,
             "settings": vars(args) | {"out": str(args.out), "model": model},
+            "router_tree": os.environ.get("ROUTER_TREE"),
             "results": results,
             "ttft_p90_ratio_round_robin_over_prefix": ratio,
             "targets": {"ttft_p90_ratio": 3.0, "hit_rate_of_ideal": 0.9},

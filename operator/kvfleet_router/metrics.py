@@ -46,7 +46,8 @@ class RouterMetrics:
         )
         self._decisions = Counter(
             "kvfleet_router_routing_decisions",
-            "Routing decisions by strategy and reason (prefix, spill, hash, least-load, round-robin).",
+            "Routing decisions by strategy and reason (prefix, spill, hash, least-load, "
+            "round-robin).",
             ["strategy", "reason"],
             registry=self.registry,
         )

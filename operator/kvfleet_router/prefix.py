@@ -12,11 +12,15 @@ Block i's hash covers every character before its end (chained: h_i = hash(h_{i-1
 and only full blocks count, like the engine's prefix cache. So turn n+1 of a conversation
 shares all of turn n's full blocks, and requests with one system prompt share its blocks: what
 the engine has cached for one, it has cached for the other, whatever its template adds around
-the messages. Python's `hash` is salted per process, which is fine: the hashes never leave it.
+the messages. The first block's hash is a digest of it, the same in every router process (the
+prefix strategy hashes it with the replicas' names to place a prompt no router has seen, and
+several routers must place it alike); the rest chain Python's `hash`, salted per process and
+faster, which is fine: they never leave it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -66,18 +70,27 @@ def _canonical_messages(messages: Any) -> str:
 
 
 def _text_blocks(text: str, block_chars: int) -> list[int]:
-    hashes = []
-    chained = 0
-    for end in range(block_chars, min(len(text), MAX_BLOCKS * block_chars) + 1, block_chars):
+    if len(text) < block_chars:
+        return []
+    hashes = [_digest(text[:block_chars].encode("utf-8", "surrogatepass"))]
+    chained = hashes[0]
+    for end in range(2 * block_chars, min(len(text), MAX_BLOCKS * block_chars) + 1, block_chars):
         chained = hash((chained, text[end - block_chars : end]))
         hashes.append(chained)
     return hashes
 
 
 def _token_blocks(ids: list[int]) -> list[int]:
-    hashes = []
-    chained = 0
-    for end in range(TOKEN_BLOCK, min(len(ids), MAX_BLOCKS * TOKEN_BLOCK) + 1, TOKEN_BLOCK):
+    if len(ids) < TOKEN_BLOCK:
+        return []
+    hashes = [_digest(",".join(map(str, ids[:TOKEN_BLOCK])).encode())]
+    chained = hashes[0]
+    for end in range(2 * TOKEN_BLOCK, min(len(ids), MAX_BLOCKS * TOKEN_BLOCK) + 1, TOKEN_BLOCK):
         chained = hash((chained, tuple(ids[end - TOKEN_BLOCK : end])))
         hashes.append(chained)
     return hashes
+
+
+def _digest(data: bytes) -> int:
+    """A block's hash that every process computes alike (unlike `hash`, salted per process)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")

@@ -15,11 +15,14 @@ import pytest
 from fake_engine import MODEL, FakeEngine, chat
 
 from conftest import RunningRouter, StartEngines, StartRouter
+from kvfleet_router.prefix import block_hashes
+from kvfleet_router.strategies.prefix import rendezvous_weight
 from kvfleet_router.upstream import REPLICA_HEADER, retry_after_s
 
 COMPLETION = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 4}).encode()
 STREAM = json.dumps({"model": MODEL, "prompt": "Hello", "stream": True}).encode()
 PROMPT = chat(MODEL, "What is the capital of France? " * 4)
+PROMPT_BLOCK = block_hashes(json.loads(PROMPT), chat=True, block_chars=64)[0]
 
 
 def address(engine: FakeEngine) -> str:
@@ -165,10 +168,11 @@ async def test_a_503_with_an_out_of_range_retry_after_goes_to_the_next_replica(
 async def test_a_replica_that_failed_a_prompt_does_not_learn_its_prefix(
     failure: str, start_engines: StartEngines, start_router: StartRouter
 ) -> None:
-    failing, other = await start_engines(2)
-    # Busier by more than NEW_SLACK: the prefix strategy tries `failing` first while neither
-    # has the prompt, whatever the prompt hashes to.
-    other.waiting = 2
+    engines = await start_engines(2)
+    # While neither has the prompt, the prefix strategy tries the replica it hashes to first.
+    failing = max(engines, key=lambda e: rendezvous_weight(PROMPT_BLOCK, address(e)))
+    other = engines[1] if failing is engines[0] else engines[0]
+    other.waiting = 1  # busier: it is not for its load that `other` gets the prompt later
     if failure == "429":
         failing.status = 429
     elif failure == "dropped":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 
 from fake_engine import MODEL, chat
 
@@ -72,15 +73,41 @@ def test_a_conversation_whose_turns_reach_different_routers_stays_on_one_replica
         assert len(homes) == 1, (conversation, homes)
 
 
-def test_a_new_prompt_goes_to_its_hashed_replica_only_near_the_least_load() -> None:
+def test_every_router_process_hashes_a_prompts_first_block_alike() -> None:
+    """Router pods are separate processes, each with its own salt for Python's hash: the first
+    block, which places a new prompt, must hash the same in all of them, or each router would
+    send a conversation's turns elsewhere."""
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys; from kvfleet_router.prefix import block_hashes; "
+        "print(block_hashes(json.loads(sys.argv[1]), chat=True, block_chars=64)[0])"
+    )
+    body = json.dumps({"messages": [{"role": "system", "content": "Answer in French. " * 8}]})
+    firsts = {
+        subprocess.run(
+            [sys.executable, "-c", code, body],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("1", "2", "3")
+    }
+    assert len(firsts) == 1 and firsts.pop().strip().isdigit()
+
+
+def test_a_new_prompt_goes_to_its_hashed_replica_until_that_is_over_the_load_bound() -> None:
     fleet = replicas(3)
     strategy = PrefixAffinity(BLOCK, load_factor=1.25)
     request = chat_request("hello")
-    home = strategy.rank(request, fleet).replicas[0]
-    assert strategy.rank(request, fleet).reason == "hash"
-    home.in_flight = 1  # within NEW_SLACK of the others: still its replica
+    ranking = strategy.rank(request, fleet)
+    home = ranking.replicas[0]
+    assert ranking.reason == "hash"
+    home.in_flight = 4  # the bound: 1.25 x (4 + 1) / 3 + 2 = 4.08, not over it
     assert strategy.rank(request, fleet).replicas[0] is home
-    home.in_flight = 2  # beyond it: another, and `home` is the last resort
+    home.in_flight = 5  # 1.25 x 6 / 3 + 2 = 4.5: over it, another, and `home` the last resort
     ranking = strategy.rank(request, fleet)
     assert ranking.replicas[0] is not home and ranking.replicas[-1] is home
 
@@ -101,10 +128,12 @@ def test_what_is_kept_per_replica_goes_when_the_pool_drops_it() -> None:
 
 
 def test_tenants_with_their_own_system_prompts_spread_over_the_fleet() -> None:
+    """Each tenant's system prompt gets a home by its hash, and the load bound keeps any
+    replica from taking more than its share of tenants."""
     fleet = replicas(4)
     strategy = PrefixAffinity(BLOCK, load_factor=1.25)
     homes = {}
-    for tenant in range(8):
+    for tenant in range(16):
         system = f"You are the assistant of tenant {tenant}. Answer briefly. "
         home = send(strategy, chat_request("hello", system=system), fleet)
         home.in_flight += 1
@@ -112,7 +141,9 @@ def test_tenants_with_their_own_system_prompts_spread_over_the_fleet() -> None:
         # Every later user of the tenant lands where its system prompt is.
         again = strategy.rank(chat_request("another user asks", system=system), fleet)
         assert again.replicas[0] is home
-    assert {r.address for r in homes.values()} == {r.address for r in fleet}
+    assert len({r.address for r in homes.values()}) == 4
+    # Never more than the bound at the last placement, 1.25 x (15 + 1) / 4 + 2 = 7, plus it.
+    assert max(r.in_flight for r in fleet) <= 8
 
 
 def test_an_overloaded_replica_spills_its_prefix_to_another() -> None:

@@ -1,6 +1,6 @@
 """prefix (default): the replica that holds the longest prefix of the prompt, within a load
 bound; with no prefix anywhere, the prompt's own replica by rendezvous hashing of its first
-block, among the replicas within NEW_SLACK requests of the least loaded.
+block, within the same load bound.
 
 The router remembers, per replica, the prefix blocks of the requests that replica answered
 with a 2xx (prefix_index; one that failed or declined a prompt does not hold it), sized like
@@ -13,11 +13,14 @@ cost little, while a prefix miss costs the whole prefill (without it, two reques
 tenant on an idle fleet of three would already land on two replicas).
 
 Several routers in front of one fleet (routing.replicas) each learn only what they routed, so
-a conversation whose turns reach different routers would land anywhere. A prompt none of them
-has seen goes where every router would send it: the replica whose name hashes highest with the
-prompt's first block (rendezvous hashing; names are the pods', the same in every router), among
-the replicas within NEW_SLACK requests of the least loaded, so that placing it never costs more
-balance than that. The next turn, at whichever router, hashes the same block to the same replica.
+they must place what they have not seen the same way, or a conversation whose turns reach
+different routers lands anywhere. A prompt a router has seen nowhere goes to the replica whose
+name hashes highest with the prompt's first block (rendezvous hashing; names are the pods', the
+same in every router), unless that replica is over the load bound: every router then learns a
+tenant's system prompt at the same replica, and each turn, at whichever router, matches it
+there. (Placing by load, on the least loaded replica, split 44% of the conversations of
+bench/router_prefix.py over two routers: each router counts its own requests in flight, so
+their load views, and their choices, differ.)
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ from kvfleet_router.replicas import Replica
 from kvfleet_router.strategies.base import Ranking, RoutedRequest, by_load
 
 SPILL_SLACK = 2.0  # requests a replica may hold above the relative bound before spilling
-NEW_SLACK = 1.0  # a prompt seen nowhere goes to its hashed replica within this of the least load
 
 
 class PrefixAffinity:
@@ -54,10 +56,9 @@ class PrefixAffinity:
         total = sum(r.load for r in replicas)
         bound = self._load_factor * (total + 1) / len(replicas) + SPILL_SLACK
         matched = {r.address: self._index(r).match(hashes) for r in ordered}
-        if max(matched.values()) == 0:  # seen nowhere: its hashed replica, near the least load
-            near = min(r.load for r in ordered) + NEW_SLACK
+        if max(matched.values()) == 0:  # seen nowhere: its hashed replica, within the bound
             ranked = sorted(
-                ordered, key=lambda r: (r.load > near, -rendezvous_weight(hashes[0], r.name))
+                ordered, key=lambda r: (r.load > bound, -rendezvous_weight(hashes[0], r.name))
             )
             return Ranking(tuple(ranked), "hash")
         # Stable sort: equal (bound, match) keep the load order.
