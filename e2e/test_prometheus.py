@@ -4,7 +4,9 @@ scrapes their real /metrics at the kwok pod IPs and the operator's own /metrics;
 Builtin autoscaler with `source: Prometheus` reads the engines back from it and scales 1 -> 3 -> 1
 like the direct scraper's test (test_autoscaling.py). While three engines serve, every query of
 the Grafana dashboard (manifests/dashboards/kvfleet.json) is evaluated against this Prometheus and
-must return data."""
+must return data, but for the Router row's: no router runs here (the load goes to an engine
+directly), so their kvfleet_router_* series are checked against the router's own exposition by
+tests/test_dashboard.py only."""
 
 from __future__ import annotations
 
@@ -61,6 +63,8 @@ def dashboard_queries(namespace: str) -> list[tuple[str, str]]:
     for panel in panels:
         for target in panel.get("targets", []):
             expr = target["expr"]
+            if "kvfleet_router_" in expr:
+                continue  # no router in this test (see the module's docstring)
             for variable, value in fill.items():
                 expr = expr.replace(variable, value)
             out.append((panel["title"], expr))

@@ -1,7 +1,8 @@
 """manifests/dashboards/kvfleet.json checked without Grafana: every query names only series that
-the engine (metrics contract v1) or the operator (kvfleet_autoscaler_*) export, each panel the
-issue asks for is there, and only the dashboard's own variables are used. Whether each query
-returns data from real engines is e2e/test_prometheus.py's job."""
+the engine (metrics contract v1), the operator (kvfleet_autoscaler_*) or the router
+(kvfleet_router_*) export, each panel the issue asks for is there, and only the dashboard's own
+variables are used. Whether each query returns data from real engines is
+e2e/test_prometheus.py's job."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvfleet_engine.metrics import EngineInfo, EngineMetrics
 from kvfleet_operator import metrics as operator_metrics
+from kvfleet_router.metrics import RouterMetrics
+from kvfleet_router.replicas import ReplicaPool
+from kvfleet_router.waiting import WaitingQueue
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "manifests" / "dashboards" / "kvfleet.json"
 # PromQL words that look like a series name followed by "(" or "{": functions, aggregations, "by".
@@ -41,6 +45,12 @@ def exported_series() -> set[str]:
     engine.set_capacity(100.0)
     texts = [engine.render()[0].decode()]
     texts.append(generate_latest(operator_metrics.REGISTRY).decode())
+    pool = ReplicaPool()
+    router = RouterMetrics("prefix", pool, WaitingQueue(pool, 8))
+    router.finished("engine-0", "success")  # a labelled counter shows samples once used
+    router.routed("prefix", 4, 4)
+    router.retried("429")
+    texts.append(router.render()[0].decode())
     names = {"up"}  # Prometheus's own per-target series
     for text in texts:
         for family in text_string_to_metric_families(text):
@@ -61,7 +71,7 @@ def test_every_query_names_exported_series_only() -> None:
     assert not unknown, f"series no engine or operator exports: {sorted(unknown)}"
 
 
-def test_the_panels_cover_replicas_decisions_tokens_latency_kv_queue_preemptions_hits_rejections():
+def test_the_panels_cover_replicas_decisions_tokens_latency_kv_queue_hits_rejections_routers():
     exprs = "\n".join(expr for _, expr in queries())
     for series in (
         "kvfleet_autoscaler_desired_replicas",
@@ -76,6 +86,10 @@ def test_the_panels_cover_replicas_decisions_tokens_latency_kv_queue_preemptions
         "kvfleet_preemptions_total",
         "kvfleet_prefix_cache_hits_total",
         "kvfleet_requests_rejected_total",
+        "kvfleet_router_requests_total",
+        "kvfleet_router_routing_decisions_total",
+        "kvfleet_router_queued_requests",
+        "kvfleet_router_added_latency_seconds_bucket",
     ):
         assert f"{series}{{" in exprs, f"no panel reads {series}"
     for quantile in ("0.5", "0.9", "0.99"):

@@ -21,7 +21,7 @@ from kvfleet_operator.render_group import (
 )
 from kvfleet_operator.render_network import render_network_policy
 from kvfleet_operator.render_pod import ENGINE_TYPE_LABEL, annotate_pod_templates, pod_spec
-from kvfleet_operator.render_router import render_router
+from kvfleet_operator.render_router import render_router, router_metadata, router_selector
 from kvfleet_operator.topology import group_name
 
 # The pod-template annotation that carries a digest of the API key: a rotated Secret changes the
@@ -93,7 +93,7 @@ def render_children(
         render_pod_disruption_budget(name, namespace, group=kind != "Deployment"),
     ]
     if service_monitor:
-        children.append(render_service_monitor(name, namespace))
+        children.append(render_service_monitor(_metadata(name, namespace), selector(name)))
     if spec.autoscaling is not None and spec.autoscaling.controller != "Builtin":
         target = {"apiVersion": "apps/v1", "kind": "Deployment", "name": name}
         if kind == "LeaderWorkerSet":
@@ -117,6 +117,10 @@ def render_children(
         )
     if spec.routing.enabled:
         children += render_router(name, namespace, spec, plan, pod_annotations=digest)
+        if service_monitor:  # the routers' kvfleet_router_* series, from their Service
+            children.append(
+                render_service_monitor(router_metadata(name, namespace), router_selector(name))
+            )
     return children
 
 
@@ -190,13 +194,15 @@ def render_pod_disruption_budget(name: str, namespace: str, *, group: bool = Fal
     }
 
 
-def render_service_monitor(name: str, namespace: str) -> Manifest:
+def render_service_monitor(metadata: dict[str, Any], match_labels: dict[str, str]) -> Manifest:
+    """Prometheus Operator scraping of /metrics on the `http` port of the Services matching
+    `match_labels` (the engines', or the routers')."""
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
-        "metadata": _metadata(name, namespace),
+        "metadata": metadata,
         "spec": {
-            "selector": {"matchLabels": selector(name)},
+            "selector": {"matchLabels": match_labels},
             "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
         },
     }

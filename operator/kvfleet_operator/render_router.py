@@ -6,6 +6,7 @@
                                        router`), spread over nodes
     Service                            <name>-router:8000, what status.endpoint.url names
     PodDisruptionBudget                maxUnavailable 1
+    (ServiceMonitor                    <name>-router, rendered by render.py beside the engines')
 
 The router's pods carry `kvfleet.io/router`, never `kvfleet.io/deployment`: the engine
 Deployment's selector, its Service and the autoscaler's pod list must not match them. With
@@ -66,11 +67,15 @@ def render_router(
     """The router's objects, in apply order (RBAC before the pod that uses it).
     `pod_annotations` go on its pod template (the API key's digest: a rotation rolls it)."""
     return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(name, namespace)},
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": router_metadata(name, namespace),
+        },
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "Role",
-            "metadata": _metadata(name, namespace),
+            "metadata": router_metadata(name, namespace),
             "rules": [
                 {
                     "apiGroups": ["discovery.k8s.io"],
@@ -82,7 +87,7 @@ def render_router(
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "RoleBinding",
-            "metadata": _metadata(name, namespace),
+            "metadata": router_metadata(name, namespace),
             "roleRef": {
                 "apiGroup": "rbac.authorization.k8s.io",
                 "kind": "Role",
@@ -96,7 +101,7 @@ def render_router(
         {
             "apiVersion": "v1",
             "kind": "Service",
-            "metadata": _metadata(name, namespace),
+            "metadata": router_metadata(name, namespace),
             "spec": {
                 "type": "ClusterIP",
                 "selector": router_selector(name),
@@ -108,13 +113,13 @@ def render_router(
         {
             "apiVersion": "policy/v1",
             "kind": "PodDisruptionBudget",
-            "metadata": _metadata(name, namespace),
+            "metadata": router_metadata(name, namespace),
             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": router_selector(name)}},
         },
     ]
 
 
-def _metadata(name: str, namespace: str) -> dict[str, Any]:
+def router_metadata(name: str, namespace: str) -> dict[str, Any]:
     return {"name": router_name(name), "namespace": namespace, "labels": router_labels(name)}
 
 
@@ -203,7 +208,7 @@ def render_router_deployment(
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(name, namespace),
+        "metadata": router_metadata(name, namespace),
         "spec": {
             "replicas": spec.routing.replicas,
             "selector": {"matchLabels": router_selector(name)},

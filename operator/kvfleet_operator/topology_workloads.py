@@ -131,6 +131,7 @@ def optional_children(name: str) -> list[tuple[str, str, str]]:
         ("apps/v1", "Deployment", router),
         ("v1", "Service", router),
         ("policy/v1", "PodDisruptionBudget", router),
+        ("monitoring.coreos.com/v1", "ServiceMonitor", router),
         ("v1", "ServiceAccount", router),
         ("rbac.authorization.k8s.io/v1", "Role", router),
         ("rbac.authorization.k8s.io/v1", "RoleBinding", router),

@@ -280,3 +280,22 @@ def test_rendered_weights_reads_the_last_flag_as_the_engine_does() -> None:
     assert rendered_weights(["--quantization", "awq", "--quantization=int8"]) == "int8"
     # An engine name the CRD does not have, given through engine.extraArgs, is shown as it is.
     assert rendered_weights(["--quantization", "compressed-tensors"]) == "compressed-tensors"
+
+
+def test_prometheus_scrapes_the_routers_too(make_spec) -> None:
+    """With the Prometheus Operator, one ServiceMonitor for the engines' Service and one for
+    the routers' (their kvfleet_router_* series); none for routers that are not rendered."""
+    monitors = {
+        o["metadata"]["name"]: o["spec"]["selector"]["matchLabels"]
+        for o in children(make_spec())
+        if o["kind"] == "ServiceMonitor"
+    }
+    assert monitors == {
+        "llama": {"kvfleet.io/deployment": "llama"},
+        "llama-router": {"kvfleet.io/router": "llama"},
+    }
+    without = children(make_spec(routing={"enabled": False}))
+    assert [o["metadata"]["name"] for o in without if o["kind"] == "ServiceMonitor"] == ["llama"]
+    assert [
+        o for o in children(make_spec(), service_monitor=False) if o["kind"] == "ServiceMonitor"
+    ] == []
