@@ -111,14 +111,40 @@ def test_values_set_namespaces_engine_image_resources_and_placement() -> None:
         "https://hf-mirror.example", "--host-path-prefix", "/var/models",
         "--host-path-prefix", "/mnt/weights",
     ]  # fmt: skip
-    assert container["env"] == [
-        {"name": "KVFLEET_ENGINE_IMAGE", "value": "registry.example/kvfleet-engine:dev"}
-    ]
+    assert container["env"][0] == {
+        "name": "KVFLEET_ENGINE_IMAGE",
+        "value": "registry.example/kvfleet-engine:dev",
+    }
     assert container["image"] == "ghcr.io/kvfleet/kvfleet-operator:0.2.0"
     assert container["imagePullPolicy"] == "Always"
     assert container["resources"]["limits"] == {"memory": "1Gi"}
     pod = by_key(objects)[("Deployment", NAMESPACE, "kvfleet-operator")]["spec"]["template"]
     assert pod["spec"]["nodeSelector"] == {"pool": "system"}
+
+
+def test_replicas_elect_a_leader_on_a_lease_of_the_installs_own_name() -> None:
+    """Two replicas by default, each campaigning for the Lease named like the install, in its
+    namespace, with a Role for leases there only; a second install elects its own leader."""
+    for name in ("kvfleet-operator", "kvfleet-canary"):
+        objects = by_key(render("--set", f"name={name}", "--set", "replicas=3"))
+        deployment = objects[("Deployment", NAMESPACE, name)]
+        assert deployment["spec"]["replicas"] == 3
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        args = container["args"]
+        assert args[args.index("--leader-election") :][:3] == [
+            "--leader-election", "--leader-election-id", name,
+        ]  # fmt: skip
+        env = {e["name"]: e.get("valueFrom") for e in container["env"]}
+        assert env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+        assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        role = objects[("Role", NAMESPACE, f"{name}-leader-election")]
+        assert role["rules"] == [
+            {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+             "verbs": ["get", "create", "update"]},
+        ]  # fmt: skip
+        binding = objects[("RoleBinding", NAMESPACE, f"{name}-leader-election")]
+        assert binding["subjects"][0]["name"] == name
+    assert by_key(render())[("Deployment", NAMESPACE, "kvfleet-operator")]["spec"]["replicas"] == 2
 
 
 def test_service_monitor_scrapes_the_operator_metrics_service_with_its_labels() -> None:

@@ -45,6 +45,7 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
     ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): ("leaderworkersets", True),
     ("autoscaling/v2", "HorizontalPodAutoscaler"): ("horizontalpodautoscalers", True),
     ("keda.sh/v1alpha1", "ScaledObject"): ("scaledobjects", True),
+    ("coordination.k8s.io/v1", "Lease"): ("leases", True),
     ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): ("customresourcedefinitions", False),
     (api.API_VERSION, api.INFERENCE_DEPLOYMENT): (api.INFERENCE_DEPLOYMENTS, True),
     (api.API_VERSION, api.ACCELERATOR_PROFILE): (api.ACCELERATOR_PROFILES, False),
@@ -183,6 +184,24 @@ class Cluster:
                 return False
             raise
         return True
+
+    async def post(self, manifest: Manifest) -> Manifest:
+        """Create `manifest` as it is, the object as created (409 Conflict, `conflicted`, when
+        its name is taken: another writer was first)."""
+        meta = manifest["metadata"]
+        path = _path(manifest["apiVersion"], manifest["kind"], meta.get("namespace"))
+        result = await self._request("POST", path, body=manifest)
+        assert result is not None
+        return result
+
+    async def replace(self, manifest: Manifest) -> Manifest:
+        """Replace the object with `manifest`, conditional on its metadata.resourceVersion (409
+        Conflict when another writer came between); the object as written."""
+        meta = manifest["metadata"]
+        path = _path(manifest["apiVersion"], manifest["kind"], meta.get("namespace"), meta["name"])
+        result = await self._request("PUT", path, body=manifest)
+        assert result is not None
+        return result
 
     async def scale(
         self,

@@ -4,8 +4,11 @@ autoscalers run in `loops` (no kopf timers or daemons, so no finalizers on user 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
+import os
+import signal
 from typing import Any
 
 import kopf
@@ -14,8 +17,11 @@ from kvfleet_operator import api
 from kvfleet_operator.apply import Cluster, api_error_summary
 from kvfleet_operator.autoscaling.autoscaler import run_autoscaler
 from kvfleet_operator.header_cache import HeaderCache
+from kvfleet_operator.leadership import Leadership
 from kvfleet_operator.loops import Loops
 from kvfleet_operator.reconcile import reconcile
+
+log = logging.getLogger(__name__)
 
 RETRY_SECONDS = 10.0
 INFD = (api.GROUP, api.VERSION, api.INFERENCE_DEPLOYMENTS)
@@ -36,20 +42,53 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
         reconcile, headers=memo.headers, host_path_prefixes=memo.get("host_path_prefixes")
     )
     memo.loops = Loops(memo.cluster, memo.get("namespaces", ()), resync, run_autoscaler)
-    memo.loops_task = asyncio.create_task(memo.loops.run())
+    memo.leadership = None
+    if memo.get("leader_namespace"):  # --leader-election: the loops start once this replica leads
+        memo.leadership = Leadership(
+            memo.cluster, memo.leader_namespace, memo.identity, memo.leader_election_id
+        )
+        memo.leadership_task = asyncio.create_task(memo.leadership.run(_stop_leading))
+    memo.loops_task = asyncio.create_task(_run_loops(memo))
+
+
+async def _run_loops(memo: kopf.Memo) -> None:
+    if memo.leadership is not None:
+        await memo.leadership.acquired.wait()
+    await memo.loops.run()
+
+
+def _stop_leading(reason: str) -> None:
+    """Leadership lost: end the process (kopf shuts down on SIGTERM); the pod restarts as a
+    standby, with nothing left over from leading."""
+    log.error("stopped leading (%s): exiting", reason)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 @kopf.on.cleanup()
 async def close(memo: kopf.Memo, **_: Any) -> None:
     await memo.loops.stop()
-    await memo.loops_task
+    if memo.leadership is not None:
+        memo.leadership_task.cancel()
+        if not memo.leadership.acquired.is_set():
+            memo.loops_task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await memo.loops_task
+    if memo.leadership is not None:
+        await memo.leadership.release()
     await memo.cluster.close()
+
+
+def _leading(memo: kopf.Memo) -> bool:
+    """Whether this replica acts (always, without --leader-election)."""
+    return memo.leadership is None or bool(memo.leadership.leading)
 
 
 @kopf.on.resume(*INFD)
 @kopf.on.create(*INFD)
 @kopf.on.update(*INFD, field="spec")
 async def spec_changed(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
+    if not _leading(memo):
+        return  # the leader acts (its resync covers what a standby saw first)
     await _reconcile(memo, namespace, name)
     memo.loops.wake()  # start or stop its autoscaler now
 
@@ -59,6 +98,8 @@ async def spec_changed(namespace: str | None, name: str, memo: kopf.Memo, **_: A
 async def child_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """A child Deployment's or StatefulSet group's status moved (pods ready, a rank restarted,
     rollout done): refresh the owner."""
+    if not _leading(memo):
+        return
     for owner in body.metadata.get("ownerReferences", []):
         if owner.get("kind") == api.INFERENCE_DEPLOYMENT and owner.get("controller"):
             await _reconcile(memo, body.metadata["namespace"], owner["name"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import socket
 import sys
 
 from kvfleet_operator import api
@@ -55,12 +56,31 @@ def main(argv: list[str]) -> int:
         "absolute path); default: any node directory, which whoever may create an "
         "InferenceDeployment can then read",
     )
+    parser.add_argument(
+        "--leader-election",
+        action="store_true",
+        help="run as one of several replicas: only the one holding the Lease "
+        "--leader-election-id in $POD_NAMESPACE acts, the others take over when it goes "
+        "(identity: $POD_NAME)",
+    )
+    parser.add_argument(
+        "--leader-election-id",
+        default="kvfleet-operator",
+        metavar="NAME",
+        help="the Lease's name (default kvfleet-operator; one per install)",
+    )
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
     prefixes = args.host_path_prefix
     for prefix in prefixes or ():
         if not prefix.startswith("/") or "/../" in prefix + "/" or prefix.rstrip("/") == "":
             parser.error(f"--host-path-prefix: an absolute directory other than /, got {prefix!r}")
+
+    leader_namespace = os.environ.get("POD_NAMESPACE", "") if args.leader_election else ""
+    if args.leader_election and not leader_namespace:
+        parser.error("--leader-election: set $POD_NAMESPACE (the downward API's "
+                     "metadata.namespace) to the namespace of the Lease")  # fmt: skip
+    identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
 
     problem = asyncio.run(_preflight_with_timeout())
     if problem:
@@ -90,6 +110,9 @@ def main(argv: list[str]) -> int:
             namespaces=tuple(args.namespace),
             hf_endpoint=args.hf_endpoint,
             host_path_prefixes=tuple(prefixes) if prefixes is not None else None,
+            leader_namespace=leader_namespace,
+            leader_election_id=args.leader_election_id,
+            identity=identity,
         ),
     )
     return 0
