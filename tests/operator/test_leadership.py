@@ -86,13 +86,19 @@ def clock(monkeypatch) -> Clock:
     return clock
 
 
-async def test_one_replica_leads_and_the_other_takes_over_when_it_stops_renewing(clock) -> None:
-    store = LeaseStore()
+async def leader_and_standby(store: LeaseStore) -> tuple[Leadership, Leadership]:
+    """Two replicas on one Lease, `a` first: a leads, b waits."""
     a = Leadership(store, "kvfleet-system", "operator-a")  # type: ignore[arg-type]
     b = Leadership(store, "kvfleet-system", "operator-b")  # type: ignore[arg-type]
     await a._round()
     await b._round()
     assert (a.leading, b.leading) == (True, False) and a.acquired.is_set()
+    return a, b
+
+
+async def test_one_replica_leads_and_the_other_takes_over_when_it_stops_renewing(clock) -> None:
+    store = LeaseStore()
+    a, b = await leader_and_standby(store)
     for _ in range(10):  # a renews every 2 s: b never sees its record stand still
         clock.now += 2
         await a._round()
@@ -130,11 +136,7 @@ async def test_a_leader_that_cannot_renew_stops_leading_and_says_why(clock, monk
 
 
 async def test_a_leader_shutting_down_releases_the_lease_for_the_standby(clock) -> None:
-    store = LeaseStore()
-    a = Leadership(store, "kvfleet-system", "operator-a")  # type: ignore[arg-type]
-    b = Leadership(store, "kvfleet-system", "operator-b")  # type: ignore[arg-type]
-    await a._round()
-    await b._round()
+    a, b = await leader_and_standby(LeaseStore())
     await a.release()
     assert not a.leading
     await b._round()  # at once: no lease duration to wait out
