@@ -116,10 +116,17 @@ def test_helm_install_runs_the_sample_to_ready_and_uninstalls(
     assert [(r["name"], r["status"]) for r in listed] == [(release.name, "deployed")]
 
     deployment = kubectl.json("get", "deployment", release.name, "-n", release.name)
-    assert deployment["status"].get("readyReplicas") == 1  # the kwok pod --wait waited for
+    assert deployment["status"].get("readyReplicas") == 2  # the kwok pods --wait waited for
     container = deployment["spec"]["template"]["spec"]["containers"][0]
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     assert env == {"KVFLEET_ENGINE_IMAGE": ENGINE_IMAGE}
+    fields = {
+        e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"]
+        for e in container["env"]
+        if "valueFrom" in e
+    }
+    assert fields == {"POD_NAMESPACE": "metadata.namespace", "POD_NAME": "metadata.name"}
+    env |= {"POD_NAMESPACE": release.name, "POD_NAME": f"{release.name}-operator-0"}
 
     kubeconfig = _token_kubeconfig(cluster, release.name, release.name, tmp_path / "sa.kubeconfig")
     log_path = tmp_path / "operator.log"
@@ -143,6 +150,9 @@ def test_helm_install_runs_the_sample_to_ready_and_uninstalls(
 
         obj = wait_until(ready, 120, "the sample to be Ready",
                          lambda: f"--- operator log ---\n{tail(log_path, 40)}")  # fmt: skip
+        # It led on the release's Lease, with the release's RBAC (its Role for leases).
+        lease = kubectl.json("get", "lease", release.name, "-n", release.name)
+        assert lease["spec"]["holderIdentity"] == env["POD_NAME"]
     finally:
         stop_child(proc, signal.SIGTERM, 20)
 
