@@ -13,7 +13,7 @@ from typing import Any
 
 import kopf
 
-from kvfleet_operator import api
+from kvfleet_operator import api, metrics
 from kvfleet_operator.apply import Cluster, api_error_summary
 from kvfleet_operator.autoscaling.autoscaler import run_autoscaler
 from kvfleet_operator.header_cache import HeaderCache
@@ -43,6 +43,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     )
     memo.loops = Loops(memo.cluster, memo.get("namespaces", ()), resync, run_autoscaler)
     memo.leadership = None
+    metrics.LEADING.set(1)  # without --leader-election this replica always acts
     if memo.get("leader_namespace"):  # --leader-election: the loops start once this replica leads
         memo.leadership = Leadership(
             memo.cluster, memo.leader_namespace, memo.identity, memo.leader_election_id

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from kvfleet_operator import metrics
 from kvfleet_operator.apply import Cluster, api_error_summary, conflicted
 
 log = logging.getLogger(__name__)
@@ -59,12 +60,22 @@ class Leadership:
     ) -> None:
         self.cluster, self.namespace, self.identity = cluster, namespace, identity
         self.name = name
-        self.leading = False
+        self._leading = False
+        metrics.LEADING.set(0)
         self.acquired = asyncio.Event()
         self._seen: tuple[Any, ...] | None = None  # the record as last read, and when it changed
         self._seen_at = 0.0
         self._renewed_at = 0.0
         self._lease: dict[str, Any] | None = None
+
+    @property
+    def leading(self) -> bool:
+        return self._leading
+
+    @leading.setter
+    def leading(self, value: bool) -> None:
+        self._leading = value
+        metrics.LEADING.set(1 if value else 0)  # kvfleet_operator_leading
 
     async def run(self, on_lost: Callable[[str], None]) -> None:
         """Campaign, then renew, until cancelled; `on_lost(reason)` when leadership is lost."""

@@ -51,6 +51,12 @@ SIGNAL_TARGET = Gauge(
     (*_LABELS, "signal"),
     registry=REGISTRY,
 )
+LEADING = Gauge(
+    "kvfleet_operator_leading",
+    "1 while this operator replica acts: it holds the leader-election Lease (always, without "
+    "--leader-election); 0 on a standby",
+    registry=REGISTRY,
+)
 SCALE_EVENTS = Counter(
     "kvfleet_autoscaler_scale_events",
     "Changes of the replica count the autoscaler made, by direction (up, down)",

@@ -13,6 +13,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from kvfleet_operator import leadership
 from kvfleet_operator.leadership import LEASE_NAME, Leadership, claim
+from kvfleet_operator.metrics import REGISTRY
 
 NOW = datetime(2026, 12, 6, 19, 0, tzinfo=UTC)
 
@@ -121,8 +122,10 @@ async def test_one_replica_leads_and_the_other_takes_over_when_it_stops_renewing
 async def test_a_leader_that_cannot_renew_stops_leading_and_says_why(clock, monkeypatch) -> None:
     store = LeaseStore()
     a = Leadership(store, "kvfleet-system", "operator-a")  # type: ignore[arg-type]
+    assert REGISTRY.get_sample_value("kvfleet_operator_leading") == 0
     await a._round()
     assert a.leading
+    assert REGISTRY.get_sample_value("kvfleet_operator_leading") == 1  # for "no leader" alerts
     store.down = True
     lost: list[str] = []
 
@@ -131,7 +134,7 @@ async def test_a_leader_that_cannot_renew_stops_leading_and_says_why(clock, monk
 
     monkeypatch.setattr(leadership.asyncio, "sleep", no_sleep)  # the renewals' waits pass
     await a.run(lost.append)
-    assert not a.leading
+    assert not a.leading and REGISTRY.get_sample_value("kvfleet_operator_leading") == 0
     assert lost == ["could not renew the Lease kvfleet-system/kvfleet-operator for 10 s"]
 
 
