@@ -9,7 +9,9 @@ create the Service's slices here), so these routers discover the engine pods wit
 `--discovery pods`; EndpointSlice discovery is exercised against the API server on its own (0).
 
 0. The router follows an EndpointSlice's ready endpoints as they change (list, then watch).
-1. A conversation's turns land on one replica; conversations with other system prompts spread.
+1. A conversation's turns land on one replica, and still do when they alternate between the
+   two router pods (two processes, each with its own view: a tenant neither has seen goes to
+   the replica its first block hashes to in both).
 2. One engine is killed mid-run: its new requests go elsewhere; the only client errors are the
    streams it was serving.
 3. An InferenceDeployment with minReplicas 0 scales to zero when idle; a request then waits in
@@ -46,15 +48,23 @@ REPLICA_HEADER = "x-kvfleet-replica"
 class RouterProcess:
     """The real router, bound at its kwok pod's IP with the arguments the operator rendered."""
 
-    def __init__(self, cluster: E2ECluster, namespace: str, name: str, log: Path) -> None:
+    def __init__(
+        self, cluster: E2ECluster, namespace: str, name: str, log: Path, pod_index: int = 0
+    ) -> None:
+        """`pod_index`: which of the router pods (by name) it stands for."""
         self.cluster, self.namespace, self.name, self.log = cluster, namespace, name, log
+        self.pod_index = pod_index
         self.extra = ["--discovery", "pods"]  # see the module docstring
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
 
     def __enter__(self) -> RouterProcess:
         kubectl = self.cluster.kubectl
-        pod = wait_until(lambda: _running_pod(kubectl, self.namespace, self.name), 60, "router pod")
+        pod = wait_until(
+            lambda: _running_pod(kubectl, self.namespace, self.name, self.pod_index),
+            60,
+            "router pod",
+        )
         ip = pod["status"]["podIP"]
         args = pod["spec"]["containers"][0]["args"]
         with self.log.open("ab") as log:
@@ -91,14 +101,20 @@ def _metric(url: str, line_start: str) -> float | None:
     return None
 
 
-def _running_pod(kubectl: Kubectl, namespace: str, name: str) -> dict[str, Any] | None:
+def _running_pod(
+    kubectl: Kubectl, namespace: str, name: str, index: int = 0
+) -> dict[str, Any] | None:
+    """The index-th running router pod by name, once that many run."""
     pods = kubectl.json("get", "pods", "-n", namespace, "-l", f"kvfleet.io/router={name}")
-    running = [
-        p
-        for p in pods["items"]
-        if p["status"].get("phase") == "Running" and p["status"].get("podIP")
-    ]
-    return running[0] if running else None
+    running = sorted(
+        (
+            p
+            for p in pods["items"]
+            if p["status"].get("phase") == "Running" and p["status"].get("podIP")
+        ),
+        key=lambda p: p["metadata"]["name"],
+    )
+    return running[index] if len(running) > index else None
 
 
 def _listening(ip: str, port: int = 8000) -> bool:
@@ -217,6 +233,7 @@ def test_conversations_stick_to_a_replica_and_a_killed_engine_loses_only_its_str
     with (
         EnginePods(cluster.kubectl, namespace, MODEL, model, tmp_path) as engines,
         RouterProcess(cluster, namespace, MODEL, router_log) as router,
+        RouterProcess(cluster, namespace, MODEL, tmp_path / "router-1.log", 1) as other,
     ):
         logs = [operator.log_path, router_log]
         three = lambda: len(engines.ready_ips()) == 3  # noqa: E731
@@ -248,6 +265,35 @@ def test_conversations_stick_to_a_replica_and_a_killed_engine_loses_only_its_str
         assert router.metric(decisions % "hash") == 3
         assert router.metric(decisions % "prefix") == 9
         print(f"\nconversation homes: { {t: sorted(r)[0] for t, r in homes.items()} }")
+
+        # 1b. The second router pod (routing.replicas 2), its own process and its own view:
+        # three new conversations whose turns alternate between the two routers stay on one
+        # replica each; each router places a tenant it has not seen by the same hash.
+        wait_until(
+            lambda: other.metric('kvfleet_router_replicas{state="available"}') == 3,
+            30,
+            "the second router to see three replicas",
+            other.tail,
+        )
+        homes = {tenant: set() for tenant in range(3, 6)}
+        history = {tenant: [] for tenant in homes}
+        clients = [httpx.Client(base_url=r.url, timeout=60) for r in (router, other)]
+        try:
+            for turn in range(4):
+                for tenant in homes:
+                    history[tenant].append(f"question {turn} from tenant {tenant}?")
+                    response = clients[turn % 2].post(
+                        "/v1/chat/completions", json=chat_body(tenant, history[tenant])
+                    )
+                    assert response.status_code == 200, response.text
+                    homes[tenant].add(response.headers[REPLICA_HEADER])
+                    answer = response.json()["choices"][0]["message"]["content"]
+                    history[tenant].append(answer[:12] or "ok")
+        finally:
+            for client in clients:
+                client.close()
+        assert all(len(replicas) == 1 for replicas in homes.values()), homes
+        assert other.metric(decisions % "hash") == 3  # its first sight of each tenant
 
         # 2. Streams from four clients; one engine is killed mid-run.
         records: list[Record] = []
