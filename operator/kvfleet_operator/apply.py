@@ -175,12 +175,10 @@ class Cluster:
         """Create `manifest` with `owner` as its controller; False when an object of its name
         exists already (409), which is left as it is. For what is made once and never
         rendered again (a random key), where `apply` would replace it on every pass."""
-        meta = manifest["metadata"]
-        path = _path(manifest["apiVersion"], manifest["kind"], meta.get("namespace"))
         try:
-            await self._request("POST", path, body=with_owner(manifest, owner))
+            await self.post(with_owner(manifest, owner))
         except ApiException as exc:
-            if exc.status == 409:
+            if conflicted(exc):
                 return False
             raise
         return True

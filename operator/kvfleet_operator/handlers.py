@@ -43,12 +43,13 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     )
     memo.loops = Loops(memo.cluster, memo.get("namespaces", ()), resync, run_autoscaler)
     memo.leadership = None
-    metrics.LEADING.set(1)  # without --leader-election this replica always acts
     if memo.get("leader_namespace"):  # --leader-election: the loops start once this replica leads
         memo.leadership = Leadership(
             memo.cluster, memo.leader_namespace, memo.identity, memo.leader_election_id
         )
         memo.leadership_task = asyncio.create_task(memo.leadership.run(_stop_leading))
+    else:
+        metrics.LEADING.set(1)  # without --leader-election this replica always acts
     memo.loops_task = asyncio.create_task(_run_loops(memo))
 
 

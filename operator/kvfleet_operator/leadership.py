@@ -63,7 +63,7 @@ class Leadership:
         self._leading = False
         metrics.LEADING.set(0)
         self.acquired = asyncio.Event()
-        self._seen: tuple[Any, ...] | None = None  # the record as last read, and when it changed
+        self._seen: dict[str, Any] | None = None  # the record as last read, and when it changed
         self._seen_at = 0.0
         self._renewed_at = 0.0
         self._lease: dict[str, Any] | None = None
@@ -92,10 +92,9 @@ class Leadership:
         try:
             lease = await self.cluster.get(*LEASE, self.name, self.namespace)
             record = (lease or {}).get("spec") or {}
-            seen = tuple(sorted(record.items()))
             now = time.monotonic()
-            if seen != self._seen:
-                self._seen, self._seen_at = seen, now
+            if record != self._seen:
+                self._seen, self._seen_at = record, now
             duration = float(record.get("leaseDurationSeconds") or LEASE_SECONDS)
             spec = claim(record, self.identity, datetime.now(UTC), now - self._seen_at > duration)
             if spec is None:

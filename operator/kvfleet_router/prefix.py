@@ -72,7 +72,7 @@ def _canonical_messages(messages: Any) -> str:
 def _text_blocks(text: str, block_chars: int) -> list[int]:
     if len(text) < block_chars:
         return []
-    hashes = [_digest(text[:block_chars].encode("utf-8", "surrogatepass"))]
+    hashes = [stable_hash(text[:block_chars].encode("utf-8", "surrogatepass"))]
     chained = hashes[0]
     for end in range(2 * block_chars, min(len(text), MAX_BLOCKS * block_chars) + 1, block_chars):
         chained = hash((chained, text[end - block_chars : end]))
@@ -83,7 +83,7 @@ def _text_blocks(text: str, block_chars: int) -> list[int]:
 def _token_blocks(ids: list[int]) -> list[int]:
     if len(ids) < TOKEN_BLOCK:
         return []
-    hashes = [_digest(",".join(map(str, ids[:TOKEN_BLOCK])).encode())]
+    hashes = [stable_hash(",".join(map(str, ids[:TOKEN_BLOCK])).encode())]
     chained = hashes[0]
     for end in range(2 * TOKEN_BLOCK, min(len(ids), MAX_BLOCKS * TOKEN_BLOCK) + 1, TOKEN_BLOCK):
         chained = hash((chained, tuple(ids[end - TOKEN_BLOCK : end])))
@@ -91,6 +91,7 @@ def _token_blocks(ids: list[int]) -> list[int]:
     return hashes
 
 
-def _digest(data: bytes) -> int:
-    """A block's hash that every process computes alike (unlike `hash`, salted per process)."""
+def stable_hash(data: bytes) -> int:
+    """A 64-bit hash of `data` that every process computes alike (unlike `hash`, salted per
+    process)."""
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")

@@ -25,10 +25,10 @@ their load views, and their choices, differ.)
 
 from __future__ import annotations
 
-import hashlib
 import weakref
 from collections.abc import Sequence
 
+from kvfleet_router.prefix import stable_hash
 from kvfleet_router.prefix_index import PrefixIndex, capacity_blocks
 from kvfleet_router.replicas import Replica
 from kvfleet_router.strategies.base import Ranking, RoutedRequest, by_load
@@ -88,5 +88,4 @@ class PrefixAffinity:
 
 def rendezvous_weight(block: int, replica_name: str) -> int:
     """The same number for (block, name) in every router process (not Python's salted hash)."""
-    digest = hashlib.blake2b(f"{block}/{replica_name}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
+    return stable_hash(f"{block}/{replica_name}".encode())
