@@ -5,7 +5,9 @@
 # STEP_TIMEOUT (seconds, default 590) caps each step, so one call ends within the device limit.
 # The engine imports msgspec and the server's packages, which the device lacks: carry .whl with
 # the wheels bench/gpu_serve_core.sh lists in .whl/server (installed into /tmp/site).
-# TESTS_K selects kernel tests (pytest -k); GEMV_TOKENS the gemv batch sizes; PROFILE_ARGS and LATENCY_ARGS add arguments to those
+# TESTS_K selects kernel tests (pytest -k); TESTS_WORKERS runs them in that many pytest-xdist
+# processes on the one GPU (Triton's compiles are most of the suite's time; the pytest-xdist and
+# execnet wheels go in .whl/server beside the others); GEMV_TOKENS the gemv batch sizes; PROFILE_ARGS and LATENCY_ARGS add arguments to those
 # steps (e.g. PROFILE_ARGS="--batch-sizes 1 --context 192" LATENCY_ARGS="--host-trace 40").
 set -uo pipefail
 OUT=${OUT:-/tmp/kvfleet-gpu-check}
@@ -18,7 +20,8 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --form
 for step in $STEPS; do
   echo "=== $step ($(date +%T))"
   case $step in
-    tests) $PY -m pytest -m gpu tests/kernels tests/perf -q -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    tests) $PY -m pytest -m gpu tests/kernels tests/perf -q -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} \
+        ${TESTS_WORKERS:+-n "$TESTS_WORKERS"} 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     engine-tests) $PY -m pytest -m gpu tests/engine/test_gpu.py tests/engine/test_pipeline_graphs.py \
         tests/perf/test_cuda_graphs.py tests/engine/test_quant_gpu.py \
         tests/engine/test_kv_cache_quantized.py tests/engine/test_kv_shaping.py \
