@@ -468,6 +468,26 @@ def test_invalid_specs_are_rejected_or_stalled(
         "a path relative to the model": llama(
             quantization={"kvCache": "fp8", "kvCacheCalibration": "../other/kv.safetensors"}
         ),
+        "engine.maxNumBatchedTokens must be >= engine.maxNumSeqs": llama(
+            engine={"maxNumBatchedTokens": 100}
+        ),
+        "model.revision applies to hf:// models only": llama(
+            model={"uri": "s3://models/llama", "revision": "v2", "maxModelLen": 8192}
+        ),
+        "model.credentialsSecret applies to hf:// and s3:// models only": llama(
+            model={
+                "uri": "pvc://models/llama",
+                "credentialsSecret": {"name": "s"},
+                "maxModelLen": 8192,
+            }
+        ),
+        "must be a multiple of numKeyValueHeads": llama(
+            model={
+                "uri": "hf://org/custom",
+                "maxModelLen": 8192,
+                "hints": {**HINTS_WITHOUT_CONTEXT, "numAttentionHeads": 8, "numKeyValueHeads": 32},
+            }
+        ),
         "cannot be used with a file:// .gguf model": llama(
             model={"uri": "file:///var/models/llama.gguf"},
             quantization={"kvCache": "fp8", "kvCacheCalibration": "llama.kv.safetensors"},
@@ -490,6 +510,22 @@ def test_invalid_specs_are_rejected_or_stalled(
     )  # fmt: skip
     kubectl.apply(infd(namespace, "llama-70b", tp16))
 
+    queue0 = llama(
+        routing={"queueSize": 0},
+        autoscaling={"minReplicas": 0, "maxReplicas": 2, "targets": {"kvCacheUtilization": 0.7}},
+    )
+    kubectl.apply(infd(namespace, "queue0", queue0))
+    bad_profile = {
+        "apiVersion": "kvfleet.io/v1alpha1",
+        "kind": "AcceleratorProfile",
+        "metadata": {"name": "bad-profile"},
+        "spec": {"memoryGiB": 80, "computeCapability": "9.0",
+                 "tolerations": [{"key": "gpu", "operator": "Exists", "value": "x"}]},
+    }  # fmt: skip
+    with pytest.raises(KubectlError, match="value must be empty with operator Exists"):
+        kubectl.apply(bad_profile)
+
+    assert stalled_reason(cluster, operator, namespace, "queue0") == "InvalidAutoscaling"
     assert stalled_reason(cluster, operator, namespace, "fp8-a100") == "UnsupportedQuantization"
     assert stalled_reason(cluster, operator, namespace, "too-large") == "InsufficientGPUMemory"
     assert stalled_reason(cluster, operator, namespace, "llama-70b") == "FeatureUnavailable"

@@ -36,6 +36,7 @@ _KEPT_KEYS = {
     "pattern",
     "minItems",
     "maxItems",
+    "maxProperties",
     "required",
 }
 _SCALARS = {"string", "integer", "number", "boolean"}

@@ -23,7 +23,18 @@ from kvfleet_operator.reconcile import reconcile
 
 log = logging.getLogger(__name__)
 
+# A failed reconcile (an API error, a child the API server refuses) is retried after 10 s,
+# doubling with each failure in a row up to 5 minutes: a policy that changes lets it through
+# within that, and a refusal that stays does not log an error every 10 s for good.
 RETRY_SECONDS = 10.0
+RETRY_MAX_SECONDS = 300.0
+
+
+def retry_delay(retry: int) -> float:
+    """Seconds before retry number `retry` (0 after the first failure)."""
+    return min(RETRY_SECONDS * 2 ** min(retry, 16), RETRY_MAX_SECONDS)
+
+
 INFD = (api.GROUP, api.VERSION, api.INFERENCE_DEPLOYMENTS)
 
 
@@ -88,10 +99,12 @@ def _leading(memo: kopf.Memo) -> bool:
 @kopf.on.resume(*INFD)
 @kopf.on.create(*INFD)
 @kopf.on.update(*INFD, field="spec")
-async def spec_changed(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
+async def spec_changed(
+    namespace: str | None, name: str, memo: kopf.Memo, retry: int, **_: Any
+) -> None:
     if not _leading(memo):
         return  # the leader acts (its resync covers what a standby saw first)
-    await _reconcile(memo, namespace, name)
+    await _reconcile(memo, namespace, name, retry)
     memo.loops.wake()  # start or stop its autoscaler now
 
 
@@ -107,7 +120,7 @@ async def child_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
             await _reconcile(memo, body.metadata["namespace"], owner["name"])
 
 
-async def _reconcile(memo: kopf.Memo, namespace: str | None, name: str) -> None:
+async def _reconcile(memo: kopf.Memo, namespace: str | None, name: str, retry: int = 0) -> None:
     assert namespace is not None, "InferenceDeployment is namespaced"
     try:
         await reconcile(
@@ -116,4 +129,4 @@ async def _reconcile(memo: kopf.Memo, namespace: str | None, name: str) -> None:
         )  # fmt: skip
     except Exception as exc:  # API errors, timeouts: retried, not fatal
         message = f"reconcile failed: {api_error_summary(exc)}"
-        raise kopf.TemporaryError(message, delay=RETRY_SECONDS) from exc
+        raise kopf.TemporaryError(message, delay=retry_delay(retry)) from exc

@@ -28,7 +28,6 @@ import re
 from dataclasses import dataclass
 
 from kvfleet_operator import engine_features
-from kvfleet_operator.accelerators import PRODUCT_LABEL
 from kvfleet_operator.engine_features import unavailable_features
 from kvfleet_operator.gguf_header import GGUFTensor
 from kvfleet_operator.model_catalog import ModelArchitecture, UnknownModel
@@ -40,11 +39,20 @@ from kvfleet_operator.models import (
     Topology,
     WeightQuantization,
 )
-from kvfleet_operator.topology import plan_topology, quantity_bytes, statefulset_name
+from kvfleet_operator.plan_checks import (
+    Problem,
+    check_autoscaling,
+    check_child_names,
+    check_context,
+    check_host_path,
+    check_parallelism,
+    check_quantization,
+    check_shared_memory,
+)
+from kvfleet_operator.topology import plan_topology
 
 GIB = 1024**3
 RUNTIME_RESERVE_GIB = 1.5
-FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 UNQUANTIZED_BYTES = 2  # bf16: every weight of `none`, and what a quantized model keeps unquantized
 KV_ELEMENT_BYTES = {"auto": 2, "fp8": 1, "int8": 1}
 # A quantized KV cache (e4m3 or int8 codes) keeps one bfloat16 scale per (token, KV head) beside
@@ -82,42 +90,6 @@ class ClusterFeatures:
     leader_worker_set: bool  # the API serves leaderworkerset.x-k8s.io/v1 LeaderWorkerSets
     service_monitor: bool  # servicemonitors.monitoring.coreos.com is installed
     keda: bool = False  # scaledobjects.keda.sh is installed (autoscaling.controller: KEDA)
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One reason the deployment cannot run as specified."""
-
-    reason: str  # CamelCase, used as the Stalled condition's reason
-    message: str  # names the field and the numbers
-
-
-# A StatefulSet's pods carry a controller-revision-hash label: its name, a dash and a hash of up
-# to 10 characters. Label values stop at 63 characters, so a longer StatefulSet name cannot
-# create pods (kubernetes/kubernetes#64023).
-STATEFULSET_NAME_MAX = 52
-
-
-def check_child_names(name: str, spec: InferenceDeploymentSpec, kind: str) -> list[Problem]:
-    """A replica of several nodes runs as StatefulSets named after the deployment and the
-    replica's index (one per replica, or a LeaderWorkerSet's worker sets): the longest of them,
-    at the most replicas the spec allows, must stay within STATEFULSET_NAME_MAX."""
-    if kind not in ("StatefulSet", "LeaderWorkerSet"):
-        return []
-    most = spec.autoscaling.max_replicas if spec.autoscaling is not None else spec.replicas or 1
-    longest = statefulset_name(name, max(most - 1, 0))
-    if len(longest) <= STATEFULSET_NAME_MAX:
-        return []
-    room = STATEFULSET_NAME_MAX - (len(longest) - len(name))
-    return [
-        Problem(
-            "NameTooLong",
-            f"metadata.name {name!r} ({len(name)} characters) is too long for replicas of several "
-            f"nodes: their StatefulSets ({longest!r}, {len(longest)} characters) must stay within "
-            f"{STATEFULSET_NAME_MAX}, or their pods cannot be created; use a name of at most "
-            f"{room} characters",
-        )
-    ]
 
 
 @dataclass(frozen=True)
@@ -165,10 +137,10 @@ def plan_deployment(
         *check_shared_memory(spec),
         *check_quantization(spec, profile),
     ]
+    if known is not None:  # before the memory's: a context the model refuses also fills it
+        problems += check_context(spec, known.numbers)
     if memory is not None and not memory.fits:
         problems.append(Problem("InsufficientGPUMemory", _memory_message(spec, profile, memory)))
-    if known is not None:
-        problems += check_context(spec, known.numbers)
     problems += check_host_path(spec, host_path_prefixes)
     external = spec.autoscaling.controller if spec.autoscaling is not None else "Builtin"
     if topology.kind == "StatefulSet" and external != "Builtin":
@@ -189,15 +161,7 @@ def plan_deployment(
                 "are not installed; install KEDA or use controller Builtin",
             )
         )
-    if spec.autoscaling is not None and spec.autoscaling.min_replicas == 0:
-        if not spec.routing.enabled:
-            problems.append(
-                Problem(
-                    "InvalidAutoscaling",
-                    "autoscaling.minReplicas: 0 needs routing.enabled: true (the router holds "
-                    "requests while a replica starts and tells the autoscaler they wait)",
-                )
-            )
+    problems += check_autoscaling(spec)
     problems += check_child_names(name, spec, topology.kind)
     problems += [Problem("FeatureUnavailable", m) for m in unavailable_features(spec)]
     return Plan(
@@ -208,112 +172,6 @@ def plan_deployment(
         problems=tuple(problems),
         memory_unknown_reason=model.reason if isinstance(model, UnknownModel) else None,
     )
-
-
-def check_host_path(
-    spec: InferenceDeploymentSpec, prefixes: tuple[str, ...] | None
-) -> list[Problem]:
-    """A file:// model is a hostPath volume of the node: whoever may create an
-    InferenceDeployment would read any node directory through it. With `prefixes` set, only
-    paths under them are mounted (the CRD already refuses `..` segments and relative paths)."""
-    uri = spec.model.uri
-    if prefixes is None or not uri.startswith("file://"):
-        return []
-    path = uri.removeprefix("file://")
-    if any(path == p or path.startswith(p.rstrip("/") + "/") for p in prefixes):
-        return []
-    allowed = ", ".join(prefixes) if prefixes else "none"
-    return [
-        Problem(
-            "HostPathNotAllowed",
-            f"model.uri={uri}: this operator mounts node directories under {allowed} only "
-            "(kvfleet operator --host-path-prefix); use pvc://, hf:// or s3://",
-        )
-    ]
-
-
-def check_context(spec: InferenceDeploymentSpec, model: ModelHints) -> list[Problem]:
-    """model.maxModelLen beyond the model's positions: the engine refuses it at start-up (the
-    pods would crash-loop), so nothing is rolled out."""
-    wanted, positions = spec.model.max_model_len, model.max_position_embeddings
-    if wanted is None or positions is None or wanted <= positions:
-        return []
-    return [
-        Problem(
-            "ContextTooLong",
-            f"model.maxModelLen={wanted} exceeds the model's {positions} positions "
-            "(max_position_embeddings), which the engine refuses; set at most "
-            f"{positions} or leave it unset",
-        )
-    ]
-
-
-def check_parallelism(spec: InferenceDeploymentSpec, model: ModelHints | None) -> list[Problem]:
-    if model is None:
-        return []
-    tp, pp = spec.parallelism.tensor, spec.parallelism.pipeline
-    problems = []
-    if model.num_attention_heads % tp:
-        problems.append(
-            Problem(
-                "InvalidParallelism",
-                f"parallelism.tensor={tp} does not divide the model's "
-                f"{model.num_attention_heads} attention heads",
-            )
-        )
-    elif model.num_key_value_heads % tp and tp % model.num_key_value_heads:
-        problems.append(
-            Problem(
-                "InvalidParallelism",
-                f"parallelism.tensor={tp} and the model's {model.num_key_value_heads} KV heads: "
-                "one must divide the other",
-            )
-        )
-    if pp > model.num_layers:
-        problems.append(
-            Problem(
-                "InvalidParallelism",
-                f"parallelism.pipeline={pp} exceeds the model's {model.num_layers} layers",
-            )
-        )
-    return problems
-
-
-def check_shared_memory(spec: InferenceDeploymentSpec) -> list[Problem]:
-    try:
-        quantity_bytes(spec.resources.shared_memory)
-    except ValueError as exc:
-        return [Problem("InvalidSharedMemory", str(exc))]
-    return []
-
-
-def check_quantization(
-    spec: InferenceDeploymentSpec, profile: AcceleratorProfileSpec
-) -> list[Problem]:
-    major, minor = (int(p) for p in profile.compute_capability.split("."))
-    if (major, minor) >= FP8_MIN_COMPUTE_CAPABILITY:
-        return []
-    fp8_fields = [
-        f"quantization.{field}=fp8"
-        for field, value in (
-            ("weights", spec.quantization.weights),
-            ("kvCache", spec.quantization.kv_cache),
-        )
-        if value == "fp8"
-    ]
-    need = ".".join(str(p) for p in FP8_MIN_COMPUTE_CAPABILITY)
-    gpu = spec.resources.accelerator
-    if PRODUCT_LABEL in profile.node_selector:
-        gpu += f" ({profile.node_selector[PRODUCT_LABEL]})"
-    hint = {"quantization.kvCache=fp8": " (quantization.kvCache=int8 runs on any GPU)"}
-    return [
-        Problem(
-            "UnsupportedQuantization",
-            f"{field} needs compute capability >= {need}; {gpu} has {profile.compute_capability}"
-            + hint.get(field, ""),
-        )
-        for field in fp8_fields
-    ]
 
 
 def plan_memory(

@@ -32,7 +32,8 @@ from kvfleet_operator.handover import (
 )
 from kvfleet_operator.header_cache import HeaderCache
 from kvfleet_operator.models import InferenceDeploymentSpec
-from kvfleet_operator.plan import ClusterFeatures, Plan, Problem, plan_deployment
+from kvfleet_operator.plan import ClusterFeatures, Plan, plan_deployment
+from kvfleet_operator.plan_checks import Problem
 from kvfleet_operator.reconcile_inputs import (
     read_accelerator_profiles,
     read_api_key_digest,

@@ -12,7 +12,10 @@ from test_crd import _schema
 from test_plan import plan
 
 from kvfleet_operator.kinds.serving import MANAGED_FLAGS_MESSAGE
+from kvfleet_operator.plan import ClusterFeatures
 from kvfleet_operator.render_pod import engine_args
+
+WITH_KEDA = ClusterFeatures(leader_worker_set=False, service_monitor=False, keda=True)
 
 
 @pytest.mark.parametrize(
@@ -129,3 +132,72 @@ def test_file_models_only_from_the_directories_the_operator_allows(make_spec) ->
     assert reasons_for("file:///var/models2/llama", allowed) == ["HostPathNotAllowed"]
     assert reasons_for("file:///etc/kubernetes", None) == []  # no prefixes set: any
     assert reasons_for("hf://meta-llama/Llama-3.1-8B-Instruct", ()) == []
+
+
+def test_the_step_budget_holds_a_full_batch(make_spec) -> None:
+    """maxNumBatchedTokens 100 was admitted and went Ready; the engine refused to start
+    ("max_num_batched_tokens must be >= max_num_seqs (256)") and the pods crash-looped."""
+    with pytest.raises(ValidationError, match=r"maxNumBatchedTokens \(100\) must be >= "):
+        make_spec(engine={"maxNumBatchedTokens": 100})
+    assert make_spec(engine={"maxNumSeqs": 64, "maxNumBatchedTokens": 100}).engine
+
+
+@pytest.mark.parametrize(
+    ("model", "field"),
+    [
+        ({"uri": "s3://models/llama", "revision": "v2"}, "model.revision"),
+        ({"uri": "pvc://models/llama", "revision": "v2"}, "model.revision"),
+        ({"uri": "pvc://models/llama", "credentialsSecret": {"name": "s"}},
+         "model.credentialsSecret"),
+        ({"uri": "file:///var/models/llama", "credentialsSecret": {"name": "s"}},
+         "model.credentialsSecret"),
+    ],
+)  # fmt: skip
+def test_fields_a_model_source_would_ignore_are_refused(make_spec, model, field) -> None:
+    """`revision: v2` on an s3:// model was accepted and never used: the pods ran whatever the
+    prefix held."""
+    with pytest.raises(ValidationError, match=f"{field} applies to hf://"):
+        make_spec(model={**model, "maxModelLen": 8192})
+
+
+@pytest.mark.parametrize(
+    ("behavior", "controller", "field"),
+    [
+        ({"panicThreshold": 5}, "HPA", "behavior.panicThreshold"),
+        ({"tolerance": 0.3}, "KEDA", "behavior.tolerance"),
+        ({"warmupSeconds": 600}, "HPA", "behavior.warmupSeconds"),
+        ({"syncPeriodSeconds": 2}, "HPA", "behavior.syncPeriodSeconds"),
+        ({"scaleDown": {"drainTimeoutSeconds": 5}}, "KEDA",
+         "behavior.scaleDown.drainTimeoutSeconds"),
+    ],
+)  # fmt: skip
+def test_behavior_an_external_autoscaler_would_ignore_stalls(
+    make_spec, behavior, controller, field
+) -> None:
+    """controller HPA dropped panicThreshold, tolerance, warm-up... from the rendered HPA
+    without a word."""
+    autoscaling = {
+        "controller": controller, "maxReplicas": 4, "targets": {"kvCacheUtilization": 0.7},
+        "behavior": behavior,
+        **({"prometheus": {"url": "http://prometheus:9090"}} if controller == "KEDA" else {}),
+    }  # fmt: skip
+    p = plan(make_spec(replicas=None, autoscaling=autoscaling), cluster=WITH_KEDA)
+    assert [(x.reason, x.message.split(" is read")[0]) for x in p.problems] == [
+        ("InvalidAutoscaling", f"autoscaling.{field}")
+    ]
+    # What the controller carries is fine, and so is a default written out.
+    carried = {"scaleDown": {"stabilizationWindowSeconds": 120}, "panicThreshold": 2.0}
+    spec = make_spec(replicas=None, autoscaling={**autoscaling, "behavior": carried})
+    assert plan(spec, cluster=WITH_KEDA).ok
+
+
+def test_keda_carries_the_sync_period_and_window(make_spec) -> None:
+    autoscaling = {
+        "controller": "KEDA", "maxReplicas": 4, "targets": {"kvCacheUtilization": 0.7},
+        "prometheus": {"url": "http://prometheus:9090"},
+        "behavior": {"syncPeriodSeconds": 10, "stableWindowSeconds": 120, "panicWindowSeconds": 20},
+    }  # fmt: skip
+    p = plan(make_spec(replicas=None, autoscaling=autoscaling), cluster=WITH_KEDA)
+    assert [x.message.split(" is read")[0] for x in p.problems] == [
+        "autoscaling.behavior.panicWindowSeconds"
+    ]

@@ -7,6 +7,7 @@ import math
 import typing
 
 import pytest
+from pydantic import ValidationError
 
 from kvfleet_operator import engine_features
 from kvfleet_operator.accelerators import BUILTIN_ACCELERATORS, resolve_accelerator
@@ -249,6 +250,40 @@ def test_pipeline_larger_than_the_layers_is_refused(make_spec) -> None:
     p = plan(make_spec(model={"uri": "pvc://m/tiny", "hints": hints}, parallelism={"pipeline": 8}))
     assert reasons(p) == ["InvalidParallelism"]
     assert p.problems[0].message == "parallelism.pipeline=8 exceeds the model's 4 layers"
+
+
+def test_tensor_size_must_divide_the_mlp_width(make_spec) -> None:
+    """The engine splits the MLP evenly over the ranks and refuses at start-up otherwise; the
+    plan said Ready and the pods crash-looped."""
+    hints = {
+        "numParameters": 8_000_000_000, "numLayers": 32, "numAttentionHeads": 32,
+        "numKeyValueHeads": 8, "headDim": 128, "maxPositionEmbeddings": 8192,
+        "intermediateSize": 14335,
+    }  # fmt: skip
+    p = plan(make_spec(model={"uri": "pvc://m/odd", "hints": hints}, parallelism={"tensor": 2}))
+    assert reasons(p) == ["InvalidParallelism"]
+    assert p.problems[0].message.startswith(
+        "parallelism.tensor=2 does not divide the model's MLP width (intermediateSize 14335)"
+    )
+    even = {**hints, "intermediateSize": 14336}
+    assert plan(
+        make_spec(model={"uri": "pvc://m/odd", "hints": even}, parallelism={"tensor": 2})
+    ).ok
+
+
+def test_hints_with_more_kv_heads_than_query_heads_are_refused(make_spec) -> None:
+    hints = {
+        "numParameters": 1_000_000, "numLayers": 4, "numAttentionHeads": 8,
+        "numKeyValueHeads": 32, "headDim": 16, "maxPositionEmbeddings": 2048,
+    }  # fmt: skip
+    with pytest.raises(ValidationError, match="numAttentionHeads must be a multiple of num"):
+        make_spec(model={"uri": "pvc://m/tiny", "hints": hints})
+
+
+def test_a_context_the_model_refuses_is_named_before_the_memory_it_would_take(make_spec) -> None:
+    """maxModelLen 10,000,000 was reported as InsufficientGPUMemory, hiding the cause."""
+    p = plan(make_spec(model={"maxModelLen": 10_000_000}))
+    assert reasons(p) == ["ContextTooLong", "InsufficientGPUMemory"]
 
 
 def test_tensor_size_against_gguf_header_heads(make_spec, write_gguf) -> None:

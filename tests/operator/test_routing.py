@@ -145,6 +145,20 @@ def test_min_replicas_zero_needs_the_router(make_spec) -> None:
     assert "autoscaling.minReplicas: 0 needs routing.enabled" in plan.problems[0].message
 
 
+def test_min_replicas_zero_needs_a_router_queue(make_spec) -> None:
+    """With routing.queueSize 0 the router answered 503 at once at zero replicas: no request
+    ever waited, so the autoscaler never saw demand and the deployment stayed at zero."""
+    plan, _ = plan_for(
+        make_spec(replicas=None, autoscaling=SCALE_TO_ZERO, routing={"queueSize": 0})
+    )
+    assert [p.reason for p in plan.problems] == ["InvalidAutoscaling"]
+    assert "autoscaling.minReplicas: 0 needs routing.queueSize >= 1" in plan.problems[0].message
+    plan, _ = plan_for(
+        make_spec(replicas=None, autoscaling=SCALE_TO_ZERO, routing={"queueSize": 1})
+    )
+    assert plan.ok
+
+
 def test_min_replicas_zero_needs_the_builtin_controller(make_spec) -> None:
     autoscaling = {**SCALE_TO_ZERO, "controller": "HPA"}
     with pytest.raises(

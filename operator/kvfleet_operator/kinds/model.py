@@ -64,9 +64,21 @@ class SecretReference(Model):
     name: str = Field(max_length=253, description="Name of a Secret in the same namespace.")
 
 
+HINTS_HEADS_MESSAGE = (
+    "model.hints.numAttentionHeads must be a multiple of numKeyValueHeads: each KV head serves "
+    "a whole group of query heads"
+)
+
+
 class ModelHints(Model):
     """Architecture numbers for models that are not in the built-in catalog; used to plan memory
     and to check tensor parallelism."""
+
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            ("self.numAttentionHeads % self.numKeyValueHeads == 0", HINTS_HEADS_MESSAGE)
+        )
+    )
 
     num_parameters: int = Field(ge=1, description="Total parameter count, e.g. 8030261248.")
     num_layers: int = Field(ge=1, description="Transformer layers (num_hidden_layers).")
@@ -89,10 +101,29 @@ class ModelHints(Model):
         "every parameter counts as quantized.",
     )
 
+    @model_validator(mode="after")
+    def _heads_group(self) -> ModelHints:
+        # The CEL rule above, for objects stored before it existed.
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"{HINTS_HEADS_MESSAGE} (got {self.num_attention_heads} and "
+                f"{self.num_key_value_heads})"
+            )
+        return self
+
     @property
     def hidden(self) -> int:
         return self.hidden_size or self.num_attention_heads * self.head_dim
 
+
+REVISION_MESSAGE = (
+    "model.revision applies to hf:// models only (a branch, tag or commit of the repository); "
+    "for pvc://, s3:// and file:// name the revision's own path in model.uri"
+)
+CREDENTIALS_MESSAGE = (
+    "model.credentialsSecret applies to hf:// and s3:// models only (the download's token or "
+    "keys); a pvc:// or file:// model is mounted, not downloaded"
+)
 
 HINTS_CONTEXT_MESSAGE = (
     "model.hints without maxPositionEmbeddings needs model.maxModelLen: the memory plan sizes "
@@ -113,6 +144,12 @@ class ModelSpec(Model):
                 "has(self.maxModelLen) || !has(self.hints) || "
                 "has(self.hints.maxPositionEmbeddings)",
                 HINTS_CONTEXT_MESSAGE,
+            ),
+            ("!has(self.revision) || self.uri.startsWith('hf://')", REVISION_MESSAGE),
+            (
+                "!has(self.credentialsSecret) || self.uri.startsWith('hf://') || "
+                "self.uri.startsWith('s3://')",
+                CREDENTIALS_MESSAGE,
             ),
         )
     )
@@ -170,8 +207,12 @@ class ModelSpec(Model):
         return uri
 
     @model_validator(mode="after")
-    def _hints_say_the_context(self) -> ModelSpec:
-        # The CEL rule above, for objects stored before it existed.
+    def _consistent(self) -> ModelSpec:
+        # The CEL rules above, for objects stored before they existed.
+        if self.revision is not None and not self.uri.startswith("hf://"):
+            raise ValueError(REVISION_MESSAGE)
+        if self.credentials_secret is not None and not self.uri.startswith(("hf://", "s3://")):
+            raise ValueError(CREDENTIALS_MESSAGE)
         hints = self.hints
         if (
             self.max_model_len is None

@@ -59,7 +59,21 @@ MANAGED_FLAGS_MESSAGE_EXPRESSION = (
 )
 
 
+# The engine's own rule (kvfleet_engine.config.scheduler): every sequence of a step takes at
+# least one of its tokens. The defaults stand in for a field left out.
+BATCH_RULE = (
+    "(has(self.maxNumBatchedTokens) ? self.maxNumBatchedTokens : 8192) >= "
+    "(has(self.maxNumSeqs) ? self.maxNumSeqs : 256)"
+)
+BATCH_MESSAGE = (
+    "engine.maxNumBatchedTokens must be >= engine.maxNumSeqs (default 256): every sequence in a "
+    "step takes at least one token of the step's budget, and the engine refuses to start otherwise"
+)
+
+
 class EngineSpec(Model):  # defaults: the engine's (tests/engine/test_config_defaults.py)
+    model_config = ConfigDict(json_schema_extra=cel((BATCH_RULE, BATCH_MESSAGE)))
+
     image: str | None = Field(
         default=None, max_length=512, description="Engine image; defaults to the operator's."
     )
@@ -102,6 +116,17 @@ class EngineSpec(Model):  # defaults: the engine's (tests/engine/test_config_def
                     f"{MANAGED_ENGINE_FLAGS[flag]}; set that instead"
                 )
         return args
+
+    @model_validator(mode="after")
+    def _budget_holds_the_batch(self) -> EngineSpec:
+        # The CEL rule above, for objects stored before it existed.
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"engine.maxNumBatchedTokens ({self.max_num_batched_tokens}) must be >= "
+                f"engine.maxNumSeqs ({self.max_num_seqs}): every sequence in a step takes at "
+                "least one token of the step's budget, and the engine refuses to start otherwise"
+            )
+        return self
 
 
 class SLASpec(Model):
