@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from kvfleet_router.auth import api_key_middleware
 from kvfleet_router.discovery import KubernetesDiscovery, StaticDiscovery
@@ -18,7 +19,7 @@ from kvfleet_router.load import LoadScraper
 from kvfleet_router.metrics import RouterMetrics
 from kvfleet_router.proxy import Proxy
 from kvfleet_router.replicas import ReplicaPool
-from kvfleet_router.request_body import RequestBody
+from kvfleet_router.request_body import RequestBody, error_response
 from kvfleet_router.server import RouterRunner
 from kvfleet_router.settings import RouterSettings
 from kvfleet_router.strategies import make_strategy
@@ -55,7 +56,7 @@ class Router:
 
     def build_app(self) -> web.Application:
         key = self.settings.api_key
-        middlewares = [api_key_middleware(key)] if key is not None else []
+        middlewares = [openai_errors] + ([api_key_middleware(key)] if key is not None else [])
         app = web.Application(
             client_max_size=self.settings.max_request_body_bytes, middlewares=middlewares
         )
@@ -136,6 +137,22 @@ class Router:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         assert self.proxy is not None, "set at start-up"
         return await self.proxy.completions(request)
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """An unknown path (404) or method (405, with `Allow`) in the OpenAI error shape, as the
+    engine answers them, instead of aiohttp's plain text."""
+    try:
+        return await handler(request)
+    except web.HTTPMethodNotAllowed as exc:
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        message = f"method {request.method} is not allowed on {request.path}; allowed: {allowed}"
+        return error_response(405, message, headers={"Allow": allowed})
+    except web.HTTPNotFound:
+        routes = ", ".join(resource.canonical for resource in request.app.router.resources())
+        message = f"no route for {request.path[:200]!r}; the router serves {routes}"
+        return error_response(404, message)
 
 
 def run(settings: RouterSettings) -> None:

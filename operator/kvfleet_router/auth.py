@@ -2,8 +2,10 @@
 `Authorization: Bearer <key>`, the key the engines behind it require (spec.auth's Secret, in
 $KVFLEET_API_KEY); the router then sends that key upstream itself.
 
-The key is compared in constant time and appears in no log line and no response. The 401 is the
-engine's (kvfleet_engine.server.auth), so a client sees one answer whichever it reached.
+The key is compared in constant time and appears in no log line and no response. The header is
+read and the 401 written as the engine's kvfleet_engine.server.auth does (the router does not
+import the engine: the rule is copied, and tests/router/test_router_auth.py runs one table of
+headers through both), so a client sees one answer whichever it reached.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import hmac
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
+
+from kvfleet_router.request_body import error_response
 
 API_KEY_ENV = "KVFLEET_API_KEY"  # as `kvfleet serve`, from the same Secret
 # Kubernetes probes, Prometheus and the operator's autoscaler read these without credentials.
@@ -27,31 +31,37 @@ def api_key_middleware(api_key: str) -> Middleware:
     """An aiohttp middleware that answers 401 to a request without `api_key`."""
     if not api_key:
         raise ValueError("api_key: must be a non-empty string (or leave it unset)")
-    expected = bearer(api_key).encode()
+    expected = api_key.encode()
 
     @web.middleware
     async def require_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path in PUBLIC_PATHS:
             return await handler(request)
-        given = request.headers.get("Authorization")
-        # Header bytes that are not UTF-8 reach here as surrogates: never the key, never a 500.
-        if given is not None and hmac.compare_digest(
-            given.encode("utf-8", "surrogateescape"), expected
-        ):
+        header = request.headers.get("Authorization")
+        # Header bytes that are not UTF-8 reach here as surrogates: back to the bytes sent.
+        given = None if header is None else header.encode("utf-8", "surrogateescape")
+        token = None if given is None else bearer_token(given)
+        if token is not None and hmac.compare_digest(token, expected):
             return await handler(request)
-        message = (
-            "missing API key: send it as the header 'Authorization: Bearer <key>'"
-            if given is None
-            else "incorrect API key provided"
-        )
-        error = {
-            "message": message,
-            "type": "invalid_request_error",
-            "param": None,
-            "code": "invalid_api_key",
-        }
-        return web.json_response(
-            {"error": error}, status=401, headers={"WWW-Authenticate": "Bearer"}
-        )
+        challenge = {"WWW-Authenticate": "Bearer"}
+        return error_response(401, refusal(given, token), code="invalid_api_key", headers=challenge)
 
     return require_api_key
+
+
+def refusal(given: bytes | None, token: bytes | None) -> str:
+    """Why a request with Authorization header `given` (None: none) and its `token` is refused."""
+    if given is None:
+        return "missing API key: send it as the header 'Authorization: Bearer <key>'"
+    if token is None:
+        return "malformed Authorization header: expected 'Authorization: Bearer <key>'"
+    return "incorrect API key provided"
+
+
+def bearer_token(authorization: bytes) -> bytes | None:
+    """The credentials of `Bearer <token>`; the scheme is case-insensitive (RFC 7235)."""
+    scheme, _, token = authorization.partition(b" ")
+    token = token.strip(b" ")
+    if scheme.lower() != b"bearer" or not token:
+        return None
+    return token

@@ -7,7 +7,8 @@ are not decompressed, at the engine either) and a Content-Length over --max-requ
 (413, also sent instead of `100 Continue`). Refused while reading: a chunked body past the limit
 (413), a body whose next bytes do not come within --body-timeout (408; the connection closes at
 once), chunked framing that breaks (400). Refused once read: a body that is not UTF-8/16/32
-text, not JSON, nested too deeply or not an object (400).
+text, not JSON, nested too deeply, holding an integer past Python's digit limit, not an object,
+or with a top-level key that is not Unicode text (a lone surrogate) (400).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import asyncio
 import json
 import logging
 import math
+import sys
 from typing import Any
 
 from aiohttp import web
@@ -87,12 +89,25 @@ class RequestBody:
         except UnicodeDecodeError as exc:
             message = f"request body is not UTF-8 text (invalid byte at offset {exc.start})"
             return error_response(400, message, param="body")
-        except ValueError as exc:
+        except json.JSONDecodeError as exc:
             return error_response(400, f"request body is not valid JSON: {exc}", param="body")
+        except ValueError:  # the only other one: int() past sys.get_int_max_str_digits()
+            message = (
+                "request body is not accepted: it holds an integer of more than "
+                f"{sys.get_int_max_str_digits()} digits"
+            )
+            return error_response(400, message, param="body")
         except RecursionError:  # arrays or objects nested thousands deep
             return error_response(400, "request body is nested too deeply", param="body")
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object", param="body")
+        key = next((key for key in body if not _is_unicode(key)), None)
+        if key is not None:  # the engine would name no field, only "must be a JSON object"
+            message = (
+                f"request body is not valid JSON text: the key {key[:40]!r} holds a lone UTF-16 "
+                "surrogate, which is not Unicode text"
+            )
+            return error_response(400, message, param="body")
         return raw, body
 
     async def _read_raw(self, request: web.Request) -> bytes:
@@ -130,6 +145,16 @@ class RequestBody:
             "(--body-timeout); the connection is closed, send the request again"
         )
         return closing_error(408, message, code="request_timeout")
+
+
+def _is_unicode(text: str) -> bool:
+    """False for a string holding a lone surrogate (JSON's "\\ud800"), which UTF-8 cannot
+    encode."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class _TooLarge(Exception):

@@ -38,6 +38,9 @@ _NOT_PASSED_BACK = HOP_BY_HOP | {"date", "server"}
 # Failures before the request reached a replica (refused, unresolvable, connect timed out).
 _NOT_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 _BROKEN = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
+# The client's Content-Type or none: the engine's answer to a body without one must say so,
+# not name the application/octet-stream aiohttp would fill in.
+_NOT_ADDED = ("Content-Type",)
 LOST, TIMED_OUT = "lost", "timeout"  # why an attempt failed (kvfleet_router_retries_total)
 
 
@@ -130,7 +133,11 @@ class Upstream:
         try:
             async with asyncio.timeout(self._first_byte_timeout_s):
                 upstream = await self._session.request(
-                    method, replica.url + path, data=body, headers=headers
+                    method,
+                    replica.url + path,
+                    data=body,
+                    headers=headers,
+                    skip_auto_headers=_NOT_ADDED,
                 )
             declined = upstream.status in (429, 503)
             streamed = upstream.content_type == "text/event-stream" and not declined

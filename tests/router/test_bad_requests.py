@@ -283,3 +283,110 @@ def test_the_body_timeout_flag_is_read_and_checked(
     # inf, as the engine takes it (the operator passes the engine's value on): no timeout
     assert router_main([*backend, "--body-timeout", "inf"]) == 0
     assert seen[-1].body_timeout_s == float("inf")
+
+
+async def test_a_wrong_method_is_a_405_naming_the_allowed_ones_in_the_openai_shape(
+    start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    """aiohttp answered `405: Method Not Allowed` as text/plain, with no Allow header."""
+    (engine,) = await start_engines(1)
+    router = await start_router([engine.url])
+    for method, path, allowed in (
+        ("PUT", "/v1/completions", "POST"),
+        ("GET", "/v1/chat/completions", "POST"),
+        ("DELETE", "/v1/models", "GET, HEAD"),
+        ("POST", "/health", "GET, HEAD"),
+    ):
+        response = await router.http.request(method, router.url + path)
+        assert response.status == 405, (method, path)
+        assert response.headers["Allow"] == allowed
+        assert await response.json() == {
+            "error": {
+                "message": f"method {method} is not allowed on {path}; allowed: {allowed}",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": None,
+            }
+        }
+    assert engine.bodies == []
+
+
+async def test_an_unknown_path_is_a_404_in_the_openai_shape(
+    start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    (engine,) = await start_engines(1)
+    router = await start_router([engine.url], api_key="sk-1")
+    response = await router.post(
+        "/v1/embeddings", COMPLETION, headers={"Authorization": "Bearer sk-1"}
+    )
+    assert response.status == 404
+    error = (await response.json())["error"]
+    assert error["message"] == (
+        "no route for '/v1/embeddings'; the router serves /health, /ready, /metrics, "
+        "/v1/models, /v1/completions, /v1/chat/completions"
+    )
+    assert (error["type"], error["code"]) == ("invalid_request_error", None)
+    # Without the key it is the 401 first, as at the engine: no route is disclosed.
+    assert (await router.http.get(router.url + "/nope")).status == 401
+
+
+async def test_head_on_the_get_routes_is_served(
+    start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    (engine,) = await start_engines(1)
+    router = await start_router([engine.url])
+    for path in ("/health", "/ready", "/metrics", "/v1/models"):
+        assert (await router.http.head(router.url + path)).status == 200, path
+
+
+async def test_an_integer_past_python_s_digit_limit_is_a_400_saying_so(
+    start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    """The message used to be Python's own: "... use sys.set_int_max_str_digits() ..."."""
+    (engine,) = await start_engines(1)
+    router = await start_router([engine.url])
+    body = b'{"model": "%s", "prompt": "Hi", "max_tokens": 1%s}' % (MODEL.encode(), b"0" * 5000)
+    response = await router.post("/v1/completions", body)
+    assert response.status == 400
+    error = (await response.json())["error"]
+    assert error["message"] == (
+        "request body is not accepted: it holds an integer of more than 4300 digits"
+    )
+    assert error["param"] == "body"
+    assert engine.bodies == []
+
+
+async def test_a_key_with_a_lone_surrogate_is_a_400_saying_the_text_is_not_unicode(
+    start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    """JSON's "\\ud800" escape parses to a string UTF-8 cannot hold; as a key the engine names
+    no field and says "request body must be a JSON object", which it is."""
+    (engine,) = await start_engines(1)
+    router = await start_router([engine.url])
+    body = b'{"\\ud800": 1, "model": "%s", "prompt": "Hi"}' % MODEL.encode()
+    response = await router.post("/v1/completions", body)
+    assert response.status == 400
+    error = (await response.json())["error"]
+    assert error["message"] == (
+        "request body is not valid JSON text: the key '\\ud800' holds a lone UTF-16 surrogate, "
+        "which is not Unicode text"
+    )
+    assert error["param"] == "body"
+    assert engine.bodies == []
+
+
+async def test_a_body_without_a_content_type_goes_on_without_one(
+    start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    """The router's client filled in application/octet-stream, so the engine's 400 named that
+    instead of saying the header is missing (test_router_engine_contract.py has its answer)."""
+    (engine,) = await start_engines(1)
+    router = await start_router([engine.url])
+    status, _ = await exchange(router.port, post_head(len(COMPLETION)) + COMPLETION)
+    typed = post_head(len(COMPLETION), b"Content-Type: text/plain") + COMPLETION
+    status_typed, _ = await exchange(router.port, typed)
+    assert status == status_typed == 200
+    assert [headers.get("content-type") for headers in engine.request_headers] == [
+        None,
+        "text/plain",
+    ]

@@ -23,10 +23,14 @@ async def test_a_client_without_the_key_gets_401_and_reaches_no_engine(
 ) -> None:
     (engine,) = await start_engines(1)
     router = await start_router([engine.url], api_key=KEY)
+    malformed = "malformed Authorization header: expected 'Authorization: Bearer <key>'"
     for headers, message in (
         ({}, "missing API key: send it as the header 'Authorization: Bearer <key>'"),
         ({"Authorization": "Bearer sk-wrong"}, "incorrect API key provided"),
-        ({"Authorization": KEY}, "incorrect API key provided"),  # no "Bearer "
+        ({"Authorization": f"Bearer {KEY.upper()}"}, "incorrect API key provided"),
+        ({"Authorization": KEY}, malformed),  # no "Bearer "
+        ({"Authorization": "Bearer"}, malformed),
+        ({"Authorization": f"Basic {KEY}"}, malformed),
     ):
         for path in ("/v1/completions", "/v1/chat/completions"):
             response = await router.post(path, COMPLETION, headers=headers)
@@ -56,6 +60,25 @@ async def test_a_client_with_the_key_is_served_and_the_key_goes_upstream(
     assert response.status == 200 and (await response.json())["id"] == "cmpl-1"
     models = await router.http.get(router.url + "/v1/models", headers=auth)
     assert [m["id"] for m in (await models.json())["data"]] == [MODEL]
+    assert engine.authorizations == [f"Bearer {KEY}"]
+
+
+@pytest.mark.parametrize(
+    "authorization",
+    [f"bearer {KEY}", f"BEARER {KEY}", f"Bearer  {KEY}", f"Bearer {KEY}  "],
+    ids=["lowercase-scheme", "uppercase-scheme", "two-spaces", "trailing-spaces"],
+)
+async def test_the_key_is_accepted_as_the_engine_accepts_it(
+    authorization: str, start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    """HTTP auth schemes are case-insensitive (RFC 7235) and the engine takes these: the router
+    answered them 401 "incorrect API key provided"."""
+    (engine,) = await start_engines(1)
+    router = await start_router([engine.url], api_key=KEY)
+    response = await router.post(
+        "/v1/completions", COMPLETION, headers={"Authorization": authorization}
+    )
+    assert response.status == 200, await response.text()
     assert engine.authorizations == [f"Bearer {KEY}"]
 
 
