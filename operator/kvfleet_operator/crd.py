@@ -75,6 +75,9 @@ def _convert(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         extra = node.get("additionalProperties")
         if isinstance(extra, dict) and "properties" not in node:
             out["additionalProperties"] = _convert(extra, defs)
+    if out.get("x-kubernetes-int-or-string"):  # a number or a string, as Kubernetes' own
+        out.pop("type", None)
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
     if out.get("default") is None or out.get("type") not in _SCALARS:
         out.pop("default", None)
     if out.get("x-kubernetes-preserve-unknown-fields"):

@@ -201,3 +201,15 @@ def test_keda_carries_the_sync_period_and_window(make_spec) -> None:
     assert [x.message.split(" is read")[0] for x in p.problems] == [
         "autoscaling.behavior.panicWindowSeconds"
     ]
+
+
+def test_cpu_and_memory_take_a_whole_number_as_pods_do(make_spec) -> None:
+    """`cpu: 8` (unquoted, as in any pod spec) was refused: must be of type string."""
+    spec = make_spec(resources={"accelerator": "h100-80gb", "cpu": 8, "memory": "64Gi"})
+    assert spec.resources.cpu == "8"
+    for bad in ("two", -1, True, 8.5):
+        with pytest.raises(ValidationError, match="cpu"):
+            make_spec(resources={"accelerator": "h100-80gb", "cpu": bad})
+    cpu = _schema()["properties"]["spec"]["properties"]["resources"]["properties"]["cpu"]
+    assert cpu["x-kubernetes-int-or-string"] is True and "type" not in cpu
+    assert cpu["anyOf"] == [{"type": "integer"}, {"type": "string"}] and cpu["minimum"] == 0

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Annotated
+
+from pydantic import BeforeValidator, Field
 
 from kvfleet_operator.kinds.cel import cel
 from kvfleet_operator.wire import Model
@@ -13,6 +15,27 @@ QUANTITY_PATTERN = (
     r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
     r"(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
+
+
+def _whole_number_as_quantity(value: object) -> object:
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+# A quantity written as a string ("7500m", "64Gi") or, as in a pod's resources, a whole number
+# (`cpu: 8`): the schema takes both (x-kubernetes-int-or-string) and the model keeps a string.
+Quantity = Annotated[
+    str,
+    BeforeValidator(_whole_number_as_quantity),
+    Field(
+        max_length=32,
+        pattern=QUANTITY_PATTERN,
+        json_schema_extra={
+            "x-kubernetes-int-or-string": True,
+            "pattern": QUANTITY_PATTERN,
+            "minimum": 0,
+        },
+    ),
+]
 
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8, 16)
 _SIZES = ", ".join(map(str, TENSOR_PARALLEL_SIZES))  # "1, 2, 4, 8, 16"
@@ -38,16 +61,10 @@ class ResourcesSpec(Model):
         description="Accelerator profile: a built-in name (a100-40gb, a100-80gb, h100-80gb, "
         "h200-141gb, l4, l40s, b200) or an AcceleratorProfile object.",
     )
-    cpu: str | None = Field(
-        default=None,
-        max_length=32,
-        pattern=QUANTITY_PATTERN,
-        description="CPU request and limit (a Kubernetes quantity: 8, 7500m).",
+    cpu: Quantity | None = Field(
+        default=None, description="CPU request and limit (a Kubernetes quantity: 8, 7500m)."
     )
-    memory: str | None = Field(
-        default=None,
-        max_length=32,
-        pattern=QUANTITY_PATTERN,
-        description="Memory request and limit (a Kubernetes quantity: 64Gi, 70G).",
+    memory: Quantity | None = Field(
+        default=None, description="Memory request and limit (a Kubernetes quantity: 64Gi, 70G)."
     )
     shared_memory: str = Field(default="8Gi", max_length=32, description="Size of /dev/shm.")
