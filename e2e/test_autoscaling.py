@@ -165,3 +165,15 @@ def test_controller_hpa_renders_an_hpa_the_api_server_accepts(
     )
     obj = kubectl.json("get", "infd", "viahpa", "-n", namespace)
     assert "autoscaling" not in (obj.get("status") or {})
+    # This control plane serves no custom metrics API, so the HPA cannot read its metrics: the
+    # InferenceDeployment says so (before, it showed Ready and nothing else).
+
+    def limited() -> dict[str, Any] | None:
+        infd = kubectl.json("get", "infd", "viahpa", "-n", namespace)
+        found = [c for c in infd["status"]["conditions"] if c["type"] == "ScalingLimited"]
+        return found[0] if found and found[0]["status"] == "True" else None
+
+    condition = wait(limited, 90, "ScalingLimited from the HPA", [operator.log_path])
+    assert condition["reason"] == "FailedGetPodsMetric", condition
+    assert condition["message"].startswith("HorizontalPodAutoscaler viahpa: "), condition
+    assert "custom.metrics.k8s.io" in condition["message"], condition

@@ -25,6 +25,7 @@ from kvfleet_operator.apply import (
     read_again,
     refused,
 )
+from kvfleet_operator.autoscaling.actuators import EXTERNAL_KIND
 from kvfleet_operator.handover import (
     hand_replicas_to_autoscaler,
     replicas_to_recreate,
@@ -118,9 +119,14 @@ async def _reconcile(
         name, spec, profile, architecture, features, host_path_prefixes=host_path_prefixes
     )
     planned = plan.topology.kind if plan.topology is not None else None
+    controller = spec.autoscaling.controller if spec.autoscaling is not None else "Builtin"
+    external_autoscaler = (
+        EXTERNAL_KIND.get(controller) if spec.effective_replicas() is None else None
+    )
     found = await read_workloads(
         cluster, namespace, name,
         leader_worker_set=features.leader_worker_set, router=spec.routing.enabled,
+        autoscaler=external_autoscaler,
     )  # fmt: skip
     groups = group_count(spec, old_status, len(found.statefulsets))
 
@@ -217,6 +223,7 @@ async def _reconcile(
         found = await read_workloads(
             cluster, namespace, name,
             leader_worker_set=features.leader_worker_set, router=spec.routing.enabled,
+            autoscaler=external_autoscaler,
         )  # fmt: skip
         if planned == "StatefulSet":
             replaced = await replace_group_pods(

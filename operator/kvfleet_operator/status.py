@@ -55,6 +55,11 @@ def compute_status(
         "topology": plan.topology.model_dump(by_alias=True) if plan.topology else None,
         "memoryPlan": plan.memory.model_dump(by_alias=True) if plan.memory else None,
     }
+    external = workload.external_scaling if workload is not None else None
+    if external is not None and spec.autoscaling is not None:  # an HPA's or ScaledObject's word
+        status["conditions"] = _merge_condition(
+            status["conditions"], SCALING_LIMITED, external, now
+        )
     if spec.autoscaling is None:
         # What the autoscaler wrote goes with it: status.autoscaling (whose desiredReplicas
         # would otherwise size StatefulSet groups again when autoscaling comes back) and its
@@ -247,6 +252,25 @@ def _merge_conditions(
         )
     merged += [c for c in old if c.get("type") not in OWN_CONDITIONS]
     return merged
+
+
+def _merge_condition(
+    conditions: list[dict[str, Any]], kind: str, new: ConditionFields, now: str
+) -> list[dict[str, Any]]:
+    """`conditions` with `kind` set to `new` (in its place, or last); lastTransitionTime kept
+    while its status stays."""
+    status, reason, message = new
+    previous = find_condition(conditions, kind)
+    since = now
+    if previous is not None and previous.get("status") == status:
+        since = previous.get("lastTransitionTime", now)
+    condition = {
+        "type": kind, "status": status, "reason": reason, "message": message,
+        "lastTransitionTime": since,
+    }  # fmt: skip
+    if previous is None:
+        return [*conditions, condition]
+    return [condition if c is previous else c for c in conditions]
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,12 @@ from kvfleet_operator.topology_groups import (
     summarize_leader_worker_set,
     summarize_statefulset_groups,
 )
-from kvfleet_operator.workload_state import WorkloadState, deployment_failure, summarize_workload
+from kvfleet_operator.workload_state import (
+    WorkloadState,
+    deployment_failure,
+    external_scaling,
+    summarize_workload,
+)
 
 log = logging.getLogger(__name__)
 Manifest = dict[str, Any]
@@ -38,6 +43,7 @@ class Workloads:
     rank_service: Manifest | None = None  # the StatefulSet groups' headless Service
     pods: list[Manifest] = field(default_factory=list)
     router: Manifest | None = None  # the router's Deployment (routing.enabled), for its health
+    autoscaler: Manifest | None = None  # the HPA or ScaledObject (controller HPA / KEDA)
 
     def objects(self) -> list[Manifest]:
         """Every workload object found (the candidates for pruning)."""
@@ -66,9 +72,13 @@ class Workloads:
 
     def summary(self, planned: str | None, desired_groups: int | None) -> WorkloadState | None:
         state = self._engines(planned, desired_groups)
-        if state is None or self.router is None:
-            return state
-        return dataclasses.replace(state, router_failure=deployment_failure(self.router))
+        if state is None:
+            return None
+        if self.router is not None:
+            state = dataclasses.replace(state, router_failure=deployment_failure(self.router))
+        if self.autoscaler is not None:
+            state = dataclasses.replace(state, external_scaling=external_scaling(self.autoscaler))
+        return state
 
     def _engines(self, planned: str | None, desired_groups: int | None) -> WorkloadState | None:
         kind = self.kind(planned)
@@ -86,10 +96,17 @@ class Workloads:
 
 
 async def read_workloads(
-    cluster: Cluster, namespace: str, name: str, *, leader_worker_set: bool, router: bool
+    cluster: Cluster,
+    namespace: str,
+    name: str,
+    *,
+    leader_worker_set: bool,
+    router: bool,
+    autoscaler: tuple[str, str] | None = None,
 ) -> Workloads:
     """The workload objects and pods of `name`; the LeaderWorkerSet only where it is served,
-    the router's Deployment only where routing is enabled."""
+    the router's Deployment only where routing is enabled, the external autoscaler
+    ((apiVersion, kind) of the HPA or ScaledObject) where the spec has one."""
     selector = selector_string(name)
     found = Workloads(
         deployment=await cluster.get("apps/v1", "Deployment", name, namespace),
@@ -99,6 +116,8 @@ async def read_workloads(
     )
     if router:
         found.router = await cluster.get("apps/v1", "Deployment", router_name(name), namespace)
+    if autoscaler is not None:
+        found.autoscaler = await cluster.get(*autoscaler, name, namespace)
     if leader_worker_set:
         found.leader_worker_set = await cluster.get(
             api.LEADER_WORKER_SET_API, "LeaderWorkerSet", group_name(name), namespace

@@ -46,6 +46,30 @@ class WorkloadState:
     # Why the router's Deployment cannot run (its pods refused, its rollout past its deadline):
     # status.endpoint.url points at the router, so nothing reaches the engines meanwhile.
     router_failure: str | None = None
+    # ScalingLimited as an HPA or a KEDA ScaledObject reports it (controller HPA / KEDA, where
+    # the operator's own autoscaler, which writes it otherwise, does not run).
+    external_scaling: tuple[str, str, str] | None = None
+
+
+def external_scaling(autoscaler: dict[str, Any]) -> tuple[str, str, str] | None:
+    """(status, reason, message) of ScalingLimited from the conditions of the HPA or ScaledObject
+    the operator rendered: True, with its own reason and message, while it cannot read its
+    metrics or scale, or holds the replicas at a bound; None before it reports anything."""
+    kind, name = autoscaler.get("kind", ""), autoscaler["metadata"]["name"]
+    conditions = autoscaler.get("status", {}).get("conditions") or []
+    if not conditions:
+        return None
+    broken = ("AbleToScale", "ScalingActive", "Ready")  # False: it does not scale
+    for condition in conditions:
+        limited = condition.get("type") == "ScalingLimited" and condition.get("status") == "True"
+        fallback = condition.get("type") == "Fallback" and condition.get("status") == "True"
+        if (condition.get("type") in broken and condition.get("status") == "False") or (
+            limited or fallback
+        ):
+            reason = condition.get("reason") or condition.get("type", "")
+            message = condition.get("message") or reason
+            return ("True", reason, f"{kind} {name}: {message}")
+    return ("False", "ScalingActive", f"{kind} {name} reads its metrics and scales")
 
 
 def summarize_workload(deployment: dict[str, Any], pods: list[dict[str, Any]]) -> WorkloadState:

@@ -9,6 +9,7 @@ from kvfleet_operator.status import compute_status, invalid_spec_status, transit
 from kvfleet_operator.workload_state import (
     WorkloadState,
     deployment_failure,
+    external_scaling,
     pod_troubles,
     summarize_workload,
 )
@@ -367,3 +368,68 @@ def test_a_router_that_cannot_run_keeps_the_deployment_from_ready(make_spec) -> 
     # Without routing the router's Deployment is being pruned: its state does not count.
     no_router = status_for(make_spec(routing={"enabled": False}), workload(router_failure=failure))
     assert conditions(no_router)["Ready"] == ("True", "AllReplicasReady")
+
+
+# What kube-controller-manager v1.37 writes on an HPA whose Pods metrics nobody serves.
+HPA_NO_METRICS = {
+    "kind": "HorizontalPodAutoscaler",
+    "metadata": {"name": "llama"},
+    "status": {"conditions": [
+        {"type": "AbleToScale", "status": "True", "reason": "SucceededGetScale",
+         "message": "the HPA controller was able to get the target's current scale"},
+        {"type": "ScalingActive", "status": "False", "reason": "FailedGetPodsMetric",
+         "message": "the HPA was unable to compute the replica count: unable to get metric "
+                    "kvfleet_kv_cache_usage_ratio: no custom metrics API "
+                    "(custom.metrics.k8s.io) registered"},
+    ]},
+}  # fmt: skip
+
+
+def test_an_hpa_that_cannot_scale_says_so_on_the_inference_deployment(make_spec) -> None:
+    """controller HPA without a metrics adapter: the HPA's ScalingActive=False was visible only
+    on the HPA; the InferenceDeployment showed Ready and no ScalingLimited."""
+    spec = make_spec(
+        replicas=None,
+        autoscaling={"controller": "HPA", "maxReplicas": 4, "targets": {"kvCacheUtilization": 0.7}},
+    )
+    trouble = external_scaling(HPA_NO_METRICS)
+    status = status_for(spec, workload(external_scaling=trouble))
+    limited = next(c for c in status["conditions"] if c["type"] == "ScalingLimited")
+    assert (limited["status"], limited["reason"]) == ("True", "FailedGetPodsMetric")
+    assert limited["message"].startswith("HorizontalPodAutoscaler llama: the HPA was unable")
+    assert conditions(status)["Ready"][0] == "True"  # it serves; scaling is what is limited
+    # Once the adapter serves the metrics, it clears, and its transition time moves once.
+    active = {**HPA_NO_METRICS, "status": {"conditions": [
+        {"type": "AbleToScale", "status": "True", "reason": "ReadyForNewScale"},
+        {"type": "ScalingActive", "status": "True", "reason": "ValidMetricFound"},
+        {"type": "ScalingLimited", "status": "False", "reason": "DesiredWithinRange"},
+    ]}}  # fmt: skip
+    later = status_for(
+        spec, workload(external_scaling=external_scaling(active)), old=status, now=T1
+    )
+    cleared = next(c for c in later["conditions"] if c["type"] == "ScalingLimited")
+    assert (cleared["status"], cleared["lastTransitionTime"]) == ("False", T1)
+    assert [c["type"] for c in later["conditions"]].count("ScalingLimited") == 1
+
+
+def test_a_scaled_object_not_ready_or_in_fallback_is_limited() -> None:
+    base = {"kind": "ScaledObject", "metadata": {"name": "llama"}}
+    not_ready = {
+        "type": "Ready",
+        "status": "False",
+        "reason": "ScaledObjectCheckFailed",
+        "message": "failed to ensure HPA is correctly created for ScaledObject",
+    }
+    assert external_scaling({**base, "status": {"conditions": [not_ready]}}) == (
+        "True", "ScaledObjectCheckFailed",
+        "ScaledObject llama: failed to ensure HPA is correctly created for ScaledObject",
+    )  # fmt: skip
+    fallback = [
+        {"type": "Ready", "status": "True"},
+        {"type": "Fallback", "status": "True", "reason": "FallbackExists",
+         "message": "At least one trigger is falling back"},
+    ]  # fmt: skip
+    assert external_scaling({**base, "status": {"conditions": fallback}})[:2] == (
+        "True", "FallbackExists"
+    )  # fmt: skip
+    assert external_scaling({**base, "status": {}}) is None  # nothing reported yet

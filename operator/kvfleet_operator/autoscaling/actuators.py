@@ -34,10 +34,11 @@ HPA_METRICS = {  # signal -> per-pod metric name served by the custom-metrics ad
 # removing it resumes autoscaling.
 KEDA_PAUSED_REPLICAS = "autoscaling.keda.sh/paused-replicas"
 
-EXTERNAL_KINDS = (  # (apiVersion, kind) of the objects controller HPA / KEDA render
-    ("autoscaling/v2", "HorizontalPodAutoscaler"),
-    ("keda.sh/v1alpha1", "ScaledObject"),
-)
+EXTERNAL_KIND = {  # (apiVersion, kind) of the object controller HPA / KEDA renders
+    "HPA": ("autoscaling/v2", "HorizontalPodAutoscaler"),
+    "KEDA": ("keda.sh/v1alpha1", "ScaledObject"),
+}
+EXTERNAL_KINDS = tuple(EXTERNAL_KIND.values())
 
 
 def render_external_autoscaler(
