@@ -66,7 +66,9 @@ def serve_in_thread(
     from kvfleet_engine.metrics import EngineInfo, EngineMetrics
     from kvfleet_engine.server.admission import AdmissionConfig
     from kvfleet_engine.server.app import build_app
+    from kvfleet_engine.server.cli import DEFAULT_HEADER_TIMEOUT_S
     from kvfleet_engine.server.draining import DrainingServer
+    from kvfleet_engine.server.header_timeout import http_protocol
     from kvfleet_engine.server.state import ServerSettings, ServerState
     from kvfleet_engine.tokenizer import load_tokenizer
 
@@ -93,7 +95,13 @@ def serve_in_thread(
     engine = AsyncEngine(client, load_tokenizer(config.model), metrics)
     state = ServerState(settings, engine, metrics)
     port = free_port()
-    config_ = uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning")
+    config_ = uvicorn.Config(
+        build_app(state),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        http=http_protocol(DEFAULT_HEADER_TIMEOUT_S),  # `kvfleet serve`'s protocol
+    )
     server = DrainingServer(config_, state) if draining else uvicorn.Server(config_)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -107,6 +107,7 @@ def test_chat_completion_and_stream(client: openai.OpenAI) -> None:
 
 def test_sse_wire_format_ends_with_done(live_server) -> None:  # type: ignore[no-untyped-def]
     body = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 3, "stream": True}
+    body["ignore_eos"] = True  # sampled: the tiny model ends ~1% of such streams on EOS
     with httpx.stream("POST", f"{live_server.url}/v1/completions", json=body, timeout=60) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.iter_lines() if line]

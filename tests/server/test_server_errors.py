@@ -120,6 +120,17 @@ def test_a_value_of_the_wrong_type_or_size_is_named_with_what_the_field_takes(
     assert error["message"].startswith(f"{param}: ") and message in error["message"], error
 
 
+def test_an_unknown_model_s_name_is_quoted_cut_short(live_server) -> None:  # type: ignore[no-untyped-def]
+    """3 MB of model name came back as 3 MB of error."""
+    r = httpx.post(
+        f"{live_server.url}/v1/completions", json={**GOOD, "model": "x" * 3_000_000}, timeout=30
+    )
+    assert r.status_code == 404, r.text[:300]
+    message = r.json()["error"]["message"]
+    assert len(message) < 400
+    assert message.startswith(f"model {'x' * 256!r}... (3,000,000 characters) does not exist")
+
+
 def test_numbers_that_are_still_accepted(live_server) -> None:  # type: ignore[no-untyped-def]
     """An integer for a float field is a number all the same; the stop strings' bound is 16."""
     body = {**GOOD, "temperature": 1, "top_p": 1, "stop": ["x" * 1024] * 16, "prompt": [1, 2]}
@@ -143,6 +154,11 @@ def test_numbers_that_are_still_accepted(live_server) -> None:  # type: ignore[n
         (b'{"model": "\xff"}', "body", "not UTF-8 text (invalid byte at offset 11)"),
         ("", "body", "request body is empty: send a JSON object with Content-Type"),
         ("[1]", "body", "must be a JSON object: send a JSON object with Content-Type"),
+        (  # an object key pydantic cannot read: "must be a JSON object" had said
+            '{"\\ud800": 1, "model": "m", "prompt": "hi"}',
+            "body",
+            "request body is not valid: an object key holds a lone UTF-16 surrogate",
+        ),
     ],
 )
 def test_json_the_server_cannot_take_is_explained(

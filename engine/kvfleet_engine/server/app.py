@@ -13,6 +13,7 @@ from typing import Annotated, Any
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -22,6 +23,7 @@ from kvfleet_engine.server.errors import (
     APIError,
     error_body,
     error_response,
+    excerpt,
     invalid_request,
     unparsable_body,
 )
@@ -70,7 +72,14 @@ def build_app(state: ServerState) -> FastAPI:
             warm_up.cancel()
             engine.shutdown()
 
-    app = FastAPI(title="kvfleet engine", version=state.metrics.info.version, lifespan=lifespan)
+    # No redirect from "/v1/completions/" to "/v1/completions": Starlette builds its Location
+    # from the Host header, which the client chooses. Such a path is a 404.
+    app = FastAPI(
+        title="kvfleet engine",
+        version=state.metrics.info.version,
+        lifespan=lifespan,
+        redirect_slashes=False,
+    )
     # Outermost last: stamp, log, authenticate, bound the body, then route.
     app.add_middleware(
         BodyLimit,
@@ -98,6 +107,8 @@ def build_app(state: ServerState) -> FastAPI:
             error = unparsable_body(exc.__cause__)
             return error_response(error.body(), error.status_code)
         message = str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.method} {excerpt(request.url.path)}"
         if exc.status_code == 405:
             allowed = (exc.headers or {}).get("Allow", "")
             message = f"method {request.method} is not allowed on {request.url.path}"
@@ -180,7 +191,23 @@ def build_app(state: ServerState) -> FastAPI:
     ) -> Any:
         return await serving.chat(body, request, x_priority)
 
+    answer_head_on_get_routes(app)
     return app
+
+
+def answer_head_on_get_routes(app: FastAPI) -> None:
+    """HEAD on every GET route, as HTTP asks: the GET's status and headers, without the body
+    (uvicorn drops it). FastAPI's routes, unlike Starlette's, take only the methods they name;
+    the HEAD routes stay out of the schema, where they would repeat the GETs' operations."""
+    for route in list(app.routes):
+        if isinstance(route, APIRoute) and "GET" in (route.methods or ()):
+            app.add_api_route(
+                route.path,
+                route.endpoint,
+                methods=["HEAD"],
+                response_model=route.response_model,
+                include_in_schema=False,
+            )
 
 
 class StampReceived:

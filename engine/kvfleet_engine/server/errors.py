@@ -47,6 +47,14 @@ def error_body(
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+def excerpt(text: str, max_chars: int = 256) -> str:
+    """`text` quoted, cut to `max_chars` with its length said: error messages quote what the
+    client sent, and a 3 MB model name must not come back as a 3 MB error."""
+    if len(text) <= max_chars:
+        return repr(text)
+    return f"{text[:max_chars]!r}... ({len(text):,} characters)"
+
+
 def invalid_field(field: str, message: str) -> APIError:
     """400 naming `field`; `message` should say what is allowed."""
     return APIError(400, f"{field}: {message}", param=field)
@@ -151,6 +159,11 @@ def _union_type_error(error: Any) -> dict[str, Any] | None:
 def _body_message(kind: object, content_type: str | None) -> str:
     if kind == "missing":
         return f"request body is empty: {_JSON_OBJECT_HINT}"
+    if kind == "string_unicode":  # pydantic cannot read a key: the values are checked by name
+        return (
+            "request body is not valid: an object key holds a lone UTF-16 surrogate (such as "
+            '"\\ud800"), which is not Unicode text'
+        )
     if not _is_json(content_type):
         given = f"Content-Type: {content_type}" if content_type else "no Content-Type"
         return f"request body must be JSON ({given}): {_JSON_OBJECT_HINT}"

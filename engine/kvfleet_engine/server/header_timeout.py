@@ -20,6 +20,13 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from kvfleet_engine.server.request_head import (
+    MAX_HEAD_BYTES,
+    H11WithHeadChecks,
+    HttpToolsWithHeadChecks,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +67,7 @@ class HeadDeadline:
         transport.close()
 
 
-class H11WithHeadDeadline(H11Protocol):
+class H11WithHeadDeadline(H11WithHeadChecks):
     header_timeout_s: float  # set by `http_protocol`
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -91,69 +98,67 @@ class H11WithHeadDeadline(H11Protocol):
             self.head_deadline.stop()
 
 
+class HttpToolsWithHeadDeadline(HttpToolsWithHeadChecks):
+    header_timeout_s: float  # set by `http_protocol`
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.head_deadline = HeadDeadline(self.loop, self.header_timeout_s)
+        self._head_begun = False  # the parser has a head's first bytes, not its end
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.head_deadline.start(transport, self.client)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_begun = True
+        if self.cycle is None or self.cycle.response_complete:  # else from its end
+            self.head_deadline.start(self.transport, self.client)
+
+    def on_headers_complete(self) -> None:
+        self._head_begun = False
+        self.head_deadline.stop()
+        super().on_headers_complete()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        # Bytes the parser took without beginning a message (a stray CRLF between requests,
+        # which llhttp skips) stop uvicorn's keep-alive timer: time them as a head.
+        idle = self.cycle is None or self.cycle.response_complete
+        if data and idle and not self.head_deadline.running and not self.transport.is_closing():
+            self.head_deadline.start(self.transport, self.client)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # A pipelined head, begun while a response was sent: timed from the end of the
+        # last response parsed before it (`self.cycle`), not of an earlier one.
+        if self._head_begun and self.cycle.response_complete:
+            self.head_deadline.start(self.transport, self.client)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.head_deadline.stop()
+        super().connection_lost(exc)
+
+
 _WITH_HEAD_DEADLINE: dict[type[asyncio.Protocol], type[asyncio.Protocol]] = {
-    H11Protocol: H11WithHeadDeadline
+    H11Protocol: H11WithHeadDeadline,
+    HttpToolsProtocol: HttpToolsWithHeadDeadline,
 }
-
-try:
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-except ImportError:  # no httptools: uvicorn's "auto" is h11
-    pass
-else:
-
-    class HttpToolsWithHeadDeadline(HttpToolsProtocol):
-        header_timeout_s: float  # set by `http_protocol`
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.head_deadline = HeadDeadline(self.loop, self.header_timeout_s)
-            self._head_begun = False  # the parser has a head's first bytes, not its end
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self.head_deadline.start(transport, self.client)
-
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self._head_begun = True
-            if self.cycle is None or self.cycle.response_complete:  # else from its end
-                self.head_deadline.start(self.transport, self.client)
-
-        def on_headers_complete(self) -> None:
-            self._head_begun = False
-            self.head_deadline.stop()
-            super().on_headers_complete()
-
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            # Bytes the parser took without beginning a message (a stray CRLF between requests,
-            # which llhttp skips) stop uvicorn's keep-alive timer: time them as a head.
-            idle = self.cycle is None or self.cycle.response_complete
-            if data and idle and not self.head_deadline.running and not self.transport.is_closing():
-                self.head_deadline.start(self.transport, self.client)
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            # A pipelined head, begun while a response was sent: timed from the end of the
-            # last response parsed before it (`self.cycle`), not of an earlier one.
-            if self._head_begun and self.cycle.response_complete:
-                self.head_deadline.start(self.transport, self.client)
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self.head_deadline.stop()
-            super().connection_lost(exc)
-
-    _WITH_HEAD_DEADLINE[HttpToolsProtocol] = HttpToolsWithHeadDeadline
 
 
 def http_protocol(
-    header_timeout_s: float, base: type[asyncio.Protocol] = AutoHTTPProtocol
+    header_timeout_s: float,
+    base: type[asyncio.Protocol] = AutoHTTPProtocol,
+    max_head_bytes: int = MAX_HEAD_BYTES,
 ) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol `base` (the one its "auto" picks, by default) closing connections
-    whose request head is not complete within `header_timeout_s`; for `uvicorn.Config(http=)`."""
+    whose request head is not complete within `header_timeout_s`, and refusing heads over
+    `max_head_bytes` (request_head.py); for `uvicorn.Config(http=)`."""
     if not header_timeout_s > 0:
         raise ValueError(
             f"header_timeout_s: expected a number of seconds > 0, got {header_timeout_s}"
         )
     subclass = _WITH_HEAD_DEADLINE[base]
-    return type(subclass.__name__, (subclass,), {"header_timeout_s": header_timeout_s})
+    attributes = {"header_timeout_s": header_timeout_s, "max_head_bytes": max_head_bytes}
+    return type(subclass.__name__, (subclass,), attributes)

@@ -3,14 +3,15 @@
 Requests forbid unknown fields, so a typo or a parameter we do not implement is a 400 naming
 it rather than a silent no-op. Parameters that OpenAI defines but kvfleet cannot honour yet
 (`logit_bias`, `tools`, `echo`, ...) are declared so the schema documents them, and are
-rejected by `unsupported_fields` when a client sets them.
+rejected by `unsupported_fields` when a client sets them. Null for an optional field means its
+default, for every field, as OpenAI's schema has it (null `n`, `stream`, `max_tokens`, ...).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from kvfleet_engine.sampling import MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MAX_TOP_K
 
@@ -43,21 +44,35 @@ StopText = Annotated[
 # Each message goes through the chat template before anything counts its tokens.
 MAX_MESSAGES = 4096
 
-# Requests take JSON's own types: no "5" for 5, no 1.0 for token id 1, no "yes" for true (an int
-# still passes for a float), and no NaN or Infinity.
-_REQUEST_CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+class RequestModel(BaseModel):
+    """A JSON object of a request."""
+
+    # JSON's own types: no "5" for 5, no 1.0 for token id 1, no "yes" for true (an int still
+    # passes for a float), and no NaN or Infinity.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """Drops null from optional fields, which then take their defaults; a required field's
+        null (or an unknown field's) stays, to be refused by name."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            key: value
+            for key, value in data.items()
+            if value is not None or key not in fields or fields[key].is_required()
+        }
 
 
-class StreamOptions(BaseModel):
-    model_config = _REQUEST_CONFIG
-
+class StreamOptions(RequestModel):
     include_usage: bool = False  # send one last chunk with token counts before [DONE]
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
-
-    model_config = _REQUEST_CONFIG
 
     model: Text = Field(min_length=1)
     n: int = Field(default=1, ge=1, le=128)
@@ -90,23 +105,19 @@ class CompletionRequest(SamplingFields):
     prompt: Text | list[Text] | TokenIds | list[TokenIds] = Field(
         description="A string, a list of strings, token ids, or a list of token-id lists."
     )
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False  # not implemented: rejected when true
     suffix: Text | None = None  # not implemented: rejected when set
     best_of: int | None = Field(default=None, ge=1, le=128)  # only best_of == n accepted
 
 
-class TextPart(BaseModel):
-    model_config = _REQUEST_CONFIG
-
+class TextPart(RequestModel):
     type: Literal["text"]
     text: Text
 
 
-class ChatMessage(BaseModel):
-    model_config = _REQUEST_CONFIG
-
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 
 from kvfleet_engine.core.profile import FIRST_TOKEN_HOPS
-from kvfleet_engine.server.errors import APIError, invalid_field
+from kvfleet_engine.server.errors import APIError, excerpt, invalid_field
 from kvfleet_engine.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -160,7 +160,7 @@ class OpenAIServing:
         if body.model != self.state.settings.served_model_name:
             raise APIError(
                 404,
-                f"model {body.model!r} does not exist; this server serves "
+                f"model {excerpt(body.model)} does not exist; this server serves "
                 f"{self.state.settings.served_model_name!r}",
                 param="model",
                 code="model_not_found",
