@@ -102,6 +102,12 @@ def main(argv: list[str]) -> int:
         parser.error(f"--stride ({args.stride}) must be < --window ({args.window})")
     if args.prompts > len(PROMPTS):
         parser.error(f"--prompts must be <= {len(PROMPTS)}")
+    from kvfleet_engine.model_runner import resolve_device
+
+    try:
+        resolve_device(args.device)
+    except ValueError as error:
+        parser.exit(2, f"{parser.prog}: error: --device: {error}\n")
     try:
         for config in configs:
             check_config(config, args)

@@ -4,6 +4,7 @@ as LLM()'s keyword defaults), --bound NAME=PERCENT and --device."""
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,7 +68,7 @@ def parse_bound(text: str) -> tuple[str, float]:
         percent = float(value)
     except ValueError:
         percent = None
-    if not sep or not name or percent is None:
+    if not sep or not name or percent is None or math.isnan(percent):
         raise ValueError(f"--bound must be NAME=PERCENT, got {text!r}")
     return name, percent
 

@@ -30,7 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from kvfleet_engine.argtypes import positive_int
+from kvfleet_engine.bench.accuracy_config import device_choice
 from kvfleet_engine.bench.accuracy_prompts import PROMPTS
+from kvfleet_engine.bench.results import writable_dir
 
 # The first of bench accuracy's fixed chat prompts.
 QUESTIONS = PROMPTS[:8]
@@ -51,22 +53,34 @@ def main(argv: list[str]) -> int:
     summary = " ".join(__doc__.split("\n\n", 1)[0].split())  # the first paragraph, whole
     parser = argparse.ArgumentParser(prog="kvfleet bench chat", description=summary)
     parser.add_argument("--model", help="GGUF file or model directory (default: SmolLM2)")
-    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    parser.add_argument(
+        "--device", type=device_choice, default="cpu", help="auto | cpu | cuda | cuda:N"
+    )
     parser.add_argument("--concurrency", type=positive_int, default=8)
     parser.add_argument("--output-len", type=positive_int, default=128)
     parser.add_argument("--rounds", type=positive_int, default=3, help="turns per measurement")
     parser.add_argument("--no-peer", action="store_true", help="skip transformers")
-    parser.add_argument("--output", type=Path, help="write the results JSON in this directory")
+    parser.add_argument(
+        "--output", type=writable_dir, help="write the results JSON in this directory"
+    )
     args = parser.parse_args(argv)
     if args.output_len < 2:
         parser.error("--output-len must be >= 2 (a decode rate needs two tokens)")
     import torch
 
     from kvfleet_engine.bench.results import Row, format_table, gpu_name, write_results
+    from kvfleet_engine.model_runner import resolve_device
     from kvfleet_engine.model_store import DEFAULT_MODEL, fetch
 
     model = args.model or str(fetch(DEFAULT_MODEL))
-    llm = _kvfleet(model, args.device)
+    try:
+        resolve_device(args.device)
+    except ValueError as error:
+        parser.exit(2, f"{parser.prog}: error: --device: {error}\n")
+    try:
+        llm = _kvfleet(model, args.device)
+    except ValueError as error:  # the model's own files (the message names them): no usage block
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     tokenizer = llm.get_tokenizer()
     prompts = [
         tokenizer.encode(

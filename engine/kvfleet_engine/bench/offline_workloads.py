@@ -8,7 +8,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from kvfleet_engine.argtypes import positive_int
+from kvfleet_engine.argtypes import non_negative_int, positive_int, seed
 from kvfleet_engine.bench.results import writable_dir
 from kvfleet_engine.bench.shapes import SHAPES
 from kvfleet_engine.config import KV_CACHE_DTYPES, EngineConfig
@@ -100,7 +100,7 @@ def common_args(parser: argparse.ArgumentParser) -> None:
         default=engine["async_scheduling"],
         help="schedule step n+1 while the GPU computes step n",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of weights and prompts")
+    parser.add_argument("--seed", type=seed, default=0, help="seed of weights and prompts")
     parser.add_argument(
         "--quantization",
         type=_quantizations,
@@ -110,7 +110,7 @@ def common_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--host-trace",
-        type=int,
+        type=non_negative_int,
         default=0,
         metavar="N",
         help="after the timed run, profile N more steps of the workload and print the host calls",
@@ -133,7 +133,9 @@ def check_engine_flags(
     if args.max_num_batched_tokens < args.max_num_seqs:
         parser.error(f"--max-num-batched-tokens must be >= --max-num-seqs ({args.max_num_seqs})")
     if not 0 < args.gpu_memory_utilization <= 1:
-        parser.error("--gpu-memory-utilization must be in (0, 1]")
+        parser.error(
+            f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}"
+        )
     if args.kv_cache_calibration and args.kv_cache_dtype != "fp8":
         parser.error("--kv-cache-calibration needs --kv-cache-dtype fp8")
 

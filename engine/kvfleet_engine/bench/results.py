@@ -56,6 +56,16 @@ def writable_dir(text: str) -> Path:
     return path
 
 
+def writable_file(text: str) -> Path:
+    """argparse type of an output file (its directories created when it is written): not a
+    directory, and in a directory we can write in (see writable_dir)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write to {text!r}: it is a directory")
+    writable_dir(str(path.parent))
+    return path
+
+
 def gpu_name(device: Any) -> str:
     import torch
 

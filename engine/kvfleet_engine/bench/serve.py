@@ -35,7 +35,8 @@ from pathlib import Path
 
 import httpx
 
-from kvfleet_engine.argtypes import positive_float, positive_int
+from kvfleet_engine.argtypes import non_negative_float, positive_float, positive_int, seed
+from kvfleet_engine.bench.results import writable_file
 from kvfleet_engine.bench.serve_counters import fetch_counters, format_counters, load_counters
 from kvfleet_engine.bench.serve_load import auth_headers, run_load, run_load_processes
 from kvfleet_engine.bench.serve_stats import format_report, summarize
@@ -53,6 +54,28 @@ def _goodput(text: str) -> tuple[str, float]:
         return name, positive_float(value)
     except argparse.ArgumentTypeError as error:
         raise argparse.ArgumentTypeError(f"{name}: {error} (milliseconds)") from None
+
+
+def _base_url(text: str) -> str:
+    """An http:// or https:// URL with a host."""
+    try:
+        host = httpx.URL(text).host if text.startswith(("http://", "https://")) else ""
+    except httpx.InvalidURL:
+        host = ""
+    if not host:
+        raise argparse.ArgumentTypeError(
+            f"expected http://HOST[:PORT] or https://..., got {text!r}"
+        )
+    return text
+
+
+def _readable_file(text: str) -> Path:
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(
+            f"{'is a directory' if path.is_dir() else 'no such file'}: {text!r}"
+        )
+    return path
 
 
 def _percentiles(text: str) -> list[float]:
@@ -79,7 +102,9 @@ def _token_range(text: str) -> tuple[int, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", required=True, help="server base URL, e.g. http://localhost:8000")
+    parser.add_argument(
+        "--url", type=_base_url, required=True, help="server base URL, e.g. http://localhost:8000"
+    )
     parser.add_argument("--model", help="model name to send (default: the server's first model)")
     parser.add_argument(
         "--endpoint",
@@ -101,7 +126,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="random",
         help="random token ids, a jsonl file of prompts, or built-in chat questions",
     )
-    parser.add_argument("--dataset-path", type=Path, help="jsonl dataset file")
+    parser.add_argument("--dataset-path", type=_readable_file, help="jsonl dataset file")
     parser.add_argument(
         "--chat-output-len", type=positive_int, default=128, help="max_tokens of each chat answer"
     )
@@ -126,7 +151,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="LOW:HIGH token ids for random prompts (fits every vocabulary by default)",
     )
     parser.add_argument(
-        "--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)"
+        "--temperature",
+        type=non_negative_float,
+        default=0.0,
+        help="sampling temperature (0: greedy)",
     )
     parser.add_argument(
         "--ignore-eos",
@@ -139,14 +167,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--percentiles", type=_percentiles, default="50,90,99", help="comma-separated, 0-100"
     )
     parser.add_argument("--timeout", type=positive_float, default=600.0, help="per-request seconds")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed, default=0)
     parser.add_argument(
         "--client-processes",
         type=positive_int,
         default=1,
         help="client processes sharing the load (use several at hundreds of streams)",
     )
-    parser.add_argument("--output", type=Path, help="write the JSON result here")
+    parser.add_argument("--output", type=writable_file, help="write the JSON result here")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument(
         "--api-key",
@@ -187,8 +215,11 @@ def main(argv: list[str]) -> int:
                 args.seed,
                 args.random_prefix_len,
             )
-    except (httpx.HTTPError, ValueError, OSError) as exc:
-        print(f"kvfleet bench serve: {exc}", file=sys.stderr)
+    except httpx.HTTPError as exc:
+        print(f"kvfleet bench serve: error: --url {args.url}: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as exc:
+        print(f"kvfleet bench serve: error: {exc}", file=sys.stderr)
         return 2
 
     from tqdm import tqdm
