@@ -26,8 +26,14 @@ import pytest
         (["--api", "sk-secret"], "unrecognized arguments: --api sk-secret"),
         (
             ["--tensor-parallel-size", "3"],
-            "tensor_parallel_size=3 does not divide the model's num_attention_heads",
+            "--tensor-parallel-size=3 does not divide the model's num_attention_heads",
         ),
+        # settings checked together are named as flags too, not as EngineConfig's keywords
+        (
+            ["--max-num-seqs", "64", "--max-num-batched-tokens", "32"],
+            "error: --max-num-batched-tokens must be >= --max-num-seqs (64), got 32",
+        ),
+        (["--block-size", "3"], "error: --block-size must be "),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(

@@ -4,6 +4,7 @@ the keyword's (given by the caller), and its value goes back to that keyword."""
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -151,3 +152,16 @@ def add_engine_args(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]
 def engine_keywords(ns: argparse.Namespace) -> dict[str, Any]:
     """The parsed flags as EngineConfig.create's keywords (all but `model`)."""
     return {flag.keyword: getattr(ns, flag.dest) for flag in FLAGS}
+
+
+def in_flag_words(message: str) -> str:
+    """An EngineConfig error as the command line reads it: each keyword of a flag in it
+    (`max_num_batched_tokens must be >= max_num_seqs (256)`) spelled as the flag
+    (`--max-num-batched-tokens must be >= --max-num-seqs (256)`). Keywords of one word
+    (`device`, `dtype`) only where they open the message, as the setting it names."""
+    for flag in sorted(FLAGS, key=lambda f: -len(f.keyword)):
+        if "_" in flag.keyword:
+            message = re.sub(rf"(?<![\w-]){flag.keyword}(?!\w)", flag.flag, message)
+        elif re.match(rf"{flag.keyword}\b[=: ]", message):
+            message = flag.flag + message[len(flag.keyword) :]
+    return message

@@ -168,11 +168,12 @@ def main(argv: list[str]) -> int:
 
 def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from kvfleet_engine.config import EngineConfig
+    from kvfleet_engine.config.cli import in_flag_words
 
     try:
         config = EngineConfig.from_cli_args(args)
     except ValueError as exc:  # one line: the flags were fine, the model or a setting is not
-        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+        parser.exit(2, f"{parser.prog}: error: {in_flag_words(str(exc))}\n")
     if config.parallel.node_rank > 0:  # a compute-only host of a multi-node replica
         from kvfleet_engine.parallel import node
 
