@@ -1,39 +1,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_cases import Reference, reference_greedy, write_checkpoint
+from engine_checkpoints import Checkpoints
 from parallel_cases import SETTINGS as PARALLEL_SETTINGS
 from parallel_cases import free_port_pair
 from quant_fixtures import quantized_checkpoints  # noqa: F401 (session fixture)
-
-
-class Checkpoints:
-    """Tiny random checkpoints (one per architecture) and transformers references, made once."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.models: dict[str, tuple[Path, Any]] = {}
-        self.references: dict[tuple[str, tuple[int, ...], int], Reference] = {}
-
-    def path(self, name: str) -> Path:
-        return self._get(name)[0]
-
-    def reference(self, name: str, prompt: list[int], max_tokens: int) -> Reference:
-        key = (name, tuple(prompt), max_tokens)
-        if key not in self.references:
-            self.references[key] = reference_greedy(self._get(name)[1], prompt, max_tokens)
-        return self.references[key]
-
-    def _get(self, name: str) -> tuple[Path, Any]:
-        if name not in self.models:
-            directory = self.root / name
-            directory.mkdir()
-            self.models[name] = (directory, write_checkpoint(name, directory))
-        return self.models[name]
 
 
 @pytest.fixture(scope="session")

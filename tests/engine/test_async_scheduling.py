@@ -8,8 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 from engine_cases import assert_greedy_equal, random_prompts
+from engine_checkpoints import Checkpoints
 
-from conftest import Checkpoints
 from kvfleet_engine import SamplingParams
 from kvfleet_engine.config import SchedulerConfig
 from kvfleet_engine.engine import LLMEngine

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 import torch
+from engine_checkpoints import Checkpoints
 
-from conftest import Checkpoints
 from kvfleet_engine import LLM
 from kvfleet_engine.config import EngineConfig
 

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_checkpoints import Checkpoints
 
-from conftest import Checkpoints
 from kvfleet_engine import LLM, SamplingParams
 from kvfleet_engine.config import EngineConfig
 

@@ -17,8 +17,8 @@ from engine_cases import (
     reference_greedy,
     write_checkpoint,
 )
+from engine_checkpoints import Checkpoints
 
-from conftest import Checkpoints
 from kvfleet_engine import LLM, SamplingParams
 from kvfleet_engine.engine import LLMEngine
 

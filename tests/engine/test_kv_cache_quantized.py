@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 from engine_cases import random_prompts, run_interpreted
+from engine_checkpoints import Checkpoints
 
-from conftest import Checkpoints
 from kvfleet_engine import SamplingParams, model_runner, sampling
 from kvfleet_engine.config import EngineConfig
 from kvfleet_engine.kernels.checks import token_major

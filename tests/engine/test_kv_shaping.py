@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 from engine_cases import random_prompts
+from engine_checkpoints import Checkpoints
 from parallel_cases import SETTINGS, assert_same_greedy, generate_twice
 
-from conftest import Checkpoints
 from kvfleet_engine import SamplingParams
 from kvfleet_engine.bench import calibrate_kv
 from kvfleet_engine.layers import attention_torch, kv_shaping

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_cases import ARCHITECTURES
+from engine_checkpoints import Checkpoints
 from pipeline_steps import (
     SETTINGS,
     count_replays,
@@ -30,7 +31,6 @@ from pipeline_steps import (
 from test_gpu import gpu_checkpoints  # noqa: F401 (the tiny checkpoints, made once)
 from test_triton_backend import PATCH
 
-from conftest import Checkpoints
 from kvfleet_engine.config import EngineConfig
 
 HERE = Path(__file__).parent

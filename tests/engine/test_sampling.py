@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 from engine_cases import random_prompts
+from engine_checkpoints import Checkpoints
 
-from conftest import Checkpoints
 from kvfleet_engine import SamplingParams
 from kvfleet_engine.layers.sampler import (
     Penalties,

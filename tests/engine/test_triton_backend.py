@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_cases import assert_greedy_equal, random_prompts, run_interpreted
-
-from conftest import Checkpoints
+from engine_checkpoints import Checkpoints
 
 pytestmark = [
     pytest.mark.slow,

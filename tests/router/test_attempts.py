@@ -13,8 +13,8 @@ from datetime import UTC, datetime
 import aiohttp
 import pytest
 from fake_engine import MODEL, FakeEngine, chat
+from router_fixtures import RunningRouter, StartEngines, StartRouter
 
-from conftest import RunningRouter, StartEngines, StartRouter
 from kvfleet_router.prefix import block_hashes
 from kvfleet_router.strategies.prefix import rendezvous_weight
 from kvfleet_router.upstream import REPLICA_HEADER, retry_after_s

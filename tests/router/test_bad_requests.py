@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 from fake_engine import MODEL
+from router_fixtures import StartEngines, StartRouter
 
-from conftest import StartEngines, StartRouter
 from kvfleet_router.cli import main as router_main
 from kvfleet_router.settings import RouterSettings
 

@@ -9,8 +9,8 @@ import time
 
 import aiohttp
 from fake_engine import MODEL, FakeEngine, chat
+from router_fixtures import StartEngines, StartRouter
 
-from conftest import StartEngines, StartRouter
 from kvfleet_router.upstream import REPLICA_HEADER
 
 COMPLETION = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 4}).encode()

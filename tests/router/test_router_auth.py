@@ -8,8 +8,8 @@ import json
 
 import pytest
 from fake_engine import MODEL
+from router_fixtures import StartEngines, StartRouter
 
-from conftest import StartEngines, StartRouter
 from kvfleet_router.cli import build_parser
 from kvfleet_router.cli import main as router_main
 from kvfleet_router.settings import RouterSettings

@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from fake_engine import MODEL
+from router_fixtures import RunningRouter, StartEngines, StartRouter
 
-from conftest import RunningRouter, StartEngines, StartRouter
 from kvfleet_router.cli import main as router_main
 from kvfleet_router.server import RouterConnection
 from kvfleet_router.settings import RouterSettings
