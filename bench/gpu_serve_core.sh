@@ -16,7 +16,8 @@
 # 512 are c256's — and the engine's steps by kind. `kvfleet bench serve` runs c256 and c1024
 # again with prompts no earlier load sent (c256-cold, c1024-cold); BENCH_LOADS picks its loads
 # (default: all seven), CLIENT_LOADS serve_client.py's (default: c1 c64 c256 c1024 shared),
-# BENCH_SERVE=0 skips bench serve, OFFLINE=0 the offline figures: e.g. the c256 hops alone,
+# BENCH_SERVE=0 skips bench serve, OFFLINE=0 the offline figures, SERVE_ARGS adds `kvfleet serve`
+# flags (e.g. "--max-num-batched-tokens 16384"): e.g. the c256 hops alone,
 #   CLIENT_LOADS="c1 c256" BENCH_SERVE=0 OFFLINE=0 WHEELS=.whl/server bash bench/gpu_serve_core.sh
 #   WHEELS=.whl/server bash bench/gpu_serve_core.sh   # WHEELS: fastapi, starlette, uvicorn,
 #     # pydantic(-core), annotated-types/-doc, typing-inspection, msgspec, httptools and, for
@@ -51,7 +52,8 @@ echo "=== checkpoint ($(date +%T))"
 [ -f "$CKPT/config.json" ] || timeout 120 python3 bench/make_checkpoint.py "$CKPT" || exit 1
 echo "=== serve ($(date +%T))"
 python3 -m kvfleet_cli.main serve --model "$CKPT" --served-model-name m --host 127.0.0.1 \
-  --port "$PORT" --max-model-len 4096 --gpu-memory-utilization 0.9 >"$OUT/serve.log" 2>&1 &
+  --port "$PORT" --max-model-len 4096 --gpu-memory-utilization 0.9 ${SERVE_ARGS:-} \
+  >"$OUT/serve.log" 2>&1 &
 SERVER=$!
 t0=$(date +%s)
 get() { python3 -c "import sys, urllib.request as u; print(u.urlopen(sys.argv[1]).read().decode())" "$1"; }
