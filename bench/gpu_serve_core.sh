@@ -51,6 +51,7 @@ CKPT=$SCRATCH/kvfleet-8b-random
 echo "=== checkpoint ($(date +%T))"
 [ -f "$CKPT/config.json" ] || timeout 120 python3 bench/make_checkpoint.py "$CKPT" || exit 1
 echo "=== serve ($(date +%T))"
+# shellcheck disable=SC2086  # SERVE_ARGS: flags, split into words
 python3 -m kvfleet_cli.main serve --model "$CKPT" --served-model-name m --host 127.0.0.1 \
   --port "$PORT" --max-model-len 4096 --gpu-memory-utilization 0.9 ${SERVE_ARGS:-} \
   >"$OUT/serve.log" 2>&1 &
