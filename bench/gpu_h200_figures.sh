@@ -8,6 +8,9 @@
 #   bash bench/gpu_h200_figures.sh quant    # 64 x 3,968 prompts bf16 / fp8 (1.5x); batch-1
 #                                           # bf16 / fp8 / int8 / awq / gptq; fp8-cache kernels
 #   bash bench/gpu_h200_figures.sh serve    # issue 16's served loads (bench/gpu_serve_core.sh)
+#   bash bench/gpu_h200_figures.sh budget   # c64 / c256 / shared prefix (serve_client.py) with
+#                                           # the step's token budget at 8,192 (the default),
+#                                           # then 16,384: c64's TPOT against its TTFT p99
 #   bash bench/gpu_h200_figures.sh gemm     # the 8B layer's bf16 products at 64-512 rows:
 #                                           # cuBLAS against kvfleet's TMA GEMM
 #                                           # (bench/bf16_gemm_probe.py, writing the plans where
@@ -37,6 +40,11 @@ case ${1:-} in
     STEP_TIMEOUT=240 OUT=$OUT/latency bash bench/gpu_quant.sh latency
     STEP_TIMEOUT=120 OUT=$OUT/kernels bash bench/gpu_decode_attention_ab.sh kernels ;;
   serve) bash bench/gpu_serve_core.sh ;;
+  budget)  # two servers, one after the other, in one lease (≈ 3 min each)
+    for tokens in 8192 16384; do
+      CLIENT_LOADS="c64 c256 shared" BENCH_SERVE=0 OFFLINE=0 OUT=$OUT/budget-$tokens \
+        SERVE_ARGS="--max-num-batched-tokens $tokens" bash bench/gpu_serve_core.sh
+    done ;;
   gemm)
     mkdir -p "$OUT"
     source bench/device_env.sh
@@ -58,5 +66,6 @@ case ${1:-} in
     (cd bench && timeout -k 5 480 python3 bf16_autotune_probe.py --rows 128 256 512 \
       --output "$OUT/bf16-autotune-probe.json") 2>&1 | tee "$OUT/bf16-autotune-probe.log" \
       | grep -v Warning | tail -40 ;;
-  *) echo "usage: bash bench/gpu_h200_figures.sh offline|quant|serve|gemm|autotune" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_h200_figures.sh offline|quant|serve|budget|gemm|autotune" >&2
+     exit 2 ;;
 esac
