@@ -114,15 +114,21 @@ def plan_deployment(
     cluster: ClusterFeatures,
     *,
     host_path_prefixes: tuple[str, ...] | None = None,
+    invalid_profile: str | None = None,
 ) -> Plan:
     """What to run for `spec`, or the problems that stop it. `host_path_prefixes`: the node
-    directories a file:// model may be under (`kvfleet operator --host-path-prefix`; None: any)."""
+    directories a file:// model may be under (`kvfleet operator --host-path-prefix`; None: any);
+    `invalid_profile`: why the AcceleratorProfile of that name was left out, if it was."""
     served_model_name = spec.model.served_model_name or name
     if profile is None:
+        accelerator = spec.resources.accelerator
         problem = Problem(
             "UnknownAccelerator",
-            f"resources.accelerator={spec.resources.accelerator!r} is neither built in nor an "
-            "AcceleratorProfile in the cluster",
+            f"resources.accelerator={accelerator!r} is neither built in nor an "
+            "AcceleratorProfile in the cluster"
+            if invalid_profile is None
+            else f"resources.accelerator={accelerator!r}: the AcceleratorProfile of that name "
+            f"is invalid ({invalid_profile}); fix it and this deployment is planned again",
         )
         return Plan(served_model_name, None, None, STARTUP_UNKNOWN_MODEL_SECONDS, (problem,))
 

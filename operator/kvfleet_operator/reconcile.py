@@ -107,7 +107,7 @@ async def _reconcile(
         await _write_status(cluster, body, invalid)
         return
 
-    profiles = await read_accelerator_profiles(cluster)
+    profiles, invalid_profiles = await read_accelerator_profiles(cluster)
     profile = resolve_accelerator(spec.resources.accelerator, profiles)
     features = ClusterFeatures(
         leader_worker_set=await cluster.serves(api.LEADER_WORKER_SET_API, "leaderworkersets"),
@@ -116,8 +116,9 @@ async def _reconcile(
     )
     architecture = await read_model_architecture(cluster, headers, namespace, spec.model)
     plan = plan_deployment(
-        name, spec, profile, architecture, features, host_path_prefixes=host_path_prefixes
-    )
+        name, spec, profile, architecture, features, host_path_prefixes=host_path_prefixes,
+        invalid_profile=invalid_profiles.get(spec.resources.accelerator),
+    )  # fmt: skip
     planned = plan.topology.kind if plan.topology is not None else None
     controller = spec.autoscaling.controller if spec.autoscaling is not None else "Builtin"
     external_autoscaler = (

@@ -49,14 +49,19 @@ async def read_api_key_digest(
     return await cluster.secret_digest(namespace, ref.name, ref.key)
 
 
-async def read_accelerator_profiles(cluster: Cluster) -> dict[str, AcceleratorProfileSpec]:
-    """AcceleratorProfile objects by name; invalid ones are logged and skipped."""
-    profiles = {}
+async def read_accelerator_profiles(
+    cluster: Cluster,
+) -> tuple[dict[str, AcceleratorProfileSpec], dict[str, str]]:
+    """AcceleratorProfile objects by name, and why each invalid one (stored before the CRD's
+    rules refused it) is left out, by name."""
+    profiles, invalid = {}, {}
     for item in await cluster.list(api.API_VERSION, api.ACCELERATOR_PROFILE):
+        name = item["metadata"]["name"]
         try:
-            profiles[item["metadata"]["name"]] = AcceleratorProfileSpec.model_validate(
-                item.get("spec", {})
-            )
+            profiles[name] = AcceleratorProfileSpec.model_validate(item.get("spec", {}))
         except ValidationError as exc:
-            log.warning("ignoring AcceleratorProfile %s: %s", item["metadata"]["name"], exc)
-    return profiles
+            log.warning("ignoring AcceleratorProfile %s: %s", name, exc)
+            invalid[name] = "; ".join(
+                f"{'.'.join(map(str, error['loc']))}: {error['msg']}" for error in exc.errors()
+            )
+    return profiles, invalid

@@ -182,6 +182,27 @@ async def test_invalid_spec_is_reported_not_raised() -> None:
     assert stalled["reason"] == "InvalidSpec" and "autoscaling" in stalled["message"]
 
 
+async def test_an_invalid_stored_accelerator_profile_is_named_as_invalid() -> None:
+    """A profile stored before the CRD refused it is left out of planning; the deployment that
+    names it said "neither built in nor an AcceleratorProfile in the cluster", which it is."""
+    cluster = MemoryCluster()
+    cluster.add({
+        "apiVersion": api.API_VERSION, "kind": api.ACCELERATOR_PROFILE,
+        "metadata": {"name": "my-gpu"},
+        "spec": {"memoryGiB": 80, "computeCapability": "9.0",
+                 "tolerations": [{"key": "gpu", "operator": "Exists", "value": "x"}]},
+    })  # fmt: skip
+    cluster.add(infd(resources={"accelerator": "my-gpu"}))
+    await reconcile(cluster, "ns", "llama", HeaderCache())  # type: ignore[arg-type]
+    assert cluster.applied == []
+    stalled = next(c for c in cluster.status_patches[0]["conditions"] if c["type"] == "Stalled")
+    assert stalled["reason"] == "UnknownAccelerator"
+    assert stalled["message"].startswith(
+        "resources.accelerator='my-gpu': the AcceleratorProfile of that name is invalid "
+        "(tolerations.0: Value error, tolerations: value must be empty with operator Exists)"
+    )
+
+
 async def test_hf_gguf_is_planned_from_its_header_read_once(write_gguf) -> None:
     gguf = write_gguf(layers=32, hidden=4096, heads=32, kv_heads=8, with_data=False, context=8192)
     data = gguf.read_bytes()
