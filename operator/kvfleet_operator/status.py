@@ -231,46 +231,41 @@ def _plan_summary(spec: InferenceDeploymentSpec, plan: Plan) -> str:
 def _merge_conditions(
     old: list[dict[str, Any]], new: dict[str, ConditionFields], generation: int, now: str
 ) -> list[dict[str, Any]]:
-    """Our conditions in a fixed order, then others' (e.g. the autoscaler's) untouched.
-    lastTransitionTime changes only when a condition's status does."""
-    merged = []
-    for kind in OWN_CONDITIONS:
-        status, reason, message = new[kind]
-        previous = find_condition(old, kind)
-        since = now
-        if previous is not None and previous.get("status") == status:
-            since = previous.get("lastTransitionTime", now)
-        merged.append(
-            {
-                "type": kind,
-                "status": status,
-                "reason": reason,
-                "message": message,
-                "observedGeneration": generation,
-                "lastTransitionTime": since,
-            }
-        )
-    merged += [c for c in old if c.get("type") not in OWN_CONDITIONS]
-    return merged
+    """Our conditions in a fixed order, then others' (e.g. the autoscaler's) untouched."""
+    merged = [
+        {
+            **_condition(kind, new[kind], find_condition(old, kind), now),
+            "observedGeneration": generation,
+        }
+        for kind in OWN_CONDITIONS
+    ]
+    return merged + [c for c in old if c.get("type") not in OWN_CONDITIONS]
 
 
 def _merge_condition(
     conditions: list[dict[str, Any]], kind: str, new: ConditionFields, now: str
 ) -> list[dict[str, Any]]:
-    """`conditions` with `kind` set to `new` (in its place, or last); lastTransitionTime kept
-    while its status stays."""
-    status, reason, message = new
+    """`conditions` with `kind` set to `new`, in its place or last."""
     previous = find_condition(conditions, kind)
-    since = now
-    if previous is not None and previous.get("status") == status:
-        since = previous.get("lastTransitionTime", now)
-    condition = {
-        "type": kind, "status": status, "reason": reason, "message": message,
-        "lastTransitionTime": since,
-    }  # fmt: skip
+    condition = _condition(kind, new, previous, now)
     if previous is None:
         return [*conditions, condition]
     return [condition if c is previous else c for c in conditions]
+
+
+def _condition(
+    kind: str, new: ConditionFields, previous: dict[str, Any] | None, now: str
+) -> dict[str, Any]:
+    """The condition `kind` as `new` says; its lastTransitionTime moves only when its status
+    does."""
+    status, reason, message = new
+    since = now
+    if previous is not None and previous.get("status") == status:
+        since = previous.get("lastTransitionTime", now)
+    return {
+        "type": kind, "status": status, "reason": reason, "message": message,
+        "lastTransitionTime": since,
+    }  # fmt: skip
 
 
 @dataclass(frozen=True)
