@@ -30,12 +30,14 @@ def test_chat_dataset_refuses_the_completions_endpoint(capsys: pytest.CaptureFix
 def test_bench_serve_chat_against_the_server(live_server: Any, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     argv = ["--url", live_server.url, "--concurrency", "2", "--num-prompts", "4"]
-    argv += ["--dataset", "chat", "--chat-output-len", "5", "--no-progress", "--output", str(out)]
+    # 24 tokens a stream: a loaded server may send a stream's tokens in fewer chunks than
+    # tokens, and with 5 it sent every stream as one chunk once (no gap between chunks: ITL nan)
+    argv += ["--dataset", "chat", "--chat-output-len", "24", "--no-progress", "--output", str(out)]
     assert main(argv) == 0
     record = json.loads(out.read_text())
     results = record["results"]
     assert record["config"]["endpoint"] == "chat"
     assert results["completed"] == 4 and results["failed"] == 0
-    assert results["total_output_tokens"] == 20  # EOS ignored: 5 tokens each, from usage
+    assert results["total_output_tokens"] == 96  # EOS ignored: 24 tokens each, from usage
     assert results["total_input_tokens"] > 4 * 5  # the chat template's tokens around each question
     assert results["ttft_ms"]["p50"] > 0 and results["itl_ms"]["p99"] > 0
