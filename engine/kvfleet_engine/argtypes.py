@@ -8,46 +8,34 @@ import math
 from kvfleet_engine.sampling import MAX_SEED
 
 
-def positive_int(text: str) -> int:
+def _integer(text: str, low: float, high: float, expected: str, bounds: str | None = None) -> int:
+    """`text` as an integer in [low, high]; else "expected {expected}" (or, for an integer out
+    of range, "expected {bounds}"), got what was given."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"expected {bounds or expected}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _integer(text, 1, math.inf, "a positive integer")
 
 
 def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+    return _integer(text, 0, math.inf, "an integer >= 0")
 
 
 def seed(text: str) -> int:
     """A random seed: an integer in [0, 2**64 - 1], the range torch's generators take."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
-    if not 0 <= value <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**64 - 1], got {value}")
-    return value
+    return _integer(text, 0, MAX_SEED, "an integer seed", "an integer in [0, 2**64 - 1]")
 
 
 def non_negative_float(text: str) -> float:
     """A finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
+    return _finite_non_negative(text, "a number >= 0")
 
 
 def positive_float(text: str) -> float:
@@ -62,20 +50,18 @@ def positive_float(text: str) -> float:
 
 
 def port_number(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number in 1..65535, got {value}")
-    return value
+    return _integer(text, 1, 65535, "a port number", "a port number in 1..65535")
 
 
 def non_negative_seconds(text: str) -> float:
+    return _finite_non_negative(text, "a number of seconds")
+
+
+def _finite_non_negative(text: str, expected: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
     if not 0 <= value < math.inf:
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
     return value
