@@ -1,0 +1,249 @@
+"""Does a decode step gain from running its attention (memory-bound) beside its products
+(compute-bound at hundreds of rows)? bench/NOTES.md section 29.
+
+At 512 rows of fp8 weights with an fp8 cache (the 1k/1k workload's decode steps), the products
+need ≈ 5.6 ms of fp8 matrix rate and read 8 GB, while the attention reads ≈ 49 GB of cache at
+≈ 1.5k tokens of context: in one stream they add up (24.5 ms a step measured); beside each other
+the step could approach the bytes' time. The batch can only be split by rows: two halves, each
+half's attention running while the other half's products run (NanoFlow's nano-batches). Each half
+reads every weight, so the split costs the weights' bytes twice.
+
+The probe times, for `--layers` layers of the 8B shape (one layer's weights and one cache reused
+by every layer: each is larger than L2, so every layer reads DRAM), each in a CUDA graph:
+
+  attention        the decode attention of all rows
+  products         qkv, o, gate_up and down (SiLU in it) of all rows
+  serial           per layer qkv, attention, o, gate_up, down: a step as the engine runs it
+                   (norms, rotary and the residual adds left out)
+  halves-serial    the same per half, one stream: what the split alone costs
+  halves-overlap   the halves on two streams: half A's attention of layer L beside half B's
+                   o / gate_up / down of layer L-1 and qkv of layer L, and half B's attention
+                   beside half A's products; the schedule a nano-batched step would run
+  concurrent       all attention on one stream beside all products on another, no order
+                   between them: the most the GPU overlaps the two kernels' kinds at all
+
+    python -m kvfleet_engine.bench.overlap_probe --rows 512 --context 1500 --weights fp8 \\
+        --kv-cache-dtype fp8 [--output probe.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvfleet_engine.bench.gemv import graph_seconds, layer_shapes
+
+
+@dataclass
+class Case:
+    """One layer's weights and one paged cache, and the step's activations for `rows` rows."""
+
+    rows: int
+    weights: str  # "bf16" | "fp8"
+    product: Callable[[str, slice], torch.Tensor]  # (product name, rows)
+    attention: Callable[[slice], torch.Tensor]
+    weight_bytes: int  # one layer's
+    kv_bytes: int  # one layer's attention over all rows
+
+
+def build_case(shape: str, rows: int, context: int, weights: str, kv_cache: str) -> Case:
+    from kvfleet_engine.bench.kernels import _kv_bytes, _paged_kv
+    from kvfleet_engine.bench.shapes import SHAPES
+    from kvfleet_engine.kernels import paged_decode_attention
+    from kvfleet_engine.kernels.checks import to_token_major
+    from kvfleet_engine.kernels.fp8_matmul import fp8_matmul, fp8_silu_and_mul_matmul
+
+    cfg = SHAPES[shape][1]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    device = torch.device("cuda")
+    shapes = {name: (n, k) for name, n, k in layer_shapes(shape)}
+    mats = {name: torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+            for name, (n, k) in shapes.items()}  # fmt: skip
+    scales: dict[str, torch.Tensor] = {}
+    if weights == "fp8":
+        for name, w in list(mats.items()):
+            scale = w.abs().amax(dim=1).float().clamp(min=1e-6) / 448.0
+            mats[name] = (w.float() / scale[:, None]).to(torch.float8_e4m3fn)
+            scales[name] = scale
+    xs = {k: torch.randn(rows, k, device=device, dtype=torch.bfloat16) for _, k in shapes.values()}
+    gate_up_in = torch.randn(rows, shapes["gate_up"][0], device=device, dtype=torch.bfloat16)
+
+    def product(name: str, part: slice) -> torch.Tensor:
+        k = shapes[name][1]
+        if name == "down":  # the engine's down reads [gate | up] and applies SiLU itself
+            x = gate_up_in[part]
+            if weights == "fp8":
+                return fp8_silu_and_mul_matmul(x, mats[name], scales[name], torch.bfloat16)
+            gate, up = x.chunk(2, dim=-1)
+            return F.linear(F.silu(gate) * up, mats[name])
+        x = xs[k][part]
+        if weights == "fp8":
+            return fp8_matmul(x, mats[name], scales[name], torch.bfloat16)
+        return F.linear(x, mats[name])
+
+    k_cache, v_cache, block_tables, lens, kv_scales = _paged_kv(
+        rows, context, kv_heads, head_dim, 16, kv_cache
+    )
+    if kv_cache != "auto":
+        v_cache = to_token_major(v_cache)
+    query = torch.randn(rows, heads, head_dim, device=device, dtype=torch.bfloat16)
+
+    def attention(part: slice) -> torch.Tensor:
+        return paged_decode_attention(
+            query[part], k_cache, v_cache, block_tables[part], lens[part], head_dim**-0.5,
+            **kv_scales,
+        )  # fmt: skip
+
+    element = 1 if weights == "fp8" else 2
+    weight_bytes = sum(n * k * element for n, k in shapes.values())
+    kv_bytes = _kv_bytes(rows * context, kv_heads, head_dim, kv_cache != "auto")
+    return Case(rows, weights, product, attention, weight_bytes, kv_bytes)
+
+
+QKV, REST = ("qkv",), ("o", "gate_up", "down")
+
+
+def variants(case: Case, layers: int) -> dict[str, Callable[[], None]]:
+    full, a, b = slice(None), slice(0, case.rows // 2), slice(case.rows // 2, None)
+    side = torch.cuda.Stream()  # made once, outside any capture
+
+    def products(part: slice, names: tuple[str, ...]) -> None:
+        for name in names:
+            case.product(name, part)
+
+    def attention() -> None:
+        for _ in range(layers):
+            case.attention(full)
+
+    def all_products() -> None:
+        for _ in range(layers):
+            products(full, QKV + REST)
+
+    def serial() -> None:
+        for _ in range(layers):
+            products(full, QKV)
+            case.attention(full)
+            products(full, REST)
+
+    def halves_serial() -> None:
+        for _ in range(layers):
+            for part in (a, b):
+                products(part, QKV)
+                case.attention(part)
+                products(part, REST)
+
+    def halves_overlap() -> None:
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+
+        def mark(stream: torch.cuda.Stream) -> torch.cuda.Event:
+            event = torch.cuda.Event()
+            event.record(stream)
+            return event
+
+        products(a, QKV)
+        qkv_a = mark(main)
+        for layer in range(layers):
+            with torch.cuda.stream(side):
+                side.wait_event(qkv_a)
+                case.attention(a)
+                attn_a = mark(side)
+            if layer:
+                products(b, REST)  # half B's previous layer, beside half A's attention
+            products(b, QKV)
+            qkv_b = mark(main)
+            with torch.cuda.stream(side):
+                side.wait_event(qkv_b)
+                case.attention(b)
+                attn_b = mark(side)
+            main.wait_event(attn_a)
+            products(a, REST)  # half A's, beside half B's attention
+            if layer + 1 < layers:
+                products(a, QKV)
+                qkv_a = mark(main)
+        main.wait_event(attn_b)
+        products(b, REST)
+        main.wait_stream(side)
+
+    def concurrent() -> None:
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            attention()
+        all_products()
+        main.wait_stream(side)
+
+    return {
+        "attention": attention,
+        "products": all_products,
+        "serial": serial,
+        "halves-serial": halves_serial,
+        "halves-overlap": halves_overlap,
+        "concurrent": concurrent,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvfleet_engine.bench.overlap_probe")
+    parser.add_argument("--shape", default="llama-3.1-8b")
+    parser.add_argument("--rows", type=int, nargs="+", default=[512])
+    parser.add_argument("--context", type=int, default=1500)
+    parser.add_argument("--weights", choices=("bf16", "fp8"), default="fp8")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="fp8")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--output", help="JSON of every (rows, variant) time")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("overlap_probe: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from kvfleet_engine.bench.roofline import measure_ceilings
+
+    ceilings = measure_ceilings(torch.device("cuda"))
+    bandwidth = ceilings.bandwidth
+    rate = ceilings.matmul_flops
+    if args.weights == "fp8":
+        if ceilings.fp8_matmul_flops is None:
+            print("overlap_probe: --weights fp8 needs a GPU with fp8 products", file=sys.stderr)
+            return 2
+        rate = ceilings.fp8_matmul_flops
+    print(f"copy {bandwidth / 1e9:.0f} GB/s, {args.weights} matrix rate {rate / 1e12:.0f} TFLOP/s")
+    results = []
+    for rows in args.rows:
+        case = build_case(args.shape, rows, args.context, args.weights, args.kv_cache_dtype)
+        per_weight = 1 if args.weights == "fp8" else 2
+        flops = 2 * rows * case.weight_bytes / per_weight * args.layers
+        bytes_ = (case.weight_bytes + case.kv_bytes) * args.layers
+        floor = max(bytes_ / bandwidth, flops / rate)
+        print(
+            f"rows {rows}, context {args.context}: bytes {bytes_ / 1e9:.1f} GB "
+            f"({bytes_ / bandwidth * 1e3:.2f} ms at copy), products {flops / rate * 1e3:.2f} ms "
+            f"at the matrix rate; floor {floor * 1e3:.2f} ms"
+        )
+        times = {}
+        for name, step in variants(case, args.layers).items():
+            times[name] = graph_seconds(step) * 1e3
+            print(f"  {name:15} {times[name]:8.3f} ms", flush=True)
+        gain = times["serial"] / times["halves-overlap"]
+        print(f"  serial / halves-overlap {gain:.3f}; concurrent / (attention + products) "
+              f"{times['concurrent'] / (times['attention'] + times['products']):.3f}")  # fmt: skip
+        results.append({"rows": rows, "context": args.context, "floor_ms": floor * 1e3, **times})
+    if args.output:
+        with open(args.output, "w") as f:
+            arguments = " ".join(argv or sys.argv[1:])
+            command = f"python -m kvfleet_engine.bench.overlap_probe {arguments}"
+            json.dump({"gpu": torch.cuda.get_device_name(), "command": command,
+                       "weights": args.weights, "kv_cache_dtype": args.kv_cache_dtype,
+                       "copy_gb_per_s": bandwidth / 1e9, "matrix_tflop_per_s": rate / 1e12,
+                       "results": results}, f, indent=1)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
