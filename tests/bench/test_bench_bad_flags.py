@@ -47,6 +47,11 @@ def test_offline_bench_flag(
     assert line == f"kvfleet bench {bench}: error: {message}"
 
 
+def test_host_trace_skip_needs_host_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    line = _error(["bench", "throughput", "--shape", "tiny", "--host-trace-skip", "5"], capsys)
+    assert line == "kvfleet bench throughput: error: --host-trace-skip needs --host-trace N"
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -4,6 +4,7 @@ has the agreed keys and rows; real shapes without a GPU exit 2 with a message.""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -103,3 +104,24 @@ def test_bad_engine_flag_exits_2_before_a_model_is_built(
         main(["bench", command, "--shape", "tiny", *flags])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+TRACED = ["--shape", "tiny", "--num-prompts", "4", "--input-len", "64", "--output-len", "6"]
+TRACED += ["--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--host-trace", "2"]
+
+
+@pytest.mark.slow
+def test_host_trace_skips_the_steps_asked_for(tmp_path, capsys) -> None:
+    # Four 64-token prompts at 64 tokens a step, 6 output tokens: 4 prompt steps, then decodes.
+    argv = [*TRACED, "--host-trace-skip", "4", "--output-dir", str(tmp_path)]
+    assert main(["bench", "throughput", *argv]) == 0
+    assert "host trace: 2 steps in" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_host_trace_says_when_the_workload_ends_within_the_skip(tmp_path, capsys) -> None:
+    argv = [*TRACED, "--host-trace-skip", "50", "--output-dir", str(tmp_path)]
+    assert main(["bench", "throughput", *argv]) == 0
+    out = capsys.readouterr().out
+    ended = r"host trace: the workload ended after \d+ steps, before any was profiled"
+    assert re.search(ended, out)

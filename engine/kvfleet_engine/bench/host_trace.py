@@ -26,8 +26,14 @@ def trace_steps(
     engine.kv_cache.reset_prefix_cache()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"trace-{i}", prompt, params)
-    for _ in range(skip_steps):
+    skipped = 0
+    while skipped < skip_steps and engine.has_unfinished_requests():
         engine.step()
+        skipped += 1
+    if not engine.has_unfinished_requests():
+        while engine.in_flight is not None:
+            engine.step()
+        return [f"host trace: the workload ended after {skipped} steps, before any was profiled"]
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)

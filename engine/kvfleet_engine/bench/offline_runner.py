@@ -172,7 +172,8 @@ def kvfleet_throughput(
         elapsed = time.perf_counter() - start
     device = timer.device_seconds()
     if args.host_trace:
-        print("\n".join(trace_steps(llm.engine, prompts, params, args.host_trace)))
+        skip = args.host_trace_skip
+        print("\n".join(trace_steps(llm.engine, prompts, params, args.host_trace, skip_steps=skip)))
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_in = sum(len(p) for p in prompts)
     source = label("kvfleet", quantization)

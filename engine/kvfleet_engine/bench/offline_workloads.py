@@ -155,8 +155,18 @@ def throughput_args(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="run the peer on the first N prompts only (default: all)",
     )
+    parser.add_argument(
+        "--host-trace-skip",
+        type=non_negative_int,
+        default=0,
+        metavar="K",
+        help="--host-trace: run K steps of the workload before the N it profiles (past its "
+        "prompt steps, to profile decode steps at full batch)",
+    )
     args = parser.parse_args(argv)
     check_engine_flags(parser, args, longest_input=args.input_len[1])
+    if args.host_trace_skip and not args.host_trace:
+        parser.error("--host-trace-skip needs --host-trace N")
     return args
 
 
