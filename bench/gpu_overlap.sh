@@ -18,6 +18,8 @@ probe() {  # name, then the probe's arguments
   timeout -k 5 "${PROBE_TIMEOUT:-150}" python3 -m kvfleet_engine.bench.overlap_probe "$@" \
     --output "$OUT/overlap-$name.json" 2>&1 | grep -v Warning | tail -14
 }
-probe fp8 --rows 512 256 --context 1500 --weights fp8 --kv-cache-dtype fp8
-probe bf16 --rows 256 --context 640 --weights bf16 --kv-cache-dtype auto
+# PDL (the Triton kernels' programmatic dependent launch) as KVFLEET_PDL says: the probe's default
+# is on; `KVFLEET_PDL=0 bash bench/gpu_overlap.sh` times the same with it off.
+probe "fp8-pdl${KVFLEET_PDL:-1}" --rows 512 256 --context 1500 --weights fp8 --kv-cache-dtype fp8
+probe "bf16-pdl${KVFLEET_PDL:-1}" --rows 256 --context 640 --weights bf16 --kv-cache-dtype auto
 echo "=== done ($(date +%T))"
