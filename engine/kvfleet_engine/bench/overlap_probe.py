@@ -22,6 +22,9 @@ by every layer: each is larger than L2, so every layer reads DRAM), each in a CU
   concurrent       all attention on one stream beside all products on another, no order
                    between them: the most the GPU overlaps the two kernels' kinds at all
 
+The Triton kernels launch with PDL unless KVFLEET_PDL=0 (`kernels.pdl`): a PDL kernel lets the
+next one in its stream be scheduled at once, whose programs may then hold SMs while they wait.
+
     python -m kvfleet_engine.bench.overlap_probe --rows 512 --context 1500 --weights fp8 \\
         --kv-cache-dtype fp8 [--output probe.json]
 """
@@ -38,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfleet_engine.bench.gemv import graph_seconds, layer_shapes
+from kvfleet_engine.kernels import pdl
 
 
 @dataclass
@@ -213,7 +217,11 @@ def main(argv: list[str] | None = None) -> int:
             print("overlap_probe: --weights fp8 needs a GPU with fp8 products", file=sys.stderr)
             return 2
         rate = ceilings.fp8_matmul_flops
-    print(f"copy {bandwidth / 1e9:.0f} GB/s, {args.weights} matrix rate {rate / 1e12:.0f} TFLOP/s")
+    on = pdl.enabled(torch.device("cuda"))
+    print(
+        f"copy {bandwidth / 1e9:.0f} GB/s, {args.weights} matrix rate {rate / 1e12:.0f} TFLOP/s, "
+        f"Triton kernels {'with' if on else 'without'} PDL ({pdl.PDL_ENV})"
+    )
     results = []
     for rows in args.rows:
         case = build_case(args.shape, rows, args.context, args.weights, args.kv_cache_dtype)
@@ -240,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             command = f"python -m kvfleet_engine.bench.overlap_probe {arguments}"
             json.dump({"gpu": torch.cuda.get_device_name(), "command": command,
                        "weights": args.weights, "kv_cache_dtype": args.kv_cache_dtype,
+                       "pdl": pdl.enabled(torch.device("cuda")),
                        "copy_gb_per_s": bandwidth / 1e9, "matrix_tflop_per_s": rate / 1e12,
                        "results": results}, f, indent=1)  # fmt: skip
     return 0
