@@ -1,12 +1,13 @@
-"""A real Prometheus in the loop (`make test-integrations`): it discovers the engine pods through
-our kube-apiserver (Kubernetes SD, labelled as the operator's ServiceMonitor would label them),
-scrapes their real /metrics at the kwok pod IPs and the operator's own /metrics; the operator's
-Builtin autoscaler with `source: Prometheus` reads the engines back from it and scales 1 -> 3 -> 1
-like the direct scraper's test (test_autoscaling.py). While three engines serve, every query of
-the Grafana dashboard (manifests/dashboards/kvfleet.json) is evaluated against this Prometheus and
-must return data, but for the Router row's: no router runs here (the load goes to an engine
-directly), so their kvfleet_router_* series are checked against the router's own exposition by
-tests/test_dashboard.py only."""
+"""A real Prometheus in the loop (`make test-integrations`): it discovers the engine and router
+pods through our kube-apiserver (Kubernetes SD, labelled as the operator's ServiceMonitors would
+label them), scrapes their real /metrics at the kwok pod IPs and the operator's own /metrics; the
+operator's Builtin autoscaler with `source: Prometheus` reads the engines back from it and scales
+1 -> 3 -> 1 like the direct scraper's test (test_autoscaling.py). The load goes through a real
+`kvfleet router` bound at the router pod's IP (e2e/router_process.py). While three engines serve,
+every query of the Grafana dashboard (manifests/dashboards/kvfleet.json), the Router row's
+included, is evaluated against this Prometheus and must return data (the router's retries by
+reason too: its series exist from start-up at 0, though nothing is retried while every engine
+serves)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from kvcluster.prometheus import Prometheus
 from kvcluster.testing import E2ECluster
 from operator_process import OperatorProcess, install_crds, running_operator
 from operator_process import wait_logged as wait
+from router_process import running_router
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.integration]
 
@@ -63,8 +65,6 @@ def dashboard_queries(namespace: str) -> list[tuple[str, str]]:
     for panel in panels:
         for target in panel.get("targets", []):
             expr = target["expr"]
-            if "kvfleet_router_" in expr:
-                continue  # no router in this test (see the module's docstring)
             for variable, value in fill.items():
                 expr = expr.replace(variable, value)
             out.append((panel["title"], expr))
@@ -83,8 +83,10 @@ def test_prometheus_source_scales_up_and_back_down_and_every_dashboard_query_has
     tmp_path: Path,
 ) -> None:
     kubectl = cluster.kubectl
-    logs = [operator.log_path, prometheus.log_path]
+    router_log = tmp_path / "router.log"
+    logs = [operator.log_path, prometheus.log_path, router_log]
     manifest = inference_deployment(namespace, tiny_model, TARGET_TOKENS_PER_SECOND)
+    manifest["spec"]["routing"] = {"replicas": 1}  # the one router pod a real router stands in for
     manifest["spec"]["autoscaling"]["source"] = "Prometheus"
     manifest["spec"]["autoscaling"]["prometheus"] = {"url": prometheus.url}
     kubectl("apply", "--server-side", "-f", "-", input=json.dumps(manifest))
@@ -95,22 +97,32 @@ def test_prometheus_source_scales_up_and_back_down_and_every_dashboard_query_has
     def replicas() -> int:
         return int(kubectl.json("get", "deployment", NAME, "-n", namespace)["spec"]["replicas"])
 
-    def engine_targets_up() -> int:
-        series = prometheus.query(f'up{{namespace="{namespace}", service="{NAME}"}} == 1')
-        return len(series)
+    def targets_up(service: str) -> int:
+        return len(prometheus.query(f'up{{namespace="{namespace}", service="{service}"}} == 1'))
 
-    with EnginePods(cluster.kubectl, namespace, NAME, tiny_model, tmp_path) as engines:
+    def engine_targets_up() -> int:
+        return targets_up(NAME)
+
+    with (
+        EnginePods(cluster.kubectl, namespace, NAME, tiny_model, tmp_path) as engines,
+        running_router(cluster, namespace, NAME, router_log) as (router_url, router_pod),
+    ):
         wait(lambda: engines.ready_ips(), ENGINE_START_S, "the first engine to be ready", logs)
         wait(lambda: engine_targets_up() == 1, 60, "Prometheus to scrape the first engine", logs)
         target = next(t for t in prometheus.targets() if t["labels"].get("service") == NAME)
         assert target["labels"]["namespace"] == namespace
         assert target["labels"]["pod"] == engines.pods()[0]["metadata"]["name"]
         assert target["scrapeUrl"] == f"http://{engines.ready_ips()[0]}:8000/metrics"
+        # the router's target, labelled as its ServiceMonitor's (the NAME-router Service)
+        wait(lambda: targets_up(f"{NAME}-router") == 1, 60, "Prometheus to scrape the router",
+             logs)  # fmt: skip
+        target = next(t for t in prometheus.targets() if t["labels"]["job"] == f"{NAME}-router")
+        assert target["labels"]["namespace"] == namespace
+        assert target["labels"]["pod"] == router_pod["metadata"]["name"]
+        assert target["scrapeUrl"] == f"{router_url}/metrics"
         assert replicas() == 1
 
-        bench = start_load(
-            f"http://{engines.ready_ips()[0]}:8000", (tmp_path / "bench.log").open("wb")
-        )
+        bench = start_load(router_url, (tmp_path / "bench.log").open("wb"))
         try:
             wait(lambda: replicas() == 3, 150, "the scale-up to maxReplicas (Prometheus)", logs)
             wait(lambda: len(engines.ready_ips()) == 3, ENGINE_START_S, "the new pods' engines",

@@ -1,7 +1,8 @@
 """A real Prometheus beside the local control plane (integration tests): Kubernetes service
 discovery against our kube-apiserver finds the engine pods (label kvfleet.io/deployment, port
-`http`, ready) and labels them as the operator's ServiceMonitor would (namespace, service, pod,
-job), and a static target scrapes the operator's own /metrics (`kvfleet operator --metrics-port`).
+`http`, ready) and the router pods (label kvfleet.io/router) and labels them as the operator's
+ServiceMonitors would (namespace, service, pod, job; the routers' service is `NAME-router`), and
+a static target scrapes the operator's own /metrics (`kvfleet operator --metrics-port`).
 
     with Prometheus.start(cluster.config, operator_metrics_port=port, state_dir=tmp) as prom:
         prom.query('sum(rate(kvfleet_generation_tokens_total[20s]))')   # -> list of series
@@ -29,40 +30,15 @@ READY_TIMEOUT_S = 60.0
 
 
 def render_config(config: ClusterConfig, operator_metrics_port: int | None) -> dict[str, Any]:
-    """prometheus.yml: the engines through Kubernetes SD, the operator as a static target."""
-    pki = Pki.under(config.state_dir / "pki")
-    tls = {"ca_file": str(pki.ca_cert), "cert_file": str(pki.admin_cert),
-           "key_file": str(pki.admin_key)}  # fmt: skip
-    engines = {
-        "job_name": "kvfleet-engines",
-        "metrics_path": "/metrics",
-        # Pods, not EndpointSlices: the API server refuses loopback addresses in an EndpointSlice,
-        # so the Services of kwok pods (127.x IPs) have no endpoints here.
-        "kubernetes_sd_configs": [
-            {
-                "role": "pod",
-                "api_server": f"https://127.0.0.1:{config.ports.apiserver}",
-                "tls_config": tls,
-            }
-        ],
-        # The target labels the Prometheus Operator gives the operator's ServiceMonitor (the
-        # InferenceDeployment's Service, port http, ready endpoints): namespace, service, pod, job.
-        "relabel_configs": [
-            {"action": "keep", "regex": ".+",
-             "source_labels": ["__meta_kubernetes_pod_label_kvfleet_io_deployment"]},
-            {"action": "keep", "regex": "http",
-             "source_labels": ["__meta_kubernetes_pod_container_port_name"]},
-            {"action": "keep", "regex": "true",
-             "source_labels": ["__meta_kubernetes_pod_ready"]},
-            {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
-            {"source_labels": ["__meta_kubernetes_pod_label_kvfleet_io_deployment"],
-             "target_label": "service"},
-            {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
-            {"source_labels": ["__meta_kubernetes_pod_label_kvfleet_io_deployment"],
-             "target_label": "job"},
-        ],
-    }  # fmt: skip
-    scrape_configs = [engines]
+    """prometheus.yml: the engines and the routers through Kubernetes SD, the operator as a
+    static target."""
+    scrape_configs = [
+        # the engines' Service is named after the InferenceDeployment
+        _pods_job(config, "kvfleet-engines", "kvfleet.io/deployment", "${1}"),
+        # the routers' (pods labelled kvfleet.io/router=NAME) is NAME-router; a router pod's
+        # target is up only where a real router runs at its IP (e2e/router_process.py)
+        _pods_job(config, "kvfleet-routers", "kvfleet.io/router", "${1}-router"),
+    ]
     if operator_metrics_port is not None:
         scrape_configs.append(
             {
@@ -76,6 +52,41 @@ def render_config(config: ClusterConfig, operator_metrics_port: int | None) -> d
         "global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": SCRAPE_INTERVAL},
         "scrape_configs": scrape_configs,
     }
+
+
+def _pods_job(config: ClusterConfig, job_name: str, pod_label: str, service: str) -> dict[str, Any]:
+    """The ready pods carrying `pod_label`, port `http`, with the target labels the Prometheus
+    Operator gives a ServiceMonitor's (their Service, port http, ready endpoints): namespace,
+    service, pod, job (= service). `service` names the Service, `${1}` standing for the pod
+    label's value."""
+    pki = Pki.under(config.state_dir / "pki")
+    tls = {"ca_file": str(pki.ca_cert), "cert_file": str(pki.admin_cert),
+           "key_file": str(pki.admin_key)}  # fmt: skip
+    label = "__meta_kubernetes_pod_label_" + pod_label.replace(".", "_").replace("/", "_")
+    return {
+        "job_name": job_name,
+        "metrics_path": "/metrics",
+        # Pods, not EndpointSlices: the API server refuses loopback addresses in an EndpointSlice,
+        # so the Services of kwok pods (127.x IPs) have no endpoints here.
+        "kubernetes_sd_configs": [
+            {
+                "role": "pod",
+                "api_server": f"https://127.0.0.1:{config.ports.apiserver}",
+                "tls_config": tls,
+            }
+        ],
+        "relabel_configs": [
+            {"action": "keep", "regex": ".+", "source_labels": [label]},
+            {"action": "keep", "regex": "http",
+             "source_labels": ["__meta_kubernetes_pod_container_port_name"]},
+            {"action": "keep", "regex": "true",
+             "source_labels": ["__meta_kubernetes_pod_ready"]},
+            {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
+            {"source_labels": [label], "replacement": service, "target_label": "service"},
+            {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
+            {"source_labels": [label], "replacement": service, "target_label": "job"},
+        ],
+    }  # fmt: skip
 
 
 @dataclass

@@ -25,6 +25,10 @@ TIMEOUT = "timeout"  # the replica sent nothing within the upstream timeouts (50
 # ...and of requests the router answered itself (replica="").
 BAD_REQUEST, UNKNOWN_MODEL = "bad_request", "unknown_model"
 QUEUE_FULL, QUEUE_TIMEOUT = "queue_full", "queue_timeout"
+# Why a request went on to another replica (kvfleet_router_retries_total; upstream.LOST and
+# TIMED_OUT among them): each series exists from start-up at 0, so a dashboard's rate of it is 0,
+# not "no data", until the first retry.
+RETRY_REASONS = ("429", "503", "connect", "lost", "timeout")
 
 ADDED_LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1,
@@ -57,6 +61,8 @@ class RouterMetrics:
             ["reason"],
             registry=self.registry,
         )
+        for reason in RETRY_REASONS:
+            self._retries.labels(reason)
         self._prefix_blocks = Counter(
             "kvfleet_router_prefix_blocks",
             "Prompt prefix blocks of routed requests.",
@@ -101,6 +107,7 @@ class RouterMetrics:
             self._prefix_hit_blocks.inc(matched_blocks)
 
     def retried(self, reason: str) -> None:
+        assert reason in RETRY_REASONS, reason
         self._retries.labels(reason).inc()
 
     def observe_added_latency(self, seconds: float) -> None:

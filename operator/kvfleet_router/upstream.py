@@ -95,6 +95,7 @@ class Answer:
             try:
                 while chunk := await _next_chunk(upstream, self._idle_timeout_s):
                     await stream.write(chunk)
+                await stream.write_eof()  # fails too if the client left just as the stream ended
             except (*_BROKEN, TimeoutError) as exc:
                 upstream.close()
                 transport = request.transport
@@ -102,7 +103,6 @@ class Answer:
                     return stream, m.DISCONNECTED  # the write to the client failed
                 transport.abort()
                 return stream, m.TIMEOUT if isinstance(exc, TimeoutError) else m.BROKEN
-            await stream.write_eof()
             return stream, outcome(self.status)
         except BaseException:
             upstream.close()  # the client went away: drop the upstream connection now

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 import aiohttp
+import pytest
+from aiohttp import web
 from fake_engine import MODEL, FakeEngine, chat
 from router_fixtures import StartEngines, StartRouter
 
-from kvfleet_router.upstream import REPLICA_HEADER
+from kvfleet_router.metrics import RETRY_REASONS
+from kvfleet_router.upstream import LOST, REPLICA_HEADER, TIMED_OUT
 
 COMPLETION = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 4}).encode()
 STREAM = json.dumps({"model": MODEL, "prompt": "Hello", "stream": True}).encode()
@@ -161,6 +165,38 @@ async def test_a_client_disconnect_cancels_the_upstream_stream_at_once(
     await asyncio.wait_for(engine.disconnected.wait(), 1.0)
     await _until(lambda: router.router.metrics.num_in_flight == 0)
     assert router.router.pool.members[address(engine)].in_flight == 0
+
+
+async def test_a_client_gone_as_the_stream_ends_is_counted_not_logged_as_an_error(
+    start_engines: StartEngines,
+    start_router: StartRouter,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The client closes its connection after the last event, before the router writes the
+    stream's end: a disconnect in the router's counters, and no traceback in its log."""
+    write_eof = web.StreamResponse.write_eof
+
+    async def client_left(self: web.StreamResponse, data: bytes = b"") -> None:
+        if REPLICA_HEADER not in self.headers:  # the fake engine's own stream
+            return await write_eof(self, data)
+        assert self._req is not None and self._req.transport is not None
+        self._req.transport.close()
+        raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+
+    monkeypatch.setattr(web.StreamResponse, "write_eof", client_left)
+    (engine,) = await start_engines(1)
+    router = await start_router([engine.url])
+    response = await router.post("/v1/completions", STREAM)
+    with pytest.raises(aiohttp.ClientPayloadError):  # no end of stream came
+        await asyncio.wait_for(response.content.read(), 2)
+    await _until(lambda: router.router.metrics.num_in_flight == 0)
+    text = await (await router.http.get(router.url + "/metrics")).text()
+    replica = address(engine)
+    assert (
+        f'kvfleet_router_requests_total{{outcome="disconnected",replica="{replica}"}} 1.0' in text
+    )
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 async def test_503_and_429_are_retried_on_another_replica(
@@ -335,6 +371,10 @@ async def test_health_ready_and_metrics(
         "kvfleet_router_prefix_hit_blocks_total",
     ):
         assert name in text, name
+    # Every retry reason's series from start-up (a dashboard's rate is 0, not "no data").
+    assert {LOST, TIMED_OUT} <= set(RETRY_REASONS)
+    for reason in RETRY_REASONS:
+        assert f'kvfleet_router_retries_total{{reason="{reason}"}} 0.0' in text, reason
 
 
 async def _until(check: object, timeout: float = 2.0) -> None:
