@@ -59,7 +59,7 @@ def _pods_job(config: ClusterConfig, job_name: str, pod_label: str, service: str
     Operator gives a ServiceMonitor's (their Service, port http, ready endpoints): namespace,
     service, pod, job (= service). `service` names the Service, `${1}` standing for the pod
     label's value."""
-    pki = Pki.under(config.state_dir / "pki")
+    pki = Pki.under(config.state_dir.resolve() / "pki")  # Prometheus reads paths from its own dir
     tls = {"ca_file": str(pki.ca_cert), "cert_file": str(pki.admin_cert),
            "key_file": str(pki.admin_key)}  # fmt: skip
     label = "__meta_kubernetes_pod_label_" + pod_label.replace(".", "_").replace("/", "_")
