@@ -153,15 +153,14 @@ def silu_rows(counts: list[int], output: str, argv: list[str]) -> int:
             )
             moved = rows * INNER * (2 * 2 + 1)  # bf16 gate and up read, e4m3 codes written
             whole = fp8_rows.silu_and_mul_fp8(gate_up, chunked=False)
-            row: dict[str, object] = {"rows": rows, "same": True}
-            cells = []
+            row: dict[str, object] = {"rows": rows}
+            same, cells = True, []
             for name, chunk in variants.items():
                 fp8_rows.CHUNK = chunk or saved
                 made = fp8_rows.silu_and_mul_fp8(gate_up, chunked=chunk is not None)
-                row["same"] = (
-                    bool(row["same"])
-                    and torch.equal(made.scale, whole.scale)
-                    and (torch.equal(made.codes.view(torch.uint8), whole.codes.view(torch.uint8)))
+                same = same and torch.equal(made.scale, whole.scale)
+                same = same and torch.equal(
+                    made.codes.view(torch.uint8), whole.codes.view(torch.uint8)
                 )
                 us = timed(
                     lambda g=gate_up, c=chunk is not None: fp8_rows.silu_and_mul_fp8(g, chunked=c)
@@ -169,8 +168,8 @@ def silu_rows(counts: list[int], output: str, argv: list[str]) -> int:
                 row[f"{name}_us"] = us
                 cells.append(f"{us:8.1f} ({moved / (us * 1e-6) / bandwidth:4.0%})")
             print(f"{rows:>6} " + " ".join(f"{c:>15}" for c in cells)
-                  + ("" if row["same"] else "  CODES DIFFER"))  # fmt: skip
-            results.append(row)
+                  + ("" if same else "  CODES DIFFER"))  # fmt: skip
+            results.append({**row, "same": same})
     finally:
         fp8_rows.CHUNK = saved
     record = {

@@ -25,10 +25,12 @@ TIMEOUT = "timeout"  # the replica sent nothing within the upstream timeouts (50
 # ...and of requests the router answered itself (replica="").
 BAD_REQUEST, UNKNOWN_MODEL = "bad_request", "unknown_model"
 QUEUE_FULL, QUEUE_TIMEOUT = "queue_full", "queue_timeout"
-# Why a request went on to another replica (kvfleet_router_retries_total; upstream.LOST and
-# TIMED_OUT among them): each series exists from start-up at 0, so a dashboard's rate of it is 0,
-# not "no data", until the first retry.
-RETRY_REASONS = ("429", "503", "connect", "lost", "timeout")
+# Why a request went on to another replica (kvfleet_router_retries_total): a 429 or 503, no
+# connection, or an attempt that failed after it was sent (LOST: the connection closed;
+# TIMED_OUT: no headers, or body, in time). Each series exists from start-up at 0, so a
+# dashboard's rate of it is 0, not "no data", until the first retry.
+LOST, TIMED_OUT = "lost", "timeout"
+RETRY_REASONS = ("429", "503", "connect", LOST, TIMED_OUT)
 
 ADDED_LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1,

@@ -38,8 +38,6 @@ from kvfleet_router.settings import RouterSettings
 from kvfleet_router.strategies import RoutedRequest, Strategy
 from kvfleet_router.upstream import (
     HOP_BY_HOP,
-    LOST,
-    TIMED_OUT,
     Declined,
     Failed,
     Upstream,
@@ -203,7 +201,7 @@ class Proxy:
                 if isinstance(answer, Failed):
                     attempts += 1
                     failed.append(answer)
-                    if answer.reason == TIMED_OUT:
+                    if answer.reason == m.TIMED_OUT:
                         busy.add(replica.address)
                     continue
                 if not isinstance(answer, Declined):
@@ -227,7 +225,7 @@ class Proxy:
     def _unanswered(self, failed: list[Failed], result: _Outcome) -> web.Response:
         """502 when every failed attempt's connection closed, else 504."""
         settings = self._settings
-        num_lost = sum(f.reason == LOST for f in failed)
+        num_lost = sum(f.reason == m.LOST for f in failed)
         num_timed_out = len(failed) - num_lost
         if not num_timed_out:
             result.outcome = m.BROKEN

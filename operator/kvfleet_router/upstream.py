@@ -41,7 +41,6 @@ _BROKEN = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
 # The client's Content-Type or none: the engine's answer to a body without one must say so,
 # not name the application/octet-stream aiohttp would fill in.
 _NOT_ADDED = ("Content-Type",)
-LOST, TIMED_OUT = "lost", "timeout"  # why an attempt failed (kvfleet_router_retries_total)
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,7 @@ class Failed:
     """The request was sent and no answer came: the replica may have run it (and may fail on it
     again), so another try counts toward --max-attempts."""
 
-    reason: str  # LOST: the connection closed; TIMED_OUT: no headers (or body) in time
+    reason: str  # m.LOST: the connection closed; m.TIMED_OUT: no headers (or body) in time
 
 
 class Answer:
@@ -150,7 +149,7 @@ class Upstream:
         except (*_BROKEN, TimeoutError) as exc:
             if upstream is not None:
                 upstream.close()  # the engine sees the disconnect and aborts the request
-            return Failed(TIMED_OUT if isinstance(exc, TimeoutError) else LOST)
+            return Failed(m.TIMED_OUT if isinstance(exc, TimeoutError) else m.LOST)
         except BaseException:
             if upstream is not None:
                 upstream.close()

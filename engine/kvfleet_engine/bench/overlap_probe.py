@@ -49,9 +49,9 @@ class Case:
     """One layer's weights and one paged cache, and the step's activations for `rows` rows."""
 
     rows: int
-    weights: str  # "bf16" | "fp8"
     product: Callable[[str, slice], torch.Tensor]  # (product name, rows)
     attention: Callable[[slice], torch.Tensor]
+    weights_per_row: int  # one layer's multiply-adds a row (its weights' count)
     weight_bytes: int  # one layer's
     kv_bytes: int  # one layer's attention over all rows
 
@@ -62,6 +62,7 @@ def build_case(shape: str, rows: int, context: int, weights: str, kv_cache: str)
     from kvfleet_engine.kernels import paged_decode_attention
     from kvfleet_engine.kernels.checks import to_token_major
     from kvfleet_engine.kernels.fp8_matmul import fp8_matmul, fp8_silu_and_mul_matmul
+    from kvfleet_engine.quant.layout import quantize_fp8
 
     cfg = SHAPES[shape][1]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -73,9 +74,8 @@ def build_case(shape: str, rows: int, context: int, weights: str, kv_cache: str)
     scales: dict[str, torch.Tensor] = {}
     if weights == "fp8":
         for name, w in list(mats.items()):
-            scale = w.abs().amax(dim=1).float().clamp(min=1e-6) / 448.0
-            mats[name] = (w.float() / scale[:, None]).to(torch.float8_e4m3fn)
-            scales[name] = scale
+            fp8 = quantize_fp8(w)
+            mats[name], scales[name] = fp8.weight, fp8.scale
     xs = {k: torch.randn(rows, k, device=device, dtype=torch.bfloat16) for _, k in shapes.values()}
     gate_up_in = torch.randn(rows, shapes["gate_up"][0], device=device, dtype=torch.bfloat16)
 
@@ -105,10 +105,10 @@ def build_case(shape: str, rows: int, context: int, weights: str, kv_cache: str)
             **kv_scales,
         )  # fmt: skip
 
-    element = 1 if weights == "fp8" else 2
-    weight_bytes = sum(n * k * element for n, k in shapes.values())
+    count = sum(n * k for n, k in shapes.values())
+    weight_bytes = count * (1 if weights == "fp8" else 2)
     kv_bytes = _kv_bytes(rows * context, kv_heads, head_dim, kv_cache != "auto")
-    return Case(rows, weights, product, attention, weight_bytes, kv_bytes)
+    return Case(rows, product, attention, count, weight_bytes, kv_bytes)
 
 
 QKV, REST = ("qkv",), ("o", "gate_up", "down")
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             print("overlap_probe: --weights fp8 needs a GPU with fp8 products", file=sys.stderr)
             return 2
         rate = ceilings.fp8_matmul_flops
-    on = pdl.enabled(torch.device("cuda"))
+    on = pdl.enabled(torch.device("cuda"))  # the Triton kernels' launches (KVFLEET_PDL)
     print(
         f"copy {bandwidth / 1e9:.0f} GB/s, {args.weights} matrix rate {rate / 1e12:.0f} TFLOP/s, "
         f"Triton kernels {'with' if on else 'without'} PDL ({pdl.PDL_ENV})"
@@ -225,8 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for rows in args.rows:
         case = build_case(args.shape, rows, args.context, args.weights, args.kv_cache_dtype)
-        per_weight = 1 if args.weights == "fp8" else 2
-        flops = 2 * rows * case.weight_bytes / per_weight * args.layers
+        flops = 2 * rows * case.weights_per_row * args.layers
         bytes_ = (case.weight_bytes + case.kv_bytes) * args.layers
         floor = max(bytes_ / bandwidth, flops / rate)
         print(
@@ -248,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             command = f"python -m kvfleet_engine.bench.overlap_probe {arguments}"
             json.dump({"gpu": torch.cuda.get_device_name(), "command": command,
                        "weights": args.weights, "kv_cache_dtype": args.kv_cache_dtype,
-                       "pdl": pdl.enabled(torch.device("cuda")),
+                       "pdl": on,
                        "copy_gb_per_s": bandwidth / 1e9, "matrix_tflop_per_s": rate / 1e12,
                        "results": results}, f, indent=1)  # fmt: skip
     return 0
