@@ -179,9 +179,10 @@ class DecodeGraphs(_StepGraphs):
         # [2 + n]: the shared prefix, as `kernels.shared_prefix` reads it; rows past a step's
         # sequences keep stale shares, read for padding rows only (context 0: nothing read).
         self.shared = torch.zeros(2 + max_num_seqs, dtype=torch.int32, device=device)
-        # [n, vocab] float32: every graph's logits, in one buffer (each graph's own would hold
-        # sum(sizes) rows of the vocabulary: 1 GiB for an 8B model at 256 sequences). Made by
-        # the first, uncaptured forward.
+        # [n, vocab] in the model's dtype: every graph's logits, in one buffer (each graph's
+        # own would hold sum(sizes) rows of the vocabulary: 0.5 GiB for an 8B model at 256
+        # sequences). Made by the first, uncaptured forward. Not cast to float32 here: an
+        # all-greedy step reads only the argmax, and the sampler casts the rows it samples.
         self.logits: torch.Tensor | None = None
         n = self.sizes[-1]
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)  # [n]
@@ -201,8 +202,9 @@ class DecodeGraphs(_StepGraphs):
         return sorted(keys, reverse=True)  # largest first, its shared variant before it
 
     def _forward(self, key: tuple[int, bool]) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
-        """[size, vocab] float32 logits and [size] int64 argmax (greedy rows' tokens without a
-        launch of their own); a stage before the last: its output [2, size, hidden]."""
+        """[size, vocab] logits in the model's dtype and [size] int64 argmax (greedy rows'
+        tokens without a launch of their own; the same as the float32 logits' argmax, since the
+        cast is exact); a stage before the last: its output [2, size, hidden]."""
         size, shared = key
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:size],
@@ -218,9 +220,9 @@ class DecodeGraphs(_StepGraphs):
         model_logits = self.model.compute_logits(hidden)  # [size, vocab] in the model's dtype
         if self.logits is None:
             rows, vocab = self.sizes[-1], model_logits.shape[1]
-            self.logits = torch.empty(rows, vocab, dtype=torch.float32, device=hidden.device)
+            self.logits = torch.empty(rows, vocab, dtype=model_logits.dtype, device=hidden.device)
         logits = self.logits[:size]
-        logits.copy_(model_logits)  # the float32 cast the sampler reads, in place
+        logits.copy_(model_logits)
         return logits, logits.argmax(dim=-1)
 
     def load(
@@ -268,8 +270,8 @@ class DecodeGraphs(_StepGraphs):
         pending_sources: torch.Tensor | None = None,
         samples: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """([num_seqs, vocab] float32 logits, [num_seqs] int64 argmax) of the whole model, or
-        None if no graph fits (`load`'s arguments)."""
+        """([num_seqs, vocab] logits in the model's dtype, [num_seqs] int64 argmax) of the
+        whole model, or None if no graph fits (`load`'s arguments)."""
         key = self.load(input_ids, positions, meta, pending_sources, samples)
         if key is None:
             return None

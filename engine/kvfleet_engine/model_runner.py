@@ -298,12 +298,13 @@ class ModelRunner:
             sampled_token_ids=dict(zip(request_ids, token_ids, strict=True)), logprobs=logprobs
         )
 
-    def compute_logits(self, inputs: ModelInputs) -> torch.Tensor:  # [num_sampling_rows, vocab]
-        return self.forward(inputs)[0]
+    def compute_logits(self, inputs: ModelInputs) -> torch.Tensor:
+        """[num_sampling_rows, vocab] float32 logits of one step (tests, perplexity)."""
+        return self.forward(inputs)[0].float()
 
     def forward(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[num_sampling_rows, vocab] float32 logits, and each row's argmax when a decode graph
-        computed it (None: the sampler takes it). Single rank only (the others would not join)."""
+        """[num_sampling_rows, vocab] logits in the model's dtype, and each row's argmax when a
+        decode graph computed it (None: the sampler takes it). Single rank only (the others would not join)."""
         assert self.workers is None, "forward() alone runs one rank; launch() runs them all"
         return self.executor.forward(inputs)
 

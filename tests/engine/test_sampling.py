@@ -261,3 +261,21 @@ def test_greedy_takes_the_argmax_computed_with_the_logits_unless_penalties_chang
     )
     penalised = _meta(1, temperatures=torch.zeros(1), all_greedy=True, penalties=penalties)
     assert Sampler()(logits, penalised, argmax).token_ids.tolist() == [1]
+
+
+def test_bf16_logits_sample_as_their_float32_cast() -> None:
+    """A decode graph hands over logits in the model's dtype: greedy rows take the same tokens as
+    from the float32 cast (ties to the first index), and logprobs come back in float32, equal
+    to those of the cast."""
+    torch.manual_seed(0)
+    logits = torch.randn(8, 300).to(torch.bfloat16)
+    logits[3, 7] = logits[3, 200] = 50.0  # a tie: the first index wins, as in float32
+    wide = logits.float()
+    greedy = _meta(8, temperatures=torch.zeros(8), all_greedy=True)
+    tokens = Sampler()(logits, greedy).token_ids
+    assert tokens.tolist() == wide.argmax(dim=-1).tolist() and tokens[3] == 7
+    asked = _meta(8, temperatures=torch.zeros(8), all_greedy=True, max_num_logprobs=2)
+    out = Sampler()(logits, asked, tokens)
+    assert out.sampled_logprobs is not None and out.sampled_logprobs.dtype == torch.float32
+    expected = wide.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0]
+    assert torch.equal(out.sampled_logprobs, expected)

@@ -307,8 +307,9 @@ class ModelExecutor:
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[num_sampling_rows, vocab] float32 logits, and each row's argmax when a decode graph
-        computed it (None: the sampler takes it)."""
+        """[num_sampling_rows, vocab] logits in the model's dtype (the sampler casts what it
+        samples), and each row's argmax when a decode graph computed it (None: the sampler
+        takes it)."""
         if self.decode_graphs is not None and inputs.attention.is_decode:
             graph_out = self.decode_graphs.run(
                 inputs.input_ids,
@@ -331,21 +332,22 @@ class ModelExecutor:
                 self.last_samples,
             )
             if hidden is not None:
-                return self.model.compute_logits(hidden[inputs.logits_indices]).float(), None
+                return self.model.compute_logits(hidden[inputs.logits_indices]), None
         input_ids = inputs.input_ids
         if inputs.pending_sources is not None:  # the previous step's samples, on the device
             sources = inputs.pending_sources
             sampled = self.last_samples.index_select(0, sources.clamp(min=0))
             input_ids = torch.where(sources >= 0, sampled, input_ids)
         hidden = self.model(input_ids, inputs.positions, inputs.attention)
-        return self.model.compute_logits(hidden[inputs.logits_indices]).float(), None
+        return self.model.compute_logits(hidden[inputs.logits_indices]), None
 
     @torch.inference_mode()
     def forward_stage(self, inputs: ModelInputs, previous: torch.Tensor | None) -> torch.Tensor:
         """This pipeline stage's part of the step, from the previous stage's output [2,
         num_tokens, hidden] (None on the first stage, which embeds the input ids): the output
         for the next stage (the caller's to keep: an asynchronous send may read it while the
-        next step runs), or on the last stage the [num_sampling_rows, vocab] float32 logits.
+        next step runs), or on the last stage the [num_sampling_rows, vocab] logits (the model's
+        dtype).
         Through this stage's graphs where one fits the step."""
         stage = self.stage
         assert stage is not None
@@ -363,10 +365,10 @@ class ModelExecutor:
             graphed = graphs.replay(key)
             if not stage.is_last:
                 return graphed[:, :rows].clone()  # graph memory: the next replay overwrites it
-            if meta.is_decode:  # the decode graph's float32 logits, every row's
+            if meta.is_decode:  # the decode graph's logits, every row's
                 return graphed[0][inputs.logits_indices]
             out = graphed[:rows]
-        return self.model.compute_logits(out[inputs.logits_indices]).float()
+        return self.model.compute_logits(out[inputs.logits_indices])
 
     def keep_samples(self, token_ids: torch.Tensor, request_ids: list[str]) -> None:
         """This step's samples [rows] on the device: the next step's pending inputs."""
