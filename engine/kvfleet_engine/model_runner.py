@@ -304,7 +304,8 @@ class ModelRunner:
 
     def forward(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[num_sampling_rows, vocab] logits in the model's dtype, and each row's argmax when a
-        decode graph computed it (None: the sampler takes it). Single rank only (the others would not join)."""
+        decode graph computed it (None: the sampler takes it). Single rank only (the others
+        would not join)."""
         assert self.workers is None, "forward() alone runs one rank; launch() runs them all"
         return self.executor.forward(inputs)
 
