@@ -25,6 +25,16 @@ by every layer: each is larger than L2, so every layer reads DRAM), each in a CU
 The Triton kernels launch with PDL unless KVFLEET_PDL=0 (`kernels.pdl`): a PDL kernel lets the
 next one in its stream be scheduled at once, whose programs may then hold SMs while they wait.
 
+`--green-sms N ...` asks the premise any split of the SMs rests on: does the attention keep its
+bandwidth on fewer SMs? For each N, a CUDA green context of N SMs (`torch.cuda.green_contexts`)
+runs the attention alone, then beside all the products on the ordinary stream (which may use
+every SM), timed eagerly with events (graph capture across contexts is not relied on); the same
+two without a green context, eagerly, are the baseline:
+
+  eager-attention / eager-products / eager-concurrent      no green context
+  green-N-attention                                        the attention on N SMs, alone
+  green-N-concurrent                                       it beside the products
+
     python -m kvfleet_engine.bench.overlap_probe --rows 512 --context 1500 --weights fp8 \\
         --kv-cache-dtype fp8 [--output probe.json]
 """
@@ -36,6 +46,7 @@ import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -194,6 +205,84 @@ def variants(case: Case, layers: int) -> dict[str, Callable[[], None]]:
     }
 
 
+def eager_ms(step: Callable[[], None], rounds: int = 5) -> float:
+    """Median milliseconds of step() launched eagerly (the current stream's events around it,
+    every stream it forks joined back), after one warm-up call."""
+    step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def green_times(case: Case, layers: int, sms: list[int]) -> dict[str, float | str]:
+    """The eager baseline, then the attention confined to a green context of each SM count,
+    alone and beside the products (the module docstring). An SM count the GPU or the driver
+    refuses gives its error as the value."""
+    full = slice(None)
+
+    def attention() -> None:
+        for _ in range(layers):
+            case.attention(full)
+
+    def products() -> None:
+        for _ in range(layers):
+            for name in QKV + REST:
+                case.product(name, full)
+
+    def beside(stream: torch.cuda.Stream) -> Callable[[], None]:
+        def step() -> None:
+            main = torch.cuda.current_stream()
+            forked = torch.cuda.Event()
+            forked.record(main)
+            stream.wait_event(forked)
+            with torch.cuda.stream(stream):
+                attention()
+                joined = torch.cuda.Event()
+                joined.record(stream)
+            products()
+            main.wait_event(joined)
+
+        return step
+
+    def on(stream: torch.cuda.Stream, fn: Callable[[], None]) -> Callable[[], None]:
+        def step() -> None:
+            main = torch.cuda.current_stream()
+            forked = torch.cuda.Event()
+            forked.record(main)
+            stream.wait_event(forked)
+            with torch.cuda.stream(stream):
+                fn()
+                joined = torch.cuda.Event()
+                joined.record(stream)
+            main.wait_event(joined)
+
+        return step
+
+    times: dict[str, float | str] = {
+        "eager-attention": eager_ms(attention),
+        "eager-products": eager_ms(products),
+        "eager-concurrent": eager_ms(beside(torch.cuda.Stream())),
+    }
+    from torch.cuda.green_contexts import GreenContext
+
+    for count in sms:
+        try:
+            context: Any = GreenContext.create(count, torch.cuda.current_device())
+            stream = context.Stream()
+            times[f"green-{count}-attention"] = eager_ms(on(stream, attention))
+            times[f"green-{count}-concurrent"] = eager_ms(beside(stream))
+        except Exception as error:  # the probe reports what the driver refused, and goes on
+            times[f"green-{count}-attention"] = f"{type(error).__name__}: {error}"[:200]
+    return times
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvfleet_engine.bench.overlap_probe")
     parser.add_argument("--shape", default="llama-3.1-8b")
@@ -203,6 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="fp8")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--output", help="JSON of every (rows, variant) time")
+    parser.add_argument(
+        "--green-sms", type=int, nargs="+", default=[],
+        help="also time the attention confined to a green context of each of these SM counts, "
+        "alone and beside the products (eagerly)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("overlap_probe: needs a CUDA GPU", file=sys.stderr)
@@ -237,6 +331,11 @@ def main(argv: list[str] | None = None) -> int:
         for name, step in variants(case, args.layers).items():
             times[name] = graph_seconds(step) * 1e3
             print(f"  {name:15} {times[name]:8.3f} ms", flush=True)
+        if args.green_sms:
+            for name, value in green_times(case, args.layers, args.green_sms).items():
+                times[name] = value  # type: ignore[assignment]
+                shown = f"{value:8.3f} ms" if isinstance(value, float) else value
+                print(f"  {name:22} {shown}", flush=True)
         gain = times["serial"] / times["halves-overlap"]
         print(f"  serial / halves-overlap {gain:.3f}; concurrent / (attention + products) "
               f"{times['concurrent'] / (times['attention'] + times['products']):.3f}")  # fmt: skip
