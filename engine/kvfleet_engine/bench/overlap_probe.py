@@ -236,7 +236,10 @@ def green_times(case: Case, layers: int, sms: list[int]) -> dict[str, float | st
             for name in QKV + REST:
                 case.product(name, full)
 
-    def beside(stream: torch.cuda.Stream) -> Callable[[], None]:
+    def attention_on(stream: torch.cuda.Stream, main_work: bool) -> Callable[[], None]:
+        """The attention on `stream`, forked from and joined back to the current stream, with
+        the products on the current stream between (main_work) or nothing there."""
+
         def step() -> None:
             main = torch.cuda.current_stream()
             forked = torch.cuda.Event()
@@ -246,21 +249,8 @@ def green_times(case: Case, layers: int, sms: list[int]) -> dict[str, float | st
                 attention()
                 joined = torch.cuda.Event()
                 joined.record(stream)
-            products()
-            main.wait_event(joined)
-
-        return step
-
-    def on(stream: torch.cuda.Stream, fn: Callable[[], None]) -> Callable[[], None]:
-        def step() -> None:
-            main = torch.cuda.current_stream()
-            forked = torch.cuda.Event()
-            forked.record(main)
-            stream.wait_event(forked)
-            with torch.cuda.stream(stream):
-                fn()
-                joined = torch.cuda.Event()
-                joined.record(stream)
+            if main_work:
+                products()
             main.wait_event(joined)
 
         return step
@@ -268,7 +258,7 @@ def green_times(case: Case, layers: int, sms: list[int]) -> dict[str, float | st
     times: dict[str, float | str] = {
         "eager-attention": eager_ms(attention),
         "eager-products": eager_ms(products),
-        "eager-concurrent": eager_ms(beside(torch.cuda.Stream())),
+        "eager-concurrent": eager_ms(attention_on(torch.cuda.Stream(), main_work=True)),
     }
     from torch.cuda.green_contexts import GreenContext
 
@@ -276,8 +266,8 @@ def green_times(case: Case, layers: int, sms: list[int]) -> dict[str, float | st
         try:
             context: Any = GreenContext.create(count, torch.cuda.current_device())
             stream = context.Stream()
-            times[f"green-{count}-attention"] = eager_ms(on(stream, attention))
-            times[f"green-{count}-concurrent"] = eager_ms(beside(stream))
+            times[f"green-{count}-attention"] = eager_ms(attention_on(stream, main_work=False))
+            times[f"green-{count}-concurrent"] = eager_ms(attention_on(stream, main_work=True))
         except Exception as error:  # the probe reports what the driver refused, and goes on
             times[f"green-{count}-attention"] = f"{type(error).__name__}: {error}"[:200]
     return times
