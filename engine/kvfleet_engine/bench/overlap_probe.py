@@ -265,7 +265,11 @@ def green_times(case: Case, layers: int, sms: list[int]) -> dict[str, float | st
     for count in sms:
         try:
             context: Any = GreenContext.create(count, torch.cuda.current_device())
-            stream = context.Stream()
+            made = context.Stream()  # a torch.Stream: wrapped as the CUDA stream it is
+            stream = torch.cuda.Stream(
+                stream_id=made.stream_id, device_index=made.device_index,
+                device_type=made.device_type,
+            )  # fmt: skip
             times[f"green-{count}-attention"] = eager_ms(attention_on(stream, main_work=False))
             times[f"green-{count}-concurrent"] = eager_ms(attention_on(stream, main_work=True))
         except Exception as error:  # the probe reports what the driver refused, and goes on
