@@ -12,9 +12,7 @@ Rows of the table, microseconds per call (median of CUDA-event timings):
 - norm: the residual add + RMSNorm that makes qkv's and gate_up's input, bf16 out, and the same
   kernel with e4m3 rows out (what a layer pays when the norm quantizes);
 - silu: silu * up alone (bf16 out), and fused with the quantization (`silu_and_mul_fp8`).
-Prints a table and one JSON line (also written to --output). `--silu-rows 64 512 16384` times
-only `silu_and_mul_fp8` at those rows: each row held whole, and read twice in chunks of
-2,048, 4,096 and 8,192 columns."""
+Prints a table and one JSON line (also written to --output)."""
 
 from __future__ import annotations
 
@@ -62,14 +60,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=16384)
     parser.add_argument("--output", default="")
-    parser.add_argument(
-        "--silu-rows", type=int, nargs="+",
-        help="only silu_and_mul_fp8 at these row counts: each row held whole against read "
-        "twice in chunks (the codes compared), with the bytes over copy bandwidth",
-    )  # fmt: skip
     args = parser.parse_args(argv)
-    if args.silu_rows:
-        return silu_rows(args.silu_rows, args.output, argv)
     device, rows = torch.device("cuda"), args.rows
     gen = torch.Generator(device).manual_seed(0)
 
@@ -128,60 +119,6 @@ def main(argv: list[str]) -> int:
         with open(args.output, "w") as f:
             f.write(line + "\n")
     return 0
-
-
-CHUNKS = (2048, 4096, 8192)  # fp8_rows.CHUNK values tried (4, 8 and 16 warps a program)
-
-
-def silu_rows(counts: list[int], output: str, argv: list[str]) -> int:
-    """silu_and_mul_fp8 over Llama-3.1-8B's [gate | up] at each row count: each row held whole,
-    and read twice in chunks of each of CHUNKS columns (the codes compared with the whole's)."""
-    from kvfleet_engine.bench.roofline import measure_ceilings
-
-    device = torch.device("cuda")
-    bandwidth = measure_ceilings(device).bandwidth
-    gen = torch.Generator(device).manual_seed(0)
-    variants: dict[str, int | None] = {"whole": None, **{f"chunk{c}": c for c in CHUNKS}}
-    saved = fp8_rows.CHUNK
-    results = []
-    print(f"copy {bandwidth / 1e9:.0f} GB/s; us (share of copy bandwidth)")
-    print(f"{'rows':>6} " + " ".join(f"{name:>15}" for name in variants))
-    try:
-        for rows in counts:
-            gate_up = torch.randn(
-                rows, 2 * INNER, generator=gen, device=device, dtype=torch.bfloat16
-            )
-            moved = rows * INNER * (2 * 2 + 1)  # bf16 gate and up read, e4m3 codes written
-            whole = fp8_rows.silu_and_mul_fp8(gate_up, chunked=False)
-            row: dict[str, object] = {"rows": rows}
-            same, cells = True, []
-            for name, chunk in variants.items():
-                fp8_rows.CHUNK = chunk or saved
-                made = fp8_rows.silu_and_mul_fp8(gate_up, chunked=chunk is not None)
-                same = same and torch.equal(made.scale, whole.scale)
-                same = same and torch.equal(
-                    made.codes.view(torch.uint8), whole.codes.view(torch.uint8)
-                )
-                us = timed(
-                    lambda g=gate_up, c=chunk is not None: fp8_rows.silu_and_mul_fp8(g, chunked=c)
-                )
-                row[f"{name}_us"] = us
-                cells.append(f"{us:8.1f} ({moved / (us * 1e-6) / bandwidth:4.0%})")
-            print(f"{rows:>6} " + " ".join(f"{c:>15}" for c in cells)
-                  + ("" if same else "  CODES DIFFER"))  # fmt: skip
-            results.append({**row, "same": same})
-    finally:
-        fp8_rows.CHUNK = saved
-    record = {
-        "gpu": torch.cuda.get_device_name(device),
-        "command": "PYTHONPATH=engine python bench/fp8_prompt_probe.py " + " ".join(argv),
-        "copy_gb_per_s": bandwidth / 1e9,
-        "silu_and_mul_fp8": results,
-    }
-    if output:
-        with open(output, "w") as f:
-            f.write(json.dumps(record) + "\n")
-    return 0 if all(r["same"] for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -288,17 +288,13 @@ def test_fp8_rows_wider_than_registers_take_two_passes(monkeypatch) -> None:
 
 
 @on_cpu
-@pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_silu_and_mul_fp8_equals_the_two_kernels_it_fuses(dtype, chunked, monkeypatch) -> None:
+def test_silu_and_mul_fp8_equals_the_two_kernels_it_fuses(dtype) -> None:
     """The down projection's e4m3 rows made with the activation are, bit for bit, those of
-    silu_and_mul then quantize_fp8_rows (inner 300: a masked tail), from a row held whole or
-    read twice in chunks (of 128 columns here: three, the last one masked)."""
-    monkeypatch.setattr(fp8_rows, "CHUNK", 128)
+    silu_and_mul then quantize_fp8_rows (inner 300: a masked tail)."""
     gate_up = make_x(5, 600, dtype=dtype) * 4
     gate_up[3] = 0  # a zero row: the smallest scale
-    gate_up[1, 290] = -60.0  # the row's largest value in the last chunk
-    x_q, scale = fp8_rows.silu_and_mul_fp8(gate_up, chunked=chunked)
+    x_q, scale = fp8_rows.silu_and_mul_fp8(gate_up)
     expected_q, expected_scale = fp8_rows.quantize_fp8_rows(activation.silu_and_mul(gate_up))
     assert x_q.shape == (5, 300) and scale.shape == (5, 1)
     assert torch.equal(scale, expected_scale)
@@ -534,17 +530,15 @@ def test_gpu_fp8_w8a8_llama_products(n, k, m, backend) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("m", [17, 300, 4096])
-def test_gpu_fp8_silu_and_mul_matmul_llama_down(m, chunked) -> None:
+def test_gpu_fp8_silu_and_mul_matmul_llama_down(m) -> None:
     """The down projection of Llama-3.1-8B from [gate | up]: the fused activation's e4m3 rows
-    (each row held whole or read twice in chunks) equal the unfused kernels' bit for bit, so the
-    products are equal."""
+    equal the unfused kernels' bit for bit, so the products are equal."""
     if not ON_GPU:
         pytest.skip("needs a CUDA GPU")
     weight = make_fp8(4096, 14336)
     gate_up = make_x(m, 2 * 14336, dtype=torch.bfloat16) * 2
-    x_q, scale = fp8_rows.silu_and_mul_fp8(gate_up, chunked=chunked)
+    x_q, scale = fp8_rows.silu_and_mul_fp8(gate_up)
     activated = activation.silu_and_mul(gate_up)
     expected_q, expected_scale = fp8_rows.quantize_fp8_rows(activated)
     assert torch.equal(scale, expected_scale)

@@ -25,14 +25,6 @@ from kvfleet_engine.kernels.pdl import _start, launch_options
 from kvfleet_engine.quant.layout import FP8_DTYPE, FP8_MAX
 
 ROW_MAX_COLS = 32768  # the widest row one program quantizes from registers
-# silu_and_mul_fp8 up to this many rows goes over each row twice in CHUNK-column pieces (many
-# small programs per SM, the rows read again from L2) instead of holding it in one program's
-# registers (16 warps: one program fills an SM, which then waits on its load, its reduction and
-# its store in turn). At 512 rows the whole-row form took 23.3 µs on an H100, 53% of copy
-# bandwidth (bench/NOTES.md section 29). 0, none, until `bash bench/gpu_silu_rows.sh` has timed
-# both forms on a GPU; the codes are the same either way.
-CHUNKED_MAX_ROWS = 0
-CHUNK = 2048
 
 
 class Fp8Rows(NamedTuple):
@@ -109,52 +101,23 @@ def quantize_fp8_rows(x: torch.Tensor) -> Fp8Rows:
 
 
 @triton.jit
-def _silu_mul_chunk(x_ptr, cols, inner):
-    """silu(gate) * up of a row's columns `cols` (masked past `inner`: 0), rounded to x's dtype
-    as the unfused kernel's, in float32."""
-    mask = cols < inner
-    gate = tl.load(x_ptr + cols, mask=mask, other=0.0)
-    up = tl.load(x_ptr + inner + cols, mask=mask, other=0.0)
-    return _silu_mul(gate, up).to(tl.float32)
-
-
-@triton.jit
 def _silu_and_mul_fp8_kernel(
     x_ptr, q_ptr, scale_ptr, stride_x, inner,
-    FP8_MAX_VALUE: tl.constexpr, BLOCK: tl.constexpr, CHUNKED: tl.constexpr,
-    PDL: tl.constexpr = False,
+    FP8_MAX_VALUE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """One token's row: in registers (BLOCK >= inner), or CHUNKED in BLOCK-column chunks, twice
-    (the row's amax, then its codes from the row computed again, read from L2)."""
     _start(PDL)
     token = tl.program_id(0).to(tl.int64)
-    row_ptr = x_ptr + token * stride_x
-    if not CHUNKED:
-        cols = tl.arange(0, BLOCK)
-        out = _silu_mul_chunk(row_ptr, cols, inner)
-        _store_fp8_row(out, q_ptr + token * inner + cols, scale_ptr + token, cols < inner,
-                       FP8_MAX_VALUE)  # fmt: skip
-    else:
-        amax = tl.zeros((BLOCK,), dtype=tl.float32)
-        for c0 in range(0, inner, BLOCK):
-            amax = tl.maximum(
-                amax, tl.abs(_silu_mul_chunk(row_ptr, c0 + tl.arange(0, BLOCK), inner))
-            )
-        # as _store_fp8_row: the max is the same whatever order it is taken in
-        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), FP8_MAX_VALUE)
-        tl.store(scale_ptr + token, scale)
-        for c0 in range(0, inner, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            q = tl.math.div_rn(_silu_mul_chunk(row_ptr, cols, inner), scale)
-            q = tl.minimum(tl.maximum(q, -FP8_MAX_VALUE), FP8_MAX_VALUE)
-            tl.store(q_ptr + token * inner + cols, q.to(q_ptr.dtype.element_ty), mask=cols < inner)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < inner
+    gate = tl.load(x_ptr + token * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + token * stride_x + inner + cols, mask=mask, other=0.0)
+    out = _silu_mul(gate, up).to(tl.float32)  # rounded to x's dtype, as the unfused kernel's
+    _store_fp8_row(out, q_ptr + token * inner + cols, scale_ptr + token, mask, FP8_MAX_VALUE)
 
 
-def silu_and_mul_fp8(gate_up: torch.Tensor, chunked: bool | None = None) -> Fp8Rows:
+def silu_and_mul_fp8(gate_up: torch.Tensor) -> Fp8Rows:
     """Per-token e4m3 of silu(gate) * up for gate_up = [gate | up] [M, 2 * inner] -> (x_q
-    [M, inner], float32 scale [M, 1]); inner up to ROW_MAX_COLS. `chunked` (default: up to
-    CHUNKED_MAX_ROWS rows) reads each row twice in CHUNK-column pieces instead of holding it in
-    one program's registers: many small programs per SM instead of one large one."""
+    [M, inner], float32 scale [M, 1]); inner up to ROW_MAX_COLS."""
     require(gate_up.dim() == 2, "gate_up must be [num_tokens, 2 * inner]")
     require(gate_up.shape[1] % 2 == 0, "gate_up must have an even number of columns")
     require(gate_up.dtype in FLOAT_DTYPES, f"gate_up dtype must be one of {FLOAT_DTYPES}")
@@ -162,13 +125,10 @@ def silu_and_mul_fp8(gate_up: torch.Tensor, chunked: bool | None = None) -> Fp8R
     m, inner = gate_up.shape[0], gate_up.shape[1] // 2
     require(0 < inner <= ROW_MAX_COLS, f"inner size {inner} is not in 1..{ROW_MAX_COLS}")
     x_q, scale = fp8_rows_like(gate_up, inner)
-    if chunked is None:
-        chunked = m <= CHUNKED_MAX_ROWS
     if m > 0:
-        block = min(CHUNK, next_power_of_2(inner)) if chunked else next_power_of_2(inner)
+        block = next_power_of_2(inner)
         _silu_and_mul_fp8_kernel[(m,)](
             gate_up, x_q, scale, gate_up.stride(0), inner, FP8_MAX_VALUE=FP8_MAX, BLOCK=block,
-            CHUNKED=chunked, num_warps=max(4, block // 512) if chunked else row_warps(block),
-            **launch_options(gate_up.device),
+            num_warps=row_warps(block), **launch_options(gate_up.device),
         )  # fmt: skip
     return Fp8Rows(x_q, scale)
