@@ -63,12 +63,10 @@ class Sampler(nn.Module):
         meta: SamplingMetadata,
         argmax: torch.Tensor | None = None,  # [num_rows] int64 argmax of logits, if computed
     ) -> SamplerOutput:
-        if meta.all_greedy and meta.penalties is None and meta.max_num_logprobs is None:
-            # The argmax alone, in the logits' own dtype: casting to float32 is exact, so it
-            # picks the same token, without writing (and reading) a float32 copy of the vocab.
-            token_ids = logits.argmax(dim=-1) if argmax is None else argmax
-            return SamplerOutput(token_ids, None, None, None)
-        logits = logits.float()
+        if not meta.all_greedy or meta.penalties is not None or meta.max_num_logprobs is not None:
+            # Only these read the values; an argmax alone takes the logits' own dtype (casting
+            # to float32 is exact: the same token), without a float32 copy of the vocabulary.
+            logits = logits.float()
         # Logprobs describe the model's own distribution: before penalties and temperature.
         logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
         if meta.penalties is not None:

@@ -346,9 +346,8 @@ class ModelExecutor:
         """This pipeline stage's part of the step, from the previous stage's output [2,
         num_tokens, hidden] (None on the first stage, which embeds the input ids): the output
         for the next stage (the caller's to keep: an asynchronous send may read it while the
-        next step runs), or on the last stage the [num_sampling_rows, vocab] logits (the model's
-        dtype).
-        Through this stage's graphs where one fits the step."""
+        next step runs), or on the last stage the [num_sampling_rows, vocab] logits in the
+        model's dtype. Through this stage's graphs where one fits the step."""
         stage = self.stage
         assert stage is not None
         meta, rows = inputs.attention, inputs.input_ids.shape[0]
