@@ -208,20 +208,11 @@ def variants(case: Case, layers: int) -> dict[str, Callable[[], None]]:
     }
 
 
-def eager_ms(step: Callable[[], None], rounds: int = 5) -> float:
-    """Median milliseconds of step() launched eagerly (the current stream's events around it,
-    every stream it forks joined back), after one warm-up call."""
-    step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+def eager_ms(step: Callable[[], None]) -> float:
+    """Mean milliseconds of step() launched eagerly, 5 times back to back after a warm-up."""
+    from kvfleet_engine.bench.roofline import back_to_back_seconds
+
+    return back_to_back_seconds(step, repeats=5) * 1e3
 
 
 def green_times(case: Case, layers: int, sms: list[int]) -> dict[str, float | str]:
