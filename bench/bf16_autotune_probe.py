@@ -34,6 +34,17 @@ def configure(search_space: str) -> None:
     inductor.autotune_num_choices_displayed = 6
 
 
+def write(args: argparse.Namespace, results: list, totals: dict) -> None:
+    record = {
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "command": "PYTHONPATH=engine python bench/bf16_autotune_probe.py "
+        + "--rows " + " ".join(map(str, args.rows)) + f" --search-space {args.search_space}",
+        "results": results, "layer_us": totals,
+    }  # fmt: skip
+    with open(args.output, "w") as handle:
+        json.dump(record, handle, indent=1)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, nargs="+", default=[128, 256, 512])
@@ -67,6 +78,7 @@ def main() -> int:
             results.append(row)
             totals[m]["cublas"] += cublas
             totals[m]["inductor"] += min(cublas, tuned)
+            write(args, results, totals)  # each case as it lands: a capped call keeps them
             print(
                 f"{name:<8} {m:>4} rows: cuBLAS {cublas:7.1f} us ({row['cublas_tflops']:4.0f} "
                 f"TFLOP/s), autotuned {tuned:7.1f} us ({row['inductor_tflops']:4.0f}), "
@@ -78,14 +90,7 @@ def main() -> int:
             f"layer {m:>4} rows: cuBLAS {total['cublas']:7.1f} us, best of both "
             f"{total['inductor']:7.1f} us ({total['cublas'] / total['inductor']:.2f}x)"
         )
-    record = {
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "command": "PYTHONPATH=engine python bench/bf16_autotune_probe.py "
-        + "--rows " + " ".join(map(str, args.rows)) + f" --search-space {args.search_space}",
-        "results": results, "layer_us": totals,
-    }  # fmt: skip
-    with open(args.output, "w") as handle:
-        json.dump(record, handle, indent=1)
+    write(args, results, totals)
     return 0
 
 

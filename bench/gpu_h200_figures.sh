@@ -63,7 +63,7 @@ case ${1:-} in
   autotune)
     mkdir -p "$OUT"
     source bench/device_env.sh
-    (cd bench && timeout -k 5 480 python3 bf16_autotune_probe.py --rows 128 256 512 \
+    (cd bench && timeout -k 5 480 python3 bf16_autotune_probe.py --rows 256 512 128 \
       --output "$OUT/bf16-autotune-probe.json") 2>&1 | tee "$OUT/bf16-autotune-probe.log" \
       | grep -v Warning | tail -40 ;;
   *) echo "usage: bash bench/gpu_h200_figures.sh offline|quant|serve|budget|gemm|autotune" >&2
