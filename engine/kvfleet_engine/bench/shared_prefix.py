@@ -63,7 +63,7 @@ def case(seqs: int, context: int, prefix: int, fp8: bool, device: str = "cuda") 
     }
 
 
-def measure(seqs: int, context: int, prefix: int, fp8: bool) -> dict:
+def measure(seqs: int, context: int, prefix: int, fp8: bool, splits: list[int]) -> dict:
     tensors = case(seqs, context, prefix, fp8)
     shared, scales = tensors.pop("shared_prefix"), tensors.pop("scales")
     args = (*tensors.values(), HEAD_DIM**-0.5)
@@ -71,12 +71,22 @@ def measure(seqs: int, context: int, prefix: int, fp8: bool) -> dict:
     def plain() -> torch.Tensor:
         return paged_decode_attention(*args, **scales)
 
-    def with_prefix() -> torch.Tensor:
-        return paged_decode_attention(*args, **scales, shared_prefix=shared)
+    def with_prefix(num_splits: int | None = None) -> Callable[[], torch.Tensor]:
+        return lambda: paged_decode_attention(
+            *args, **scales, shared_prefix=shared, num_splits=num_splits
+        )
 
-    want, got = plain().float(), with_prefix().float()
+    want, got = plain().float(), with_prefix()().float()
     error = float((got - want).norm() / want.norm())
-    plain_us, shared_us = _microseconds(plain), _microseconds(with_prefix)
+    plain_us, shared_us = _microseconds(plain), _microseconds(with_prefix())
+    # The split kernel's splits over each sequence's own tokens, forced (the heuristic's above)
+    by_splits = {str(n): round(_microseconds(with_prefix(n)), 1) for n in splits}
+    # What the sequences' own tokens cost alone: the same rows without the prefix (no sharing)
+    own = case(seqs, context - prefix, 0, fp8)
+    own.pop("shared_prefix")
+    own_scales = own.pop("scales")
+    own_args = (*own.values(), HEAD_DIM**-0.5)
+    own_us = _microseconds(lambda: paged_decode_attention(*own_args, **own_scales))
     kv_token_bytes = 2 * KV_HEADS * HEAD_DIM * (1 if fp8 else 2)
     return {
         "cache": "fp8" if fp8 else "bf16",
@@ -87,6 +97,9 @@ def measure(seqs: int, context: int, prefix: int, fp8: bool) -> dict:
         "per_sequence_us": round(plain_us, 1),
         "shared_prefix_us": round(shared_us, 1),
         "speedup": round(plain_us / shared_us, 2),
+        "shared_prefix_us_by_splits": by_splits,
+        "own_tokens_alone_us": round(own_us, 1),
+        "own_tokens_gb_s": round(seqs * (context - prefix) * kv_token_bytes / own_us / 1e3, 1),
         "per_sequence_gb_s": round(seqs * context * kv_token_bytes / plain_us / 1e3, 1),
     }
 
@@ -164,6 +177,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="add a prompt chunk of N queries to every step (above)",
     )
+    parser.add_argument(
+        "--splits",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time the shared-prefix step with the split kernel's splits forced to each",
+    )
     parser.add_argument("--output", type=Path)
     args = parser.parse_args(argv)
     if args.prefix >= args.context or args.prefix % BLOCK:
@@ -184,12 +204,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.output:
             args.output.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
         return 0
-    rows = [measure(seqs, args.context, args.prefix, args.fp8) for seqs in args.seqs]
-    print(f"{'seqs':>5} {'per sequence us':>16} {'shared us':>10} {'speedup':>8} {'rel err':>9}")
+    problem = (args.context, args.prefix, args.fp8, args.splits)
+    rows = [measure(seqs, *problem) for seqs in args.seqs]
+    print(
+        f"{'seqs':>5} {'per sequence us':>16} {'shared us':>10} {'speedup':>8} {'rel err':>9}"
+        f" {'own tokens alone us':>20}  shared us by splits"
+    )
     for row in rows:
         print(
             f"{row['seqs']:>5} {row['per_sequence_us']:>16} {row['shared_prefix_us']:>10} "
-            f"{row['speedup']:>8} {row['relative_error']:>9.2e}"
+            f"{row['speedup']:>8} {row['relative_error']:>9.2e} "
+            f"{row['own_tokens_alone_us']:>20}  {row['shared_prefix_us_by_splits']}"
         )
     if args.output:
         args.output.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
