@@ -83,11 +83,12 @@ def calibration_texts(
 
 
 def recipe(scheme_name: str, group_size: int, awq_grid: int = 20) -> Any:
-    """The llmcompressor modifier for a named scheme (lm_head left unquantized); awq_grid: the
-    number of scale exponents AWQ's search tries (llmcompressor's default 20)."""
+    """The llmcompressor recipe for a named scheme (lm_head left unquantized): one modifier, or
+    for AWQ its scale search then the quantization (llmcompressor 0.14's split of the old
+    `AWQModifier`); awq_grid: the number of scale exponents AWQ's search tries (its default 20)."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-    from llmcompressor.modifiers.awq import AWQModifier
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+    from llmcompressor.modifiers.transform.awq import AWQModifier
 
     if scheme_name not in SCHEMES:
         raise ValueError(f"scheme must be one of {sorted(SCHEMES)}, got {scheme_name!r}")
@@ -114,7 +115,10 @@ def recipe(scheme_name: str, group_size: int, awq_grid: int = 20) -> Any:
     if scheme.algorithm == "gptq":
         return GPTQModifier(config_groups=groups, ignore=["lm_head"], actorder=scheme.actorder)
     if scheme.algorithm == "awq":
-        return AWQModifier(config_groups=groups, ignore=["lm_head"], n_grid=awq_grid)
+        return [
+            AWQModifier(n_grid=awq_grid),
+            QuantizationModifier(config_groups=groups, ignore=["lm_head"]),
+        ]
     return QuantizationModifier(config_groups=groups, ignore=["lm_head"])
 
 
