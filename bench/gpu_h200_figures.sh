@@ -19,6 +19,11 @@
 #                                           # (QUICK=1: 8 TMA shapes instead of 45)
 #   bash bench/gpu_h200_figures.sh autotune # Inductor's max-autotune choice at 256 rows
 #                                           # (bench/bf16_autotune_probe.py)
+#   bash bench/gpu_h200_figures.sh splits   # the decode attention's splits (NOTES section 31):
+#                                           # the shared-prefix step at 64 / 256 sequences with
+#                                           # 1-4 splits and its own tokens alone, then c256's
+#                                           # attention (256 x 640, bf16) swept, then autotune
+#                                           # at 256 rows (≈ 7 minutes)
 # A 1k/1k run took 150-170 s on the H200 (model build, graphs, ~90 s of generation); on an H100
 # one passed 195 s (session 32: ~40 s to the first request, ~140 s of generation), so there
 # `offline` runs two of the three (RUNS="..." names others; the bf16 figure of session 32 is
@@ -66,6 +71,16 @@ case ${1:-} in
     (cd bench && timeout -k 5 480 python3 bf16_autotune_probe.py --rows 256 512 128 \
       --output "$OUT/bf16-autotune-probe.json") 2>&1 | tee "$OUT/bf16-autotune-probe.log" \
       | grep -v Warning | tail -40 ;;
-  *) echo "usage: bash bench/gpu_h200_figures.sh offline|quant|serve|budget|gemm|autotune" >&2
+  splits)
+    mkdir -p "$OUT"
+    source bench/device_env.sh
+    timeout -k 5 130 python3 -m kvfleet_engine.bench.shared_prefix --seqs 64 256 --context 2112 \
+      --prefix 1536 --splits 1 2 3 4 --output "$OUT/shared-prefix-splits-bf16.json" 2>&1 \
+      | grep -v Warning | tail -4
+    timeout -k 5 110 python3 -m kvfleet_engine.bench.kernels --num-seqs 256 --context 640 \
+      --kv-cache-dtype auto --cases decode --output-dir "$OUT" 2>&1 | grep -v Warning | tail -22
+    (cd bench && timeout -k 5 190 python3 bf16_autotune_probe.py --rows 256 \
+      --output "$OUT/bf16-autotune-probe.json") 2>&1 | grep -v Warning | tail -14 ;;
+  *) echo "usage: bash bench/gpu_h200_figures.sh offline|quant|serve|budget|gemm|autotune|splits" >&2
      exit 2 ;;
 esac
