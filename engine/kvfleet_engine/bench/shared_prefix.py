@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from kvfleet_engine.bench.gemv import graph_seconds
+from kvfleet_engine.bench.gemv import capture_graph, graph_seconds
 from kvfleet_engine.kernels import paged_decode_attention, prefill_attention
 from kvfleet_engine.kernels.checks import to_token_major
 from kvfleet_engine.layers.attention_torch import quantize_kv
@@ -87,6 +87,7 @@ def measure(seqs: int, context: int, prefix: int, fp8: bool, splits: list[int]) 
     own_scales = own.pop("scales")
     own_args = (*own.values(), HEAD_DIM**-0.5)
     own_us = _microseconds(lambda: paged_decode_attention(*own_args, **own_scales))
+    kernels = kernel_us(with_prefix())  # where the shared-prefix step's time goes
     kv_token_bytes = 2 * KV_HEADS * HEAD_DIM * (1 if fp8 else 2)
     return {
         "cache": "fp8" if fp8 else "bf16",
@@ -99,6 +100,7 @@ def measure(seqs: int, context: int, prefix: int, fp8: bool, splits: list[int]) 
         "speedup": round(plain_us / shared_us, 2),
         "shared_prefix_us_by_splits": by_splits,
         "own_tokens_alone_us": round(own_us, 1),
+        "shared_prefix_kernels_us": kernels,
         "own_tokens_gb_s": round(seqs * (context - prefix) * kv_token_bytes / own_us / 1e3, 1),
         "per_sequence_gb_s": round(seqs * context * kv_token_bytes / plain_us / 1e3, 1),
     }
@@ -154,6 +156,22 @@ def measure_mixed(
         "split_shared_prefix_us": round(times[2], 1),
         "speedup": round(times[0] / times[2], 2),
         "chunk_alone_us": round(times[3], 1),
+    }
+
+
+def kernel_us(step: Callable[[], object], calls: int = 10) -> dict[str, float]:
+    """Each kernel's GPU time in one call of `step`, by name (torch.profiler over one replay of a
+    graph of `calls` calls; kernels on a side stream overlap the others, so these may add up
+    to more than the call's time)."""
+    graph = capture_graph(lambda: [step() for _ in range(calls)])
+    cuda = torch.profiler.ProfilerActivity.CUDA
+    with torch.profiler.profile(activities=[cuda]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    return {
+        event.key[:48]: round(event.self_device_time_total / calls, 1)
+        for event in prof.key_averages()
+        if event.device_type == torch.autograd.DeviceType.CUDA
     }
 
 
@@ -216,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['speedup']:>8} {row['relative_error']:>9.2e} "
             f"{row['own_tokens_alone_us']:>20}  {row['shared_prefix_us_by_splits']}"
         )
+        print(f"      the shared-prefix step's kernels, us: {row['shared_prefix_kernels_us']}")
     if args.output:
         args.output.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
     return 0
