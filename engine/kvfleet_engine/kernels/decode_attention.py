@@ -253,11 +253,16 @@ def _decode(
     # Without the new token, its pointers are the query's and its strides 0: never read.
     rotary = new if new is not None else _NewToken(query, query, query, query, query)
     join_prefix = None
-    if shared_prefix is not None:  # beside the split kernel, on a second stream
+    # One split: the prefix kernel first, and the split kernel merges its partials (no merge
+    # kernel). Beside the split kernel on a second stream the two did not overlap (an H100,
+    # bench/NOTES.md section 31: 64 sequences, split 57.5 + prefix 18.4 + merge 7.8 us = the
+    # step); with more splits the merge kernel stays, so the prefix kernel goes beside.
+    merge_prefix = shared_prefix is not None and num_splits == 1
+    if shared_prefix is not None:
         join_prefix = prefix_kernel.launch_beside(
             query, cache, block_tables, context_lens, shared_prefix, (partial_out, partial_lse),
             (new.positions, new.cos_sin) if new is not None else None, scale, num_splits,
-            prefix_splits, mixed,
+            prefix_splits, mixed, beside=not merge_prefix,
         )  # fmt: skip
     decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
@@ -304,6 +309,7 @@ def _decode(
         NUM_SPLITS=num_splits,
         SLOTS=slots,
         CASCADE=shared_prefix is not None,
+        MERGE_PREFIX=merge_prefix,
         MIXED=mixed is not None,
         ROTARY=new is not None,
         FP8=k_scales is not None,
@@ -324,7 +330,7 @@ def _decode(
     )
     if join_prefix is not None:
         join_prefix()
-    if slots == 1:
+    if slots == 1 or merge_prefix:
         return out
     decode_merge_kernel[(num_seqs, num_q_heads)](
         partial_out,

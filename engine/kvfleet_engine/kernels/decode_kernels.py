@@ -6,7 +6,8 @@ with an online softmax (rotating the query and storing the new key and value fir
 variant; in the CASCADE variant only the context after the batch's shared prefix, which
 `shared_prefix` attends to; in the MIXED variant, a step with prompt tokens, only its one-token
 sequences, each query at its token's row); `decode_merge_kernel` merges the splits by their
-log-sum-exp.
+log-sum-exp, or with one split over a shared prefix the split kernel merges the prefix kernel's
+partials itself (MERGE_PREFIX, `merged_with_slots`).
 """
 
 from __future__ import annotations
@@ -91,6 +92,9 @@ def decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     SLOTS: tl.constexpr,  # NUM_SPLITS, and under CASCADE the prefix kernel's splits after them
     CASCADE: tl.constexpr,
+    # CASCADE with one split, the prefix kernel run before on this stream: its partials merged
+    # here into the output (no partial of this program's own, no merge kernel)
+    MERGE_PREFIX: tl.constexpr,
     MIXED: tl.constexpr,  # query and output rows are tokens; other sequences are left alone
     ROTARY: tl.constexpr,
     FP8: tl.constexpr,
@@ -201,15 +205,53 @@ def decode_split_kernel(
     nonempty = l_i > 0
     out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
     out_mask = row_mask[:, None] & dim_mask[None, :]
-    if SLOTS == 1:  # the whole context: this is the output (zeros for an empty sequence)
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    if MERGE_PREFIX:
+        out = merged_with_slots(
+            out, lse, partial_out_ptr, partial_lse_ptr, (seq * num_q_heads + heads) * SLOTS,
+            dims, row_mask, out_mask, HEAD_DIM, NUM_SPLITS, SLOTS,
+        )  # fmt: skip
+    if SLOTS == 1 or MERGE_PREFIX:  # the whole context: the output (zeros for an empty sequence)
         out_rows = out_ptr + row * stride_os + heads[:, None] * stride_oh
         tl.store(out_rows + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask & mine)
     else:
-        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
         partial_row = (seq * num_q_heads + heads) * SLOTS + split
         tl.store(partial_lse_ptr + partial_row, lse, mask=row_mask)
         partial_rows = partial_out_ptr + partial_row[:, None] * HEAD_DIM
         tl.store(partial_rows + dims[None, :], out, mask=out_mask)
+
+
+@triton.jit
+def merged_with_slots(
+    out,
+    lse,
+    partial_out_ptr,
+    partial_lse_ptr,
+    first_slot_rows,
+    dims,
+    row_mask,
+    out_mask,
+    HEAD_DIM: tl.constexpr,
+    FIRST: tl.constexpr,
+    SLOTS: tl.constexpr,
+):
+    """`out` (log-sum-exp `lse`, log2 domain; -inf for none) merged with the partials in slots
+    FIRST .. SLOTS - 1 of its rows (`first_slot_rows`: each row's slot 0), one slot at a time
+    with a running maximum, as `decode_merge_kernel` weighs them; zeros where every part is
+    empty. `dims`: the element order of `out`'s columns."""
+    top = tl.maximum(lse, -1e30)
+    total = tl.where(lse > float("-inf"), 1.0, 0.0)
+    for slot in range(FIRST, SLOTS):
+        rows = first_slot_rows + slot
+        lse_s = tl.load(partial_lse_ptr + rows, mask=row_mask, other=float("-inf"))
+        out_s = tl.load(partial_out_ptr + rows[:, None] * HEAD_DIM + dims[None, :], mask=out_mask)
+        new_top = tl.maximum(top, lse_s)
+        keep = tl.exp2(top - new_top)
+        weight = tl.exp2(lse_s - new_top)
+        total = total * keep + weight
+        out = out * keep[:, None] + tl.where(weight[:, None] > 0, out_s * weight[:, None], 0.0)
+        top = new_top
+    return out / tl.where(total > 0, total, 1.0)[:, None]
 
 
 @triton.jit

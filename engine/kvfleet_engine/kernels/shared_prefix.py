@@ -14,12 +14,13 @@ multiple of the block size), the row of a sequence that holds it, then per seque
 it shares (the prefix's, or 0). All of it is read on the device and the grid depends on shapes
 only, so one CUDA graph serves every prefix and sharer set, none included.
 
-`launch_beside` launches it on a second stream (on a GPU), so that it runs while the split
-kernel reads the rest; the merge waits for both. The ROTARY variant rotates the query rows in
-registers as `rotary_decode_attention` does (the same function: the same rounding); the MIXED
-one serves a step with prompt tokens, whose one-token sequences have their query at their token's
-row (`decode_attention`). An fp8 cache
-is read as the split kernel reads it (`kv_fp8`: float16 dots, per-token K and V scales, either V
+`launch_beside` launches it on a second stream (on a GPU), so that it may run while the split
+kernel reads the rest, and the merge waits for both; or, before a split kernel of one split, on
+the same stream, that kernel then merging the prefix's partials itself (`decode_attention`).
+The ROTARY variant rotates the query rows in registers as `rotary_decode_attention` does (the
+same function: the same rounding); the MIXED one serves a step with prompt tokens, whose
+one-token sequences have their query at their token's row (`decode_attention`). An fp8 cache is
+read as the split kernel reads it (`kv_fp8`: float16 dots, per-token K and V scales, either V
 layout).
 """
 
@@ -187,10 +188,13 @@ def launch_beside(
     num_splits: int,  # the split kernel's slots, first in the partials
     prefix_splits: int,
     cu_query_lens: torch.Tensor | None = None,  # mixed steps: [num_seqs + 1], queries' rows
+    *,
+    beside: bool = True,
 ) -> Callable[[], None]:
     """Launch the prefix kernel after what the current stream has queued, on a second stream
     on a GPU (captured into a CUDA graph as a parallel branch); call the returned function
-    after launching the split kernel: the current stream then waits for it."""
+    after launching the split kernel: the current stream then waits for it. beside=False: on
+    the current stream (a split kernel that merges its partials runs after it)."""
     k_cache, v_cache, k_scales, v_scales = cache
     _, num_q_heads, head_dim = query.shape
     num_seqs = context_lens.shape[0]
@@ -200,7 +204,7 @@ def launch_beside(
     positions, cos_sin = rotary if rotary is not None else (query, query)  # never read without
     grid = (num_kv_heads, prefix_splits, -(-num_seqs * group // BLOCK_Q))
     main = side = None
-    if query.device.type == "cuda":
+    if beside and query.device.type == "cuda":
         main, side = torch.cuda.current_stream(query.device), _side_stream(query.device)
         side.wait_stream(main)
     with torch.cuda.stream(side):  # no-op for None (the CPU)
