@@ -259,7 +259,7 @@ def _decode(
     # step); with more splits the merge kernel stays, so the prefix kernel goes beside.
     merge_prefix = shared_prefix is not None and num_splits == 1
     if shared_prefix is not None:
-        join_prefix = prefix_kernel.launch_beside(
+        join_prefix = prefix_kernel.launch(
             query, cache, block_tables, context_lens, shared_prefix, (partial_out, partial_lse),
             (new.positions, new.cos_sin) if new is not None else None, scale, num_splits,
             prefix_splits, mixed, beside=not merge_prefix,

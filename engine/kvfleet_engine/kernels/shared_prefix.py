@@ -14,7 +14,7 @@ multiple of the block size), the row of a sequence that holds it, then per seque
 it shares (the prefix's, or 0). All of it is read on the device and the grid depends on shapes
 only, so one CUDA graph serves every prefix and sharer set, none included.
 
-`launch_beside` launches it on a second stream (on a GPU), so that it may run while the split
+`launch` launches it on a second stream (on a GPU), so that it may run while the split
 kernel reads the rest, and the merge waits for both; or, before a split kernel of one split, on
 the same stream, that kernel then merging the prefix's partials itself (`decode_attention`).
 The ROTARY variant rotates the query rows in registers as `rotary_decode_attention` does (the
@@ -176,7 +176,7 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-def launch_beside(
+def launch(
     query: torch.Tensor,  # [num_seqs, num_q_heads, head_dim] ([num_tokens, ...] when mixed)
     cache: KVCache,
     block_tables: torch.Tensor,
