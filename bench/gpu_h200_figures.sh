@@ -24,6 +24,12 @@
 #                                           # 1-4 splits and its own tokens alone, then c256's
 #                                           # attention (256 x 640, bf16) swept, then autotune
 #                                           # at 256 rows (≈ 7 minutes)
+#   AB_TREE=.ab/old bash bench/gpu_h200_figures.sh prefix  # the shared-prefix step (NOTES
+#                                           # section 32): bf16 then fp8 cache, 16 / 64 / 256
+#                                           # sequences, the prefix kernel's splits forced to
+#                                           # 2-16 with each one's kernels; AB_TREE's engine
+#                                           # (`git archive REV engine | tar -x -C .ab/old`)
+#                                           # after each; then the kernels' GPU tests
 # A 1k/1k run took 150-170 s on the H200 (model build, graphs, ~90 s of generation); on an H100
 # one passed 195 s (session 32: ~40 s to the first request, ~140 s of generation), so there
 # `offline` runs two of the three (RUNS="..." names others; the bf16 figure of session 32 is
@@ -81,6 +87,28 @@ case ${1:-} in
       --kv-cache-dtype auto --cases decode --output-dir "$OUT" 2>&1 | grep -v Warning | tail -22
     (cd bench && timeout -k 5 190 python3 bf16_autotune_probe.py --rows 256 \
       --output "$OUT/bf16-autotune-probe.json") 2>&1 | grep -v Warning | tail -14 ;;
-  *) echo "usage: bash bench/gpu_h200_figures.sh offline|quant|serve|budget|gemm|autotune|splits" >&2
+  prefix)
+    mkdir -p "$OUT"
+    source bench/device_env.sh
+    new_path=$PYTHONPATH old_path=${AB_TREE:+/tmp/site:$(cd "$AB_TREE" && pwd)/engine}
+    problem="--seqs 16 64 256 --context 2112 --prefix 1536"
+    for cache in bf16 fp8; do
+      flag=${cache/bf16/}; flag=${flag:+--fp8}
+      # shellcheck disable=SC2086  # the problem's words
+      PYTHONPATH=$new_path timeout -k 5 200 python3 -m kvfleet_engine.bench.shared_prefix \
+        $problem $flag --prefix-splits 2 3 4 8 9 16 --output "$OUT/shared-prefix-$cache.json" \
+        2>&1 | grep -v Warning | tail -24
+      if [ -n "$old_path" ]; then
+        echo "--- AB_TREE's engine ($AB_TREE)"
+        # shellcheck disable=SC2086
+        PYTHONPATH=$old_path timeout -k 5 100 python3 -m kvfleet_engine.bench.shared_prefix \
+          $problem $flag --output "$OUT/shared-prefix-$cache-old.json" 2>&1 \
+          | grep -v Warning | tail -6
+      fi
+      [ "$cache" = bf16 ] && PYTHONPATH=$new_path timeout -k 5 200 python3 -m pytest -m gpu \
+        tests/kernels/test_triton_kernels.py tests/kernels/test_kv_fp8.py -q -p no:cacheprovider \
+        -k "prefix or mixed or decode" 2>&1 | tail -4
+    done ;;
+  *) echo "usage: bash bench/gpu_h200_figures.sh offline|quant|serve|budget|gemm|autotune|splits|prefix" >&2
      exit 2 ;;
 esac

@@ -586,6 +586,39 @@ def test_decode_over_a_shared_prefix_matches_dense_attention(
     assert relative_error(out[:-1], want[:-1]) < tol
 
 
+def test_the_split_kernel_merges_a_shared_prefix_for_groups_not_a_power_of_two() -> None:
+    """One split: the split kernel merges the prefix kernel's partials on the group's rows of
+    its 16-row tile (`merged_with_slots`), for groups of 3 and 7 (Qwen2.5-7B's) too."""
+    if ON_GPU:
+        pytest.skip("the interpreter's case")
+    lens = [49, 50, 64, 97, 130]
+    for heads, kv_heads in ((6, 2), (7, 1)):
+        case = make_paged_case(
+            lens, [1] * len(lens), num_q_heads=heads, num_kv_heads=kv_heads, head_dim=32,
+            dtype=torch.float32, device="cpu", seed=26, shared_blocks=3,
+        )  # fmt: skip
+        out = decode.paged_decode_attention(
+            case.query, case.k_cache, case.v_cache, case.block_tables, case.context_lens,
+            case.scale, shared_prefix=_shared_prefix(48, 1, [1] * len(lens), "cpu"), num_splits=1,
+        )  # fmt: skip
+        assert relative_error(out, dense_attention(case)) < 1e-4, heads
+
+
+def test_the_prefix_kernel_splits_into_one_wave() -> None:
+    """The prefix kernel's programs (two an SM) fit one wave of the 132 SMs of an H100 / H200:
+    64 sequences of an 8B model take 8 splits (256 programs), not 9 (288, the last 24 waiting
+    for a whole program's walk); never more splits than the context has tiles."""
+    choose_prefix_splits = decode.prefix_kernel.choose_prefix_splits
+    assert choose_prefix_splits(64, 4, 8, 2112, 132) == 8
+    assert choose_prefix_splits(256, 4, 8, 2112, 132) == 2
+    assert choose_prefix_splits(16, 4, 8, 256, 132) == 4  # the context's 4 tiles
+    assert choose_prefix_splits(4096, 4, 8, 2112, 132) == 1
+    for seqs in (1, 16, 33, 64, 100, 256, 512):
+        splits = choose_prefix_splits(seqs, 4, 8, 8192, 132)
+        programs = -(-seqs * 4 // 64) * 8 * splits
+        assert programs <= 2 * 132 or splits == 1, seqs
+
+
 def _shared_prefix(tokens: int, holder: int, sharers: list[int], device) -> torch.Tensor:
     """`kernels.shared_prefix`'s description: tokens, holder row, tokens per sequence."""
     per_seq = [tokens * s for s in sharers]

@@ -10,7 +10,7 @@ whole batch (the decode rows as one-token sequences), against the prefill kernel
 beside the decode kernel over the decode rows, per sequence and over the shared prefix.
 
   python -m kvfleet_engine.bench.shared_prefix --seqs 16 64 256 --context 2048 --prefix 1536 \\
-      [--fp8] [--mixed 512] --output results.json
+      [--fp8] [--mixed 512] [--splits 1 2] [--prefix-splits 4 8] --output results.json
 """
 
 from __future__ import annotations
@@ -63,7 +63,9 @@ def case(seqs: int, context: int, prefix: int, fp8: bool, device: str = "cuda") 
     }
 
 
-def measure(seqs: int, context: int, prefix: int, fp8: bool, splits: list[int]) -> dict:
+def measure(
+    seqs: int, context: int, prefix: int, fp8: bool, splits: list[int], prefix_splits: list[int]
+) -> dict:
     tensors = case(seqs, context, prefix, fp8)
     shared, scales = tensors.pop("shared_prefix"), tensors.pop("scales")
     args = (*tensors.values(), HEAD_DIM**-0.5)
@@ -71,16 +73,27 @@ def measure(seqs: int, context: int, prefix: int, fp8: bool, splits: list[int]) 
     def plain() -> torch.Tensor:
         return paged_decode_attention(*args, **scales)
 
-    def with_prefix(num_splits: int | None = None) -> Callable[[], torch.Tensor]:
+    def with_prefix(
+        num_splits: int | None = None, prefix_splits: int | None = None
+    ) -> Callable[[], torch.Tensor]:
         return lambda: paged_decode_attention(
-            *args, **scales, shared_prefix=shared, num_splits=num_splits
-        )
+            *args, **scales, shared_prefix=shared, num_splits=num_splits,
+            prefix_splits=prefix_splits,
+        )  # fmt: skip
 
     want, got = plain().float(), with_prefix()().float()
     error = float((got - want).norm() / want.norm())
     plain_us, shared_us = _microseconds(plain), _microseconds(with_prefix())
     # The split kernel's splits over each sequence's own tokens, forced (the heuristic's above)
     by_splits = {str(n): round(_microseconds(with_prefix(n)), 1) for n in splits}
+    # The prefix kernel's splits forced, each with its kernels' times
+    by_prefix_splits = {
+        str(n): {
+            "step_us": round(_microseconds(with_prefix(prefix_splits=n)), 1),
+            "kernels_us": kernel_us(with_prefix(prefix_splits=n)),
+        }
+        for n in prefix_splits
+    }
     # What the sequences' own tokens cost alone: the same rows without the prefix (no sharing)
     own = case(seqs, context - prefix, 0, fp8)
     own.pop("shared_prefix")
@@ -99,6 +112,7 @@ def measure(seqs: int, context: int, prefix: int, fp8: bool, splits: list[int]) 
         "shared_prefix_us": round(shared_us, 1),
         "speedup": round(plain_us / shared_us, 2),
         "shared_prefix_us_by_splits": by_splits,
+        "shared_prefix_by_prefix_splits": by_prefix_splits,
         "own_tokens_alone_us": round(own_us, 1),
         "shared_prefix_kernels_us": kernels,
         "own_tokens_gb_s": round(seqs * (context - prefix) * kv_token_bytes / own_us / 1e3, 1),
@@ -202,28 +216,35 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="also time the shared-prefix step with the split kernel's splits forced to each",
     )
+    parser.add_argument(
+        "--prefix-splits",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time the step (and its kernels) with the prefix kernel's splits forced",
+    )
     parser.add_argument("--output", type=Path)
     args = parser.parse_args(argv)
     if args.prefix >= args.context or args.prefix % BLOCK:
         parser.error(f"--prefix must be a multiple of {BLOCK} below --context")
     if args.mixed:
-        problem = (args.context, args.prefix, args.fp8, args.mixed)
-        rows = [measure_mixed(seqs, *problem) for seqs in args.seqs]
+        mixed = [measure_mixed(seqs, args.context, args.prefix, args.fp8, args.mixed)
+                 for seqs in args.seqs]  # fmt: skip
         print(
             f"{'decode seqs':>11} {'prefill kernel us':>18} {'split us':>9} {'shared us':>10}"
             f" {'chunk alone us':>15}"
         )
-        for row in rows:
+        for row in mixed:
             print(
                 f"{row['decode_seqs']:>11} {row['prefill_kernel_us']:>18} "
                 f"{row['split_per_sequence_us']:>9} {row['split_shared_prefix_us']:>10}"
                 f" {row['chunk_alone_us']:>15}"
             )
         if args.output:
-            args.output.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+            args.output.write_text(json.dumps({"rows": mixed}, indent=1) + "\n")
         return 0
-    problem = (args.context, args.prefix, args.fp8, args.splits)
-    rows = [measure(seqs, *problem) for seqs in args.seqs]
+    forced = (args.splits, args.prefix_splits)
+    rows = [measure(seqs, args.context, args.prefix, args.fp8, *forced) for seqs in args.seqs]
     print(
         f"{'seqs':>5} {'per sequence us':>16} {'shared us':>10} {'speedup':>8} {'rel err':>9}"
         f" {'own tokens alone us':>20}  shared us by splits"
@@ -235,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['own_tokens_alone_us']:>20}  {row['shared_prefix_us_by_splits']}"
         )
         print(f"      the shared-prefix step's kernels, us: {row['shared_prefix_kernels_us']}")
+        for n, forced in row["shared_prefix_by_prefix_splits"].items():
+            print(f"      {n} prefix splits: {forced['step_us']} us, {forced['kernels_us']}")
     if args.output:
         args.output.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
     return 0

@@ -98,6 +98,8 @@ class _Launch:
     # rescale the accumulator only when a row's max grew (None: for one-warp programs, where
     # the test is one warp's; `attention_tile.attend_tile`)
     lazy_rescale: bool | None = None
+    # the prefix kernel's splits over a shared prefix (None: `choose_prefix_splits`)
+    prefix_splits: int | None = None
 
 
 def paged_decode_attention(
@@ -114,6 +116,7 @@ def paged_decode_attention(
     cu_query_lens: torch.Tensor | None = None,  # [num_seqs + 1] int32: a mixed step (above)
     out: torch.Tensor | None = None,  # written in place (a mixed step: the prefill's output)
     num_splits: int | None = None,  # override the heuristic (benchmarks)
+    prefix_splits: int | None = None,  # the prefix kernel's, likewise (a decode step)
     block_n: int | None = None,  # context tokens per tile (None: the cache's default tiles)
     num_warps: int | None = None,
     num_stages: int = 2,
@@ -126,8 +129,9 @@ def paged_decode_attention(
     check_paged_attention(query, k_cache, v_cache, block_tables, context_lens, k_scales, v_scales)
     tiles = (num_splits, block_n, num_warps, num_stages)
     launch = _Launch(
-        *tiles, transpose_scores, early_v, prefetch_scales, max_registers, lazy_rescale
-    )
+        *tiles, transpose_scores, early_v, prefetch_scales, max_registers, lazy_rescale,
+        prefix_splits,
+    )  # fmt: skip
     cache = (k_cache, v_cache, k_scales, v_scales)
     rows = _Rows(cu_query_lens, out)
     return _decode(
@@ -239,7 +243,7 @@ def _decode(
                 num_seqs, num_kv_heads, max_context, block_n, sms, num_warps, launch.max_registers
             )
         if shared_prefix is not None:
-            prefix_splits = prefix_kernel.choose_prefix_splits(
+            prefix_splits = launch.prefix_splits or prefix_kernel.choose_prefix_splits(
                 num_seqs, group, num_kv_heads, max_context, sms
             )
     slots = num_splits + prefix_splits
@@ -302,6 +306,7 @@ def _decode(
         num_q_heads,
         GROUP=group,
         GROUP_PAD=max(16, next_power_of_2(group)),
+        GROUP_ROWS=next_power_of_2(group),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_N=block_n,

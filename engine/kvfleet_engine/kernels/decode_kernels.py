@@ -84,7 +84,8 @@ def decode_split_kernel(
     stride_sh,
     num_q_heads,
     GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
+    GROUP_PAD: tl.constexpr,  # the tile's rows: at least 16 (tl.dot)
+    GROUP_ROWS: tl.constexpr,  # the group's power of two (MERGE_PREFIX's epilogue rows)
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -206,12 +207,17 @@ def decode_split_kernel(
     out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
     out_mask = row_mask[:, None] & dim_mask[None, :]
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-    if MERGE_PREFIX:
+    if MERGE_PREFIX:  # the whole context: the output (zeros for an empty sequence)
+        group_rows = tl.arange(0, GROUP_ROWS)
+        group_heads = kv_head * GROUP + group_rows
         out = merged_with_slots(
-            out, lse, partial_out_ptr, partial_lse_ptr, (seq * num_q_heads + heads) * SLOTS,
-            dims, row_mask, out_mask, HEAD_DIM, NUM_SPLITS, SLOTS,
+            out, lse, partial_out_ptr, partial_lse_ptr, (seq * num_q_heads + group_heads) * SLOTS,
+            dims, group_rows < GROUP, dim_mask, HEAD_DIM, GROUP_PAD, GROUP_ROWS, NUM_SPLITS, SLOTS,
         )  # fmt: skip
-    if SLOTS == 1 or MERGE_PREFIX:  # the whole context: the output (zeros for an empty sequence)
+        out_rows = out_ptr + row * stride_os + group_heads[:, None] * stride_oh + dims[None, :]
+        group_mask = (group_rows < GROUP)[:, None] & dim_mask[None, :]
+        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=group_mask & mine)
+    elif SLOTS == 1:  # the whole context: the output (zeros for an empty sequence)
         out_rows = out_ptr + row * stride_os + heads[:, None] * stride_oh
         tl.store(out_rows + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask & mine)
     else:
@@ -219,6 +225,15 @@ def decode_split_kernel(
         tl.store(partial_lse_ptr + partial_row, lse, mask=row_mask)
         partial_rows = partial_out_ptr + partial_row[:, None] * HEAD_DIM
         tl.store(partial_rows + dims[None, :], out, mask=out_mask)
+
+
+@triton.jit
+def group_rows_of(x, GROUP_PAD: tl.constexpr, GROUP_ROWS: tl.constexpr):
+    """The first GROUP_ROWS rows of x [GROUP_PAD, n], as a tensor of them: Triton has no
+    slices, so the rows are summed over the blocks of GROUP_ROWS, all but the first as zeros."""
+    x = tl.reshape(x, [GROUP_PAD // GROUP_ROWS, GROUP_ROWS, x.shape[1]])
+    blocks = tl.arange(0, GROUP_PAD // GROUP_ROWS)
+    return tl.sum(tl.where(blocks[:, None, None] == 0, x, 0.0), axis=0)
 
 
 @triton.jit
@@ -230,27 +245,36 @@ def merged_with_slots(
     first_slot_rows,
     dims,
     row_mask,
-    out_mask,
+    dim_mask,
     HEAD_DIM: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    GROUP_ROWS: tl.constexpr,
     FIRST: tl.constexpr,
     SLOTS: tl.constexpr,
 ):
-    """`out` (log-sum-exp `lse`, log2 domain; -inf for none) merged with the partials in slots
-    FIRST .. SLOTS - 1 of its rows (`first_slot_rows`: each row's slot 0), one slot at a time
-    with a running maximum, as `decode_merge_kernel` weighs them; zeros where every part is
-    empty. `dims`: the element order of `out`'s columns."""
+    """`out` ([GROUP_PAD, BLOCK_D], log-sum-exp `lse`, log2 domain, -inf for none) merged with
+    the partials in slots FIRST .. SLOTS - 1 of its first GROUP_ROWS rows (`first_slot_rows`:
+    each such row's slot 0; `row_mask`, the group's), weighed as `decode_merge_kernel` weighs
+    them: those rows, zeros where every part is empty. `dims`: the element order of `out`'s
+    columns. On the group's rows alone (4 of the tile's 16 for an 8B model), and unrolled:
+    every slot's loads go out together, where a loop over the whole tile's rows had each wait
+    for the one before (or kept 16 registers a thread a slot)."""
+    out = group_rows_of(out, GROUP_PAD, GROUP_ROWS)
+    lse = tl.reshape(group_rows_of(lse[:, None], GROUP_PAD, GROUP_ROWS), [GROUP_ROWS])
     top = tl.maximum(lse, -1e30)
-    total = tl.where(lse > float("-inf"), 1.0, 0.0)
-    for slot in range(FIRST, SLOTS):
+    for slot in tl.static_range(FIRST, SLOTS):
+        lse_s = tl.load(partial_lse_ptr + first_slot_rows + slot, mask=row_mask, other=-1e30)
+        top = tl.maximum(top, lse_s)
+    own = tl.exp2(lse - top)  # 0 for an empty part
+    total = own
+    out = out * own[:, None]
+    out_mask = row_mask[:, None] & dim_mask[None, :]
+    for slot in tl.static_range(FIRST, SLOTS):
         rows = first_slot_rows + slot
-        lse_s = tl.load(partial_lse_ptr + rows, mask=row_mask, other=float("-inf"))
+        weight = tl.exp2(tl.load(partial_lse_ptr + rows, mask=row_mask, other=float("-inf")) - top)
         out_s = tl.load(partial_out_ptr + rows[:, None] * HEAD_DIM + dims[None, :], mask=out_mask)
-        new_top = tl.maximum(top, lse_s)
-        keep = tl.exp2(top - new_top)
-        weight = tl.exp2(lse_s - new_top)
-        total = total * keep + weight
-        out = out * keep[:, None] + tl.where(weight[:, None] > 0, out_s * weight[:, None], 0.0)
-        top = new_top
+        total += weight
+        out += tl.where(weight[:, None] > 0, out_s * weight[:, None], 0.0)
     return out / tl.where(total > 0, total, 1.0)[:, None]
 
 

@@ -43,17 +43,22 @@ from kvfleet_engine.layers.attention_torch import KVCache
 BLOCK_Q = 64  # query rows per program: 16 sequences of a 4-head group (Llama-3.1-8B)
 BLOCK_N = 64  # prefix tokens per tile, for every cache (the split kernel's vary: it has 4 rows)
 NUM_WARPS = 4
+# Programs an SM holds at once: 168 registers and 82.9 KB of shared memory each (sm_90, a bf16
+# cache; `bench.kernel_asm`), so shared memory allows two.
+PROGRAMS_PER_SM = 2
 
 
 def choose_prefix_splits(
     num_seqs: int, group: int, num_kv_heads: int, max_context: int, num_sms: int
 ) -> int:
-    """About two programs per SM, never more splits than the longest prefix has tiles. Depends
-    on shapes only."""
+    """As many splits as one wave of programs holds (PROGRAMS_PER_SM an SM), never more than
+    the longest prefix has tiles. Rounded down: a program past the wave starts only when one
+    ends, so the kernel takes two programs' walks (64 sequences of an 8B model: 9 splits were
+    288 programs for 264 places on 132 SMs, 8 are 256). Depends on shapes only."""
     q_tiles = -(-num_seqs * group // BLOCK_Q)
-    wanted = -(-2 * num_sms // max(q_tiles * num_kv_heads, 1))
+    fit = PROGRAMS_PER_SM * num_sms // max(q_tiles * num_kv_heads, 1)
     max_tiles = max(-(-max_context // BLOCK_N), 1)
-    return max(1, min(wanted, max_tiles, 64))
+    return max(1, min(fit, max_tiles, 64))
 
 
 # Values that change from step to step are not specialised on (that would recompile mid-run),
