@@ -27,9 +27,10 @@
 #   AB_TREE=.ab/old bash bench/gpu_h200_figures.sh prefix  # the shared-prefix step (NOTES
 #                                           # section 32): bf16 then fp8 cache, 16 / 64 / 256
 #                                           # sequences, the prefix kernel's splits forced to
-#                                           # 2-16 with each one's kernels; AB_TREE's engine
-#                                           # (`git archive REV engine | tar -x -C .ab/old`)
-#                                           # after each; then the kernels' GPU tests
+#                                           # 1-8 with each one's kernels, with PDL and without
+#                                           # (the pair apart); AB_TREE's engine (`git archive
+#                                           # REV engine | tar -x -C .ab/old`) after each; then
+#                                           # the kernels' GPU tests
 # A 1k/1k run took 150-170 s on the H200 (model build, graphs, ~90 s of generation); on an H100
 # one passed 195 s (session 32: ~40 s to the first request, ~140 s of generation), so there
 # `offline` runs two of the three (RUNS="..." names others; the bf16 figure of session 32 is
@@ -94,10 +95,13 @@ case ${1:-} in
     problem="--seqs 16 64 256 --context 2112 --prefix 1536"
     for cache in bf16 fp8; do
       flag=${cache/bf16/}; flag=${flag:+--fp8}
-      # shellcheck disable=SC2086  # the problem's words
-      PYTHONPATH=$new_path timeout -k 5 200 python3 -m kvfleet_engine.bench.shared_prefix \
-        $problem $flag --prefix-splits 2 3 4 8 9 16 --output "$OUT/shared-prefix-$cache.json" \
-        2>&1 | grep -v Warning | tail -24
+      for pdl in default 0; do  # KVFLEET_PDL=0: the prefix kernel and the split kernel apart
+        echo "--- this tree, KVFLEET_PDL=$pdl"
+        # shellcheck disable=SC2086  # the problem's words
+        PYTHONPATH=$new_path KVFLEET_PDL=${pdl/default/} timeout -k 5 150 python3 -m \
+          kvfleet_engine.bench.shared_prefix $problem $flag --prefix-splits 1 2 4 8 \
+          --output "$OUT/shared-prefix-$cache-pdl-$pdl.json" 2>&1 | grep -v Warning | tail -18
+      done
       if [ -n "$old_path" ]; then
         echo "--- AB_TREE's engine ($AB_TREE)"
         # shellcheck disable=SC2086
@@ -106,8 +110,8 @@ case ${1:-} in
           | grep -v Warning | tail -6
       fi
       [ "$cache" = bf16 ] && PYTHONPATH=$new_path timeout -k 5 200 python3 -m pytest -m gpu \
-        tests/kernels/test_triton_kernels.py tests/kernels/test_kv_fp8.py -q -p no:cacheprovider \
-        -k "prefix or mixed or decode" 2>&1 | tail -4
+        tests/kernels/test_triton_kernels.py tests/kernels/test_kv_fp8.py \
+        tests/kernels/test_pdl.py -q -p no:cacheprovider -k "prefix or mixed or pdl" 2>&1 | tail -4
     done ;;
   *) echo "usage: bash bench/gpu_h200_figures.sh offline|quant|serve|budget|gemm|autotune|splits|prefix" >&2
      exit 2 ;;

@@ -17,14 +17,17 @@ KERNELS = Path(pdl.__file__).parent
 @pytest.fixture(autouse=True)
 def _fresh_cache(monkeypatch):
     monkeypatch.delenv(pdl.PDL_ENV, raising=False)
+    pdl.available.cache_clear()
     pdl.set_default(True)
     yield
+    pdl.available.cache_clear()
     pdl.set_default(True)
 
 
 def test_pdl_is_off_on_the_cpu_and_when_the_setting_says_so(monkeypatch) -> None:
     assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
     monkeypatch.setenv(pdl.PDL_ENV, "0")
+    pdl.available.cache_clear()
     pdl.enabled.cache_clear()
     assert pdl.launch_options(torch.device("cuda")) == {"PDL": False}
 
@@ -51,8 +54,14 @@ def _is_start(statement: ast.stmt) -> bool:
     return (
         isinstance(call, ast.Call)
         and getattr(call.func, "id", None) == "_start"
-        and [getattr(a, "id", None) for a in call.args] == ["PDL"]
+        and [getattr(a, "id", None) for a in call.args][:1] == ["PDL"]
     )
+
+
+def _late_wait_of(node: ast.FunctionDef, start: ast.stmt) -> str | None:
+    """The LATE_WAIT argument of a kernel's `_start(PDL, LATE_WAIT)`, if it passes one."""
+    args = start.value.args  # type: ignore[attr-defined]
+    return getattr(args[1], "id", None) if len(args) > 1 else None
 
 
 def _memory_calls(statements: list[ast.stmt]) -> list[str]:
@@ -91,3 +100,27 @@ def test_every_kernel_that_takes_pdl_waits_before_touching_memory() -> None:
         assert starts, f"{name} takes PDL but never calls _start(PDL) in its body"
         before = _memory_calls(node.body[: starts[0]])
         assert not before, f"{name} calls {before} before _start(PDL)"
+        late = _late_wait_of(node, node.body[starts[0]])
+        if late is not None:  # it waits before merging what the kernel before it wrote
+            waits = [
+                call
+                for call in ast.walk(node)
+                if isinstance(call, ast.Call)
+                and getattr(call.func, "id", None) == "_late_wait"
+                and [getattr(a, "id", None) for a in call.args] == [late]
+            ]
+            assert waits, f"{name} starts with {late} but never calls _late_wait({late})"
+
+
+def test_the_prefix_kernel_and_the_merging_split_kernel_overlap_wherever_pdl_is(
+    monkeypatch,
+) -> None:
+    """The pair (`pdl`, `decode_attention`) launches with PDL even where a float model turned
+    the default off, and not where PDL_ENV says 0 or on the CPU."""
+    pdl.set_default(False)
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0):
+        assert pdl.pair_options(torch.device("cuda")) == {"PDL": True, "launch_pdl": True}
+    assert pdl.pair_options(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setenv(pdl.PDL_ENV, "0")
+    pdl.available.cache_clear()
+    assert pdl.pair_options(torch.device("cuda")) == {"PDL": False}

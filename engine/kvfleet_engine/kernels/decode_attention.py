@@ -53,7 +53,7 @@ from kvfleet_engine.kernels.decode_plan import (
     choose_num_splits,
     token_major_fp8_tile,
 )
-from kvfleet_engine.kernels.pdl import launch_options
+from kvfleet_engine.kernels.pdl import launch_options, pair_options
 from kvfleet_engine.layers.attention_torch import KVCache
 
 
@@ -258,9 +258,10 @@ def _decode(
     rotary = new if new is not None else _NewToken(query, query, query, query, query)
     join_prefix = None
     # One split: the prefix kernel first, and the split kernel merges its partials (no merge
-    # kernel). Beside the split kernel on a second stream the two did not overlap (an H100,
-    # bench/NOTES.md section 31: 64 sequences, split 57.5 + prefix 18.4 + merge 7.8 us = the
-    # step); with more splits the merge kernel stays, so the prefix kernel goes beside.
+    # kernel), launched with PDL where available so that it walks its own context while the
+    # prefix kernel runs and waits only to merge (`pdl`). Beside the split kernel on a second
+    # stream the two did not overlap (an H100, bench/NOTES.md section 31); with more splits the
+    # merge kernel stays, and the prefix kernel goes there.
     merge_prefix = shared_prefix is not None and num_splits == 1
     if shared_prefix is not None:
         join_prefix = prefix_kernel.launch(
@@ -268,6 +269,10 @@ def _decode(
             (new.positions, new.cos_sin) if new is not None else None, scale, num_splits,
             prefix_splits, mixed, beside=not merge_prefix,
         )  # fmt: skip
+    split_options = launch_options(query.device)
+    if merge_prefix:  # the pair that overlaps by PDL where it is available (`pdl`)
+        split_options = pair_options(query.device)
+        split_options["LATE_WAIT"] = split_options["PDL"]
     decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         k_cache,
@@ -331,7 +336,7 @@ def _decode(
         num_warps=num_warps,
         num_stages=launch.num_stages,
         maxnreg=launch.max_registers,
-        **launch_options(query.device),
+        **split_options,
     )
     if join_prefix is not None:
         join_prefix()

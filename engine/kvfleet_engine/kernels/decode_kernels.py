@@ -21,7 +21,7 @@ from kvfleet_engine.kernels.kv_fp8 import (
     quantize_rows,
     v_scale_boost,
 )
-from kvfleet_engine.kernels.pdl import _start
+from kvfleet_engine.kernels.pdl import _late_wait, _start
 
 
 @triton.jit
@@ -108,8 +108,10 @@ def decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,  # one-warp programs (`attention_tile.attend_tile`)
     PDL: tl.constexpr = False,
+    # MERGE_PREFIX launched while the prefix kernel runs: only its partials wait for it (`pdl`)
+    LATE_WAIT: tl.constexpr = False,
 ):
-    _start(PDL)
+    _start(PDL, LATE_WAIT)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -210,6 +212,7 @@ def decode_split_kernel(
     if MERGE_PREFIX:  # the whole context: the output (zeros for an empty sequence)
         group_rows = tl.arange(0, GROUP_ROWS)
         group_heads = kv_head * GROUP + group_rows
+        _late_wait(LATE_WAIT)
         out = merged_with_slots(
             out, lse, partial_out_ptr, partial_lse_ptr, (seq * num_q_heads + group_heads) * SLOTS,
             dims, group_rows < GROUP, dim_mask, HEAD_DIM, GROUP_PAD, GROUP_ROWS, NUM_SPLITS, SLOTS,

@@ -37,24 +37,27 @@ from kvfleet_engine.kernels.attention_tile import attend_range, whole_end
 from kvfleet_engine.kernels.checks import LOG2E, dot_precision, next_power_of_2
 from kvfleet_engine.kernels.decode_kernels import rotated
 from kvfleet_engine.kernels.kv_fp8 import f16_rows, v_scale_boost
-from kvfleet_engine.kernels.pdl import _start, launch_options
+from kvfleet_engine.kernels.pdl import _start, launch_options, pair_options
 from kvfleet_engine.layers.attention_torch import KVCache
 
 BLOCK_Q = 64  # query rows per program: 16 sequences of a 4-head group (Llama-3.1-8B)
 BLOCK_N = 64  # prefix tokens per tile, for every cache (the split kernel's vary: it has 4 rows)
 NUM_WARPS = 4
-# Programs an SM holds at once: 168 registers and 82.9 KB of shared memory each (sm_90, a bf16
-# cache; `bench.kernel_asm`), so shared memory allows two.
-PROGRAMS_PER_SM = 2
+# Programs an SM gets: one, though shared memory holds two (168 registers and 82.9 KB each,
+# sm_90, a bf16 cache; `bench.kernel_asm`), leaving the rest of the SM to the split kernel
+# running beside it (a second stream, or PDL: `launch`). An H100, 64 sequences of 2,112 tokens,
+# 1,536 shared: an fp8 cache's step 73.2 us with 8 splits (two an SM), 64.4 with 4 (one);
+# bf16 84.2 / 85.1 (bench/NOTES.md section 32).
+PROGRAMS_PER_SM = 1
 
 
 def choose_prefix_splits(
     num_seqs: int, group: int, num_kv_heads: int, max_context: int, num_sms: int
 ) -> int:
-    """As many splits as one wave of programs holds (PROGRAMS_PER_SM an SM), never more than
-    the longest prefix has tiles. Rounded down: a program past the wave starts only when one
-    ends, so the kernel takes two programs' walks (64 sequences of an 8B model: 9 splits were
-    288 programs for 264 places on 132 SMs, 8 are 256). Depends on shapes only."""
+    """As many splits as PROGRAMS_PER_SM an SM makes, never more than the longest prefix has
+    tiles. Rounded down: a program past the SMs' places starts only when one ends (64
+    sequences of an 8B model once took 9 splits, 288 programs for 264 places). Depends on
+    shapes only."""
     q_tiles = -(-num_seqs * group // BLOCK_Q)
     fit = PROGRAMS_PER_SM * num_sms // max(q_tiles * num_kv_heads, 1)
     max_tiles = max(-(-max_context // BLOCK_N), 1)
@@ -199,7 +202,8 @@ def launch(
     """Launch the prefix kernel after what the current stream has queued, on a second stream
     on a GPU (captured into a CUDA graph as a parallel branch); call the returned function
     after launching the split kernel: the current stream then waits for it. beside=False: on
-    the current stream (a split kernel that merges its partials runs after it)."""
+    the current stream, with PDL where available (`pdl.pair_options`): a split kernel that
+    merges its partials runs after it, walking its own context while this kernel runs."""
     k_cache, v_cache, k_scales, v_scales = cache
     _, num_q_heads, head_dim = query.shape
     num_seqs = context_lens.shape[0]
@@ -257,7 +261,7 @@ def launch(
             V_RUN=min(BLOCK_N, block_size),
             DOT_PRECISION=dot_precision(query.dtype),
             num_warps=NUM_WARPS,
-            **launch_options(query.device),
+            **(launch_options(query.device) if beside else pair_options(query.device)),
         )
 
     def join() -> None:
