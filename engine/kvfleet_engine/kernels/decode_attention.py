@@ -244,7 +244,7 @@ def _decode(
             )
         if shared_prefix is not None:
             prefix_splits = launch.prefix_splits or prefix_kernel.choose_prefix_splits(
-                num_seqs, group, num_kv_heads, max_context, sms
+                num_seqs, group, num_kv_heads, max_context, sms, merged=num_splits == 1
             )
     slots = num_splits + prefix_splits
     partial_out = torch.empty(

@@ -43,23 +43,25 @@ from kvfleet_engine.layers.attention_torch import KVCache
 BLOCK_Q = 64  # query rows per program: 16 sequences of a 4-head group (Llama-3.1-8B)
 BLOCK_N = 64  # prefix tokens per tile, for every cache (the split kernel's vary: it has 4 rows)
 NUM_WARPS = 4
-# Programs an SM gets: one, though shared memory holds two (168 registers and 82.9 KB each,
-# sm_90, a bf16 cache; `bench.kernel_asm`), leaving the rest of the SM to the split kernel
-# running beside it (a second stream, or PDL: `launch`). An H100, 64 sequences of 2,112 tokens,
-# 1,536 shared: an fp8 cache's step 73.2 us with 8 splits (two an SM), 64.4 with 4 (one);
-# bf16 84.2 / 85.1 (bench/NOTES.md section 32).
-PROGRAMS_PER_SM = 1
-
-
 def choose_prefix_splits(
-    num_seqs: int, group: int, num_kv_heads: int, max_context: int, num_sms: int
+    num_seqs: int, group: int, num_kv_heads: int, max_context: int, num_sms: int, merged: bool
 ) -> int:
-    """As many splits as PROGRAMS_PER_SM an SM makes, never more than the longest prefix has
-    tiles. Rounded down: a program past the SMs' places starts only when one ends (64
-    sequences of an 8B model once took 9 splits, 288 programs for 264 places). Depends on
-    shapes only."""
+    """How many programs the prefix kernel runs (its splits times its tiles of query rows),
+    never more splits than the longest prefix has tiles. Depends on shapes only.
+
+    Its programs (168 registers and 82.9 KB of shared memory each, sm_90, a bf16 cache;
+    `bench.kernel_asm`; two fit an SM) run beside the split kernel's and leave it room: one an
+    SM beside a split kernel of several splits (on a second stream), one every other SM before
+    a split kernel that merges their partials (`merged`: it launches with PDL and walks its own
+    context meanwhile, `launch`), whose programs (five an SM alone, three beside a prefix
+    program) then fit one wave at 64 sequences of an 8B model. Measured on an H100, 64
+    sequences of 2,112 tokens, 1,536 shared (bench/NOTES.md section 32): bf16, merged, 65.0 us
+    with 2 splits, 75.1-79.0 with 4, 83.3 with 8; an fp8 cache, beside, 62.8 with 4 splits,
+    66.4 with 2, 71.5 with 8. Rounded down: a program past the places starts only when one
+    ends (9 splits once made 288 programs for 264 places)."""
+    places = num_sms // 2 if merged else num_sms
     q_tiles = -(-num_seqs * group // BLOCK_Q)
-    fit = PROGRAMS_PER_SM * num_sms // max(q_tiles * num_kv_heads, 1)
+    fit = places // max(q_tiles * num_kv_heads, 1)
     max_tiles = max(-(-max_context // BLOCK_N), 1)
     return max(1, min(fit, max_tiles, 64))
 
