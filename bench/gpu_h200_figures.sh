@@ -118,15 +118,15 @@ case ${1:-} in
         tests/kernels/test_pdl.py -q -p no:cacheprovider -k "prefix or mixed or pdl" 2>&1 | tail -4
     done ;;
   prefix-serve)  # the engine's shared-prefix GPU tests (CUDA graphs), the step at 64 / 128
-    # sequences, then the served shared-prefix load (c64, 256 x 2,048 -> 128, 1,536 shared)
+    # / 256 sequences, then the served shared-prefix load (c64, 256 x 2,048 -> 128, 1,536 shared)
     # from this tree and from AB_TREE's (engine and operator), one server after the other
     mkdir -p "$OUT"
     ( source bench/device_env.sh
       timeout -k 5 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu.py \
         -k "shared_prefix or graphs_on_and_off" 2>&1 | tail -3
-      timeout -k 5 100 python3 -m kvfleet_engine.bench.shared_prefix --seqs 64 128 \
-        --context 2112 --prefix 1536 --prefix-splits 1 2 4 \
-        --output "$OUT/shared-prefix-bf16.json" 2>&1 | grep -v Warning | tail -10 )
+      timeout -k 5 120 python3 -m kvfleet_engine.bench.shared_prefix --seqs 64 128 256 \
+        --context 2112 --prefix 1536 --prefix-splits 1 4 \
+        --output "$OUT/shared-prefix-bf16.json" 2>&1 | grep -v Warning | tail -12 )
     KERNEL=0 SETTINGS=shared-prefix-attention LOADS="64 256 2048 128 1536" OUT=$OUT/serve \
       bash bench/gpu_shared_prefix.sh 2>&1 | tail -12 ;;
   *) echo "usage: bash bench/gpu_h200_figures.sh offline|quant|serve|budget|gemm|autotune|splits|prefix|prefix-serve" >&2

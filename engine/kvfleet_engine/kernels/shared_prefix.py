@@ -55,13 +55,15 @@ def choose_prefix_splits(
     a split kernel that merges their partials (`merged`: it launches with PDL and walks its own
     context meanwhile, `launch`), whose programs (five an SM alone, three beside a prefix
     program) then fit one wave at 64 sequences of an 8B model. Measured on an H100, 64
-    sequences of 2,112 tokens, 1,536 shared (bench/NOTES.md section 32): bf16, merged, 65.0 us
-    with 2 splits, 75.1-79.0 with 4, 83.3 with 8; an fp8 cache, beside, 62.8 with 4 splits,
+    sequences of 2,112 tokens, 1,536 shared (bench/NOTES.md section 32): bf16, merged, 64.4-65.0
+    us with 2 splits, 71.1-79.0 with 4, 83.3 with 8; an fp8 cache, beside, 62.8 with 4 splits,
     66.4 with 2, 71.5 with 8. Rounded down: a program past the places starts only when one
-    ends (9 splits once made 288 programs for 264 places)."""
+    ends (9 splits once made 288 programs for 264 places). Merged, at least two splits: one
+    program walking the whole prefix outlasts the split kernel beside it (128 sequences:
+    129.9 us with 1 split, 117.7 with 2; 256: 244.0 and 241.1)."""
     places = num_sms // 2 if merged else num_sms
     q_tiles = -(-num_seqs * group // BLOCK_Q)
-    fit = places // max(q_tiles * num_kv_heads, 1)
+    fit = max(places // max(q_tiles * num_kv_heads, 1), 2 if merged else 1)
     max_tiles = max(-(-max_context // BLOCK_N), 1)
     return max(1, min(fit, max_tiles, 64))
 
