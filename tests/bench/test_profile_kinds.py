@@ -4,8 +4,9 @@ import pytest
 
 from kvfleet_engine.bench.profile import kernel_kind
 from kvfleet_engine.kernels.activation import _silu_and_mul_kernel
-from kvfleet_engine.kernels.decode_kernels import decode_merge_kernel, decode_split_kernel
+from kvfleet_engine.kernels.decode_kernels import decode_split_kernel
 from kvfleet_engine.kernels.fused import _rotary_store_kv_kernel
+from kvfleet_engine.kernels.partial_merge import decode_merge_kernel
 from kvfleet_engine.kernels.prefill_attention import _prefill_kernel
 from kvfleet_engine.kernels.rms_norm import _rms_norm_kernel
 from kvfleet_engine.kernels.shared_prefix import shared_prefix_kernel

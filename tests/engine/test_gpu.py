@@ -212,7 +212,8 @@ def test_eager_mixed_steps_of_any_shape_compile_the_attention_kernels_once(
     """Steps of more prompt tokens than the prompt graphs hold run eagerly; with 16+ decodes
     beside them (over a shared prefix), whatever their sequence count and block-table width,
     they reuse the attention kernels' variants compiled when the graphs were captured."""
-    from kvfleet_engine.kernels.decode_kernels import decode_merge_kernel, decode_split_kernel
+    from kvfleet_engine.kernels.decode_kernels import decode_split_kernel
+    from kvfleet_engine.kernels.partial_merge import decode_merge_kernel
     from kvfleet_engine.kernels.prefill_attention import _prefill_kernel
     from kvfleet_engine.kernels.shared_prefix import shared_prefix_kernel
 

@@ -2,10 +2,10 @@
 
 Each program owns (sequence, kv head, split): it loads the query heads that share the kv head as
 the rows of one tile, so every K/V tile is read once per group, and walks its share of the context
-with an online softmax. A second kernel merges the splits by their log-sum-exp; with a single
-split (large batches) the first kernel writes the output itself and the merge is skipped. The grid
-depends only on tensor shapes (context lengths are read on the device), so the launch can be
-captured in a CUDA graph and replayed with new lengths.
+with an online softmax. A second kernel merges the splits by their log-sum-exp
+(`partial_merge`); with a single split (large batches) the first kernel writes the output itself
+and the merge is skipped. The grid depends only on tensor shapes (context lengths are read on the
+device), so the launch can be captured in a CUDA graph and replayed with new lengths.
 
 `rotary_decode_attention` is the same kernel taking the step's q, k and v before rotary: each
 program rotates its query heads in registers, and the split holding the newest position rotates
@@ -43,7 +43,7 @@ from kvfleet_engine.kernels.checks import (
     num_sms,
     require,
 )
-from kvfleet_engine.kernels.decode_kernels import decode_merge_kernel, decode_split_kernel
+from kvfleet_engine.kernels.decode_kernels import decode_split_kernel
 from kvfleet_engine.kernels.decode_plan import (
     DEFAULT_TILES,
     MIXED_PREFIX_SPLITS,
@@ -53,6 +53,7 @@ from kvfleet_engine.kernels.decode_plan import (
     choose_num_splits,
     token_major_fp8_tile,
 )
+from kvfleet_engine.kernels.partial_merge import merge_partials
 from kvfleet_engine.kernels.pdl import launch_options, pair_options
 from kvfleet_engine.layers.attention_torch import KVCache
 
@@ -253,7 +254,6 @@ def _decode(
     partial_lse = torch.empty(
         (num_seqs, num_q_heads, slots), dtype=torch.float32, device=query.device
     )
-    block_d = next_power_of_2(head_dim)
     # Without the new token, its pointers are the query's and its strides 0: never read.
     rotary = new if new is not None else _NewToken(query, query, query, query, query)
     join_prefix = None
@@ -313,7 +313,7 @@ def _decode(
         GROUP_PAD=max(16, next_power_of_2(group)),
         GROUP_ROWS=next_power_of_2(group),
         HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
+        BLOCK_D=next_power_of_2(head_dim),
         BLOCK_N=block_n,
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
@@ -342,20 +342,7 @@ def _decode(
         join_prefix()
     if slots == 1 or merge_prefix:
         return out
-    decode_merge_kernel[(num_seqs, num_q_heads)](
-        partial_out,
-        partial_lse,
-        out,
-        mixed if mixed is not None else context_lens,  # never read without
-        out.stride(0),
-        out.stride(1),
-        num_q_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        NUM_SPLITS=slots,
-        SPLITS_PAD=next_power_of_2(slots),
-        MIXED=mixed is not None,
-        # after the prefix kernel's stream joined: a whole dependency, not PDL's early start
-        **(launch_options(query.device) if join_prefix is None else {"PDL": False}),
-    )
+    # after the prefix kernel's stream joined: a whole dependency, not PDL's early start
+    pdl_options = launch_options(query.device) if join_prefix is None else {"PDL": False}
+    merge_partials(partial_out, partial_lse, out, mixed, pdl_options)
     return out

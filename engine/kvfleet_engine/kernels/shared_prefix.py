@@ -43,6 +43,8 @@ from kvfleet_engine.layers.attention_torch import KVCache
 BLOCK_Q = 64  # query rows per program: 16 sequences of a 4-head group (Llama-3.1-8B)
 BLOCK_N = 64  # prefix tokens per tile, for every cache (the split kernel's vary: it has 4 rows)
 NUM_WARPS = 4
+
+
 def choose_prefix_splits(
     num_seqs: int, group: int, num_kv_heads: int, max_context: int, num_sms: int, merged: bool
 ) -> int:
