@@ -610,7 +610,8 @@ def test_the_prefix_kernel_leaves_the_split_kernel_room_beside_it() -> None:
     partials, though at least two there (one program walking the whole prefix outlasts the
     split kernel); 64 sequences of an 8B model: 4 splits (128 programs) and 2 (64; 9 once
     made 288 for 264 places); never more splits than the context has tiles, never none."""
-    choose = decode.prefix_kernel.choose_prefix_splits
+    decode_plan = importlib.import_module("kvfleet_engine.kernels.decode_plan")  # no kernels
+    choose = decode_plan.choose_prefix_splits
     assert choose(64, 4, 8, 2112, 132, merged=False) == 4
     assert choose(64, 4, 8, 2112, 132, merged=True) == 2
     assert choose(16, 4, 8, 2112, 132, merged=False) == 16
@@ -624,6 +625,17 @@ def test_the_prefix_kernel_leaves_the_split_kernel_room_beside_it() -> None:
             splits = choose(seqs, 4, 8, 8192, 132, merged=merged)
             programs = -(-seqs * 4 // 64) * 8 * splits
             assert programs <= places or splits == least, (seqs, merged)
+    # The whole plan of an 8B model's step at 64 sequences of 2,112 tokens, bf16 cache: one
+    # split, so the split kernel merges the prefix's 2 slots itself; without a prefix, none.
+    flags = {"token_major_fp8": False, "fp8_codes": False, "mixed": False}
+    plan = decode_plan.plan_decode(64, 8, 4, 2112, 132, **flags, shared_prefix=True)
+    assert (plan.num_splits, plan.prefix_splits, plan.slots, plan.merge_prefix) == (1, 2, 3, True)
+    plan = decode_plan.plan_decode(64, 8, 4, 2112, 132, **flags, shared_prefix=False)
+    assert (plan.prefix_splits, plan.merge_prefix) == (0, False)
+    forced = decode_plan.plan_decode(
+        64, 8, 4, 2112, 132, **flags, shared_prefix=True, forced=(None, None, 2, 4)
+    )
+    assert (forced.slots, forced.merge_prefix) == (6, False)  # the merge kernel's
 
 
 def _shared_prefix(tokens: int, holder: int, sharers: list[int], device) -> torch.Tensor:

@@ -44,15 +44,7 @@ from kvfleet_engine.kernels.checks import (
     require,
 )
 from kvfleet_engine.kernels.decode_kernels import decode_split_kernel
-from kvfleet_engine.kernels.decode_plan import (
-    DEFAULT_TILES,
-    MIXED_PREFIX_SPLITS,
-    MIXED_SPLITS,
-    SHORT_FP8_TILE,
-    TOKEN_MAJOR_FP8_TILES,
-    choose_num_splits,
-    token_major_fp8_tile,
-)
+from kvfleet_engine.kernels.decode_plan import SHORT_FP8_TILE, plan_decode
 from kvfleet_engine.kernels.partial_merge import merge_partials
 from kvfleet_engine.kernels.pdl import launch_options, pair_options
 from kvfleet_engine.layers.attention_torch import KVCache
@@ -218,36 +210,18 @@ def _decode(
         require(out.shape == query.shape, "out must have the query's shape")
     if num_seqs == 0:
         return out
-    group = num_q_heads // num_kv_heads
-    max_context = block_tables.shape[1] * block_size
     v_rows = v_cache.stride() == k_cache.stride()  # else token major (`checks.check_cache`)
-    token_major_fp8 = k_scales is not None and not v_rows
-    default_n, default_warps = TOKEN_MAJOR_FP8_TILES if token_major_fp8 else DEFAULT_TILES
-    fp8_codes = k_cache.dtype == torch.float8_e4m3fn  # int8 codes: not measured, 32 tokens
-    if token_major_fp8 and fp8_codes and mixed is None and launch.num_warps in (None, 1):
-        default_n = token_major_fp8_tile(
-            num_seqs, num_kv_heads, num_sms(query.device), launch.max_registers
-        )
-    block_n = launch.block_n or default_n
-    num_warps = launch.num_warps or default_warps
-    num_splits = launch.num_splits
-    prefix_splits = 0
-    if mixed is not None:  # fixed, so every mixed step, eager or captured, runs one compile
-        num_splits = num_splits or MIXED_SPLITS
-        prefix_splits = MIXED_PREFIX_SPLITS
-        if shared_prefix is None:  # a prefix of 0 tokens: the same variant as with one
-            shared_prefix = torch.zeros(2 + num_seqs, dtype=torch.int32, device=query.device)
-    else:
-        sms = num_sms(query.device)
-        if num_splits is None:
-            num_splits = choose_num_splits(
-                num_seqs, num_kv_heads, max_context, block_n, sms, num_warps, launch.max_registers
-            )
-        if shared_prefix is not None:
-            prefix_splits = launch.prefix_splits or prefix_kernel.choose_prefix_splits(
-                num_seqs, group, num_kv_heads, max_context, sms, merged=num_splits == 1
-            )
-    slots = num_splits + prefix_splits
+    forced = (launch.block_n, launch.num_warps, launch.num_splits, launch.prefix_splits)
+    group = num_q_heads // num_kv_heads
+    plan = plan_decode(
+        num_seqs, num_kv_heads, group, block_tables.shape[1] * block_size,
+        num_sms(query.device), token_major_fp8=k_scales is not None and not v_rows,
+        fp8_codes=k_cache.dtype == torch.float8_e4m3fn, mixed=mixed is not None,
+        shared_prefix=shared_prefix is not None, forced=forced, registers=launch.max_registers,
+    )  # fmt: skip
+    if mixed is not None and shared_prefix is None:  # 0 tokens: the same variant as with one
+        shared_prefix = torch.zeros(2 + num_seqs, dtype=torch.int32, device=query.device)
+    slots = plan.slots
     partial_out = torch.empty(
         (num_seqs, num_q_heads, slots, head_dim), dtype=torch.float32, device=query.device
     )
@@ -262,18 +236,18 @@ def _decode(
     # prefix kernel runs and waits only to merge (`pdl`). Beside the split kernel on a second
     # stream the two did not overlap (an H100, bench/NOTES.md section 31); with more splits the
     # merge kernel stays, and the prefix kernel goes there.
-    merge_prefix = shared_prefix is not None and num_splits == 1
+    merge_prefix = plan.merge_prefix
     if shared_prefix is not None:
         join_prefix = prefix_kernel.launch(
             query, cache, block_tables, context_lens, shared_prefix, (partial_out, partial_lse),
-            (new.positions, new.cos_sin) if new is not None else None, scale, num_splits,
-            prefix_splits, mixed, beside=not merge_prefix,
+            (new.positions, new.cos_sin) if new is not None else None, scale, plan.num_splits,
+            plan.prefix_splits, mixed, beside=not merge_prefix,
         )  # fmt: skip
     split_options = launch_options(query.device)
     if merge_prefix:  # the pair that overlaps by PDL where it is available (`pdl`)
         split_options = pair_options(query.device)
         split_options["LATE_WAIT"] = split_options["PDL"]
-    decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+    decode_split_kernel[(num_seqs, num_kv_heads, plan.num_splits)](
         query,
         k_cache,
         v_cache,
@@ -314,9 +288,9 @@ def _decode(
         GROUP_ROWS=next_power_of_2(group),
         HEAD_DIM=head_dim,
         BLOCK_D=next_power_of_2(head_dim),
-        BLOCK_N=block_n,
+        BLOCK_N=plan.block_n,
         BLOCK_SIZE=block_size,
-        NUM_SPLITS=num_splits,
+        NUM_SPLITS=plan.num_splits,
         SLOTS=slots,
         CASCADE=shared_prefix is not None,
         MERGE_PREFIX=merge_prefix,
@@ -327,13 +301,15 @@ def _decode(
         TRANSPOSE_SCORES=launch.transpose_scores,
         EARLY_V=launch.early_v and v_rows,
         V_ROWS=v_rows,
-        V_RUN=min(block_n, block_size),
+        V_RUN=min(plan.block_n, block_size),
         PREFETCH_SCALES=(
-            block_n != SHORT_FP8_TILE if launch.prefetch_scales is None else launch.prefetch_scales
+            plan.block_n != SHORT_FP8_TILE
+            if launch.prefetch_scales is None
+            else launch.prefetch_scales
         ),
         DOT_PRECISION=dot_precision(query.dtype),
-        LAZY_RESCALE=num_warps == 1 if launch.lazy_rescale is None else launch.lazy_rescale,
-        num_warps=num_warps,
+        LAZY_RESCALE=plan.num_warps == 1 if launch.lazy_rescale is None else launch.lazy_rescale,
+        num_warps=plan.num_warps,
         num_stages=launch.num_stages,
         maxnreg=launch.max_registers,
         **split_options,

@@ -5,6 +5,7 @@ Pure functions of shapes and dtypes: a captured decode graph's launch depends on
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 # Tiles and warps where the caller leaves them (None): a token-major fp8 cache is read fastest by
 # one-warp programs over 32-token tiles (H200, 512 x 1.5k: 69% of copy bandwidth, against 49-54%
@@ -84,3 +85,94 @@ def choose_num_splits(
 # no tokens when there is none, so that one variant serves both).
 MIXED_SPLITS = 1
 MIXED_PREFIX_SPLITS = 4
+
+
+# The shared-prefix kernel's tiles (`shared_prefix`): query rows per program (16 sequences of a
+# 4-head group, Llama-3.1-8B) and prefix tokens per tile, for every cache (the split kernel's
+# vary: it has 4 rows).
+PREFIX_BLOCK_Q = 64
+PREFIX_BLOCK_N = 64
+
+
+def choose_prefix_splits(
+    num_seqs: int, group: int, num_kv_heads: int, max_context: int, num_sms: int, merged: bool
+) -> int:
+    """How many programs the prefix kernel runs (its splits times its tiles of query rows),
+    never more splits than the longest prefix has tiles. Depends on shapes only.
+
+    Its programs (168 registers and 82.9 KB of shared memory each, sm_90, a bf16 cache;
+    `bench.kernel_asm`; two fit an SM) run beside the split kernel's and leave it room: one an
+    SM beside a split kernel of several splits (on a second stream), one every other SM before
+    a split kernel that merges their partials (`merged`: it launches with PDL and walks its own
+    context meanwhile, `shared_prefix.launch`), whose programs (five an SM alone, three beside
+    a prefix program) then fit one wave at 64 sequences of an 8B model. Measured on an H100, 64
+    sequences of 2,112 tokens, 1,536 shared (bench/NOTES.md section 32): bf16, merged, 64.4-65.0
+    us with 2 splits, 71.1-79.0 with 4, 83.3 with 8; an fp8 cache, beside, 62.8 with 4 splits,
+    66.4 with 2, 71.5 with 8. Rounded down: a program past the places starts only when one
+    ends (9 splits once made 288 programs for 264 places). Merged, at least two splits: one
+    program walking the whole prefix outlasts the split kernel beside it (128 sequences:
+    129.9 us with 1 split, 117.7 with 2; 256: 244.0 and 241.1)."""
+    places = num_sms // 2 if merged else num_sms
+    q_tiles = -(-num_seqs * group // PREFIX_BLOCK_Q)
+    fit = max(places // max(q_tiles * num_kv_heads, 1), 2 if merged else 1)
+    max_tiles = max(-(-max_context // PREFIX_BLOCK_N), 1)
+    return max(1, min(fit, max_tiles, 64))
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """How one decode attention launch is tiled and split."""
+
+    block_n: int  # context tokens per tile of the split kernel
+    num_warps: int
+    num_splits: int  # of each (sequence, kv head)'s context after any shared prefix
+    prefix_splits: int  # the prefix kernel's (0: no shared prefix)
+
+    @property
+    def slots(self) -> int:
+        """Partial outputs per (sequence, query head): the splits', then the prefix's."""
+        return self.num_splits + self.prefix_splits
+
+    @property
+    def merge_prefix(self) -> bool:
+        """One split over a shared prefix: the split kernel merges the prefix's partials
+        itself, launched beside the prefix kernel by PDL (`pdl`), and no merge kernel runs."""
+        return self.prefix_splits > 0 and self.num_splits == 1
+
+
+def plan_decode(
+    num_seqs: int,
+    num_kv_heads: int,
+    group: int,
+    max_context: int,
+    num_sms: int,
+    *,
+    token_major_fp8: bool,  # a quantized cache with V token major (`kv_fp8`)
+    fp8_codes: bool,  # e4m3 codes (int8 ones: not measured over 16-token tiles)
+    mixed: bool,  # a step with prompt tokens (`decode_attention`)
+    shared_prefix: bool,
+    forced: tuple[int | None, int | None, int | None, int | None] = (None, None, None, None),
+    registers: int | None = None,
+) -> DecodePlan:
+    """The tiles, warps and splits of a decode step's attention; `forced` (benchmarks): block_n,
+    num_warps, num_splits, prefix_splits, each None for the rules'. A mixed step's splits are
+    fixed, so every mixed step, eager or captured, runs one compile (and a shared prefix of 0
+    tokens stands in for none, the same variant)."""
+    block_n, num_warps, num_splits, prefix_splits = forced
+    default_n, default_warps = TOKEN_MAJOR_FP8_TILES if token_major_fp8 else DEFAULT_TILES
+    if token_major_fp8 and fp8_codes and not mixed and num_warps in (None, 1):
+        default_n = token_major_fp8_tile(num_seqs, num_kv_heads, num_sms, registers)
+    block_n = block_n or default_n
+    num_warps = num_warps or default_warps
+    if mixed:
+        return DecodePlan(block_n, num_warps, num_splits or MIXED_SPLITS, MIXED_PREFIX_SPLITS)
+    if num_splits is None:
+        num_splits = choose_num_splits(
+            num_seqs, num_kv_heads, max_context, block_n, num_sms, num_warps, registers
+        )
+    if not shared_prefix:
+        return DecodePlan(block_n, num_warps, num_splits, 0)
+    prefix_splits = prefix_splits or choose_prefix_splits(
+        num_seqs, group, num_kv_heads, max_context, num_sms, merged=num_splits == 1
+    )
+    return DecodePlan(block_n, num_warps, num_splits, prefix_splits)

@@ -36,38 +36,13 @@ import triton.language as tl
 from kvfleet_engine.kernels.attention_tile import attend_range, whole_end
 from kvfleet_engine.kernels.checks import LOG2E, dot_precision, next_power_of_2
 from kvfleet_engine.kernels.decode_kernels import rotated
+from kvfleet_engine.kernels.decode_plan import PREFIX_BLOCK_N, PREFIX_BLOCK_Q
 from kvfleet_engine.kernels.kv_fp8 import f16_rows, v_scale_boost
 from kvfleet_engine.kernels.pdl import _start, launch_options, pair_options
 from kvfleet_engine.layers.attention_torch import KVCache
 
-BLOCK_Q = 64  # query rows per program: 16 sequences of a 4-head group (Llama-3.1-8B)
-BLOCK_N = 64  # prefix tokens per tile, for every cache (the split kernel's vary: it has 4 rows)
+# Tiles: `decode_plan.PREFIX_BLOCK_Q` and `PREFIX_BLOCK_N`; splits: `choose_prefix_splits` there.
 NUM_WARPS = 4
-
-
-def choose_prefix_splits(
-    num_seqs: int, group: int, num_kv_heads: int, max_context: int, num_sms: int, merged: bool
-) -> int:
-    """How many programs the prefix kernel runs (its splits times its tiles of query rows),
-    never more splits than the longest prefix has tiles. Depends on shapes only.
-
-    Its programs (168 registers and 82.9 KB of shared memory each, sm_90, a bf16 cache;
-    `bench.kernel_asm`; two fit an SM) run beside the split kernel's and leave it room: one an
-    SM beside a split kernel of several splits (on a second stream), one every other SM before
-    a split kernel that merges their partials (`merged`: it launches with PDL and walks its own
-    context meanwhile, `launch`), whose programs (five an SM alone, three beside a prefix
-    program) then fit one wave at 64 sequences of an 8B model. Measured on an H100, 64
-    sequences of 2,112 tokens, 1,536 shared (bench/NOTES.md section 32): bf16, merged, 64.4-65.0
-    us with 2 splits, 71.1-79.0 with 4, 83.3 with 8; an fp8 cache, beside, 62.8 with 4 splits,
-    66.4 with 2, 71.5 with 8. Rounded down: a program past the places starts only when one
-    ends (9 splits once made 288 programs for 264 places). Merged, at least two splits: one
-    program walking the whole prefix outlasts the split kernel beside it (128 sequences:
-    129.9 us with 1 split, 117.7 with 2; 256: 244.0 and 241.1)."""
-    places = num_sms // 2 if merged else num_sms
-    q_tiles = -(-num_seqs * group // BLOCK_Q)
-    fit = max(places // max(q_tiles * num_kv_heads, 1), 2 if merged else 1)
-    max_tiles = max(-(-max_context // BLOCK_N), 1)
-    return max(1, min(fit, max_tiles, 64))
 
 
 # Values that change from step to step are not specialised on (that would recompile mid-run),
@@ -217,7 +192,7 @@ def launch(
     group = num_q_heads // num_kv_heads
     partial_out, partial_lse = partials
     positions, cos_sin = rotary if rotary is not None else (query, query)  # never read without
-    grid = (num_kv_heads, prefix_splits, -(-num_seqs * group // BLOCK_Q))
+    grid = (num_kv_heads, prefix_splits, -(-num_seqs * group // PREFIX_BLOCK_Q))
     main = side = None
     if beside and query.device.type == "cuda":
         main, side = torch.cuda.current_stream(query.device), _side_stream(query.device)
@@ -254,17 +229,17 @@ def launch(
             num_splits,
             num_splits + prefix_splits,
             GROUP=group,
-            BLOCK_Q=BLOCK_Q,
+            BLOCK_Q=PREFIX_BLOCK_Q,
             HEAD_DIM=head_dim,
             BLOCK_D=next_power_of_2(head_dim),
-            BLOCK_N=BLOCK_N,
+            BLOCK_N=PREFIX_BLOCK_N,
             BLOCK_SIZE=block_size,
             ROTARY=rotary is not None,
             MIXED=cu_query_lens is not None,
             FP8=k_scales is not None,
             F16_DOTS=query.dtype in (torch.float16, torch.bfloat16),
             V_ROWS=v_cache.stride() == k_cache.stride(),
-            V_RUN=min(BLOCK_N, block_size),
+            V_RUN=min(PREFIX_BLOCK_N, block_size),
             DOT_PRECISION=dot_precision(query.dtype),
             num_warps=NUM_WARPS,
             **(launch_options(query.device) if beside else pair_options(query.device)),
