@@ -7,7 +7,7 @@ split, BLOCK_Q query rows of several sequences, each the query heads that share 
 attends the rows of the sequences that share the prefix to its share of it, read through one
 sharer's block table. Its partial outputs and log-sum-exps go to slots of the split kernel's
 partial buffer past that kernel's own (which then covers only each sharer's context after the
-prefix), and the split kernel's merge combines them all.
+prefix), and the merge combines them all (`partial_merge`).
 
 The step says which prefix in `shared_prefix`, int32 [2 + num_seqs]: the prefix's tokens (a
 multiple of the block size), the row of a sequence that holds it, then per sequence the tokens
@@ -16,7 +16,8 @@ only, so one CUDA graph serves every prefix and sharer set, none included.
 
 `launch` launches it on a second stream (on a GPU), so that it may run while the split
 kernel reads the rest, and the merge waits for both; or, before a split kernel of one split, on
-the same stream, that kernel then merging the prefix's partials itself (`decode_attention`).
+the same stream with PDL where available, that kernel walking its own context while this one
+runs and then merging the prefix's partials itself (`pdl`, `decode_attention`).
 The ROTARY variant rotates the query rows in registers as `rotary_decode_attention` does (the
 same function: the same rounding); the MIXED one serves a step with prompt tokens, whose
 one-token sequences have their query at their token's row (`decode_attention`). An fp8 cache is
