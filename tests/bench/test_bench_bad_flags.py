@@ -143,3 +143,17 @@ def test_bench_cuda_without_cuda(
 def test_bench_accuracy_nan_bound(capsys: pytest.CaptureFixture[str]) -> None:
     line = _error(["bench", "accuracy", "--config", "a=/nonexistent", "--bound", "a=nan"], capsys)
     assert line == "kvfleet bench accuracy: error: --bound must be NAME=PERCENT, got 'a=nan'"
+
+
+@pytest.mark.parametrize("flag", ["--splits", "--prefix-splits"])
+def test_the_shared_prefix_bench_refuses_splits_below_one(
+    flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`python -m kvfleet_engine.bench.shared_prefix`: before any tensor reaches a GPU."""
+    from kvfleet_engine.bench import shared_prefix
+
+    with pytest.raises(SystemExit) as exit_info:
+        shared_prefix.main([flag, "2", "0"])
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.endswith(f"error: {flag} takes splits of 1 or more, got [2, 0]")

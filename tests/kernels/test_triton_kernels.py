@@ -217,6 +217,11 @@ def test_wrappers_reject_bad_input_naming_the_argument() -> None:
             case.context_lens,
             case.scale,
         )
+    decode_args = (case.query, case.k_cache, case.v_cache, case.block_tables, case.context_lens)
+    with pytest.raises(ValueError, match="prefix_splits must be 1 or more, got 0"):
+        decode.paged_decode_attention(*decode_args, case.scale, prefix_splits=0)
+    with pytest.raises(ValueError, match="num_splits must be 1 or more, got -1"):
+        decode.paged_decode_attention(*decode_args, case.scale, num_splits=-1)
     with pytest.raises(ValueError, match="query dtype"):
         prefill.prefill_attention(
             case.query.double(),

@@ -227,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.prefix >= args.context or args.prefix % BLOCK:
         parser.error(f"--prefix must be a multiple of {BLOCK} below --context")
+    for flag, values in (("--splits", args.splits), ("--prefix-splits", args.prefix_splits)):
+        if any(n < 1 for n in values):
+            parser.error(f"{flag} takes splits of 1 or more, got {values}")
     if args.mixed:
         mixed = [measure_mixed(seqs, args.context, args.prefix, args.fp8, args.mixed)
                  for seqs in args.seqs]  # fmt: skip

@@ -120,6 +120,8 @@ def paged_decode_attention(
     lazy_rescale: bool | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim] (a mixed step: [num_tokens, ...])
     check_paged_attention(query, k_cache, v_cache, block_tables, context_lens, k_scales, v_scales)
+    for name, splits in (("num_splits", num_splits), ("prefix_splits", prefix_splits)):
+        require(splits is None or splits >= 1, f"{name} must be 1 or more, got {splits}")
     tiles = (num_splits, block_n, num_warps, num_stages)
     launch = _Launch(
         *tiles, transpose_scores, early_v, prefetch_scales, max_registers, lazy_rescale,
