@@ -29,8 +29,9 @@
 #                                           # sequences, the prefix kernel's splits forced to
 #                                           # 1-8 with each one's kernels, with PDL and without
 #                                           # (the pair apart); AB_TREE's engine (`git archive
-#                                           # REV engine | tar -x -C .ab/old`) after each; then
-#                                           # the kernels' GPU tests
+#                                           # REV engine | tar -x -C .ab/old`) after each, the
+#                                           # mixed step's prefix splits; then the kernels' GPU
+#                                           # tests
 #   AB_TREE=.ab/old bash bench/gpu_h200_figures.sh prefix-serve  # the engine's shared-prefix
 #                                           # GPU tests, the step at 64 / 128 sequences, then
 #                                           # the served shared-prefix load from this tree and
@@ -113,6 +114,11 @@ case ${1:-} in
           $problem $flag --output "$OUT/shared-prefix-$cache-old.json" 2>&1 \
           | grep -v Warning | tail -6
       fi
+      # a step with a prompt chunk as the engine runs it, the mixed prefix splits (4) forced
+      # shellcheck disable=SC2086
+      PYTHONPATH=$new_path timeout -k 5 100 python3 -m kvfleet_engine.bench.shared_prefix \
+        --seqs 16 64 --context 2112 --prefix 1536 --mixed 512 $flag --prefix-splits 2 4 8 \
+        --output "$OUT/shared-prefix-mixed-$cache.json" 2>&1 | grep -v Warning | tail -3
       [ "$cache" = bf16 ] && PYTHONPATH=$new_path timeout -k 5 200 python3 -m pytest -m gpu \
         tests/kernels/test_triton_kernels.py tests/kernels/test_kv_fp8.py \
         tests/kernels/test_pdl.py -q -p no:cacheprovider -k "prefix or mixed or pdl" 2>&1 | tail -4

@@ -7,7 +7,9 @@ against the other, then timed from a CUDA graph.
 With --mixed N the step also holds a prompt chunk: one more sequence of the same length sharing
 the same prefix, whose last N tokens are this step's queries. Timed: the prefill kernel over the
 whole batch (the decode rows as one-token sequences), against the prefill kernel over the chunk
-beside the decode kernel over the decode rows, per sequence and over the shared prefix.
+beside the decode kernel over the decode rows, per sequence and over the shared prefix; and the
+engine's own mixed step (the prefill kernel leaving the decodes apart, then the decode kernels
+at their rows), with --prefix-splits its prefix kernel's splits forced too.
 
   python -m kvfleet_engine.bench.shared_prefix --seqs 16 64 256 --context 2048 --prefix 1536 \\
       [--fp8] [--mixed 512] [--splits 1 2] [--prefix-splits 4 8] --output results.json
@@ -121,7 +123,13 @@ def measure(
 
 
 def measure_mixed(
-    seqs: int, context: int, prefix: int, fp8: bool, chunk: int, device: str = "cuda"
+    seqs: int,
+    context: int,
+    prefix: int,
+    fp8: bool,
+    chunk: int,
+    prefix_splits: list[int],
+    device: str = "cuda",
 ) -> dict:
     """A step of `seqs` decode rows and one prompt chunk of `chunk` queries (the last row)."""
     tensors = case(seqs + 1, context, prefix, fp8, device)
@@ -153,11 +161,29 @@ def measure_mixed(
             chunk_alone(),
         )
 
+    def engine_step(forced: int | None = None) -> Callable[[], torch.Tensor]:
+        """As the engine runs a mixed step: the prefill kernel over every row, leaving the
+        decodes apart, then the decode kernels over those at their rows (`cu_query_lens`), over
+        the shared prefix (its splits fixed for mixed steps unless `forced`)."""
+        rows = (query, *cache, tables)
+
+        def step() -> torch.Tensor:
+            out = prefill_attention(*rows, cu, lens, scale, **scales, decodes_apart=True)
+            return paged_decode_attention(
+                *rows, lens, scale, **scales, shared_prefix=shared, cu_query_lens=cu, out=out,
+                prefix_splits=forced,
+            )  # fmt: skip
+
+        return step
+
     want = one_kernel().float()
     errors = [
         float((torch.cat(split(s)()).float() - want).norm() / want.norm()) for s in (False, True)
     ]
+    errors.append(float((engine_step()().float() - want).norm() / want.norm()))
     times = [_microseconds(f) for f in (one_kernel, split(False), split(True), chunk_alone)]
+    engine_us = _microseconds(engine_step())
+    by_prefix_splits = {str(n): round(_microseconds(engine_step(n)), 1) for n in prefix_splits}
     return {
         "cache": "fp8" if fp8 else "bf16",
         "decode_seqs": seqs,
@@ -170,6 +196,8 @@ def measure_mixed(
         "split_shared_prefix_us": round(times[2], 1),
         "speedup": round(times[0] / times[2], 2),
         "chunk_alone_us": round(times[3], 1),
+        "engine_mixed_step_us": round(engine_us, 1),
+        "engine_mixed_step_us_by_prefix_splits": by_prefix_splits,
     }
 
 
@@ -231,17 +259,18 @@ def main(argv: list[str] | None = None) -> int:
         if any(n < 1 for n in values):
             parser.error(f"{flag} takes splits of 1 or more, got {values}")
     if args.mixed:
-        mixed = [measure_mixed(seqs, args.context, args.prefix, args.fp8, args.mixed)
-                 for seqs in args.seqs]  # fmt: skip
+        problem = (args.context, args.prefix, args.fp8, args.mixed, args.prefix_splits)
+        mixed = [measure_mixed(seqs, *problem) for seqs in args.seqs]
         print(
             f"{'decode seqs':>11} {'prefill kernel us':>18} {'split us':>9} {'shared us':>10}"
-            f" {'chunk alone us':>15}"
+            f" {'chunk alone us':>15} {'engine us':>10}  engine us by prefix splits"
         )
         for row in mixed:
             print(
                 f"{row['decode_seqs']:>11} {row['prefill_kernel_us']:>18} "
                 f"{row['split_per_sequence_us']:>9} {row['split_shared_prefix_us']:>10}"
-                f" {row['chunk_alone_us']:>15}"
+                f" {row['chunk_alone_us']:>15} {row['engine_mixed_step_us']:>10}"
+                f"  {row['engine_mixed_step_us_by_prefix_splits']}"
             )
         if args.output:
             args.output.write_text(json.dumps({"rows": mixed}, indent=1) + "\n")

@@ -109,7 +109,7 @@ def paged_decode_attention(
     cu_query_lens: torch.Tensor | None = None,  # [num_seqs + 1] int32: a mixed step (above)
     out: torch.Tensor | None = None,  # written in place (a mixed step: the prefill's output)
     num_splits: int | None = None,  # override the heuristic (benchmarks)
-    prefix_splits: int | None = None,  # the prefix kernel's, likewise (a decode step)
+    prefix_splits: int | None = None,  # the prefix kernel's, likewise
     block_n: int | None = None,  # context tokens per tile (None: the cache's default tiles)
     num_warps: int | None = None,
     num_stages: int = 2,

@@ -165,7 +165,8 @@ def plan_decode(
     block_n = block_n or default_n
     num_warps = num_warps or default_warps
     if mixed:
-        return DecodePlan(block_n, num_warps, num_splits or MIXED_SPLITS, MIXED_PREFIX_SPLITS)
+        splits = (num_splits or MIXED_SPLITS, prefix_splits or MIXED_PREFIX_SPLITS)
+        return DecodePlan(block_n, num_warps, *splits)
     if num_splits is None:
         num_splits = choose_num_splits(
             num_seqs, num_kv_heads, max_context, block_n, num_sms, num_warps, registers
