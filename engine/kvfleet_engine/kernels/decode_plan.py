@@ -140,6 +140,7 @@ class DecodePlan:
         return self.prefix_splits > 0 and self.num_splits == 1
 
 
+@functools.cache  # asked once a layer by eager steps, as choose_num_splits is
 def plan_decode(
     num_seqs: int,
     num_kv_heads: int,
