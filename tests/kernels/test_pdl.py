@@ -17,19 +17,28 @@ KERNELS = Path(pdl.__file__).parent
 @pytest.fixture(autouse=True)
 def _fresh_cache(monkeypatch):
     monkeypatch.delenv(pdl.PDL_ENV, raising=False)
-    pdl.available.cache_clear()
     pdl.set_default(True)
     yield
-    pdl.available.cache_clear()
     pdl.set_default(True)
 
 
 def test_pdl_is_off_on_the_cpu_and_when_the_setting_says_so(monkeypatch) -> None:
     assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
     monkeypatch.setenv(pdl.PDL_ENV, "0")
-    pdl.available.cache_clear()
     pdl.enabled.cache_clear()
     assert pdl.launch_options(torch.device("cuda")) == {"PDL": False}
+
+
+def test_the_setting_is_read_again_once_the_cache_is_cleared(monkeypatch) -> None:
+    """A device with PDL: on by default, then off once PDL_ENV says 0 and `enabled` is asked
+    again (an A/B in one process, as the GPU tests run it); the pair goes off with it."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(pdl, "_capable", lambda device: True)
+    assert pdl.launch_options(cuda) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setenv(pdl.PDL_ENV, "0")
+    pdl.enabled.cache_clear()
+    assert pdl.launch_options(cuda) == {"PDL": False}
+    assert pdl.pair_options(cuda) == {"PDL": False}
 
 
 def test_float_models_default_to_no_pdl() -> None:
@@ -122,5 +131,4 @@ def test_the_prefix_kernel_and_the_merging_split_kernel_overlap_wherever_pdl_is(
         assert pdl.pair_options(torch.device("cuda")) == {"PDL": True, "launch_pdl": True}
     assert pdl.pair_options(torch.device("cpu")) == {"PDL": False}
     monkeypatch.setenv(pdl.PDL_ENV, "0")
-    pdl.available.cache_clear()
     assert pdl.pair_options(torch.device("cuda")) == {"PDL": False}

@@ -50,13 +50,18 @@ def set_default(on: bool) -> None:
 
 
 @functools.cache
-def available(device: torch.device) -> bool:
-    """Whether PDL can be used on this device at all (compute capability 9.0 and newer, not the
-    interpreter, not PDL_ENV=0): a pair of kernels that overlaps by it whatever the default
-    (`shared_prefix`) asks this."""
-    if INTERPRETED or device.type != "cuda" or os.environ.get(PDL_ENV, "") == "0":
+def _capable(device: torch.device) -> bool:
+    """Whether the device has PDL: compute capability 9.0 and newer, not the interpreter."""
+    if INTERPRETED or device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def available(device: torch.device) -> bool:
+    """Whether PDL can be used on this device at all (`_capable`, and not PDL_ENV=0): a pair of
+    kernels that overlaps by it whatever the default (`shared_prefix`) asks this. PDL_ENV is
+    read on each call, so `enabled`'s cache is all a change of it needs cleared."""
+    return os.environ.get(PDL_ENV, "") != "0" and _capable(device)
 
 
 @functools.cache
