@@ -156,3 +156,47 @@ def test_quantized_at_load_on_the_gpu_runs_under_cuda_graphs(tmp_path: Path, met
         outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
         tokens.append([list(o.outputs[0].token_ids) for o in outputs])
     assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_shared_prefix_steps_of_quantized_models_are_the_same_with_and_without_pdl(
+    tmp_path: Path, monkeypatch, method: str
+) -> None:
+    """Quantized linears launch every kernel with PDL, the shared-prefix pair among them (the
+    split kernel starts while the prefix kernel runs and waits only before merging its
+    partials, `kernels.pdl`). 24 prompts behind one cached 600-token prefix, 96 tokens a step:
+    mixed steps, then decodes in the shared-prefix graphs. PDL changes when kernels start,
+    never what they compute: the tokens are identical with it off and on."""
+    from kvfleet_engine.kernels import pdl
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("PDL needs compute capability 9.0")
+    write_checkpoint("llama3", tmp_path / "float", seed=3, max_position_embeddings=2048)
+    prefix, *tails = random_prompts([600, *range(5, 29)], seed=36)
+    prompts = [prefix + tail for tail in tails]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    tokens = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv(pdl.PDL_ENV, setting)
+        pdl.enabled.cache_clear()
+        llm = LLM(
+            str(tmp_path / "float"),
+            dtype="bfloat16",
+            device="cuda",
+            max_model_len=1024,
+            max_num_seqs=32,
+            max_num_batched_tokens=96,
+            quantization=method,
+        )
+        executor = llm.engine.model_runner.executor
+        assert pdl.pair_options(executor.device)["PDL"] == (setting == "1")
+        assert pdl.enabled(executor.device) == (setting == "1")
+        llm.generate(prompt_token_ids=[prefix], sampling_params=params, use_tqdm=False)
+        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        tokens[setting] = [list(o.outputs[0].token_ids) for o in outputs]
+        # The last shared-prefix replay read the prefix's 37 full blocks once.
+        assert int(executor.decode_graphs.shared[0]) == 37 * 16
+        del llm, executor, outputs
+        torch.cuda.empty_cache()
+    pdl.enabled.cache_clear()
+    assert tokens["1"] == tokens["0"]
