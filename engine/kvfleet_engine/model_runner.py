@@ -47,6 +47,7 @@ from kvfleet_engine.step import SchedulerOutput
 
 __all__ = [
     "CPU_KV_CACHE_BYTES",
+    "DeviceSpan",
     "LaunchedStep",
     "ModelInputs",
     "ModelRunner",
@@ -74,6 +75,15 @@ class LaunchedStep:
     done: torch.cuda.Event | None
     # Pipeline parallelism: the receives of the samples from the last stage, to wait for.
     receiving: tuple[Any, ...] = ()
+
+
+@dataclass
+class DeviceSpan:
+    """A launched step's span on the device, between two timing events (`ModelRunner.timeline`)."""
+
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+    has_prompt_tokens: bool
 
 
 class ModelRunner:
@@ -117,6 +127,9 @@ class ModelRunner:
         self.step_encoder = (
             StepEncoder(with_sampling=self.stage is not None) if self.workers is not None else None
         )
+        # Set to a list (benchmarks, `bench.step_timing`): each step launched on a GPU appends
+        # its span on the device, two timing events a step. None: nothing is recorded.
+        self.timeline: list[DeviceSpan] | None = None
         log.info(
             "model %s on %s (%s, attention %s), %d KV blocks of %d tokens, KV cache %s%s%s",
             config.model.architecture,
@@ -195,6 +208,18 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, scheduled: SchedulerOutput) -> LaunchedStep:
         """Queue one step on the device and return without waiting for it."""
+        timeline = self.timeline
+        if timeline is None or not scheduled.requests or self.device.type != "cuda":
+            return self._queue(scheduled)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        launched = self._queue(scheduled)
+        end.record()
+        prompt = scheduled.num_batched_tokens > len(scheduled.requests)
+        timeline.append(DeviceSpan(start, end, prompt))
+        return launched
+
+    def _queue(self, scheduled: SchedulerOutput) -> LaunchedStep:
         self.sampling_inputs.drop(scheduled.finished_request_ids)
         if self.workers is None:
             return self._launch(scheduled)

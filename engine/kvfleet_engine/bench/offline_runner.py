@@ -166,7 +166,7 @@ def kvfleet_throughput(
     llm.generate(prompt_token_ids=warm_prompts, sampling_params=warm)
     # Host time launching steps and waiting for their tokens (the rest is host work per step:
     # scheduling, bookkeeping, outputs), and the device's busy and idle time per kind of step.
-    with StepTimer(llm.engine.model_runner) as timer:
+    with StepTimer(llm.engine) as timer:
         start = time.perf_counter()
         outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         elapsed = time.perf_counter() - start
@@ -230,7 +230,7 @@ def kvfleet_latency(
     # The device's own time per step (upload, graph, download) and its idle time between steps.
     from kvfleet_engine.bench.step_timing import StepTimer
 
-    with StepTimer(engine.model_runner) as timer:
+    with StepTimer(engine) as timer:
         ttft, decode = run("timed")
     device = timer.device_seconds()
     if args.host_trace:
