@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,12 +41,19 @@ from kvfleet_engine.runner.executor import (
 )
 from kvfleet_engine.runner.inputs import ModelInputs, build_inputs
 from kvfleet_engine.runner.kv_memory import CPU_KV_CACHE_BYTES
+from kvfleet_engine.runner.launched import (
+    NOTHING_LAUNCHED,
+    DeviceSpan,
+    LaunchedStep,
+    runner_output,
+    sample_buffers,
+    to_host,
+)
 from kvfleet_engine.runner.sampling_inputs import SamplingInputs
 from kvfleet_engine.step import SchedulerOutput
 
 __all__ = [
     "CPU_KV_CACHE_BYTES",
-    "DeviceSpan",
     "LaunchedStep",
     "ModelInputs",
     "ModelRunner",
@@ -57,33 +63,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LaunchedStep:
-    """A step queued on the device; its samples reach host memory when `done` fires."""
-
-    # Request id of each sampling row, in row order.
-    request_ids: list[str]
-    # Top-n logprobs wanted per sampling row (None: none).
-    num_logprobs: list[int | None]
-    # [rows] int64 sampled tokens, in host memory once `done` (None: nothing was sampled).
-    token_ids: torch.Tensor | None
-    # Sampled-token logprob [rows], top ids and top logprobs [rows, n] (None: not asked).
-    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
-    # Recorded after the copies to the host (None on the CPU: already there).
-    done: torch.cuda.Event | None
-    # Pipeline parallelism: the receives of the samples from the last stage, to wait for.
-    receiving: tuple[Any, ...] = ()
-
-
-@dataclass
-class DeviceSpan:
-    """A launched step's span on the device, between two timing events (`ModelRunner.timeline`)."""
-
-    start: torch.cuda.Event
-    end: torch.cuda.Event
-    has_prompt_tokens: bool
 
 
 class ModelRunner:
@@ -234,7 +213,7 @@ class ModelRunner:
 
     def _launch(self, scheduled: SchedulerOutput) -> LaunchedStep:
         if not scheduled.requests:
-            return LaunchedStep([], [], None, None, None)
+            return NOTHING_LAUNCHED
         inputs = self.prepare_inputs(scheduled)
         assert inputs.sampling is not None and inputs.num_logprobs is not None
         logits, argmax_ids = self.executor.forward(inputs)
@@ -252,9 +231,9 @@ class ModelRunner:
             return LaunchedStep(
                 inputs.sampling_request_ids, inputs.num_logprobs, sampled.token_ids, logprobs, None
             )
-        token_ids = _to_host(sampled.token_ids)
+        token_ids = to_host(sampled.token_ids)
         if logprobs is not None:
-            logprobs = (_to_host(logprobs[0]), _to_host(logprobs[1]), _to_host(logprobs[2]))
+            logprobs = (to_host(logprobs[0]), to_host(logprobs[1]), to_host(logprobs[2]))
         done = torch.cuda.Event()
         done.record()
         return LaunchedStep(
@@ -264,7 +243,7 @@ class ModelRunner:
     def _launch_stage(self, scheduled: SchedulerOutput) -> LaunchedStep:
         """The first pipeline stage's part of a step; the samples come from the last stage."""
         if not scheduled.requests:
-            return LaunchedStep([], [], None, None, None)
+            return NOTHING_LAUNCHED
         assert self.groups is not None
         executor = self.executor
         inputs = build_inputs(
@@ -275,21 +254,10 @@ class ModelRunner:
         self._wait_sent()
         self._sending = (self.groups.send_next_stage(out), out)
         num_logprobs = [item.params.logprobs for item in scheduled.requests if item.sample]
-        rows = len(num_logprobs)
-        if not rows:
-            return LaunchedStep([], [], None, None, None)
-        token_ids = torch.empty(rows, dtype=torch.int64, device=self.device)  # [rows]
-        buffers = [token_ids]
-        logprobs = None
-        wanted = [num for num in num_logprobs if num is not None]
-        if wanted:  # as the sampler returns them: top max(n, 1) per row
-            top = max(max(wanted), 1)
-            logprobs = (
-                torch.empty(rows, dtype=torch.float32, device=self.device),  # [rows]
-                torch.empty((rows, top), dtype=torch.int64, device=self.device),  # [rows, top]
-                torch.empty((rows, top), dtype=torch.float32, device=self.device),
-            )
-            buffers += logprobs
+        if not num_logprobs:
+            return NOTHING_LAUNCHED
+        token_ids, logprobs = sample_buffers(num_logprobs, self.device)
+        buffers = [token_ids, *(logprobs or ())]
         receiving = tuple(self.groups.recv_sampling_rank(buffers))
         return LaunchedStep(
             inputs.sampling_request_ids, num_logprobs, token_ids, logprobs, None, receiving
@@ -302,26 +270,12 @@ class ModelRunner:
 
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step's samples and hand them over as Python values."""
-        if step.token_ids is None:
-            return ModelRunnerOutput(sampled_token_ids={}, logprobs={})
-        if step.receiving:
-            self._receive(step)
-        if step.done is not None:
-            step.done.synchronize()
-        token_ids = step.token_ids.tolist()
-        request_ids = step.request_ids
-        logprobs: dict[str, dict[int, float]] = {}
-        if step.logprobs is not None:
-            sampled_logprobs, top_ids, top_values = (t.tolist() for t in step.logprobs)
-            for row, num in enumerate(step.num_logprobs):
-                if num is None:
-                    continue
-                entry = dict(zip(top_ids[row][:num], top_values[row][:num], strict=True))
-                entry[token_ids[row]] = sampled_logprobs[row]
-                logprobs[request_ids[row]] = entry
-        return ModelRunnerOutput(
-            sampled_token_ids=dict(zip(request_ids, token_ids, strict=True)), logprobs=logprobs
-        )
+        if step.token_ids is not None:
+            if step.receiving:
+                self._receive(step)
+            if step.done is not None:
+                step.done.synchronize()
+        return runner_output(step)
 
     def compute_logits(self, inputs: ModelInputs) -> torch.Tensor:
         """[num_sampling_rows, vocab] float32 logits of one step (tests, perplexity)."""
@@ -365,10 +319,3 @@ class ModelRunner:
         if self.groups is not None:
             self.groups.leave()
             self.groups = None
-
-
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """Queue a copy of a device tensor into fresh pinned host memory."""
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    return host

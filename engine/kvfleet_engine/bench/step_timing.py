@@ -12,7 +12,7 @@ import torch
 
 from kvfleet_engine.core.engine_core import EngineCore
 from kvfleet_engine.core.profile import ProcessProfile, interval
-from kvfleet_engine.model_runner import DeviceSpan
+from kvfleet_engine.runner.launched import DeviceSpan
 
 
 class StepTimer:
