@@ -11,7 +11,7 @@ from types import TracebackType
 import torch
 
 from kvfleet_engine.core.engine_core import EngineCore
-from kvfleet_engine.core.profile import ProcessProfile, interval
+from kvfleet_engine.core.profile import ProcessProfile
 from kvfleet_engine.runner.launched import DeviceSpan
 
 
@@ -41,10 +41,10 @@ class StepTimer:
     ) -> None:
         self.engine.model_runner.timeline = None
         assert self._before is not None
-        phases = interval(self._before, self.engine.profile.snapshot())["phases"]
-        self.steps = phases["launch"]["count"]
-        self.launch_s = phases["launch"]["s"]
-        self.wait_s = phases["collect"]["s"]
+        before, after = self._before.phases, self.engine.profile.snapshot().phases
+        self.launch_s = after["launch"][0] - before["launch"][0]
+        self.steps = int(after["launch"][1] - before["launch"][1])
+        self.wait_s = after["collect"][0] - before["collect"][0]
 
     def device_seconds(self) -> dict[str, float]:
         """Device busy time in steps with prompt tokens / pure decode steps, idle time between
