@@ -19,8 +19,9 @@ kvfleet's steps by kind.
 
 At hundreds of streams one Python client process runs out of CPU before a fast server does:
 `--client-processes N` splits the requests, the concurrency (or the request rate) over N
-processes, each with its own event loop and connections; the duration runs from the first
-process's start to the last one's end.
+processes, each with its own event loop and connections. They send their first requests
+together, once every process is ready, so the server meets the whole load at once as from one
+client; the duration runs from that common start to the last process's end.
 """
 
 from __future__ import annotations
@@ -226,14 +227,18 @@ def main(argv: list[str]) -> int:
 
     before = fetch_counters(args.url)
     with tqdm(total=len(requests), desc="requests", unit="req", disable=args.no_progress) as bar:
+        spread = None
         if args.client_processes > 1:
-            results, duration = run_load_processes(args, model, requests, bar)
+            results, duration, spread = run_load_processes(args, model, requests, bar)
         else:
             results, duration = asyncio.run(run_load(args, model, requests, bar))
     after = fetch_counters(args.url) if before is not None else None
     summary = summarize(results, duration, args.percentiles, dict(args.goodput))
+    summary["client_start_spread_ms"] = None if spread is None else spread * 1e3
     summary["server"] = load_counters(before, after) if before and after else None
     print(format_report(summary))
+    if spread is not None:
+        print(f"{'client processes started within':<34}{spread * 1e3:.1f} ms")
     if summary["server"]:
         print("\n".join(format_counters(summary["server"])))
     if args.output:

@@ -11,7 +11,9 @@ import math
 import multiprocessing
 import queue
 import random
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,8 +130,15 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
 
 
 async def run_load(
-    args: argparse.Namespace, model: str, requests: list[BenchRequest], progress: Any
+    args: argparse.Namespace,
+    model: str,
+    requests: list[BenchRequest],
+    progress: Any,
+    ready: Callable[[], None] | None = None,
 ) -> tuple[list[RequestResult], float]:
+    """Send the requests (a concurrency's worth in flight, or at a request rate) and return
+    their results and the load's duration. `ready`, if given, is called once everything is set
+    up, just before the first request goes out (the client processes' common start)."""
     extra: dict[str, Any] = {"temperature": args.temperature}
     if args.ignore_eos:
         extra["ignore_eos"] = True
@@ -145,6 +154,8 @@ async def run_load(
             )
             progress.update(1)
 
+        if ready is not None:
+            ready()
         start = time.perf_counter()
         if args.concurrency is not None:
             next_index = iter(range(len(requests)))
@@ -177,6 +188,11 @@ class _SharedProgress:
             self.counter.value += n
 
 
+# How long a client process waits at the start for the others (their interpreters start and
+# import this module: seconds on a busy host).
+_START_TIMEOUT_S = 300.0
+
+
 def _client_process(
     k: int,
     args: argparse.Namespace,
@@ -184,21 +200,33 @@ def _client_process(
     requests: list[BenchRequest],
     counter: Any,
     results: Any,
+    barrier: threading.Barrier,
 ) -> None:
-    start = time.perf_counter()
-    share, _ = asyncio.run(run_load(args, model, requests, _SharedProgress(counter)))
-    results.put((k, share, start, time.perf_counter()))
+    started: list[float] = []
+
+    def ready() -> None:
+        barrier.wait(timeout=_START_TIMEOUT_S)
+        started.append(time.perf_counter())
+
+    progress = _SharedProgress(counter)
+    share, duration = asyncio.run(run_load(args, model, requests, progress, ready))
+    results.put((k, share, started[0], started[0] + duration))
 
 
 def run_load_processes(
     args: argparse.Namespace, model: str, requests: list[BenchRequest], progress: Any
-) -> tuple[list[RequestResult], float]:
+) -> tuple[list[RequestResult], float, float]:
     """`run_load` split over args.client_processes processes: request i goes to process
-    i % N; the concurrency or the rate is divided among them."""
+    i % N; the concurrency or the rate is divided among them. The processes send their first
+    requests together, once every one of them is ready (a fresh interpreter takes a second to
+    start on a busy host, and a process that started early would otherwise meet an idle server
+    while the others are still importing). Returns the results, the duration from that common
+    start to the last process's end, and how far apart the processes' starts were (seconds)."""
     num = min(args.client_processes, len(requests), args.concurrency or len(requests))
     context = multiprocessing.get_context("spawn")
     counter = context.Value("i", 0)
     results_queue = context.Queue()
+    barrier = context.Barrier(num)
     processes = []
     for k in range(num):
         share_args = copy.copy(args)
@@ -210,7 +238,7 @@ def run_load_processes(
         share = requests[k::num]
         process = context.Process(
             target=_client_process,
-            args=(k, share_args, model, share, counter, results_queue),
+            args=(k, share_args, model, share, counter, results_queue, barrier),
             name=f"bench-client-{k}",
         )
         process.start()
@@ -223,6 +251,9 @@ def run_load_processes(
         except queue.Empty:
             failed = [p.name for p in processes if p.exitcode not in (None, 0)]
             if failed:
+                barrier.abort()  # the others stop waiting for it
+                for process in processes:
+                    process.terminate()
                 raise RuntimeError(f"client process(es) {failed} failed") from None
         progress.update(counter.value - progress.n)
     for process in processes:
@@ -230,5 +261,6 @@ def run_load_processes(
     results: list[RequestResult] = [RequestResult() for _ in requests]
     for k, (share_results, _, _) in shares.items():
         results[k::num] = share_results
-    duration = max(end for _, _, end in shares.values()) - min(s for _, s, _ in shares.values())
-    return results, duration
+    starts = [start for _, start, _ in shares.values()]
+    duration = max(end for _, _, end in shares.values()) - min(starts)
+    return results, duration, max(starts) - min(starts)
