@@ -33,9 +33,10 @@
 #                                           # mixed step's prefix splits; then the kernels' GPU
 #                                           # tests
 #   AB_TREE=.ab/old bash bench/gpu_h200_figures.sh targets  # issue 16's open served targets
-#                                           # (c64, c256 after c64, shared prefix) from one
+#                                           # (c64, c256 after c64, shared prefix; c64 and the
+#                                           # shared prefix from bench serve too) from one
 #                                           # server of this tree, then the shared-prefix load
-#                                           # from AB_TREE's (≈ 5 minutes)
+#                                           # from AB_TREE's (≈ 5.5 minutes)
 #   AB_TREE=.ab/old bash bench/gpu_h200_figures.sh prefix-serve  # the engine's shared-prefix
 #                                           # GPU tests, the step at 64 / 128 sequences, then
 #                                           # the served shared-prefix load from this tree and
@@ -140,11 +141,13 @@ case ${1:-} in
     KERNEL=0 SETTINGS=shared-prefix-attention LOADS="64 256 2048 128 1536" OUT=$OUT/serve \
       bash bench/gpu_shared_prefix.sh 2>&1 | tail -12 ;;
   targets)  # issue 16's open served targets from one server of this tree (c64, c256 after
-    # c64, the shared prefix), then the shared-prefix load from AB_TREE's (its engine and
-    # operator, this tree's bench/), one server after the other (≈ 5 minutes)
+    # c64, the shared prefix; then c64 and the shared prefix from kvfleet bench serve), then
+    # the shared-prefix load from AB_TREE's (its engine and operator, this tree's bench/), one
+    # server after the other (≈ 5.5 minutes)
     wheels=$(cd "${WHEELS:-.whl/server}" && pwd)
-    CLIENT_LOADS="c64 c256 shared" BENCH_SERVE=0 OFFLINE=0 WHEELS=$wheels OUT=$OUT/new \
-      timeout -k 5 300 bash bench/gpu_serve_core.sh 2>&1 | grep -v Warning | tail -8
+    CLIENT_LOADS="c64 c256 shared" BENCH_LOADS="c64 shared" OFFLINE=0 WHEELS=$wheels \
+      OUT=$OUT/new timeout -k 5 330 bash bench/gpu_serve_core.sh 2>&1 | grep -v Warning \
+      | tail -16
     if [ -n "${AB_TREE:-}" ]; then
       ln -sfn "$PWD/bench" "$AB_TREE/bench"
       (cd "$AB_TREE" && CLIENT_LOADS=shared BENCH_SERVE=0 OFFLINE=0 WHEELS=$wheels \
