@@ -119,7 +119,7 @@ def test_helm_install_runs_the_sample_to_ready_and_uninstalls(
     assert deployment["status"].get("readyReplicas") == 2  # the kwok pods --wait waited for
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
-    assert env == {"KVFLEET_ENGINE_IMAGE": ENGINE_IMAGE}
+    assert env == {"KVFLEET_ENGINE_IMAGE": ENGINE_IMAGE, "KVFLEET_ROUTER_IMAGE": container["image"]}
     fields = {
         e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"]
         for e in container["env"]

@@ -111,10 +111,11 @@ def test_values_set_namespaces_engine_image_resources_and_placement() -> None:
         "https://hf-mirror.example", "--host-path-prefix", "/var/models",
         "--host-path-prefix", "/mnt/weights",
     ]  # fmt: skip
-    assert container["env"][0] == {
-        "name": "KVFLEET_ENGINE_IMAGE",
-        "value": "registry.example/kvfleet-engine:dev",
-    }
+    assert container["env"][:2] == [
+        {"name": "KVFLEET_ENGINE_IMAGE", "value": "registry.example/kvfleet-engine:dev"},
+        # routers run the operator's own image, wherever that is pulled from
+        {"name": "KVFLEET_ROUTER_IMAGE", "value": "ghcr.io/kvfleet/kvfleet-operator:0.2.0"},
+    ]
     assert container["image"] == "ghcr.io/kvfleet/kvfleet-operator:0.2.0"
     assert container["imagePullPolicy"] == "Always"
     assert container["resources"]["limits"] == {"memory": "1Gi"}

@@ -31,5 +31,10 @@ ENGINE_PORT = 8000
 # of the operator's container (the Helm chart's engine.image), else this release's image.
 RELEASE_ENGINE_IMAGE = "ghcr.io/kvfleet/kvfleet-engine:0.1.0"
 DEFAULT_ENGINE_IMAGE = os.environ.get("KVFLEET_ENGINE_IMAGE") or RELEASE_ENGINE_IMAGE
+# The router image of InferenceDeployments that set no spec.routing.image: $KVFLEET_ROUTER_IMAGE
+# of the operator's container (the Helm chart and manifests/operator.yaml set it to the
+# operator's own image, which carries `kvfleet router`), else this release's operator image.
+RELEASE_ROUTER_IMAGE = "ghcr.io/kvfleet/kvfleet-operator:0.1.0"
+DEFAULT_ROUTER_IMAGE = os.environ.get("KVFLEET_ROUTER_IMAGE") or RELEASE_ROUTER_IMAGE
 # Where the operator reads the GGUF headers of hf:// files (`--hf-endpoint`, $HF_ENDPOINT).
 DEFAULT_HF_ENDPOINT = "https://huggingface.co"

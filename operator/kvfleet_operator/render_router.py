@@ -25,7 +25,6 @@ from kvfleet_operator.render_pod import API_KEY_ENV
 
 ROUTER_LABEL = f"{api.GROUP}/router"
 ROUTER_PORT = api.ENGINE_PORT  # clients change only the host when the router fronts them
-DEFAULT_ROUTER_IMAGE = "ghcr.io/kvfleet/kvfleet-operator:0.1.0"  # it carries `kvfleet router`
 PRE_STOP_SECONDS = 5  # endpoints drop the pod before it stops accepting
 STREAM_DRAIN_SECONDS = 60  # in-flight streams finish before the pod is killed
 Manifest = dict[str, Any]
@@ -178,7 +177,7 @@ def render_router_deployment(
         template_metadata["annotations"] = dict(pod_annotations)
     container = {
         "name": "router",
-        "image": spec.routing.image or DEFAULT_ROUTER_IMAGE,
+        "image": spec.routing.image or api.DEFAULT_ROUTER_IMAGE,
         "command": ["kvfleet", "router"],
         "args": router_args(name, namespace, spec, plan),
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],

@@ -60,5 +60,6 @@ class RoutingSpec(Model):
     image: str | None = Field(
         default=None,
         max_length=512,
-        description="Router image; defaults to the operator's (it carries `kvfleet router`).",
+        description="Router image; defaults to the operator's own ($KVFLEET_ROUTER_IMAGE of "
+        "its container; it carries `kvfleet router`).",
     )

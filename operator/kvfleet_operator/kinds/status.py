@@ -17,7 +17,7 @@ class Condition(Model):
 
     type: str = Field(description="Ready, Progressing, Degraded, Stalled or ScalingLimited.")
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
-    reason: str = Field(description="One CamelCase word, e.g. Available or InsufficientMemory.")
+    reason: str = Field(description="One CamelCase word, e.g. Available or InsufficientGPUMemory.")
     message: str = Field(default="", description="What happened and what to do, in words.")
     observed_generation: int | None = Field(
         default=None, description="metadata.generation the condition was computed from."
