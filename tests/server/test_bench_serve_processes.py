@@ -52,6 +52,30 @@ def test_client_processes_send_their_first_requests_together(
     assert results["duration_s"] < 1.5
 
 
+def test_a_client_process_that_dies_ends_the_load_with_an_error(
+    live_server: Any, tmp_path: Path, monkeypatch: Any, capfd: Any
+) -> None:
+    # The second client interpreter exits at start-up: the first, waiting for it, is stopped
+    # and the command says which process failed, without a traceback of its own.
+    site = tmp_path / "site"
+    site.mkdir()
+    claim = tmp_path / "first-client"
+    (site / "sitecustomize.py").write_text(
+        "import os\n"
+        "try:\n"
+        f"    os.close(os.open({str(claim)!r}, os.O_CREAT | os.O_EXCL))\n"
+        "except FileExistsError:\n"
+        "    os._exit(3)\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), *sys.path]))
+    argv = ["--url", live_server.url, "--concurrency", "2", "--num-prompts", "2"]
+    argv += ["--random-input-len", "8", "--random-output-len", "2", "--no-progress"]
+    assert main([*argv, "--client-processes", "2"]) == 1
+    err = capfd.readouterr().err  # the client processes' stderr too
+    assert "kvfleet bench serve: error: bench-client-" in err and "exit code 3" in err
+    assert "Traceback" not in err
+
+
 def test_the_report_says_how_much_the_prefix_cache_served(
     live_server: Any, tmp_path: Path, capsys: Any
 ) -> None:

@@ -39,7 +39,12 @@ import httpx
 from kvfleet_engine.argtypes import non_negative_float, positive_float, positive_int, seed
 from kvfleet_engine.bench.results import writable_file
 from kvfleet_engine.bench.serve_counters import fetch_counters, format_counters, load_counters
-from kvfleet_engine.bench.serve_load import auth_headers, run_load, run_load_processes
+from kvfleet_engine.bench.serve_load import (
+    ClientProcessFailed,
+    auth_headers,
+    run_load,
+    run_load_processes,
+)
 from kvfleet_engine.bench.serve_stats import format_report, summarize
 from kvfleet_engine.bench.serve_workload import chat_requests, jsonl_requests, random_requests
 from kvfleet_engine.server.auth import API_KEY_ENV
@@ -229,7 +234,11 @@ def main(argv: list[str]) -> int:
     with tqdm(total=len(requests), desc="requests", unit="req", disable=args.no_progress) as bar:
         spread = None
         if args.client_processes > 1:
-            results, duration, spread = run_load_processes(args, model, requests, bar)
+            try:
+                results, duration, spread = run_load_processes(args, model, requests, bar)
+            except ClientProcessFailed as exc:
+                print(f"kvfleet bench serve: error: {exc}", file=sys.stderr)
+                return 1
         else:
             results, duration = asyncio.run(run_load(args, model, requests, bar))
     after = fetch_counters(args.url) if before is not None else None

@@ -188,6 +188,10 @@ class _SharedProgress:
             self.counter.value += n
 
 
+class ClientProcessFailed(RuntimeError):
+    """A client process of `run_load_processes` exited with an error; the others were stopped."""
+
+
 # How long a client process waits at the start for the others (their interpreters start and
 # import this module: seconds on a busy host).
 _START_TIMEOUT_S = 300.0
@@ -205,7 +209,11 @@ def _client_process(
     started: list[float] = []
 
     def ready() -> None:
-        barrier.wait(timeout=_START_TIMEOUT_S)
+        try:
+            barrier.wait(timeout=_START_TIMEOUT_S)
+        except threading.BrokenBarrierError:  # another process failed, or never got ready
+            name = multiprocessing.current_process().name
+            raise SystemExit(f"{name}: the other client processes did not start") from None
         started.append(time.perf_counter())
 
     progress = _SharedProgress(counter)
@@ -249,12 +257,12 @@ def run_load_processes(
             k, share_results, start, end = results_queue.get(timeout=0.2)
             shares[k] = (share_results, start, end)
         except queue.Empty:
-            failed = [p.name for p in processes if p.exitcode not in (None, 0)]
+            failed = [f"{p.name} exit code {p.exitcode}" for p in processes if p.exitcode]
             if failed:
                 barrier.abort()  # the others stop waiting for it
                 for process in processes:
                     process.terminate()
-                raise RuntimeError(f"client process(es) {failed} failed") from None
+                raise ClientProcessFailed(f"{', '.join(failed)}; its error is above") from None
         progress.update(counter.value - progress.n)
     for process in processes:
         process.join()
