@@ -23,11 +23,9 @@ def test_two_client_processes_send_every_request_once(live_server: Any, tmp_path
     assert results["duration_s"] > 0 and results["ttft_ms"]["p50"] > 0
 
 
-def test_client_processes_send_their_first_requests_together(
-    live_server: Any, tmp_path: Path, monkeypatch: Any
-) -> None:
-    # Every client interpreter but the first to start sleeps 1.5 s before it imports anything (a
-    # busy host): the early one must still wait for the others rather than load the server alone.
+def _late_clients(tmp_path: Path, monkeypatch: Any, then: str) -> Path:
+    """Client interpreters started from here on run `then` (Python) at start-up, before they
+    import anything, all but the first to start; returns the file the first one claims."""
     site = tmp_path / "site"
     site.mkdir()
     claim = tmp_path / "first-client"
@@ -36,14 +34,24 @@ def test_client_processes_send_their_first_requests_together(
         "try:\n"
         f"    os.close(os.open({str(claim)!r}, os.O_CREAT | os.O_EXCL))\n"
         "except FileExistsError:\n"
-        "    time.sleep(1.5)\n"
+        f"    {then}\n"
     )
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), *sys.path]))
+    return claim
+
+
+TWO_CLIENTS = ["--concurrency", "2", "--num-prompts", "2", "--client-processes", "2"]
+TWO_CLIENTS += ["--random-input-len", "8", "--random-output-len", "2", "--no-progress"]
+
+
+def test_client_processes_send_their_first_requests_together(
+    live_server: Any, tmp_path: Path, monkeypatch: Any
+) -> None:
+    # The second client is 1.5 s late (a busy host): the early one must still wait for it
+    # rather than load the server alone.
+    claim = _late_clients(tmp_path, monkeypatch, then="time.sleep(1.5)")
     out = tmp_path / "bench.json"
-    argv = ["--url", live_server.url, "--concurrency", "2", "--num-prompts", "2"]
-    argv += ["--random-input-len", "8", "--random-output-len", "2", "--no-progress"]
-    argv += ["--client-processes", "2", "--output", str(out)]
-    assert main(argv) == 0
+    assert main(["--url", live_server.url, *TWO_CLIENTS, "--output", str(out)]) == 0
     assert claim.exists()  # the clients did start through the slow site
     results = json.loads(out.read_text())["results"]
     assert results["completed"] == 2
@@ -55,22 +63,10 @@ def test_client_processes_send_their_first_requests_together(
 def test_a_client_process_that_dies_ends_the_load_with_an_error(
     live_server: Any, tmp_path: Path, monkeypatch: Any, capfd: Any
 ) -> None:
-    # The second client interpreter exits at start-up: the first, waiting for it, is stopped
-    # and the command says which process failed, without a traceback of its own.
-    site = tmp_path / "site"
-    site.mkdir()
-    claim = tmp_path / "first-client"
-    (site / "sitecustomize.py").write_text(
-        "import os\n"
-        "try:\n"
-        f"    os.close(os.open({str(claim)!r}, os.O_CREAT | os.O_EXCL))\n"
-        "except FileExistsError:\n"
-        "    os._exit(3)\n"
-    )
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), *sys.path]))
-    argv = ["--url", live_server.url, "--concurrency", "2", "--num-prompts", "2"]
-    argv += ["--random-input-len", "8", "--random-output-len", "2", "--no-progress"]
-    assert main([*argv, "--client-processes", "2"]) == 1
+    # The second client exits at start-up: the first, waiting for it, is stopped and the
+    # command says which process failed, without a traceback.
+    _late_clients(tmp_path, monkeypatch, then="os._exit(3)")
+    assert main(["--url", live_server.url, *TWO_CLIENTS]) == 1
     err = capfd.readouterr().err  # the client processes' stderr too
     assert "kvfleet bench serve: error: bench-client-" in err and "exit code 3" in err
     assert "Traceback" not in err
