@@ -246,8 +246,6 @@ def main(argv: list[str]) -> int:
     summary["client_start_spread_ms"] = None if spread is None else spread * 1e3
     summary["server"] = load_counters(before, after) if before and after else None
     print(format_report(summary))
-    if spread is not None:
-        print(f"{'client processes started within':<34}{spread * 1e3:.1f} ms")
     if summary["server"]:
         print("\n".join(format_counters(summary["server"])))
     if args.output:

@@ -80,6 +80,9 @@ def format_report(summary: dict[str, Any]) -> str:
     ]
     if summary["request_goodput"] is not None:
         lines.append(f"{'request goodput (req/s)':<34}{summary['request_goodput']:.2f}")
+    if summary.get("client_start_spread_ms") is not None:  # several client processes
+        spread = summary["client_start_spread_ms"]
+        lines.append(f"{'client processes started within':<34}{spread:.1f} ms")
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
         stats = summary[name]
         cells = "  ".join(f"{k} {v:.2f}" for k, v in stats.items())
