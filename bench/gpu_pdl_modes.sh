@@ -6,7 +6,7 @@
 # wait), one process per mode and weights, modes alternating; then the modes' GPU tests (the
 # one-row products' bits, the engine's greedy tokens) in what time is left. Prints one table;
 # JSON and logs under $OUT.
-#   bash bench/gpu_pdl_modes.sh                 # QUANTS (default fp8,awq), MODES (1 early prefetch)
+#   bash bench/gpu_pdl_modes.sh                 # QUANTS (default fp8,awq), MODES (1 prefetch tail)
 #   ROUNDS=2 bash bench/gpu_pdl_modes.sh        # the modes twice, alternating
 set -uo pipefail
 OUT=${OUT:-/tmp/kvfleet-pdl-modes}
@@ -15,7 +15,7 @@ source bench/device_env.sh
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 QUANTS=${QUANTS:-fp8,awq}
 for round in $(seq "${ROUNDS:-1}"); do
-  for mode in ${MODES:-1 early prefetch}; do
+  for mode in ${MODES:-1 prefetch tail}; do
     echo "=== round $round, KVFLEET_PDL=$mode ($(date +%T))"
     KVFLEET_PDL=$mode timeout -k 5 "${STEP_TIMEOUT:-170}" python3 -m kvfleet_cli.main bench latency \
       --shape llama-3.1-8b --quantization "$QUANTS" --max-num-seqs 4 --output-len 128 \

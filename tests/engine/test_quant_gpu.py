@@ -162,9 +162,9 @@ def test_quantized_at_load_on_the_gpu_runs_under_cuda_graphs(tmp_path: Path, met
 def test_every_pdl_mode_gives_the_tokens_of_waiting_first(
     tmp_path: Path, monkeypatch, method: str
 ) -> None:
-    """KVFLEET_PDL=early and prefetch (`kernels.pdl`: each kernel lets the next one launch
-    before its own wait; the products fetch weights before theirs) give the greedy tokens of
-    1, in CUDA graphs, batch 1 and a batch of 8."""
+    """KVFLEET_PDL=early, prefetch and tail (`kernels.pdl`: kernels let the next one launch
+    before their own wait or after their walk; the products fetch weights before theirs) give
+    the greedy tokens of 1, in CUDA graphs, batch 1 and a batch of 8."""
     from kvfleet_engine.kernels import pdl
 
     if torch.cuda.get_device_capability() < (9, 0):
@@ -172,7 +172,7 @@ def test_every_pdl_mode_gives_the_tokens_of_waiting_first(
     write_checkpoint("llama3", tmp_path / "float", seed=3)
     prompts = random_prompts([5, 40, 9, 17, 33, 64, 12, 3], seed=7)
     tokens = {}
-    for setting in ("1", "early", "prefetch"):
+    for setting in ("1", "early", "prefetch", "tail"):
         monkeypatch.setenv(pdl.PDL_ENV, setting)
         pdl.enabled.cache_clear()
         llm = LLM(
@@ -193,6 +193,7 @@ def test_every_pdl_mode_gives_the_tokens_of_waiting_first(
     pdl.enabled.cache_clear()
     assert tokens["early"] == tokens["1"]
     assert tokens["prefetch"] == tokens["1"]
+    assert tokens["tail"] == tokens["1"]
 
 
 @pytest.mark.parametrize("method", ["int8", "fp8"])

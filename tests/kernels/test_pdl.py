@@ -49,7 +49,7 @@ def test_the_mode_names_when_a_kernel_lets_the_next_one_launch(monkeypatch) -> N
     monkeypatch.setattr(pdl, "_capable", lambda device: True)
     pdl.set_default(False)
     for setting, mode in (("1", pdl.WAIT_FIRST), ("early", pdl.TRIGGER_FIRST),
-                          ("prefetch", pdl.PREFETCH)):  # fmt: skip
+                          ("prefetch", pdl.PREFETCH), ("tail", pdl.TAIL)):  # fmt: skip
         monkeypatch.setenv(pdl.PDL_ENV, setting)
         pdl.enabled.cache_clear()
         assert pdl.launch_options(cuda) == {"PDL": mode, "launch_pdl": True}
@@ -57,7 +57,7 @@ def test_the_mode_names_when_a_kernel_lets_the_next_one_launch(monkeypatch) -> N
     monkeypatch.setenv(pdl.PDL_ENV, "eager")
     pdl.enabled.cache_clear()
     with pytest.raises(ValueError, match=r"KVFLEET_PDL='eager': expected 0 or one of \['1', "
-                       r"'early', 'prefetch'\]"):  # fmt: skip
+                       r"'early', 'prefetch', 'tail'\]"):  # fmt: skip
         pdl.mode()
 
 
@@ -178,7 +178,7 @@ def test_one_row_products_give_the_same_bits_in_every_mode(monkeypatch) -> None:
         "int8-lean": lambda: run_int8(x, int8, MatmulPlan("lean", 1, 256, 16, 8)),
     }
     outputs: dict[str, list[torch.Tensor]] = {name: [] for name in products}
-    for setting in ("1", "early", "prefetch"):
+    for setting in ("1", "early", "prefetch", "tail"):
         monkeypatch.setenv(pdl.PDL_ENV, setting)
         pdl.enabled.cache_clear()
         for name, product in products.items():

@@ -16,7 +16,14 @@ import triton.language as tl
 
 from kvfleet_engine.kernels.checks import dot_precision, require
 from kvfleet_engine.kernels.int_plan import load_env_plans, put_rows, rows_at_least, split_for
-from kvfleet_engine.kernels.pdl import _PREFETCH, _late_wait, _prefetch_l2, _start, launch_options
+from kvfleet_engine.kernels.pdl import (
+    _PREFETCH,
+    _late_wait,
+    _prefetch_l2,
+    _start,
+    _tail_trigger,
+    launch_options,
+)
 from kvfleet_engine.kernels.split_k import COUNTERS, _finish, _sum_splits_kernel, split_k_buffers
 
 GEMV_MAX_ROWS = 16  # up to this many rows: the weight-only GEMV (H200: 67% of copy at 16 rows)
@@ -37,7 +44,7 @@ def _fp8_gemv_kernel(
     float16 is one convert per two weights on sm_89+, bfloat16 goes through float32); SWAP_AB:
     the weight is the dot's left operand (out^T = W x^T). In PDL's PREFETCH mode the first
     PREFETCH_BYTES of each weight row of its slice go to L2 before the wait (`pdl`)."""
-    PREFETCHES: tl.constexpr = PDL == _PREFETCH
+    PREFETCHES: tl.constexpr = PDL >= _PREFETCH
     _start(PDL, PREFETCHES)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -88,6 +95,7 @@ def _fp8_gemv_kernel(
     else:
         out = tl.sum(acc, axis=2)
     weight_scale = tl.load(weight_scale_ptr + offs_n, mask=n_mask, other=0.0)
+    _tail_trigger(PDL)
     _finish(
         out * weight_scale[None, :], out_ptr, partial_ptr, counter_ptr, pid_n, pid_k, split_k,
         offs_m, offs_n, M, N, LAST_REDUCES,

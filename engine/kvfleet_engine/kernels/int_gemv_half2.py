@@ -24,7 +24,14 @@ import triton
 import triton.language as tl
 
 from kvfleet_engine.kernels.int_gemv_lean import _group_ends
-from kvfleet_engine.kernels.pdl import _PREFETCH, _first_lines, _late_wait, _prefetch_l2, _start
+from kvfleet_engine.kernels.pdl import (
+    _PREFETCH,
+    _first_lines,
+    _late_wait,
+    _prefetch_l2,
+    _start,
+    _tail_trigger,
+)
 from kvfleet_engine.kernels.split_k import _finish
 
 X_SHIFT = tl.constexpr(4)  # x enters float16 as x / 16
@@ -93,7 +100,7 @@ def _gemv_half2_kernel(
     of K; tiles of [BLOCK_K // 8 packed rows, BLOCK_N columns]. GROUPS: "step" (BLOCK_K ==
     group_size), "all" (one group of K) or "any". In PDL's PREFETCH mode the first two tiles go
     to L2 before the wait (`pdl`)."""
-    PREFETCHES: tl.constexpr = PDL == _PREFETCH
+    PREFETCHES: tl.constexpr = PDL >= _PREFETCH
     _start(PDL, PREFETCHES)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -143,6 +150,7 @@ def _gemv_half2_kernel(
                 acc += tl.sum(xs, axis=0) * offset
             part = tl.zeros((ROWS, BLOCK_N), dtype=tl.int32)
             xs = tl.zeros((ROWS, 1), dtype=tl.float32)
+    _tail_trigger(PDL)
     _finish(
         acc[None, :], out_ptr, partial_ptr, counter_ptr, pid_n, pid_k, split_k, tl.arange(0, 1),
         offs_c, 1, N, LAST_REDUCES,

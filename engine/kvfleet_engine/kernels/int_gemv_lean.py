@@ -24,7 +24,14 @@ import triton
 import triton.language as tl
 
 from kvfleet_engine.kernels.int_plan import INTERPRETED
-from kvfleet_engine.kernels.pdl import _PREFETCH, _first_lines, _late_wait, _prefetch_l2, _start
+from kvfleet_engine.kernels.pdl import (
+    _PREFETCH,
+    _first_lines,
+    _late_wait,
+    _prefetch_l2,
+    _start,
+    _tail_trigger,
+)
 from kvfleet_engine.kernels.split_k import _finish
 
 MAGICS = (0x47000000, 0x45000000, 0x43000000)  # float32 2^15, 2^11, 2^7: fields at b = 8, 12, 16
@@ -135,7 +142,7 @@ def _gemv_lean_kernel(
     LOP3. GROUPS: "step"
     (BLOCK_K == group_size), "all" (one group of K) or "any". In PDL's PREFETCH mode the first
     two tiles go to L2 before the wait (`pdl`)."""
-    PREFETCHES: tl.constexpr = PDL == _PREFETCH
+    PREFETCHES: tl.constexpr = PDL >= _PREFETCH
     _start(PDL, PREFETCHES)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -214,6 +221,7 @@ def _gemv_lean_kernel(
     else:
         out = tl.sum(acc0, axis=0)[None, :]  # [1, BLOCK_N]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    _tail_trigger(PDL)
     _finish(
         out, out_ptr, partial_ptr, counter_ptr, pid_n, pid_k, split_k, tl.arange(0, 1), offs_n,
         1, N, LAST_REDUCES,

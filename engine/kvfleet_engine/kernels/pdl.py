@@ -47,10 +47,11 @@ import triton.language as tl
 from kvfleet_engine.kernels.int_plan import INTERPRETED
 
 PDL_ENV = "KVFLEET_PDL"
-WAIT_FIRST, TRIGGER_FIRST, PREFETCH = 1, 2, 3  # the modes (the PDL argument's values)
-MODES = {"1": WAIT_FIRST, "early": TRIGGER_FIRST, "prefetch": PREFETCH}  # PDL_ENV's names
-_TRIGGER_FIRST = tl.constexpr(TRIGGER_FIRST)  # as the kernels read it
+WAIT_FIRST, TRIGGER_FIRST, PREFETCH, TAIL = 1, 2, 3, 4  # the modes (the PDL argument's values)
+MODES = {"1": WAIT_FIRST, "early": TRIGGER_FIRST, "prefetch": PREFETCH, "tail": TAIL}
+_TRIGGER_FIRST = tl.constexpr(TRIGGER_FIRST)  # as the kernels read them
 _PREFETCH = tl.constexpr(PREFETCH)
+_TAIL = tl.constexpr(TAIL)
 _default = [True]  # the model runner's choice (`set_default`), where PDL_ENV does not say
 
 
@@ -117,7 +118,9 @@ def _start(PDL: tl.constexpr, LATE_WAIT: tl.constexpr = False):
     the kernel just before it writes, and reads nothing else a kernel still running writes
     (that kernel waited for everything before it at its own start: `shared_prefix`; or only
     weights: `_prefetch_l2`). The mode (PDL's value) orders the other two (module docstring)."""
-    if PDL:
+    if PDL == _TAIL and LATE_WAIT:
+        pass  # a product: `_tail_trigger` after its walk
+    elif PDL:
         if PDL >= _TRIGGER_FIRST or LATE_WAIT:
             tl.extra.cuda.gdc_launch_dependents()
             if not LATE_WAIT:
@@ -125,6 +128,13 @@ def _start(PDL: tl.constexpr, LATE_WAIT: tl.constexpr = False):
         else:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _tail_trigger(PDL: tl.constexpr):
+    """A product's trigger in TAIL mode, after its K walk (its `_start` did not trigger)."""
+    if PDL == _TAIL:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
