@@ -18,6 +18,7 @@ from kvfleet_engine.kernels.checks import dot_precision, require
 from kvfleet_engine.kernels.int_plan import load_env_plans, put_rows, rows_at_least, split_for
 from kvfleet_engine.kernels.pdl import (
     _PREFETCH,
+    _after_wait,
     _late_wait,
     _prefetch_l2,
     _start,
@@ -57,6 +58,7 @@ def _fp8_gemv_kernel(
     rows = tl.minimum(offs_n, N - 1).to(tl.int64) * K
     _prefetch_l2(weight_ptr + rows[:, None] + first[None, :], PREFETCHES)  # weights only
     _late_wait(PREFETCHES)
+    _after_wait(PDL)
     if USE_DOT and SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     elif USE_DOT:

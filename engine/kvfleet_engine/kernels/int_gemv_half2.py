@@ -26,6 +26,7 @@ import triton.language as tl
 from kvfleet_engine.kernels.int_gemv_lean import _group_ends
 from kvfleet_engine.kernels.pdl import (
     _PREFETCH,
+    _after_wait,
     _first_lines,
     _late_wait,
     _prefetch_l2,
@@ -115,6 +116,7 @@ def _gemv_half2_kernel(
     )
     _prefetch_l2(lines, PREFETCHES)  # weights only
     _late_wait(PREFETCHES)
+    _after_wait(PDL)
     down = 1.0 / (1 << X_SHIFT)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     part = tl.zeros((ROWS, BLOCK_N), dtype=tl.int32)  # float16 pairs: the group's Σ code · x

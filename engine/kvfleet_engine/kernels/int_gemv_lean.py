@@ -26,6 +26,7 @@ import triton.language as tl
 from kvfleet_engine.kernels.int_plan import INTERPRETED
 from kvfleet_engine.kernels.pdl import (
     _PREFETCH,
+    _after_wait,
     _first_lines,
     _late_wait,
     _prefetch_l2,
@@ -164,6 +165,7 @@ def _gemv_lean_kernel(
         )
     _prefetch_l2(lines, PREFETCHES)  # weights only
     _late_wait(PREFETCHES)
+    _after_wait(PDL)
     # Σ_groups scale · (Σ x · field - bias): int4 one tile; int8 one per byte of the words
     acc0 = tl.zeros((ROWS, COLS), dtype=tl.float32)
     acc1 = tl.zeros((ROWS, COLS), dtype=tl.float32)

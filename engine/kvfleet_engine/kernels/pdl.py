@@ -47,11 +47,13 @@ import triton.language as tl
 from kvfleet_engine.kernels.int_plan import INTERPRETED
 
 PDL_ENV = "KVFLEET_PDL"
-WAIT_FIRST, TRIGGER_FIRST, PREFETCH, TAIL = 1, 2, 3, 4  # the modes (the PDL argument's values)
-MODES = {"1": WAIT_FIRST, "early": TRIGGER_FIRST, "prefetch": PREFETCH, "tail": TAIL}
+WAIT_FIRST, TRIGGER_FIRST, PREFETCH, TAIL, WAIT_PREFETCH = 1, 2, 3, 4, 5  # the modes
+MODES = {"1": WAIT_FIRST, "early": TRIGGER_FIRST, "prefetch": PREFETCH, "tail": TAIL,
+         "wait-prefetch": WAIT_PREFETCH}  # fmt: skip
 _TRIGGER_FIRST = tl.constexpr(TRIGGER_FIRST)  # as the kernels read them
 _PREFETCH = tl.constexpr(PREFETCH)
 _TAIL = tl.constexpr(TAIL)
+_WAIT_PREFETCH = tl.constexpr(WAIT_PREFETCH)
 _default = [True]  # the model runner's choice (`set_default`), where PDL_ENV does not say
 
 
@@ -118,16 +120,23 @@ def _start(PDL: tl.constexpr, LATE_WAIT: tl.constexpr = False):
     the kernel just before it writes, and reads nothing else a kernel still running writes
     (that kernel waited for everything before it at its own start: `shared_prefix`; or only
     weights: `_prefetch_l2`). The mode (PDL's value) orders the other two (module docstring)."""
-    if PDL == _TAIL and LATE_WAIT:
-        pass  # a product: `_tail_trigger` after its walk
+    if (PDL == _TAIL or PDL == _WAIT_PREFETCH) and LATE_WAIT:
+        pass  # a product: `_tail_trigger` after its walk or `_after_wait`
     elif PDL:
-        if PDL >= _TRIGGER_FIRST or LATE_WAIT:
+        if (PDL >= _TRIGGER_FIRST and PDL != _WAIT_PREFETCH) or LATE_WAIT:
             tl.extra.cuda.gdc_launch_dependents()
             if not LATE_WAIT:
                 tl.extra.cuda.gdc_wait()
         else:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _after_wait(PDL: tl.constexpr):
+    """A product's trigger in WAIT_PREFETCH mode: prefetch, wait, then this."""
+    if PDL == _WAIT_PREFETCH:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
