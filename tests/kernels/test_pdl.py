@@ -57,7 +57,7 @@ def test_the_mode_names_when_a_kernel_lets_the_next_one_launch(monkeypatch) -> N
     monkeypatch.setenv(pdl.PDL_ENV, "eager")
     pdl.enabled.cache_clear()
     with pytest.raises(ValueError, match=r"KVFLEET_PDL='eager': expected 0 or one of \['1', "
-                       r"'early', 'prefetch', 'tail'\]"):  # fmt: skip
+                       r"'early', 'prefetch', 'tail', 'wait-prefetch'\]"):  # fmt: skip
         pdl.mode()
 
 
