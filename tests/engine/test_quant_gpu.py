@@ -159,44 +159,6 @@ def test_quantized_at_load_on_the_gpu_runs_under_cuda_graphs(tmp_path: Path, met
 
 
 @pytest.mark.parametrize("method", ["int8", "fp8"])
-def test_every_pdl_mode_gives_the_tokens_of_waiting_first(
-    tmp_path: Path, monkeypatch, method: str
-) -> None:
-    """KVFLEET_PDL=early, prefetch and tail (`kernels.pdl`: kernels let the next one launch
-    before their own wait or after their walk; the products fetch weights before theirs) give
-    the greedy tokens of 1, in CUDA graphs, batch 1 and a batch of 8."""
-    from kvfleet_engine.kernels import pdl
-
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("PDL needs compute capability 9.0")
-    write_checkpoint("llama3", tmp_path / "float", seed=3)
-    prompts = random_prompts([5, 40, 9, 17, 33, 64, 12, 3], seed=7)
-    tokens = {}
-    for setting in ("1", "early", "prefetch", "tail"):
-        monkeypatch.setenv(pdl.PDL_ENV, setting)
-        pdl.enabled.cache_clear()
-        llm = LLM(
-            str(tmp_path / "float"),
-            dtype="bfloat16",
-            device="cuda",
-            max_model_len=256,
-            quantization=method,
-        )
-        assert (
-            pdl.launch_options(llm.engine.model_runner.executor.device)["PDL"] == pdl.MODES[setting]
-        )
-        single = llm.generate(prompt_token_ids=prompts[:1], sampling_params=GREEDY, use_tqdm=False)
-        batch = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
-        tokens[setting] = [list(o.outputs[0].token_ids) for o in [*single, *batch]]
-        del llm
-        torch.cuda.empty_cache()
-    pdl.enabled.cache_clear()
-    assert tokens["early"] == tokens["1"]
-    assert tokens["prefetch"] == tokens["1"]
-    assert tokens["tail"] == tokens["1"]
-
-
-@pytest.mark.parametrize("method", ["int8", "fp8"])
 def test_shared_prefix_steps_of_quantized_models_are_the_same_with_and_without_pdl(
     tmp_path: Path, monkeypatch, method: str
 ) -> None:

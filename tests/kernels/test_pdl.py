@@ -41,26 +41,6 @@ def test_the_setting_is_read_again_once_the_cache_is_cleared(monkeypatch) -> Non
     assert pdl.pair_options(cuda) == {"PDL": False}
 
 
-def test_the_mode_names_when_a_kernel_lets_the_next_one_launch(monkeypatch) -> None:
-    """KVFLEET_PDL=early / prefetch: the kernels' PDL argument carries the mode (and turns PDL
-    on as 1 does, for float models too); the pair keeps waiting first in every mode; a name
-    it does not know is an error that lists the ones it does."""
-    cuda = torch.device("cuda")
-    monkeypatch.setattr(pdl, "_capable", lambda device: True)
-    pdl.set_default(False)
-    for setting, mode in (("1", pdl.WAIT_FIRST), ("early", pdl.TRIGGER_FIRST),
-                          ("prefetch", pdl.PREFETCH), ("tail", pdl.TAIL)):  # fmt: skip
-        monkeypatch.setenv(pdl.PDL_ENV, setting)
-        pdl.enabled.cache_clear()
-        assert pdl.launch_options(cuda) == {"PDL": mode, "launch_pdl": True}
-        assert pdl.pair_options(cuda) == {"PDL": True, "launch_pdl": True}
-    monkeypatch.setenv(pdl.PDL_ENV, "eager")
-    pdl.enabled.cache_clear()
-    with pytest.raises(ValueError, match=r"KVFLEET_PDL='eager': expected 0 or one of \['1', "
-                       r"'early', 'prefetch', 'tail', 'wait-prefetch'\]"):  # fmt: skip
-        pdl.mode()
-
-
 def test_float_models_default_to_no_pdl() -> None:
     """The runner turns it off for float linears (cuBLAS products: slower with PDL)."""
     pdl.set_default(False)
@@ -152,37 +132,3 @@ def test_the_prefix_kernel_and_the_merging_split_kernel_overlap_wherever_pdl_is(
     assert pdl.pair_options(torch.device("cpu")) == {"PDL": False}
     monkeypatch.setenv(pdl.PDL_ENV, "0")
     assert pdl.pair_options(torch.device("cuda")) == {"PDL": False}
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-    reason="PDL needs a GPU of compute capability 9.0",
-)
-def test_one_row_products_give_the_same_bits_in_every_mode(monkeypatch) -> None:
-    """The one-row products (fp8, int4 half2 and lean, int8 lean) launched with PDL in each
-    mode, the 8B shapes' plans: PREFETCH's lines fetched before the wait change no bit."""
-    from test_quant_matmul import make_fp8, make_int4, make_int8, make_x, run_int4, run_int8
-
-    from kvfleet_engine.kernels.fp8_gemv import fp8_gemv
-    from kvfleet_engine.kernels.int_plan import MatmulPlan
-
-    x = make_x(1, 4096, dtype=torch.bfloat16, device="cuda")
-    fp8 = make_fp8(6144, 4096, device="cuda")
-    int4 = make_int4(6144, 4096, 128, device="cuda")
-    int8 = make_int8(4096, 4096, None, device="cuda")
-    products = {
-        "fp8": lambda: fp8_gemv(x, fp8.weight, fp8.scale, torch.bfloat16),
-        "half2": lambda: run_int4(x, int4, MatmulPlan("half2", 1, 512, 64, 4, num_warps=1)),
-        "int4-lean": lambda: run_int4(x, int4, MatmulPlan("lean", 1, 128, 64, 4)),
-        "int8-lean": lambda: run_int8(x, int8, MatmulPlan("lean", 1, 256, 16, 8)),
-    }
-    outputs: dict[str, list[torch.Tensor]] = {name: [] for name in products}
-    for setting in ("1", "early", "prefetch", "tail"):
-        monkeypatch.setenv(pdl.PDL_ENV, setting)
-        pdl.enabled.cache_clear()
-        for name, product in products.items():
-            outputs[name].append(product())
-    for name, (first, *others) in outputs.items():
-        for other in others:
-            assert torch.equal(first, other), name

@@ -35,8 +35,6 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime import driver as driver_config
 from triton.runtime.jit import JITFunction
 
-from kvfleet_engine.kernels import pdl
-
 ARCH = 90  # H100 / H200
 CUOBJDUMP = os.path.join(
     os.path.dirname(str(triton.__file__)), "backends", "nvidia", "bin", "cuobjdump"
@@ -264,13 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                         "Fp8GemvPlan; fp8-w8a8: blocks)")  # fmt: skip
     parser.add_argument("--sass", action="store_true", help="print the main kernel's SASS")
     parser.add_argument("--ptx", action="store_true", help="print the main kernel's PTX")
-    parser.add_argument("--pdl", choices=sorted(pdl.MODES), help="compile the kernels as "
-                        f"launched with PDL in this mode ({pdl.PDL_ENV}'s names)")  # fmt: skip
     args = parser.parse_args(argv)
-    if args.pdl:  # the compile-only launches take CPU tensors: the device's check says yes
-        os.environ[pdl.PDL_ENV] = args.pdl
-        pdl._capable = lambda device: True  # type: ignore[assignment]
-        pdl.enabled.cache_clear()
     if args.kind == "sweep":  # every sweep / plan-table compile: stats per job, failures
         failed = 0
         for kind, m, n, k, plan in compile_jobs([int(r) for r in args.rows.split(",")]):

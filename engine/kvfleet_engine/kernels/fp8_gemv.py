@@ -16,15 +16,7 @@ import triton.language as tl
 
 from kvfleet_engine.kernels.checks import dot_precision, require
 from kvfleet_engine.kernels.int_plan import load_env_plans, put_rows, rows_at_least, split_for
-from kvfleet_engine.kernels.pdl import (
-    _PREFETCH,
-    _after_wait,
-    _late_wait,
-    _prefetch_l2,
-    _start,
-    _tail_trigger,
-    launch_options,
-)
+from kvfleet_engine.kernels.pdl import _start, launch_options
 from kvfleet_engine.kernels.split_k import COUNTERS, _finish, _sum_splits_kernel, split_k_buffers
 
 GEMV_MAX_ROWS = 16  # up to this many rows: the weight-only GEMV (H200: 67% of copy at 16 rows)
@@ -36,17 +28,15 @@ def _fp8_gemv_kernel(
     M, N, K, stride_xm, steps_per_split, split_k,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
     LAST_REDUCES: tl.constexpr, DOT_PRECISION: tl.constexpr, SWAP_AB: tl.constexpr,
-    HALF_DOT: tl.constexpr, PDL: tl.constexpr = False, PREFETCH_BYTES: tl.constexpr = 256,
+    HALF_DOT: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Weight-only: each program owns BLOCK_N weight rows and one of SPLIT_K slices of K; the
     FMA form keeps x·w in a [BLOCK_M, BLOCK_N, BLOCK_K] tile reduced once at the end, the dot
     form runs tl.dot on the weights converted to x's dtype (exact: e4m3 fits in 16 bits).
     HALF_DOT: the dot in float16 instead (x rounded to float16, clamped at ±65504; e4m3 to
     float16 is one convert per two weights on sm_89+, bfloat16 goes through float32); SWAP_AB:
-    the weight is the dot's left operand (out^T = W x^T). In PDL's PREFETCH mode the first
-    PREFETCH_BYTES of each weight row of its slice go to L2 before the wait (`pdl`)."""
-    PREFETCHES: tl.constexpr = PDL >= _PREFETCH
-    _start(PDL, PREFETCHES)
+    the weight is the dot's left operand (out^T = W x^T)."""
+    _start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -54,11 +44,6 @@ def _fp8_gemv_kernel(
     m_mask, n_mask = offs_m < M, offs_n < N
     k_start = pid_k * steps_per_split * BLOCK_K
     k_end = tl.minimum(K, k_start + steps_per_split * BLOCK_K)
-    first = tl.minimum(k_start + tl.arange(0, PREFETCH_BYTES // 128) * 128, k_end - 1)
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64) * K
-    _prefetch_l2(weight_ptr + rows[:, None] + first[None, :], PREFETCHES)  # weights only
-    _late_wait(PREFETCHES)
-    _after_wait(PDL)
     if USE_DOT and SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     elif USE_DOT:
@@ -97,7 +82,6 @@ def _fp8_gemv_kernel(
     else:
         out = tl.sum(acc, axis=2)
     weight_scale = tl.load(weight_scale_ptr + offs_n, mask=n_mask, other=0.0)
-    _tail_trigger(PDL)
     _finish(
         out * weight_scale[None, :], out_ptr, partial_ptr, counter_ptr, pid_n, pid_k, split_k,
         offs_m, offs_n, M, N, LAST_REDUCES,

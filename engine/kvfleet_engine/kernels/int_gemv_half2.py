@@ -24,15 +24,7 @@ import triton
 import triton.language as tl
 
 from kvfleet_engine.kernels.int_gemv_lean import _group_ends
-from kvfleet_engine.kernels.pdl import (
-    _PREFETCH,
-    _after_wait,
-    _first_lines,
-    _late_wait,
-    _prefetch_l2,
-    _start,
-    _tail_trigger,
-)
+from kvfleet_engine.kernels.pdl import _start
 from kvfleet_engine.kernels.split_k import _finish
 
 X_SHIFT = tl.constexpr(4)  # x enters float16 as x / 16
@@ -99,10 +91,8 @@ def _gemv_half2_kernel(
 ):  # fmt: skip
     """x [1, K] @ W (int4, int32 [K // 8, N]) for BLOCK_N columns over one of split_k slices
     of K; tiles of [BLOCK_K // 8 packed rows, BLOCK_N columns]. GROUPS: "step" (BLOCK_K ==
-    group_size), "all" (one group of K) or "any". In PDL's PREFETCH mode the first two tiles go
-    to L2 before the wait (`pdl`)."""
-    PREFETCHES: tl.constexpr = PDL >= _PREFETCH
-    _start(PDL, PREFETCHES)
+    group_size), "all" (one group of K) or "any"."""
+    _start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     ROWS: tl.constexpr = BLOCK_K // 8
@@ -111,12 +101,6 @@ def _gemv_half2_kernel(
     offs_r = tl.arange(0, ROWS)
     k_start = pid_k * steps_per_split * BLOCK_K
     k_end = tl.minimum(K, k_start + steps_per_split * BLOCK_K)
-    lines = _first_lines(
-        qweight_ptr, k_start // 8, (k_end - 1) // 8, pid_n * BLOCK_N, N, ROWS, BLOCK_N
-    )
-    _prefetch_l2(lines, PREFETCHES)  # weights only
-    _late_wait(PREFETCHES)
-    _after_wait(PDL)
     down = 1.0 / (1 << X_SHIFT)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     part = tl.zeros((ROWS, BLOCK_N), dtype=tl.int32)  # float16 pairs: the group's Σ code · x
@@ -152,7 +136,6 @@ def _gemv_half2_kernel(
                 acc += tl.sum(xs, axis=0) * offset
             part = tl.zeros((ROWS, BLOCK_N), dtype=tl.int32)
             xs = tl.zeros((ROWS, 1), dtype=tl.float32)
-    _tail_trigger(PDL)
     _finish(
         acc[None, :], out_ptr, partial_ptr, counter_ptr, pid_n, pid_k, split_k, tl.arange(0, 1),
         offs_c, 1, N, LAST_REDUCES,

@@ -24,15 +24,7 @@ import triton
 import triton.language as tl
 
 from kvfleet_engine.kernels.int_plan import INTERPRETED
-from kvfleet_engine.kernels.pdl import (
-    _PREFETCH,
-    _after_wait,
-    _first_lines,
-    _late_wait,
-    _prefetch_l2,
-    _start,
-    _tail_trigger,
-)
+from kvfleet_engine.kernels.pdl import _start
 from kvfleet_engine.kernels.split_k import _finish
 
 MAGICS = (0x47000000, 0x45000000, 0x43000000)  # float32 2^15, 2^11, 2^7: fields at b = 8, 12, 16
@@ -141,10 +133,8 @@ def _gemv_lean_kernel(
     BLOCK_N // 4 words), so each thread keeps the 16-byte vectors it loads. m8, m12, m16 (the
     bits of 2^15, 2^11, 2^7) and flip come at run time: in a register, (bits & mask) | m8 is one
     LOP3. GROUPS: "step"
-    (BLOCK_K == group_size), "all" (one group of K) or "any". In PDL's PREFETCH mode the first
-    two tiles go to L2 before the wait (`pdl`)."""
-    PREFETCHES: tl.constexpr = PDL >= _PREFETCH
-    _start(PDL, PREFETCHES)
+    (BLOCK_K == group_size), "all" (one group of K) or "any"."""
+    _start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     ROWS: tl.constexpr = BLOCK_K // 8 if CODES == "int4" else BLOCK_K
@@ -155,17 +145,6 @@ def _gemv_lean_kernel(
     offs_r = tl.arange(0, ROWS)
     k_start = pid_k * steps_per_split * BLOCK_K
     k_end = tl.minimum(K, k_start + steps_per_split * BLOCK_K)
-    if CODES == "int4":
-        lines = _first_lines(
-            qweight_ptr, k_start // 8, (k_end - 1) // 8, pid_n * COLS, words_per_row, ROWS, COLS
-        )
-    else:
-        lines = _first_lines(
-            qweight_ptr, k_start, k_end - 1, pid_n * COLS, words_per_row, ROWS, COLS
-        )
-    _prefetch_l2(lines, PREFETCHES)  # weights only
-    _late_wait(PREFETCHES)
-    _after_wait(PDL)
     # Σ_groups scale · (Σ x · field - bias): int4 one tile; int8 one per byte of the words
     acc0 = tl.zeros((ROWS, COLS), dtype=tl.float32)
     acc1 = tl.zeros((ROWS, COLS), dtype=tl.float32)
@@ -223,7 +202,6 @@ def _gemv_lean_kernel(
     else:
         out = tl.sum(acc0, axis=0)[None, :]  # [1, BLOCK_N]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    _tail_trigger(PDL)
     _finish(
         out, out_ptr, partial_ptr, counter_ptr, pid_n, pid_k, split_k, tl.arange(0, 1), offs_n,
         1, N, LAST_REDUCES,

@@ -24,14 +24,6 @@ are cuBLAS's (bf16 measured 227.3 -> 219.7 tok/s with it, three rounds in one ca
 `bench/results/2026-12-03-nvidia-h200-latency-llama-3.1-8b-pdl-bf16-fp8-rounds.json`). The
 model runner says which (`set_default`); `KVFLEET_PDL=0` / `1` overrides it (A/B runs). The
 interpreter and GPUs below 9.0 never use it.
-
-When a kernel lets its successor launch is the mode (`mode`, `KVFLEET_PDL` = `1`, `early` or
-`prefetch`): `WAIT_FIRST` after its wait, so a kernel is placed beside its predecessor's run
-only; `TRIGGER_FIRST` before it, so the successor's programs are placed while the kernel before
-this one still runs (its tail), and wait there; `PREFETCH` as TRIGGER_FIRST, and the one-row
-products, while they wait, fetch their first weight tiles into L2 (`_prefetch_l2`): weights
-are never written by a step, so reading them before the wait is safe. The pair keeps
-WAIT_FIRST in every mode: its split kernel reads the step's inputs before its own wait.
 """
 
 from __future__ import annotations
@@ -47,13 +39,6 @@ import triton.language as tl
 from kvfleet_engine.kernels.int_plan import INTERPRETED
 
 PDL_ENV = "KVFLEET_PDL"
-WAIT_FIRST, TRIGGER_FIRST, PREFETCH, TAIL, WAIT_PREFETCH = 1, 2, 3, 4, 5  # the modes
-MODES = {"1": WAIT_FIRST, "early": TRIGGER_FIRST, "prefetch": PREFETCH, "tail": TAIL,
-         "wait-prefetch": WAIT_PREFETCH}  # fmt: skip
-_TRIGGER_FIRST = tl.constexpr(TRIGGER_FIRST)  # as the kernels read them
-_PREFETCH = tl.constexpr(PREFETCH)
-_TAIL = tl.constexpr(TAIL)
-_WAIT_PREFETCH = tl.constexpr(WAIT_PREFETCH)
 _default = [True]  # the model runner's choice (`set_default`), where PDL_ENV does not say
 
 
@@ -82,27 +67,15 @@ def available(device: torch.device) -> bool:
 @functools.cache
 def enabled(device: torch.device) -> bool:
     """Whether kernels on this device launch with PDL."""
-    if os.environ.get(PDL_ENV, "") not in MODES and not _default[0]:
+    if os.environ.get(PDL_ENV, "") != "1" and not _default[0]:
         return False
     return available(device)
 
 
-def mode() -> int:
-    """The mode kernels launch in where PDL is on (module docstring): PDL_ENV's, else
-    WAIT_FIRST. A name it does not know is an error that lists the ones it does."""
-    setting = os.environ.get(PDL_ENV, "")
-    if setting in ("", "0"):
-        return WAIT_FIRST
-    if setting not in MODES:
-        raise ValueError(f"{PDL_ENV}={setting!r}: expected 0 or one of {sorted(MODES)}")
-    return MODES[setting]
-
-
 def launch_options(device: torch.device) -> dict[str, Any]:
-    """The kernel argument PDL (the mode) and, where it is on, Triton's launch option
-    launch_pdl."""
+    """The kernel argument PDL and, where it is on, Triton's launch option launch_pdl."""
     if enabled(device):
-        return {"PDL": mode(), "launch_pdl": True}
+        return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}
 
 
@@ -118,31 +91,10 @@ def _start(PDL: tl.constexpr, LATE_WAIT: tl.constexpr = False):
     """A PDL kernel's first step: wait for the kernels before it, then let the next one launch.
     LATE_WAIT: only let the next one launch; the kernel calls `_late_wait` before it reads what
     the kernel just before it writes, and reads nothing else a kernel still running writes
-    (that kernel waited for everything before it at its own start: `shared_prefix`; or only
-    weights: `_prefetch_l2`). The mode (PDL's value) orders the other two (module docstring)."""
-    if (PDL == _TAIL or PDL == _WAIT_PREFETCH) and LATE_WAIT:
-        pass  # a product: `_tail_trigger` after its walk or `_after_wait`
-    elif PDL:
-        if (PDL >= _TRIGGER_FIRST and PDL != _WAIT_PREFETCH) or LATE_WAIT:
-            tl.extra.cuda.gdc_launch_dependents()
-            if not LATE_WAIT:
-                tl.extra.cuda.gdc_wait()
-        else:
+    (that kernel waited for everything before it at its own start: `shared_prefix`)."""
+    if PDL:
+        if not LATE_WAIT:
             tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def _after_wait(PDL: tl.constexpr):
-    """A product's trigger in WAIT_PREFETCH mode: prefetch, wait, then this."""
-    if PDL == _WAIT_PREFETCH:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def _tail_trigger(PDL: tl.constexpr):
-    """A product's trigger in TAIL mode, after its K walk (its `_start` did not trigger)."""
-    if PDL == _TAIL:
         tl.extra.cuda.gdc_launch_dependents()
 
 
@@ -151,26 +103,3 @@ def _late_wait(LATE_WAIT: tl.constexpr):
     """A LATE_WAIT kernel's wait for the kernel before it (`_start`)."""
     if LATE_WAIT:
         tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def _prefetch_l2(lines, PREFETCHES: tl.constexpr):
-    """Where PREFETCHES (a product's `PDL == _PREFETCH`, between `_start(PDL, PREFETCHES)` and
-    `_late_wait(PREFETCHES)`): fetch the 128-byte lines at the pointers `lines` into L2
-    without waiting for them (`prefetch.global.L2`), evicted last."""
-    if PREFETCHES:
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines],
-            dtype=tl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
-
-
-@triton.jit
-def _first_lines(words_ptr, row_start, row_last, col_start, words_per_row, ROWS: tl.constexpr,
-                 COLS: tl.constexpr):  # fmt: skip
-    """The 128-byte lines of a one-row product's first two [ROWS, COLS] tiles of int32 words
-    (rows of words_per_row, from row_start; `_prefetch_l2`), clamped to row_last and the row."""
-    LINES: tl.constexpr = COLS // 32 if COLS >= 32 else 1
-    rows = tl.minimum(row_start + tl.arange(0, 2 * ROWS), row_last)
-    cols = tl.minimum(col_start + tl.arange(0, LINES) * 32, words_per_row - 1)
-    return words_ptr + rows[:, None].to(tl.int64) * words_per_row + cols[None, :]
