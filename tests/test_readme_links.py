@@ -14,13 +14,15 @@ def github_anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
+def outside_code(text: str) -> str:
+    """The README without its fenced code blocks (a `# comment` there is not a heading)."""
+    return re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+
+
 def test_every_link_into_the_readme_names_one_of_its_headings() -> None:
-    text = README.read_text()
-    outside_code = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
-    headings = {
-        github_anchor(m.group(1)) for m in re.finditer(r"^#+ (.+)$", outside_code, re.MULTILINE)
-    }
-    links = set(re.findall(r"\]\(#([^)]+)\)", outside_code))
+    prose = outside_code(README.read_text())
+    headings = {github_anchor(m.group(1)) for m in re.finditer(r"^#+ (.+)$", prose, re.MULTILINE)}
+    links = set(re.findall(r"\]\(#([^)]+)\)", prose))
     assert len(links) >= 20  # the contents list alone has more
     assert sorted(links - headings) == []
 
@@ -28,6 +30,5 @@ def test_every_link_into_the_readme_names_one_of_its_headings() -> None:
 def test_the_contents_list_names_every_section_and_subsection() -> None:
     text = README.read_text()
     contents = text[text.index("Contents:") : text.index("## Quick start")]
-    outside_code = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
-    for heading in re.findall(r"^#{2,3} (.+)$", outside_code, re.MULTILINE):  # not the ####s
+    for heading in re.findall(r"^#{2,3} (.+)$", outside_code(text), re.MULTILINE):  # not the ####s
         assert f"(#{github_anchor(heading)})" in contents, heading
