@@ -7,9 +7,8 @@ from typing import Annotated
 
 from pydantic import Field
 
-from kvfleet_operator.wire import Model
+from kvfleet_operator.wire import DNS_LABEL, Model, SecretName
 
-DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
 NamespaceName = Annotated[
     str, Field(max_length=63, pattern=DNS_LABEL, description="A namespace name (a DNS label).")
@@ -17,7 +16,7 @@ NamespaceName = Annotated[
 
 
 class SecretKeyReference(Model):
-    name: str = Field(max_length=253, description="Name of a Secret in the same namespace.")
+    name: SecretName
     key: str = Field(max_length=253, pattern=SECRET_KEY, description="The key in that Secret.")
 
 

@@ -410,9 +410,15 @@ def _path(api_version: str, kind: str, namespace: str | None, name: str | None =
     plural, namespaced = RESOURCES[(api_version, kind)]
     prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
     if namespaced and namespace:
-        prefix += f"/namespaces/{quote(namespace)}"
+        prefix += f"/namespaces/{quote(namespace, safe='')}"
     path = f"{prefix}/{plural}"
-    return f"{path}/{quote(name)}" if name else path
+    if not name:
+        return path
+    # One path segment ("/" escaped, "." and ".." refused): a name never reaches another
+    # namespace's objects, whatever a spec put in it.
+    if name in (".", ".."):
+        raise ValueError(f"{name!r} is not an object name")
+    return f"{path}/{quote(name, safe='')}"
 
 
 def secret_key_digest(secret: Manifest, key: str) -> str | None:

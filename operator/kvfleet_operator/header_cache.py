@@ -1,5 +1,8 @@
-"""GGUF headers of hf:// model files, read with ranged GETs and kept per (uri, revision), so that
-a resync does not fetch them again. The only place the operator reads a model file.
+"""GGUF headers of hf:// model files, read with ranged GETs and kept per (uri, revision,
+credentials), so that a resync does not fetch them again. The only place the operator reads a
+model file. A header read with one namespace's token is that namespace's Secret's to see: a
+deployment elsewhere, or one without credentials, reads the file itself (a private repository
+then answers 401 to it).
 
 The file is `{endpoint}/ORG/REPO/resolve/REVISION/FILE` (the Hub's download URL; the endpoint is
 `--hf-endpoint`, default $HF_ENDPOINT or https://huggingface.co, for mirrors). The first MiB is
@@ -35,7 +38,7 @@ RETRY_SECONDS = 300.0
 READ_TIMEOUT_SECONDS = 60.0  # the whole read, every range
 REQUEST_TIMEOUT_SECONDS = 20.0  # one range
 
-Key = tuple[str, str | None]  # (uri, revision)
+Key = tuple[str, str | None, str | None]  # (uri, revision, "NAMESPACE/SECRET" or None)
 TokenSource = Callable[[], Awaitable[str | None]]  # the HF_TOKEN to send, read only when needed
 
 
@@ -63,9 +66,12 @@ class HeaderCache:
         revision = quote(model.revision or "main", safe="")
         return f"{self._endpoint}/{repo}/resolve/{revision}/{quote(path)}"
 
-    async def summary(self, model: ModelSpec, token: TokenSource) -> GGUFSummary | GGUFUnavailable:
-        """The header of `model` (an hf:// .gguf URI): from the cache, else read now."""
-        key = (model.uri, model.revision)
+    async def summary(
+        self, model: ModelSpec, token: TokenSource, credentials: str | None = None
+    ) -> GGUFSummary | GGUFUnavailable:
+        """The header of `model` (an hf:// .gguf URI): from the cache, else read now.
+        `credentials` names the Secret `token` reads ("NAMESPACE/NAME"; None: no token)."""
+        key = (model.uri, model.revision, credentials)
         async with self._locks[key]:
             if key in self._summaries:
                 return self._summaries[key]

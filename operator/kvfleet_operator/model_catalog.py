@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pydantic import ValidationError
+
 from kvfleet_operator.gguf_header import GGUFSummary, GGUFTensor, GGUFUnavailable
 from kvfleet_operator.models import MemorySource, ModelHints, ModelSpec
 
@@ -136,9 +138,10 @@ def _from_gguf(model: ModelSpec, gguf: GGUFSummary) -> ModelArchitecture | Unkno
     required = {
         f"{arch}.block_count": gguf.block_count,
         f"{arch}.attention.head_count": gguf.head_count,
+        f"{arch}.attention.head_count_kv": gguf.head_count_kv,
         f"{arch}.attention.key_length or {arch}.embedding_length": gguf.head_dim,
     }
-    missing = [key for key, value in required.items() if value is None]
+    missing = [key for key, value in required.items() if not value]  # absent, or 0
     if gguf.num_parameters == 0:
         missing.append("tensors")
     if missing:
@@ -146,14 +149,20 @@ def _from_gguf(model: ModelSpec, gguf: GGUFSummary) -> ModelArchitecture | Unkno
             f"the GGUF header of {model.uri} has no {', '.join(missing)}: set model.hints"
         )
     assert gguf.block_count and gguf.head_count and gguf.head_count_kv and gguf.head_dim
-    numbers = ModelHints(
-        num_parameters=gguf.num_parameters,
-        num_layers=gguf.block_count,
-        num_attention_heads=gguf.head_count,
-        num_key_value_heads=gguf.head_count_kv,
-        head_dim=gguf.head_dim,
-        max_position_embeddings=gguf.context_length,
-    )
+    try:  # a header anyone can publish: numbers no model has are the header's fault
+        numbers = ModelHints(
+            num_parameters=gguf.num_parameters,
+            num_layers=gguf.block_count,
+            num_attention_heads=gguf.head_count,
+            num_key_value_heads=gguf.head_count_kv,
+            head_dim=gguf.head_dim,
+            max_position_embeddings=gguf.context_length or None,
+        )
+    except ValidationError as exc:
+        problems = "; ".join(error["msg"].removeprefix("Value error, ") for error in exc.errors())
+        return UnknownModel(
+            f"the GGUF header of {model.uri} is not usable ({problems}): set model.hints"
+        )
     return ModelArchitecture(
         numbers, "ggufHeader", weight_bytes=gguf.weight_bytes, gguf_tensors=gguf.tensors
     )

@@ -44,10 +44,10 @@ from kvfleet_operator.plan_checks import (
     check_autoscaling,
     check_child_names,
     check_context,
+    check_group_count,
     check_host_path,
     check_parallelism,
     check_quantization,
-    check_shared_memory,
 )
 from kvfleet_operator.topology import plan_topology
 
@@ -140,7 +140,6 @@ def plan_deployment(
     problems = [
         *check_parallelism(spec, known.numbers if known is not None else None),
         *([Problem("InvalidParallelism", layout_error.message)] if layout_error else []),
-        *check_shared_memory(spec),
         *check_quantization(spec, profile),
     ]
     if known is not None:  # before the memory's: a context the model refuses also fills it
@@ -169,6 +168,7 @@ def plan_deployment(
         )
     problems += check_autoscaling(spec)
     problems += check_child_names(name, spec, topology.kind)
+    problems += check_group_count(spec, topology.kind)
     problems += [Problem("FeatureUnavailable", m) for m in unavailable_features(spec)]
     return Plan(
         served_model_name=served_model_name,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from kvfleet_operator.accelerators import PRODUCT_LABEL
 from kvfleet_operator.autoscaling.spec import AutoscalingBehavior
 from kvfleet_operator.models import AcceleratorProfileSpec, InferenceDeploymentSpec, ModelHints
-from kvfleet_operator.topology import quantity_bytes, statefulset_name
+from kvfleet_operator.topology import statefulset_name
 from kvfleet_operator.wire import to_wire_name
 
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
@@ -28,6 +28,30 @@ class Problem:
 # to 10 characters. Label values stop at 63 characters, so a longer StatefulSet name cannot
 # create pods (kubernetes/kubernetes#64023).
 STATEFULSET_NAME_MAX = 52
+# Replicas of several nodes without LeaderWorkerSet: one StatefulSet each, all rendered and
+# applied on every pass, so their number is bounded (50,000 took 9 s and 768 MiB to render,
+# past the operator pod's memory limit: every deployment in the cluster went unmanaged).
+STATEFULSET_GROUPS_MAX = 512
+
+
+def _most_replicas(spec: InferenceDeploymentSpec) -> int:
+    return spec.autoscaling.max_replicas if spec.autoscaling is not None else spec.replicas or 1
+
+
+def check_group_count(spec: InferenceDeploymentSpec, kind: str) -> list[Problem]:
+    """Replicas of several nodes as StatefulSets: at most STATEFULSET_GROUPS_MAX of them."""
+    most = _most_replicas(spec)
+    if kind != "StatefulSet" or most <= STATEFULSET_GROUPS_MAX:
+        return []
+    field = "autoscaling.maxReplicas" if spec.autoscaling is not None else "replicas"
+    return [
+        Problem(
+            "TooManyReplicas",
+            f"{field}={most}: replicas of several nodes run as one StatefulSet each without "
+            f"LeaderWorkerSet, at most {STATEFULSET_GROUPS_MAX}; lower {field} or install "
+            "LeaderWorkerSet (one object for every replica)",
+        )
+    ]
 
 
 def check_child_names(name: str, spec: InferenceDeploymentSpec, kind: str) -> list[Problem]:
@@ -36,8 +60,7 @@ def check_child_names(name: str, spec: InferenceDeploymentSpec, kind: str) -> li
     at the most replicas the spec allows, must stay within STATEFULSET_NAME_MAX."""
     if kind not in ("StatefulSet", "LeaderWorkerSet"):
         return []
-    most = spec.autoscaling.max_replicas if spec.autoscaling is not None else spec.replicas or 1
-    longest = statefulset_name(name, max(most - 1, 0))
+    longest = statefulset_name(name, max(_most_replicas(spec) - 1, 0))
     if len(longest) <= STATEFULSET_NAME_MAX:
         return []
     room = STATEFULSET_NAME_MAX - (len(longest) - len(name))
@@ -128,14 +151,6 @@ def check_parallelism(spec: InferenceDeploymentSpec, model: ModelHints | None) -
             )
         )
     return problems
-
-
-def check_shared_memory(spec: InferenceDeploymentSpec) -> list[Problem]:
-    try:
-        quantity_bytes(spec.resources.shared_memory)
-    except ValueError as exc:
-        return [Problem("InvalidSharedMemory", str(exc))]
-    return []
 
 
 def check_quantization(

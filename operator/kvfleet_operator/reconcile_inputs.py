@@ -25,17 +25,19 @@ async def read_model_architecture(
     cluster: Cluster, headers: HeaderCache, namespace: str, model: ModelSpec
 ) -> ModelArchitecture | UnknownModel:
     """The model's numbers; for an hf:// GGUF file without hints, from its header (read once per
-    uri and revision, with the HF_TOKEN of model.credentialsSecret when the operator may read
-    it, else without one)."""
+    uri, revision and credentials, with the HF_TOKEN of model.credentialsSecret when the
+    operator may read it, else without one)."""
     if not reads_gguf_header(model):
         return model_architecture(model)
+    secret = model.credentials_secret
 
     async def token() -> str | None:
-        if model.credentials_secret is None:
+        if secret is None:
             return None
-        return await cluster.secret_value(namespace, model.credentials_secret.name, "HF_TOKEN")
+        return await cluster.secret_value(namespace, secret.name, "HF_TOKEN")
 
-    return model_architecture(model, await headers.summary(model, token))
+    credentials = None if secret is None else f"{namespace}/{secret.name}"
+    return model_architecture(model, await headers.summary(model, token, credentials))
 
 
 async def read_api_key_digest(

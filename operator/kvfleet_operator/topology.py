@@ -23,10 +23,15 @@ from kvfleet_operator.models import AcceleratorProfileSpec, InferenceDeploymentS
 # /dev/shm per GPU of a pod: NCCL's shared-memory transport between the pod's ranks, and the
 # engine's worker processes, use it; resources.sharedMemory is raised to this when smaller.
 SHARED_MEMORY_PER_GPU_GIB = 2
-_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|K|M|G|T|k)?$")
-_UNITS = {
-    None: 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
+# A quantity as kinds.topology.QUANTITY_PATTERN admits it: a number, then a binary or decimal
+# suffix or a power of ten.
+_QUANTITY = re.compile(
+    r"^([0-9]+(?:[.][0-9]*)?|[.][0-9]+)"
+    r"(?:([KMGTPE]i|[numkMGTPE])|[eE]([+-]?(?:[0-9]+(?:[.][0-9]*)?|[.][0-9]+)))?$"
+)
+_SUFFIXES = {
+    "n": 1e-9, "u": 1e-6, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
+    "E": 1e18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
 }  # fmt: skip
 
 
@@ -86,13 +91,14 @@ def shared_memory(requested: str, gpus_per_pod: int) -> str:
 
 
 def quantity_bytes(text: str) -> float:
-    """A Kubernetes memory quantity ("8Gi", "512Mi", "16G", "1000000") in bytes."""
-    match = _QUANTITY.match(text.strip())
+    """A Kubernetes memory quantity ("8Gi", "512Mi", "16G", "1e9", "1000000") in bytes; the
+    spec's schema admits no other text."""
+    match = _QUANTITY.match(text)
     if match is None:
-        raise ValueError(
-            f"resources.sharedMemory={text!r}: expected a quantity such as 8Gi, 512Mi or 16G"
-        )
-    return float(match[1]) * _UNITS[match[2]]
+        raise ValueError(f"{text!r} is not a Kubernetes quantity")
+    number, suffix, exponent = match.groups()
+    scale = _SUFFIXES[suffix] if suffix else 10 ** float(exponent) if exponent else 1
+    return float(number) * scale
 
 
 def group_name(name: str) -> str:

@@ -24,6 +24,17 @@ def test_paths_for_core_grouped_custom_and_cluster_scoped_kinds() -> None:
     assert _path("v1", "Pod", None) == "/api/v1/pods"  # all namespaces
 
 
+def test_a_name_stays_one_path_segment_of_its_own_namespace() -> None:
+    # A spec's Secret name never reaches another namespace's objects, whatever it holds.
+    assert _path("v1", "Secret", "team-a", "../../kube-system/secrets/hf-token") == (
+        "/api/v1/namespaces/team-a/secrets/..%2F..%2Fkube-system%2Fsecrets%2Fhf-token"
+    )
+    assert _path("v1", "Secret", "a/b", "x?y") == "/api/v1/namespaces/a%2Fb/secrets/x%3Fy"
+    for name in (".", ".."):
+        with pytest.raises(ValueError, match="is not an object name"):
+            _path("v1", "Secret", "team-a", name)
+
+
 def test_with_owner_sets_a_controller_reference_without_mutating() -> None:
     child = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "x", "labels": {}}}
     owner = {

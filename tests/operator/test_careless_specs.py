@@ -9,7 +9,7 @@ import re
 import pytest
 from pydantic import ValidationError
 from test_crd import _schema
-from test_plan import plan
+from test_plan import WITH_LWS, plan
 
 from kvfleet_operator.kinds.serving import MANAGED_FLAGS_MESSAGE
 from kvfleet_operator.plan import ClusterFeatures
@@ -27,6 +27,10 @@ WITH_KEDA = ClusterFeatures(leader_worker_set=False, service_monitor=False, keda
         (["--seed", "1", "--tensor-parallel-size", "8"], "--tensor-parallel-size",
          "parallelism.tensor"),
         (["--api-key", "sk-1"], "--api-key", "auth.apiKeySecretRef"),
+        # float32 weights passed a plan of 17.46 of 21.6 GiB on an L4 (about 30 GiB alone)
+        (["--dtype", "float32"], "--dtype", "the memory plan counts them"),
+        (["--kv-cache-blocks=100000"], "--kv-cache-blocks", "engine.gpuMemoryUtilization"),
+        (["--device=cpu"], "--device", "resources.accelerator"),
     ],
 )  # fmt: skip
 def test_extra_args_cannot_override_what_the_operator_sets(
@@ -213,3 +217,102 @@ def test_cpu_and_memory_take_a_whole_number_as_pods_do(make_spec) -> None:
     cpu = _schema()["properties"]["spec"]["properties"]["resources"]["properties"]["cpu"]
     assert cpu["x-kubernetes-int-or-string"] is True and "type" not in cpu
     assert cpu["anyOf"] == [{"type": "integer"}, {"type": "string"}] and cpu["minimum"] == 0
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        {"model": {"uri": "hf://org/private/x.gguf",
+                   "credentialsSecret": {"name": "../../kube-system/secrets/hf-token"}}},
+        {"model": {"credentialsSecret": {"name": "Bad Name"}}},
+        {"auth": {"apiKeySecretRef": {"name": "My_Secret/x", "key": "k"}}},
+        {"auth": {"apiKeySecretRef": {"name": "", "key": "k"}}},
+    ],
+)  # fmt: skip
+def test_secret_names_are_object_names(make_spec, override) -> None:
+    """A credentialsSecret of "../../kube-system/secrets/hf-token" made the operator read
+    kube-system's Secret (the client resolved the dots in the path) and plan from a private
+    header with it; other names reached the pod template and were refused there."""
+    with pytest.raises(ValidationError, match="should match pattern"):
+        make_spec(**override)
+    assert make_spec(model={"credentialsSecret": {"name": "hf-token.v2"}}).model
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ({"rollout": {"startupTimeoutSeconds": 2147483600}}, "startupTimeoutSeconds"),
+        ({"rollout": {"maxSurge": 2**31}}, "maxSurge"),
+        ({"engine": {"image": " repo/img:1 "}}, "image"),
+        ({"routing": {"image": "repo/router 1"}}, "image"),
+        ({"resources": {"sharedMemory": " 9Gi "}}, "sharedMemory"),
+        ({"resources": {"sharedMemory": "16K"}}, "sharedMemory"),
+    ],
+)  # fmt: skip
+def test_values_kubernetes_would_refuse_in_a_child_are_refused_here(
+    make_spec, override, field
+) -> None:
+    """Each was admitted and rendered into a child the API server refused (an int32 field past
+    its range, an image with spaces, a quantity with spaces): ApplyRejected or pods refused
+    instead of the field named at admission."""
+    with pytest.raises(ValidationError) as error:
+        make_spec(**override)
+    assert field in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "gib"), [("10e9", 10e9 / 2**30), ("9.Gi", 9.0), ("1Ei", 2.0**30), ("32Gi", 32.0)]
+)
+def test_shared_memory_takes_every_kubernetes_quantity(make_spec, text, gib) -> None:
+    """10e9 and 9.Gi were valid quantities the operator stalled on (InvalidSharedMemory)."""
+    from kvfleet_operator.topology import quantity_bytes
+
+    spec = make_spec(parallelism={"tensor": 2}, resources={"sharedMemory": text})
+    assert plan(spec).ok
+    assert quantity_bytes(spec.resources.shared_memory) == pytest.approx(gib * 2**30)
+
+
+@pytest.mark.parametrize(
+    "targets",
+    [{"kvCacheUtilization": 0.0004}, {"waitingRequestsPerReplica": 0.0001},
+     {"generationTokenRate": {"tokensPerSecond": 0.0002}}],
+)  # fmt: skip
+def test_autoscaling_targets_below_a_milli_unit_are_refused(make_spec, targets) -> None:
+    """kvCacheUtilization 0.0004 rendered an HPA target of "0m", which the API server refuses."""
+    autoscaling = {"controller": "HPA", "maxReplicas": 4, "targets": targets}
+    with pytest.raises(ValidationError, match=r"greater than or equal to 0\.001"):
+        make_spec(replicas=None, autoscaling=autoscaling)
+
+
+def test_statefulset_groups_are_bounded(make_spec) -> None:
+    """replicas 50,000 of two-node replicas rendered 50,000 StatefulSets on every pass: 9 s and
+    768 MiB, past the operator pod's memory limit."""
+    groups = {"model": {"uri": "hf://meta-llama/Llama-3.1-405B-Instruct"},
+              "parallelism": {"tensor": 8, "pipeline": 2}}  # fmt: skip
+    p = plan(make_spec(**groups, replicas=50_000))
+    assert [(x.reason, x.message.split(":")[0]) for x in p.problems] == [
+        ("TooManyReplicas", "replicas=50000")
+    ]
+    assert plan(make_spec(**groups, replicas=512)).ok
+    assert plan(make_spec(**groups, replicas=50_000), WITH_LWS).ok  # one LeaderWorkerSet
+
+
+@pytest.mark.parametrize(
+    "resource", ["requests.nvidia.com/gpu", "kubernetes.io/gpu", "gpu.kubernetes.io/a100"]
+)
+def test_a_profile_names_an_extended_resource_pods_can_request(resource: str) -> None:
+    """resourceName requests.nvidia.com/gpu passed the profile's pattern; every pod asking for
+    it was refused ("doesn't follow extended resource name standard")."""
+    from kvfleet_operator.kinds.accelerator import RESOURCE_NAME_MESSAGE, RESOURCE_NAME_RULE
+    from kvfleet_operator.models import AcceleratorProfileSpec
+
+    profile = {"memoryGiB": 80, "computeCapability": "9.0"}
+    with pytest.raises(ValidationError, match=re.escape(RESOURCE_NAME_MESSAGE)):
+        AcceleratorProfileSpec.model_validate({**profile, "resourceName": resource})
+    assert AcceleratorProfileSpec.model_validate({**profile, "resourceName": "amd.com/gpu"})
+    # The API server checks the same at admission (the CRD's rule).
+    from kvfleet_operator.crd import accelerator_profile_crd
+
+    schema = accelerator_profile_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    rules = schema["properties"]["spec"]["properties"]["resourceName"]["x-kubernetes-validations"]
+    assert {"rule": RESOURCE_NAME_RULE, "message": RESOURCE_NAME_MESSAGE} in rules

@@ -156,7 +156,7 @@ def test_a_gguf_uri_must_name_a_file_in_its_source() -> None:
             ModelSpec(uri=value)
     # Other URIs stay directories.
     assert not ModelSpec(uri="hf://meta-llama/Llama-3.1-8B-Instruct").is_gguf
-    assert not ModelSpec(uri="hf://org/repo.gguf/").is_gguf
+    assert not ModelSpec(uri="pvc://models/repo.gguf/").is_gguf
 
 
 def test_a_kv_calibration_needs_an_fp8_cache_and_a_path_inside_the_model() -> None:
@@ -255,7 +255,7 @@ def test_a_model_uri_names_one_source_and_nothing_else() -> None:
     assert (f"self.matches(r'{MODEL_URI_PATTERN}')", MODEL_URI_MESSAGE) in rules
     assert rules[1][1] == PARENT_SEGMENT_MESSAGE
     for value in [
-        "hf://meta-llama/Llama-3.1-8B-Instruct", "hf://gpt2", "hf://org/repo.gguf/",
+        "hf://meta-llama/Llama-3.1-8B-Instruct", "hf://gpt2", "hf://org/repo/sub/x.Q4_0.gguf",
         "pvc://models/llama", "pvc://models", "s3://bucket/prefix/", "file:///var/models/x",
     ]:  # fmt: skip
         assert re.match(MODEL_URI_PATTERN, value), value
@@ -263,6 +263,10 @@ def test_a_model_uri_names_one_source_and_nothing_else() -> None:
     for value in [
         "hf://--help", "hf://meta-llama/Llama 3.1 8B", "hf://-org/x", "pvc:///x", "pvc://:",
         "pvc://Models/x", "file:///", "file://relative/dir", "s3://", "ftp://host/x",
+        # hf download takes a repository id: a directory inside one was rendered as an id that
+        # does not exist, and the download init container crash-looped
+        "hf://meta-llama/Llama-3.1-8B-Instruct/original", "hf://org/repo.gguf/",
+        "hf://org/repo/Model.Q4.GGUF", "hf://org/repo?rev=x",
     ]:  # fmt: skip
         assert not re.match(MODEL_URI_PATTERN, value), value
         with pytest.raises(ValidationError, match=re.escape(MODEL_URI_MESSAGE)):

@@ -519,6 +519,30 @@ def test_unreadable_split_or_incomplete_headers_say_why(make_spec, write_gguf) -
     assert "was not read" in plan(spec).memory_unknown_reason
 
 
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        # anyone can publish a header: numbers no model has are a reason, not a crash
+        (
+            {"head_count": 32, "head_count_kv": 5},
+            "numAttentionHeads must be a multiple of numKeyValueHeads",
+        ),
+        ({"head_dim": 0}, "has no llama.attention.key_length or llama.embedding_length"),
+        ({"block_count": 0}, "has no llama.block_count"),
+        ({"context_length": -5}, "greater than or equal to 1"),
+    ],
+)
+def test_a_header_with_impossible_numbers_is_a_reason_not_a_crash(
+    make_spec, write_gguf, fields, reason
+) -> None:
+    spec = make_spec(model={"uri": GGUF_URI})
+    header = parse_gguf_header(write_gguf().read_bytes())
+    p = plan_with(spec, dataclasses.replace(header, **fields))
+    assert p.ok and p.memory is None
+    assert p.memory_unknown_reason.startswith(f"the GGUF header of {GGUF_URI} ")
+    assert reason in p.memory_unknown_reason and p.memory_unknown_reason.endswith("set model.hints")
+
+
 def plan_with(spec, header):
     architecture = model_architecture(spec.model, header)
     return plan_deployment("x", spec, resolve_accelerator("h100-80gb", {}), architecture, NO_EXTRAS)

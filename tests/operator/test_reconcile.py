@@ -235,6 +235,35 @@ async def test_hf_gguf_is_planned_from_its_header_read_once(write_gguf) -> None:
     assert len(requests) == 1 and cluster.secret_reads == 1, "a resync must not read it again"
 
 
+async def test_a_header_read_with_one_namespaces_token_is_not_anothers(write_gguf) -> None:
+    """The cache was keyed by uri and revision only: a private repository's header, read with
+    team-a's token, planned team-b's deployment of the same file, which has no token."""
+    data = write_gguf(layers=32, hidden=4096, heads=32, kv_heads=8, with_data=False).read_bytes()
+
+    def private_hub(request: httpx.Request) -> httpx.Response:
+        if request.headers.get("authorization") != "Bearer hf_team_a":
+            return httpx.Response(401)
+        start, last = map(int, re.findall(r"\d+", request.headers["range"]))
+        return httpx.Response(206, content=data[start : last + 1])
+
+    uri = "hf://acme/Private-GGUF/private-Q4_1.gguf"
+    headers = HeaderCache(transport=httpx.MockTransport(private_hub))
+    team_a = MemoryCluster()
+    team_a.secrets[("ns", "hf-token")] = {"HF_TOKEN": "hf_team_a"}
+    model = {"uri": uri, "maxModelLen": 8192, "credentialsSecret": {"name": "hf-token"}}
+    team_a.add(infd(model=model, replicas=1))
+    await reconcile(team_a, "ns", "llama", headers)  # type: ignore[arg-type]
+    planned = team_a.objects[("InferenceDeployment", "ns", "llama")]["status"]["memoryPlan"]
+    assert planned["source"] == "ggufHeader"
+
+    team_b = MemoryCluster()  # the same file, the same cache, no credentials
+    team_b.add(infd(model={"uri": uri, "maxModelLen": 8192}, replicas=1))
+    await reconcile(team_b, "ns", "llama", headers)  # type: ignore[arg-type]
+    status = team_b.objects[("InferenceDeployment", "ns", "llama")]["status"]
+    planned_b = next(c for c in status["conditions"] if c["type"] == "Planned")
+    assert status.get("memoryPlan") is None and "HTTP 401" in planned_b["message"]
+
+
 async def test_unreadable_gguf_header_rolls_out_without_a_memory_plan() -> None:
     def hub(request: httpx.Request) -> httpx.Response:
         return httpx.Response(401)

@@ -15,6 +15,9 @@ from pydantic import Field, model_validator
 from kvfleet_operator.wire import INT32_MAX, Model, to_wire_name
 
 Controller = Literal["Builtin", "HPA", "KEDA"]
+# The smallest per-replica target: HPA and KEDA carry targets as milli-unit quantities, so a
+# smaller one was rendered as 0 ("0m"), which the API server refuses.
+TARGET_RESOLUTION = 0.001
 MetricsSource = Literal["Direct", "Prometheus"]
 
 
@@ -33,7 +36,8 @@ class TokenRateTarget(Model):
 
     tokens_per_second: float | None = Field(
         default=None,
-        gt=0,
+        ge=TARGET_RESOLUTION,
+        le=1e9,
         description="Absolute target: tokens per second per ready replica.",
     )
     capacity_fraction: float | None = Field(
@@ -62,6 +66,7 @@ class LatencyTarget(Model):
     )
     seconds: float = Field(
         gt=0,
+        le=3600,
         description="Target for that quantile in seconds (take it from spec.sla).",
     )
 
@@ -81,14 +86,15 @@ class AutoscalingTargets(Model):
     )
     kv_cache_utilization: float | None = Field(
         default=None,
-        gt=0,
+        ge=TARGET_RESOLUTION,
         le=1,
         description="Target average KV-cache utilization (0-1] across replicas "
         "(kvfleet_kv_cache_usage_ratio).",
     )
     waiting_requests_per_replica: float | None = Field(
         default=None,
-        gt=0,
+        ge=TARGET_RESOLUTION,
+        le=1e6,
         description="Target number of queued requests per replica (kvfleet_requests_waiting).",
     )
     ttft: LatencyTarget | None = Field(
@@ -120,12 +126,14 @@ class ScaleUpRules(Model):
     max_replicas_per_period: int = Field(
         default=4,
         ge=1,
+        le=INT32_MAX,
         description="At most this many replicas added per period (or maxPercentPerPeriod, "
         "whichever allows more).",
     )
     max_percent_per_period: int = Field(
         default=100,
         ge=0,
+        le=INT32_MAX,
         description="At most this percentage of the current replicas added per period.",
     )
     period_seconds: int = Field(
@@ -146,6 +154,7 @@ class ScaleDownRules(Model):
     max_replicas_per_period: int = Field(
         default=1,
         ge=1,
+        le=INT32_MAX,
         description="At most this many replicas removed per period (or maxPercentPerPeriod, "
         "whichever allows more).",
     )
@@ -161,6 +170,7 @@ class ScaleDownRules(Model):
     drain_timeout_seconds: int = Field(
         default=60,
         ge=0,
+        le=86400,
         description="Before removing a replica, wait up to this long for the replica with the "
         "least work in flight to become idle.",
     )

@@ -8,14 +8,23 @@ from typing import Annotated, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from kvfleet_operator.kinds.cel import cel
+from kvfleet_operator.wire import DNS_SUBDOMAIN as _DNS_SUBDOMAIN
 from kvfleet_operator.wire import Model
 
 # Kubernetes' own rules for what a profile puts into pods (apimachinery's validation), checked
 # here so a profile the API server would refuse in every pod is refused when it is written.
-_DNS_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
 _NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
-# An extended resource: DOMAIN/NAME, e.g. nvidia.com/gpu, amd.com/gpu.
+# An extended resource: DOMAIN/NAME, e.g. nvidia.com/gpu, amd.com/gpu; not in Kubernetes' own
+# domain, and not starting with "requests." (the quota prefix), which pods refuse.
 RESOURCE_NAME_PATTERN = rf"^{_DNS_SUBDOMAIN}/{_NAME}$"
+RESOURCE_NAME_RULE = (
+    "!self.startsWith('requests.') && !self.startsWith('kubernetes.io/') && "
+    "!self.contains('.kubernetes.io/')"
+)
+RESOURCE_NAME_MESSAGE = (
+    "resourceName: an extended resource (DOMAIN/NAME, e.g. nvidia.com/gpu): not in the "
+    "kubernetes.io domain and not starting with 'requests.'"
+)
 LABEL_KEY_PATTERN = rf"^({_DNS_SUBDOMAIN}/)?{_NAME}$"
 LABEL_VALUE_PATTERN = rf"^({_NAME})?$"
 LABEL_KEY_MESSAGE = (
@@ -83,6 +92,7 @@ class AcceleratorProfileSpec(Model):
         max_length=316,
         pattern=RESOURCE_NAME_PATTERN,
         description="Extended resource a pod requests for one device (DOMAIN/NAME).",
+        json_schema_extra=cel((RESOURCE_NAME_RULE, RESOURCE_NAME_MESSAGE)),
     )
     devices_per_node: int = Field(default=8, ge=1, le=64, description="Devices on one node.")
     memory_gib: float = Field(gt=0, description="Memory of one device, GiB.")
@@ -105,6 +115,19 @@ class AcceleratorProfileSpec(Model):
     tolerations: list[Toleration] = Field(
         default_factory=list, description="Tolerations for taints on those nodes."
     )
+
+    @field_validator("resource_name")
+    @classmethod
+    def _extended_resource(cls, name: str) -> str:
+        # The CEL rule above, for objects stored before it existed.
+        domain = name.split("/", 1)[0]
+        if (
+            name.startswith("requests.")
+            or domain == "kubernetes.io"
+            or domain.endswith(".kubernetes.io")
+        ):
+            raise ValueError(RESOURCE_NAME_MESSAGE)
+        return name
 
     @field_validator("node_selector")
     @classmethod

@@ -8,25 +8,26 @@ from typing import Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from kvfleet_operator.kinds.cel import cel
-from kvfleet_operator.wire import Model
+from kvfleet_operator.wire import Model, SecretName
 
 # What each scheme names, no whitespace anywhere (the URI ends up in init-container and engine
 # arguments): a Hugging Face repo id (NAME or ORG/NAME, each starting with a letter or digit, so
-# never an option such as --help), then a file path inside it; a PersistentVolumeClaim's name
+# never an option such as --help), whole, or a .gguf file inside it; a PersistentVolumeClaim's name
 # (DNS-1123) and a path in it; an S3 bucket and a key; an absolute path on the node that is not
 # the root. `..` segments are refused by a rule of their own (RE2, the API server's regex
 # engine, has no lookahead).
 _HF_ID = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 MODEL_URI_PATTERN = (
-    rf"^(hf://{_HF_ID}(/{_HF_ID})?(/\S*)?"
+    rf"^(hf://{_HF_ID}(/{_HF_ID})?"  # a whole repository: the directory `hf download` fetches
+    rf"|hf://{_HF_ID}/{_HF_ID}/\S+[.]gguf"  # one GGUF file in it
     r"|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/\S*)?"
     r"|s3://[a-z0-9][-a-z0-9.]*[a-z0-9](/\S*)?"
     r"|file:///[^/\s]\S*)$"
 )
 MODEL_URI_MESSAGE = (
-    "model.uri: hf://ORG/NAME (a repo id: letters, digits, '.', '_', '-'; not starting with "
-    "'-'), pvc://CLAIM/PATH, s3://BUCKET/PREFIX or file:///PATH (absolute, not the root); no "
-    "whitespace"
+    "model.uri: hf://ORG/NAME (a whole repository; its id: letters, digits, '.', '_', '-', not "
+    "starting with '-') or hf://ORG/REPO/FILE.gguf, pvc://CLAIM/PATH, s3://BUCKET/PREFIX or "
+    "file:///PATH (absolute, not the root); no whitespace"
 )
 # `..` as a path segment: refused (a claim's or node's path outside the one named).
 PARENT_SEGMENT_RULE = "!self.contains('/../') && !self.endsWith('/..')"
@@ -61,7 +62,7 @@ CALIBRATION_MESSAGE = (
 
 
 class SecretReference(Model):
-    name: str = Field(max_length=253, description="Name of a Secret in the same namespace.")
+    name: SecretName
 
 
 HINTS_HEADS_MESSAGE = (

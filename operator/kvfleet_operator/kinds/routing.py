@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from kvfleet_operator.wire import Model
+from kvfleet_operator.wire import IMAGE_PATTERN, Model
 
 RoutingStrategy = Literal["prefix", "least-load", "round-robin"]
 
@@ -60,6 +60,7 @@ class RoutingSpec(Model):
     image: str | None = Field(
         default=None,
         max_length=512,
+        pattern=IMAGE_PATTERN,
         description="Router image; defaults to the operator's own ($KVFLEET_ROUTER_IMAGE of "
         "its container; it carries `kvfleet router`).",
     )

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from kvfleet_operator.kinds.cel import cel
-from kvfleet_operator.wire import Model
+from kvfleet_operator.wire import IMAGE_PATTERN, INT32_MAX, Model
 
 # `kvfleet serve` flags the operator sets itself, and the spec field each comes from: given in
 # engine.extraArgs (which come last, so the engine's parser would take them) they would serve
@@ -22,6 +22,9 @@ MANAGED_ENGINE_FLAGS = {
     "--max-model-len": "model.maxModelLen",
     "--block-size": "engine.blockSize",
     "--gpu-memory-utilization": "engine.gpuMemoryUtilization",
+    "--kv-cache-blocks": "engine.gpuMemoryUtilization (the memory plan sizes the KV cache)",
+    "--dtype": "(the operator: the model's 16-bit weights, as the memory plan counts them)",
+    "--device": "(the operator: the GPU of resources.accelerator)",
     "--max-num-seqs": "engine.maxNumSeqs",
     "--max-num-batched-tokens": "engine.maxNumBatchedTokens",
     "--enable-prefix-caching": "engine.enablePrefixCaching",
@@ -75,7 +78,10 @@ class EngineSpec(Model):  # defaults: the engine's (tests/engine/test_config_def
     model_config = ConfigDict(json_schema_extra=cel((BATCH_RULE, BATCH_MESSAGE)))
 
     image: str | None = Field(
-        default=None, max_length=512, description="Engine image; defaults to the operator's."
+        default=None,
+        max_length=512,
+        pattern=IMAGE_PATTERN,
+        description="Engine image; defaults to the operator's.",
     )
     block_size: Literal[1, 2, 4, 8, 16, 32, 64, 128, 256] = Field(
         default=16, description="Tokens per KV-cache block: a power of two up to 256."
@@ -156,6 +162,10 @@ ROLLOUT_MESSAGE = (
 )
 
 
+# Rendered into int32 fields (progressDeadlineSeconds, the startup probe's failureThreshold).
+STARTUP_TIMEOUT_MAX_SECONDS = 7 * 24 * 3600
+
+
 class RolloutSpec(Model):
     model_config = ConfigDict(
         json_schema_extra=cel(
@@ -167,15 +177,21 @@ class RolloutSpec(Model):
         )
     )
 
-    max_surge: int = Field(default=0, ge=0, description="Extra pods during a rollout.")
-    max_unavailable: int = Field(default=1, ge=0, description="Pods that may be down in a rollout.")
+    max_surge: int = Field(
+        default=0, ge=0, le=INT32_MAX, description="Extra pods during a rollout."
+    )
+    max_unavailable: int = Field(
+        default=1, ge=0, le=INT32_MAX, description="Pods that may be down in a rollout."
+    )
     drain_timeout_seconds: int = Field(
         default=30, ge=0, le=3600, description="Time a stopping engine finishes in-flight requests."
     )
     startup_timeout_seconds: int | None = Field(
         default=None,
         ge=30,
-        description="Time allowed for loading weights; defaults to 120 s + 10 s per GiB.",
+        le=STARTUP_TIMEOUT_MAX_SECONDS,
+        description="Time allowed for loading weights (at most a week); defaults to 120 s + "
+        "10 s per GiB.",
     )
 
     @model_validator(mode="after")

@@ -67,4 +67,6 @@ class ResourcesSpec(Model):
     memory: Quantity | None = Field(
         default=None, description="Memory request and limit (a Kubernetes quantity: 64Gi, 70G)."
     )
-    shared_memory: str = Field(default="8Gi", max_length=32, description="Size of /dev/shm.")
+    shared_memory: Quantity = Field(
+        default="8Gi", description="Size of /dev/shm (a Kubernetes quantity: 8Gi, 16G)."
+    )
