@@ -95,13 +95,14 @@ def test_replica_counts_stay_within_int32(make_spec) -> None:
     assert spec["autoscaling"]["properties"]["maxReplicas"]["maximum"] == 2**31 - 1
 
 
-def test_a_name_with_a_dot_is_refused_at_admission() -> None:
+def test_a_name_with_a_dot_or_a_leading_digit_is_refused_at_admission() -> None:
     """`my.model` was admitted; its Service was then refused (no dots), half the children built,
-    and the operator retried it every 10 s for good."""
-    [rule] = [r for r in _schema()["x-kubernetes-validations"] if "DNS-1123" in r["message"]]
+    and the operator retried it every 10 s for good. `8b-llama` named its Services 8b-llama and
+    8b-llama-router, which Kubernetes before 1.36 refuses (a DNS-1035 label)."""
+    [rule] = [r for r in _schema()["x-kubernetes-validations"] if "DNS-1035" in r["message"]]
     pattern = re.search(r"matches\('(.+)'\)", rule["rule"]).group(1)  # type: ignore[union-attr]
     assert re.match(pattern, "llama-3-8b") and re.match(pattern, "m0")
-    for name in ("my.model", "Llama", "-x", "x-", "a_b"):
+    for name in ("my.model", "Llama", "-x", "x-", "a_b", "8b-llama"):
         assert not re.match(pattern, name), name
 
 
@@ -316,3 +317,4 @@ def test_a_profile_names_an_extended_resource_pods_can_request(resource: str) ->
     schema = accelerator_profile_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     rules = schema["properties"]["spec"]["properties"]["resourceName"]["x-kubernetes-validations"]
     assert {"rule": RESOURCE_NAME_RULE, "message": RESOURCE_NAME_MESSAGE} in rules
+
