@@ -317,4 +317,3 @@ def test_a_profile_names_an_extended_resource_pods_can_request(resource: str) ->
     schema = accelerator_profile_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     rules = schema["properties"]["spec"]["properties"]["resourceName"]["x-kubernetes-validations"]
     assert {"rule": RESOURCE_NAME_RULE, "message": RESOURCE_NAME_MESSAGE} in rules
-
