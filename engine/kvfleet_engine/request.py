@@ -74,6 +74,8 @@ class Request:
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.all_token_ids = list(self.prompt_token_ids)
+        # Looked up after every sampled token (the scheduler's stop check).
+        self.stop_token_ids = frozenset(self.params.stop_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -12,6 +12,8 @@ MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 100.0
 MAX_TOP_K = 2**31 - 1
 MAX_REPETITION_PENALTY = 10.0
+# Stop token ids per request: each is sent to the engine core with every choice of the request.
+MAX_STOP_TOKEN_IDS = 256
 # Seeds a request generator takes: [0, 2**64 - 1] (the server's [0, 2**63 - 1] plus its per-choice
 # offsets stays inside).
 MAX_SEED = 2**64 - 1
@@ -97,6 +99,12 @@ class SamplingParams:
             f"at most 2**64 - n (completion i of n={self.n} takes seed + i)",
         )
         _check(all(s for s in self.stop), "stop", list(self.stop), "a list of non-empty strings")
+        _check(
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            "stop_token_ids",
+            len(self.stop_token_ids),
+            f"at most {MAX_STOP_TOKEN_IDS} token ids",
+        )
         _check(
             all(t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",

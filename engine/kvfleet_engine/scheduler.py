@@ -278,7 +278,7 @@ class Scheduler:
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.params
-        if token_id in params.stop_token_ids:
+        if token_id in request.stop_token_ids:
             request.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
         if not params.ignore_eos and token_id in request.eos_token_ids:

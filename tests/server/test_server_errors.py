@@ -23,6 +23,7 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
         ("completions", {**GOOD, "prompt": "x" * 600}, 400, "prompt"),
         ("completions", {**GOOD, "max_tokens": 600}, 400, "max_tokens"),
         ("completions", {**GOOD, "prompt": [1, 99999]}, 400, "prompt"),
+        ("completions", {**GOOD, "prompt": [[1], [2, 99999]]}, 400, "prompt.1"),
         ("completions", {**GOOD, "prompt": []}, 400, "prompt"),
         ("completions", {**GOOD, "prompt": ["a", ""]}, 400, "prompt.1"),
         ("completions", {**GOOD, "prompt": ["hi", "x" * 600]}, 400, "prompt.1"),
@@ -46,6 +47,14 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
             "response_format",
         ),
         ("chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+        # an empty or padded response_format was accepted and ignored
+        ("chat/completions", {**CHAT, "response_format": {}}, 400, "response_format"),
+        (
+            "chat/completions",
+            {**CHAT, "response_format": {"type": "text", "schema": {}}},
+            400,
+            "response_format",
+        ),
     ],
 )
 def test_bad_request_names_the_field(

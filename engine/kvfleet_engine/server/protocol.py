@@ -13,7 +13,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from kvfleet_engine.sampling import MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MAX_TOP_K
+from kvfleet_engine.sampling import (
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+)
 
 # --- requests --------------------------------------------------------------------------------
 
@@ -32,7 +37,18 @@ def _unicode_text(value: str) -> str:
 
 Text = Annotated[str, AfterValidator(_unicode_text)]  # every request string the server reads
 NonNegInt = Annotated[int, Field(ge=0)]
-TokenIds = Annotated[list[NonNegInt], Field(min_length=1)]
+# Every list a request may make long stops at its first bad element (fail_fast) and at its
+# length cap: a 4 MiB body of a million bad elements made a million errors, each converted
+# for the 400, and held the API process (and /health) for 7-33 s at up to 5.7 GB.
+TokenIds = Annotated[list[NonNegInt], Field(min_length=1, fail_fast=True)]
+# Engine requests one HTTP request may become (prompts times n): beyond it, one client's batch
+# would hold the scheduler for everyone else; larger batches go in several requests. The
+# prompts' list is capped at it here, n times the prompts by the server.
+MAX_CHOICES_PER_REQUEST = 256
+# OpenAI's own caps: 128 tools, 300 logit_bias entries.
+MAX_TOOLS = 128
+MAX_LOGIT_BIAS = 300
+MAX_CONTENT_PARTS = 4096
 
 # Stop strings are searched for after every generated token, so their number and length bound
 # the work of each token (OpenAI allows 4).
@@ -85,12 +101,15 @@ class SamplingFields(RequestModel):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     user: Text | None = None  # accepted for compatibility; not used
-    logit_bias: dict[Text, float] | None = None  # not implemented: rejected when non-empty
+    # not implemented: rejected when non-empty
+    logit_bias: Annotated[dict[Text, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     # kvfleet / vLLM extensions
     top_k: int | None = Field(default=None, ge=-1, le=MAX_TOP_K)  # -1 or 0: off
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=MAX_REPETITION_PENALTY)
-    stop_token_ids: list[NonNegInt] | None = None
+    stop_token_ids: (
+        Annotated[list[NonNegInt], Field(max_length=MAX_STOP_TOKEN_IDS, fail_fast=True)] | None
+    ) = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     priority: int | None = Field(
@@ -102,9 +121,12 @@ class SamplingFields(RequestModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Text | list[Text] | TokenIds | list[TokenIds] = Field(
-        description="A string, a list of strings, token ids, or a list of token-id lists."
-    )
+    prompt: (
+        Text
+        | Annotated[list[Text], Field(max_length=MAX_CHOICES_PER_REQUEST, fail_fast=True)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(max_length=MAX_CHOICES_PER_REQUEST, fail_fast=True)]
+    ) = Field(description="A string, a list of strings, token ids, or a list of token-id lists.")
     max_tokens: int = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False  # not implemented: rejected when true
@@ -119,7 +141,9 @@ class TextPart(RequestModel):
 
 class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart] | None = None
+    content: (
+        Text | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS, fail_fast=True)] | None
+    ) = None
     name: Text | None = None
 
     def text(self) -> str:
@@ -138,7 +162,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
     # not implemented: rejected when set
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS, fail_fast=True)] | None = (
+        None
+    )
     tool_choice: Text | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -163,7 +189,7 @@ def unsupported_fields(request: SamplingFields) -> list[tuple[str, str]]:
             found.append(("tool_choice", "tool calling is not supported"))
         if request.parallel_tool_calls:
             found.append(("parallel_tool_calls", "tool calling is not supported"))
-        if request.response_format and request.response_format.get("type") != "text":
+        if request.response_format is not None and request.response_format != {"type": "text"}:
             found.append(("response_format", "only {'type': 'text'} is supported"))
         if request.top_logprobs and not request.logprobs:
             found.append(("top_logprobs", "requires logprobs=true"))

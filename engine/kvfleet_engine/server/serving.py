@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 
 from kvfleet_engine.core.profile import FIRST_TOKEN_HOPS
+from kvfleet_engine.server.chat_prompt import chat_prompt_ids
 from kvfleet_engine.server.errors import APIError, excerpt, invalid_field
 from kvfleet_engine.server.protocol import (
     AssistantMessage,
@@ -34,7 +35,6 @@ from kvfleet_engine.server.request_log import RECORD_KEY, note
 from kvfleet_engine.server.serving_logprobs import LogprobFormatter
 from kvfleet_engine.server.serving_requests import (
     chat_chars,
-    chat_prompt_ids,
     check_num_choices,
     check_prompt_ids,
     generation_limit,

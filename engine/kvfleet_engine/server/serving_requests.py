@@ -6,14 +6,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvfleet_engine.server.errors import APIError, invalid_field
-from kvfleet_engine.server.protocol import ChatCompletionRequest, SamplingFields
+from kvfleet_engine.server.protocol import (
+    MAX_CHOICES_PER_REQUEST,
+    ChatCompletionRequest,
+    SamplingFields,
+)
 
 if TYPE_CHECKING:
     from kvfleet_engine.sampling import SamplingParams
-
-# Engine requests one HTTP request may become (prompts times n): beyond it, one client's batch
-# would hold the scheduler for everyone else; larger batches go in several requests.
-MAX_CHOICES_PER_REQUEST = 256
 
 
 def prompt_char_limit(tokenizer: Any, max_model_len: int) -> int | None:
@@ -65,10 +65,6 @@ def tokenize_prompts(tokenizer: Any, prompt: Any, max_chars: int | None) -> list
         raise invalid_field("prompt", "must not be empty")
     if isinstance(prompt[0], int):
         return [list(prompt)]
-    if len(prompt) > MAX_CHOICES_PER_REQUEST:
-        raise invalid_field(
-            "prompt", f"at most {MAX_CHOICES_PER_REQUEST} prompts per request, got {len(prompt)}"
-        )
     if isinstance(prompt[0], list):
         return [list(p) for p in prompt]
     return [
@@ -77,37 +73,22 @@ def tokenize_prompts(tokenizer: Any, prompt: Any, max_chars: int | None) -> list
     ]
 
 
-def chat_prompt_ids(
-    tokenizer: Any, body: ChatCompletionRequest, max_chars: int | None
-) -> list[int]:
-    """The conversation through the model's chat template, as token ids (a rendered text longer
-    than `max_chars`: a 400 without tokenizing)."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise invalid_field("messages", "this model has no chat template; use /v1/completions")
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    try:
-        text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt, tokenize=False
-        )
-    except Exception as exc:  # jinja raises on conversations the template forbids
-        raise invalid_field("messages", f"rejected by the chat template: {exc}") from exc
-    return encode(tokenizer, str(text), "messages", add_special_tokens=False, max_chars=max_chars)
-
-
 def encode(
-    tokenizer: Any, text: str, field_name: str, add_special_tokens: bool, max_chars: int | None
+    tokenizer: Any,
+    text: str,
+    field_name: str,
+    add_special_tokens: bool,
+    max_chars: int | None,
+    split_special_tokens: bool = False,
 ) -> list[int]:
-    """Token ids of `text`; a 400 naming `field_name` when it is longer than any context could
-    hold (`max_chars`) or the tokenizer refuses it (the protocol already refuses lone
-    surrogates; this catches whatever else a tokenizer cannot encode)."""
-    if max_chars is not None and len(text) > max_chars:
-        raise invalid_field(
-            field_name,
-            f"is {len(text):,} characters, more than this model's context holds in any "
-            f"tokenization (at most {max_chars:,}); shorten it",
-        )
+    """Token ids of `text` (with split_special_tokens, a special token's string in it is
+    encoded as text); a 400 naming `field_name` when it is longer than any context could hold
+    (`max_chars`) or the tokenizer refuses it (the protocol already refuses lone surrogates;
+    this catches whatever else a tokenizer cannot encode)."""
+    check_length(len(text), field_name, max_chars)
+    options = {"split_special_tokens": True} if split_special_tokens else {}
     try:
-        ids: list[int] = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        ids: list[int] = tokenizer.encode(text, add_special_tokens=add_special_tokens, **options)
     except Exception as exc:
         raise invalid_field(
             field_name, f"cannot be encoded by this model's tokenizer ({type(exc).__name__})"
@@ -115,10 +96,22 @@ def encode(
     return ids
 
 
+def check_length(chars: int, field_name: str, max_chars: int | None) -> None:
+    """A 400 naming `field_name` for a text of `chars` characters, more than this model's
+    context could hold in any tokenization."""
+    if max_chars is not None and chars > max_chars:
+        raise invalid_field(
+            field_name,
+            f"is {chars:,} characters, more than this model's context holds in any "
+            f"tokenization (at most {max_chars:,}); shorten it",
+        )
+
+
 def check_prompt_ids(prompts: list[list[int]], vocab_size: int) -> None:
-    for ids in prompts:
+    for k, ids in enumerate(prompts):
         if any(t >= vocab_size for t in ids):
-            raise invalid_field("prompt", f"token ids must be < {vocab_size}")
+            where = "prompt" if len(prompts) == 1 else f"prompt.{k}"
+            raise invalid_field(where, f"token ids must be < {vocab_size}")
 
 
 def check_num_choices(num_prompts: int, n: int) -> None:
