@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from decimal import Decimal
 
 from kvfleet_operator.models import AcceleratorProfileSpec, InferenceDeploymentSpec, Topology
 
@@ -97,8 +98,10 @@ def quantity_bytes(text: str) -> float:
     if match is None:
         raise ValueError(f"{text!r} is not a Kubernetes quantity")
     number, suffix, exponent = match.groups()
-    scale = _SUFFIXES[suffix] if suffix else 10 ** float(exponent) if exponent else 1
-    return float(number) * scale
+    value = Decimal(number) * Decimal(_SUFFIXES[suffix] if suffix else 1)
+    if exponent:  # exact for any power the schema admits (1e99999: inf, not an OverflowError)
+        value *= Decimal(10) ** Decimal(exponent)
+    return float(value)
 
 
 def group_name(name: str) -> str:

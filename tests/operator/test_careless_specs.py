@@ -262,8 +262,10 @@ def test_values_kubernetes_would_refuse_in_a_child_are_refused_here(
 
 
 @pytest.mark.parametrize(
-    ("text", "gib"), [("10e9", 10e9 / 2**30), ("9.Gi", 9.0), ("1Ei", 2.0**30), ("32Gi", 32.0)]
-)
+    ("text", "gib"),
+    [("10e9", 10e9 / 2**30), ("9.Gi", 9.0), ("1Ei", 2.0**30), ("32Gi", 32.0),
+     ("1e99999", float("inf")), ("0e99999", 0.0)],
+)  # fmt: skip
 def test_shared_memory_takes_every_kubernetes_quantity(make_spec, text, gib) -> None:
     """10e9 and 9.Gi were valid quantities the operator stalled on (InvalidSharedMemory)."""
     from kvfleet_operator.topology import quantity_bytes
