@@ -47,6 +47,13 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
             "response_format",
         ),
         ("chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+        # a user turn without content was rendered as an empty one
+        (
+            "chat/completions",
+            {**CHAT, "messages": [{"role": "user", "content": None}]},
+            400,
+            "messages.0",
+        ),
         # an empty or padded response_format was accepted and ignored
         ("chat/completions", {**CHAT, "response_format": {}}, 400, "response_format"),
         (

@@ -146,6 +146,13 @@ class ChatMessage(RequestModel):
     ) = None
     name: Text | None = None
 
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        # OpenAI's rule: only an assistant turn may come without content (its tool calls).
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content is required in a {self.role} message")
+        return self
+
     def text(self) -> str:
         if self.content is None:
             return ""
