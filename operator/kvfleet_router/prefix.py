@@ -29,6 +29,10 @@ TOKEN_BLOCK = 16  # token ids per block of a token-id prompt
 # many tokens): a prefix shared beyond a model's context routes no better, and hashing a 50 MB
 # prompt whole held the event loop, and every other stream, for seconds.
 MAX_BLOCKS = 8192
+# A message's content parts and tool calls read at most (the engine's own caps: 4,096 parts;
+# OpenAI's 128 tools).
+MAX_CONTENT_PARTS = 4096
+MAX_TOOL_CALLS = 128
 _UNIT, _RECORD = "\x1f", "\x1e"
 
 
@@ -36,7 +40,8 @@ def block_hashes(body: dict[str, Any], chat: bool, block_chars: int) -> list[int
     """The chained hashes of the full blocks of a request body's prompt (empty when it has no
     prompt the router can read: the engine then answers for it)."""
     if chat:
-        return _text_blocks(_canonical_messages(body.get("messages")), block_chars)
+        messages = _canonical_messages(body.get("messages"), MAX_BLOCKS * block_chars)
+        return _text_blocks(messages, block_chars)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch: route on its first prompt
@@ -49,10 +54,12 @@ def block_hashes(body: dict[str, Any], chat: bool, block_chars: int) -> list[int
     return []
 
 
-def _canonical_messages(messages: Any) -> str:
+def _canonical_messages(messages: Any, most_chars: int) -> str:
+    """The messages' canonical text, up to the message that passes `most_chars` (what is
+    hashed: 4 MiB of 1.4 M empty messages took 1.5 s of the event loop built whole)."""
     if not isinstance(messages, list):
         return ""
-    parts = []
+    parts, chars = [], 0
     for message in messages:
         if not isinstance(message, dict):
             return ""
@@ -60,12 +67,18 @@ def _canonical_messages(messages: Any) -> str:
         content = message.get("content")
         if isinstance(content, list):
             content = "".join(
-                str(part.get("text", "")) if isinstance(part, dict) else "" for part in content
+                str(part.get("text", "")) if isinstance(part, dict) else ""
+                for part in content[:MAX_CONTENT_PARTS]
             )
         text = f"{role}{_UNIT}{content if isinstance(content, str) else ''}"
-        if message.get("tool_calls"):
-            text += json.dumps(message["tool_calls"], sort_keys=True, separators=(",", ":"))
+        calls = message.get("tool_calls")
+        if calls:
+            calls = calls[:MAX_TOOL_CALLS] if isinstance(calls, list) else calls
+            text += json.dumps(calls, sort_keys=True, separators=(",", ":"))
         parts.append(text + _RECORD)
+        chars += len(text) + 1
+        if chars >= most_chars:
+            break
     return "".join(parts)
 
 

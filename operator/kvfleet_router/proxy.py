@@ -47,6 +47,9 @@ from kvfleet_router.waiting import QueueFull, WaitingQueue
 
 CHAT_PATH = "/v1/chat/completions"
 
+# An unknown model name is quoted this far (a client may send 4 MiB of it), as the engine does.
+MODEL_NAME_SHOWN = 256
+
 
 @dataclass
 class _Outcome:
@@ -122,9 +125,10 @@ class Proxy:
         if known and model not in known:
             result.outcome = m.UNKNOWN_MODEL
             served = ", ".join(repr(name) for name in sorted(known))
+            shown = model if len(model) <= MODEL_NAME_SHOWN else model[:MODEL_NAME_SHOWN] + "..."
             return error_response(
                 404,
-                f"model {model!r} does not exist; this router serves {served}",
+                f"model {shown!r} does not exist; this router serves {served}",
                 param="model",
                 code="model_not_found",
             )

@@ -30,6 +30,9 @@ HOP_BY_HOP = frozenset(
     {
         "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
         "trailer", "transfer-encoding", "upgrade", "host", "content-length",
+        # The router answered the client's Expect itself (it has the body): passed on, a
+        # replica that sends no 100 Continue held the request until the first-byte timeout.
+        "expect",
     }
 )  # fmt: skip
 # Content-Encoding is passed back: the body is relayed as the replica encoded it (the upstream
@@ -37,7 +40,12 @@ HOP_BY_HOP = frozenset(
 _NOT_PASSED_BACK = HOP_BY_HOP | {"date", "server"}
 # Failures before the request reached a replica (refused, unresolvable, connect timed out).
 _NOT_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
-_BROKEN = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
+# ClientResponseError: an answer that is not HTTP (a bad status line, a header past aiohttp's
+# limits), which answered the client with a 500 and a traceback.
+_BROKEN = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.ClientResponseError)
+# A 429 / 503 answer is read whole (it may be passed on after the other replicas declined);
+# an engine's is a short JSON error, and a larger one is a broken replica's.
+DECLINED_MAX_BYTES = 64 << 10
 # The client's Content-Type or none: the engine's answer to a body without one must say so,
 # not name the application/octet-stream aiohttp would fill in.
 _NOT_ADDED = ("Content-Type",)
@@ -64,20 +72,16 @@ class Failed:
 
 
 class Answer:
-    """A replica's answer whose headers have come: a body read in full, or an event stream
-    still arriving."""
+    """A replica's answer whose headers have come, its body still arriving: relayed as it
+    comes, an event stream or a JSON answer alike, so the router holds no whole answer (a
+    never-ending body was read into memory at 400 MB/s)."""
 
     def __init__(
-        self,
-        upstream: aiohttp.ClientResponse,
-        headers: CIMultiDict[str],
-        body: bytes | None,
-        idle_timeout_s: float,
+        self, upstream: aiohttp.ClientResponse, headers: CIMultiDict[str], idle_timeout_s: float
     ) -> None:
         self.status = upstream.status
         self._upstream = upstream
         self._headers = headers
-        self._body = body  # None: an event stream, relayed as it comes
         self._idle_timeout_s = idle_timeout_s
 
     async def respond(self, request: web.Request) -> tuple[web.StreamResponse, str]:
@@ -86,10 +90,9 @@ class Answer:
         breaks the client's stream: it sees an error, not a short answer."""
         upstream = self._upstream
         try:
-            if self._body is not None:
-                response = web.Response(status=self.status, body=self._body, headers=self._headers)
-                return response, outcome(self.status)
             stream = web.StreamResponse(status=self.status, headers=self._headers)
+            if upstream.content_length is not None and "Content-Encoding" not in self._headers:
+                stream.content_length = upstream.content_length  # relayed byte for byte
             await stream.prepare(request)
             try:
                 while chunk := await _next_chunk(upstream, self._idle_timeout_s):
@@ -139,11 +142,10 @@ class Upstream:
                     skip_auto_headers=_NOT_ADDED,
                 )
             declined = upstream.status in (429, 503)
-            streamed = upstream.content_type == "text/event-stream" and not declined
-            data = None
-            if not streamed:
+            data = b""
+            if declined:
                 async with asyncio.timeout(self._idle_timeout_s):
-                    data = await upstream.read()
+                    data = await _read_at_most(upstream, DECLINED_MAX_BYTES)
         except _NOT_SENT:
             return None
         except (*_BROKEN, TimeoutError) as exc:
@@ -160,7 +162,17 @@ class Upstream:
         if declined:
             upstream.release()
             return Declined(web.Response(status=upstream.status, body=data, headers=answer_headers))
-        return Answer(upstream, answer_headers, data, self._idle_timeout_s)
+        return Answer(upstream, answer_headers, self._idle_timeout_s)
+
+
+async def _read_at_most(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body, if it is at most `limit` bytes (ClientPayloadError past that)."""
+    data = bytearray()
+    while chunk := await upstream.content.read(limit + 1 - len(data)):
+        data += chunk
+        if len(data) > limit:
+            raise aiohttp.ClientPayloadError(f"a {upstream.status} answer of over {limit} bytes")
+    return bytes(data)
 
 
 async def _next_chunk(upstream: aiohttp.ClientResponse, timeout_s: float) -> bytes:
@@ -200,5 +212,11 @@ def end_to_end(headers: Mapping[str, str], dropped: frozenset[str]) -> Iterator[
     Connection header names (hop-by-hop for this connection only, RFC 9110 section 7.6.1)."""
     named = {token.strip().lower() for token in headers.get("Connection", "").split(",")}
     for key, value in headers.items():
-        if key.lower() not in dropped and key.lower() not in named:
+        if key.lower() not in dropped and key.lower() not in named and _printable(key + value):
             yield key, value
+
+
+def _printable(text: str) -> bool:
+    """No control character but tab: a replica's header with one (b"a\x01b") made aiohttp
+    refuse to write the client's answer, an empty reply counted as a success."""
+    return not any((ord(c) < 32 and c != "\t") or ord(c) == 127 for c in text)
