@@ -13,7 +13,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from kvfleet_router.auth import api_key_middleware
+from kvfleet_router.auth import api_key_middleware, api_key_refusal
 from kvfleet_router.discovery import KubernetesDiscovery, StaticDiscovery
 from kvfleet_router.load import LoadScraper
 from kvfleet_router.metrics import RouterMetrics
@@ -65,8 +65,16 @@ class Router:
         app.router.add_get("/ready", self._ready)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
-        # `Expect: 100-continue` gets the refusal the headers earn instead of "100 Continue".
-        expect = RequestBody(self.settings).expect
+        # `Expect: 100-continue` gets the refusal the headers earn instead of "100 Continue",
+        # a missing or wrong key's first (aiohttp calls it before the middlewares): a client
+        # without the key is not invited to send its body.
+        body_expect = RequestBody(self.settings).expect
+        key_refusal = api_key_refusal(key) if key is not None else None
+
+        async def expect(request: web.Request) -> web.StreamResponse | None:
+            refused = key_refusal(request) if key_refusal is not None else None
+            return refused or await body_expect(request)
+
         for path in ("/v1/completions", "/v1/chat/completions"):
             app.router.add_post(path, self._completions, expect_handler=expect)
         return app

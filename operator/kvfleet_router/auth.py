@@ -11,6 +11,7 @@ headers through both), so a client sees one answer whichever it reached.
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
@@ -27,24 +28,34 @@ def bearer(api_key: str) -> str:
     return f"Bearer {api_key}"
 
 
-def api_key_middleware(api_key: str) -> Middleware:
-    """An aiohttp middleware that answers 401 to a request without `api_key`."""
+def api_key_refusal(api_key: str) -> Callable[[web.Request], web.Response | None]:
+    """A check of a request's key: the 401 it earns, or None (a public path, the right key)."""
     if not api_key:
         raise ValueError("api_key: must be a non-empty string (or leave it unset)")
     expected = api_key.encode()
 
-    @web.middleware
-    async def require_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+    def refused(request: web.Request) -> web.Response | None:
         if request.path in PUBLIC_PATHS:
-            return await handler(request)
+            return None
         header = request.headers.get("Authorization")
         # Header bytes that are not UTF-8 reach here as surrogates: back to the bytes sent.
         given = None if header is None else header.encode("utf-8", "surrogateescape")
         token = None if given is None else bearer_token(given)
         if token is not None and hmac.compare_digest(token, expected):
-            return await handler(request)
+            return None
         challenge = {"WWW-Authenticate": "Bearer"}
         return error_response(401, refusal(given, token), code="invalid_api_key", headers=challenge)
+
+    return refused
+
+
+def api_key_middleware(api_key: str) -> Middleware:
+    """An aiohttp middleware that answers 401 to a request without `api_key`."""
+    refused = api_key_refusal(api_key)
+
+    @web.middleware
+    async def require_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+        return refused(request) or await handler(request)
 
     return require_api_key
 

@@ -58,7 +58,8 @@ class RequestBody:
         if refusal is not None:
             return refusal
         if request.headers.get("Expect", "").lower() != "100-continue":
-            raise web.HTTPExpectationFailed(text=f"Unknown Expect: {request.headers['Expect']}")
+            expectation = request.headers["Expect"][:64]
+            return error_response(417, f"unknown Expect: {expectation!r}; only 100-continue")
         if request.version >= (1, 1):
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         return None

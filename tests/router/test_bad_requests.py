@@ -390,3 +390,16 @@ async def test_a_body_without_a_content_type_goes_on_without_one(
         None,
         "text/plain",
     ]
+
+
+async def test_an_expectation_the_router_cannot_meet_is_a_417_in_the_openai_shape(
+    start_engines: StartEngines, start_router: StartRouter
+) -> None:
+    """It was aiohttp's text/plain "Unknown Expect"."""
+    (engine,) = await start_engines(1)
+    router = await start_router([engine.url])
+    response = await router.post("/v1/completions", COMPLETION, headers={"Expect": "teapot"})
+    assert response.status == 417
+    error = (await response.json())["error"]
+    assert error["message"] == "unknown Expect: 'teapot'; only 100-continue"
+    assert engine.bodies == []

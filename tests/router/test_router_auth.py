@@ -135,3 +135,22 @@ async def test_an_authorization_header_that_is_not_utf8_is_a_401_not_a_500(
     assert answer.startswith(b"HTTP/1.1 401"), answer[:80]
     assert b"incorrect API key provided" in answer
     assert engine.bodies == []
+
+
+@pytest.mark.parametrize("authorization", [b"", b"Authorization: Bearer wrong\r\n"])
+async def test_a_client_without_the_key_is_not_invited_to_send_its_body(
+    start_engines: StartEngines, start_router: StartRouter, authorization: bytes
+) -> None:
+    """With Expect: 100-continue it got "100 Continue" (aiohttp answers the expectation before
+    the middlewares run) and then a 401: an invitation to upload up to 4 MiB for nothing."""
+    (engine,) = await start_engines(1)
+    router = await start_router([engine.url], api_key=KEY)
+    reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Expect: 100-continue\r\nContent-Length: %d\r\n%s\r\n" % (len(COMPLETION), authorization)
+    )
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    writer.close()
+    assert head.startswith(b"HTTP/1.1 401 "), head
+    assert engine.bodies == []
