@@ -170,10 +170,18 @@ def inference_deployment_crd() -> dict[str, Any]:
                 "from it)",
             },
             {
-                "rule": "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
-                "message": "metadata.name must be a DNS-1035 label (a lowercase letter, then "
-                "lowercase letters, digits and '-'; no dots): it names the Services, which "
-                "Kubernetes before 1.36 refuses to name with a leading digit or a dot",
+                "rule": "self.metadata.name.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?$')",
+                "message": "metadata.name must be a DNS-1123 label (lowercase letters, digits "
+                "and '-', no dots): it names the Service, whose name may not hold a dot",
+            },
+            {
+                # At creation only (a name never changes): an object stored before the rule
+                # stays editable, and its status writable, on the clusters that took it.
+                "rule": "oldSelf.hasValue() || self.metadata.name.matches('^[a-z]')",
+                "optionalOldSelf": True,
+                "message": "metadata.name must start with a lowercase letter (a DNS-1035 "
+                "label): it names the Services, which Kubernetes before 1.36 refuses to name "
+                "with a leading digit",
             },
         ],
         "properties": {

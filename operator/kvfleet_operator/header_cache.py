@@ -67,7 +67,7 @@ class HeaderCache:
         return f"{self._endpoint}/{repo}/resolve/{revision}/{quote(path)}"
 
     async def summary(
-        self, model: ModelSpec, token: TokenSource, credentials: str | None = None
+        self, model: ModelSpec, token: TokenSource, *, credentials: str | None
     ) -> GGUFSummary | GGUFUnavailable:
         """The header of `model` (an hf:// .gguf URI): from the cache, else read now.
         `credentials` names the Secret `token` reads ("NAMESPACE/NAME"; None: no token)."""

@@ -37,7 +37,7 @@ async def read_model_architecture(
         return await cluster.secret_value(namespace, secret.name, "HF_TOKEN")
 
     credentials = None if secret is None else f"{namespace}/{secret.name}"
-    return model_architecture(model, await headers.summary(model, token, credentials))
+    return model_architecture(model, await headers.summary(model, token, credentials=credentials))
 
 
 async def read_api_key_digest(

@@ -17,19 +17,15 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from decimal import Decimal
+from decimal import Decimal, Overflow, localcontext
 
+from kvfleet_operator.kinds.topology import QUANTITY_PATTERN
 from kvfleet_operator.models import AcceleratorProfileSpec, InferenceDeploymentSpec, Topology
 
 # /dev/shm per GPU of a pod: NCCL's shared-memory transport between the pod's ranks, and the
 # engine's worker processes, use it; resources.sharedMemory is raised to this when smaller.
 SHARED_MEMORY_PER_GPU_GIB = 2
-# A quantity as kinds.topology.QUANTITY_PATTERN admits it: a number, then a binary or decimal
-# suffix or a power of ten.
-_QUANTITY = re.compile(
-    r"^([0-9]+(?:[.][0-9]*)?|[.][0-9]+)"
-    r"(?:([KMGTPE]i|[numkMGTPE])|[eE]([+-]?(?:[0-9]+(?:[.][0-9]*)?|[.][0-9]+)))?$"
-)
+_QUANTITY = re.compile(QUANTITY_PATTERN)  # group 1: the number; group 5: a suffix or e<power>
 _SUFFIXES = {
     "n": 1e-9, "u": 1e-6, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
     "E": 1e18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
@@ -97,11 +93,15 @@ def quantity_bytes(text: str) -> float:
     match = _QUANTITY.match(text)
     if match is None:
         raise ValueError(f"{text!r} is not a Kubernetes quantity")
-    number, suffix, exponent = match.groups()
-    value = Decimal(number) * Decimal(_SUFFIXES[suffix] if suffix else 1)
-    if exponent:  # exact for any power the schema admits (1e99999: inf, not an OverflowError)
-        value *= Decimal(10) ** Decimal(exponent)
-    return float(value)
+    number, tail = match[1], match[5] or ""
+    with localcontext() as context:  # any power the schema admits: 1e9999999 is inf, no error
+        context.traps[Overflow] = False
+        value = Decimal(number)
+        if tail in _SUFFIXES:  # "E" and "Ei" are exa and exbi; "E3", "e3" powers of ten
+            value *= Decimal(_SUFFIXES[tail])
+        elif tail:
+            value *= Decimal(10) ** Decimal(tail[1:])
+        return float(value)
 
 
 def group_name(name: str) -> str:

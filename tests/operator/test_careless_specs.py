@@ -99,11 +99,20 @@ def test_a_name_with_a_dot_or_a_leading_digit_is_refused_at_admission() -> None:
     """`my.model` was admitted; its Service was then refused (no dots), half the children built,
     and the operator retried it every 10 s for good. `8b-llama` named its Services 8b-llama and
     8b-llama-router, which Kubernetes before 1.36 refuses (a DNS-1035 label)."""
-    [rule] = [r for r in _schema()["x-kubernetes-validations"] if "DNS-1035" in r["message"]]
-    pattern = re.search(r"matches\('(.+)'\)", rule["rule"]).group(1)  # type: ignore[union-attr]
-    assert re.match(pattern, "llama-3-8b") and re.match(pattern, "m0")
+    rules = _schema()["x-kubernetes-validations"]
+    [label] = [r for r in rules if "DNS-1123" in r["message"]]
+    [letter] = [r for r in rules if "DNS-1035" in r["message"]]
+    patterns = [re.search(r"matches\('(.+)'\)", r["rule"]).group(1) for r in (label, letter)]  # type: ignore[union-attr]
+
+    def admitted(name: str) -> bool:
+        return all(re.match(pattern, name) for pattern in patterns)
+
+    assert admitted("llama-3-8b") and admitted("m0")
     for name in ("my.model", "Llama", "-x", "x-", "a_b", "8b-llama"):
-        assert not re.match(pattern, name), name
+        assert not admitted(name), name
+    # The leading letter is checked when the object is created: one stored before the rule
+    # stays editable (every update re-checks the root's rules).
+    assert letter["optionalOldSelf"] is True and letter["rule"].startswith("oldSelf.hasValue() ||")
 
 
 def test_a_served_model_name_holds_no_whitespace(make_spec) -> None:
@@ -264,7 +273,8 @@ def test_values_kubernetes_would_refuse_in_a_child_are_refused_here(
 @pytest.mark.parametrize(
     ("text", "gib"),
     [("10e9", 10e9 / 2**30), ("9.Gi", 9.0), ("1Ei", 2.0**30), ("32Gi", 32.0),
-     ("1e99999", float("inf")), ("0e99999", 0.0)],
+     ("1e99999", float("inf")), ("1e9999999", float("inf")), ("0e99999", 0.0),
+     ("500m", 0.5 / 2**30), ("2E", 2e18 / 2**30), ("2E3", 2e3 / 2**30)],
 )  # fmt: skip
 def test_shared_memory_takes_every_kubernetes_quantity(make_spec, text, gib) -> None:
     """10e9 and 9.Gi were valid quantities the operator stalled on (InvalidSharedMemory)."""

@@ -67,7 +67,7 @@ async def test_ranges_grow_until_the_header_is_complete(write_gguf, small_first_
     async def token() -> str | None:
         return "hf_secret"
 
-    summary = await cache.summary(model(revision="refs/pr/1"), token)
+    summary = await cache.summary(model(revision="refs/pr/1"), token, credentials="ns/hf-token")
     assert summary == expected
     assert hub.ranges_asked() == [
         "bytes=0-4095", "bytes=4096-8191", "bytes=8192-16383", "bytes=16384-32767"
@@ -89,21 +89,25 @@ async def test_one_read_per_uri_and_revision(write_gguf) -> None:
         tokens_read += 1
         return None
 
-    first = await cache.summary(model(), token)
+    first = await cache.summary(model(), token, credentials="ns/hf-token")
     assert isinstance(first, GGUFSummary) and "authorization" not in hub.requests[0].headers
     assert str(hub.requests[0].url).startswith(
         "https://huggingface.co/acme/Tiny-GGUF/resolve/main/"
     )
-    results = await asyncio.gather(*(cache.summary(model(), token) for _ in range(5)))
+    results = await asyncio.gather(
+        *(cache.summary(model(), token, credentials="ns/hf-token") for _ in range(5))
+    )
     assert results == [first] * 5 and len(hub.requests) == 1 and tokens_read == 1
-    await cache.summary(model(revision="v2"), token)
+    await cache.summary(model(revision="v2"), token, credentials="ns/hf-token")
     assert len(hub.requests) == 2 and "/resolve/v2/" in str(hub.requests[1].url)
 
 
 async def test_a_server_that_ignores_range_is_read_only_as_far_as_needed(write_gguf) -> None:
     data = write_gguf().read_bytes()
     hub = Hub(data, ranges=False)
-    summary = await HeaderCache(transport=httpx.MockTransport(hub)).summary(model(), no_token)
+    summary = await HeaderCache(transport=httpx.MockTransport(hub)).summary(
+        model(), no_token, credentials=None
+    )
     assert summary == parse_gguf_header(data)
 
 
@@ -111,14 +115,17 @@ async def test_gated_repository_is_reported_and_retried_later(write_gguf) -> Non
     hub = Hub(write_gguf().read_bytes(), status=401)
     now = [1000.0]
     cache = HeaderCache(transport=httpx.MockTransport(hub), clock=lambda: now[0])
-    result = await cache.summary(model(), no_token)
+    result = await cache.summary(model(), no_token, credentials=None)
     assert isinstance(result, GGUFUnavailable)
     assert "HTTP 401" in result.reason and "HF_TOKEN in model.credentialsSecret" in result.reason
     now[0] += header_cache.RETRY_SECONDS - 1
-    assert await cache.summary(model(), no_token) == result and len(hub.requests) == 1
+    assert (
+        await cache.summary(model(), no_token, credentials=None) == result
+        and len(hub.requests) == 1
+    )
     hub.status = 200
     now[0] += 2
-    assert isinstance(await cache.summary(model(), no_token), GGUFSummary)
+    assert isinstance(await cache.summary(model(), no_token, credentials=None), GGUFSummary)
     assert len(hub.requests) == 2
 
 
@@ -127,7 +134,7 @@ async def test_not_gguf_truncated_and_oversized_headers_are_named(
 ) -> None:
     async def read(data: bytes, **kwargs: int) -> str:
         cache = HeaderCache(transport=httpx.MockTransport(Hub(data)), **kwargs)
-        result = await cache.summary(model(), no_token)
+        result = await cache.summary(model(), no_token, credentials=None)
         assert isinstance(result, GGUFUnavailable)
         return result.reason
 
@@ -164,8 +171,8 @@ async def test_reads_from_a_local_http_server(write_gguf, small_first_range) -> 
     thread.start()
     try:
         cache = HeaderCache(f"http://127.0.0.1:{server.server_address[1]}")
-        assert await cache.summary(model(), no_token) == parse_gguf_header(data)
-        missing = await cache.summary(model("hf://acme/Other/x.gguf"), no_token)
+        assert await cache.summary(model(), no_token, credentials=None) == parse_gguf_header(data)
+        missing = await cache.summary(model("hf://acme/Other/x.gguf"), no_token, credentials=None)
         assert isinstance(missing, GGUFUnavailable) and "HTTP 404" in missing.reason
     finally:
         server.shutdown()

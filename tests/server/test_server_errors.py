@@ -52,7 +52,7 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
             "chat/completions",
             {**CHAT, "messages": [{"role": "user", "content": None}]},
             400,
-            "messages.0",
+            "messages.0.content",
         ),
         # an empty or padded response_format was accepted and ignored
         ("chat/completions", {**CHAT, "response_format": {}}, 400, "response_format"),

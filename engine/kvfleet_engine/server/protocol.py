@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from kvfleet_engine.sampling import (
     MAX_REPETITION_PENALTY,
@@ -143,15 +151,17 @@ class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: (
         Text | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS, fail_fast=True)] | None
-    ) = None
+    ) = Field(default=None, validate_default=True)
     name: Text | None = None
 
-    @model_validator(mode="after")
-    def _content_unless_assistant(self) -> ChatMessage:
+    @field_validator("content")
+    @classmethod
+    def _content_unless_assistant(cls, content: Any, info: ValidationInfo) -> Any:
         # OpenAI's rule: only an assistant turn may come without content (its tool calls).
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"content is required in a {self.role} message")
-        return self
+        role = info.data.get("role")
+        if content is None and role not in (None, "assistant"):
+            raise ValueError(f"is required in a {role} message")
+        return content
 
     def text(self) -> str:
         if self.content is None:
