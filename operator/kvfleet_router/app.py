@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import web
-from aiohttp.typedefs import Handler
+from aiohttp.typedefs import Handler, Middleware
 
 from kvfleet_router.auth import api_key_middleware, api_key_refusal
 from kvfleet_router.discovery import KubernetesDiscovery, StaticDiscovery
@@ -56,7 +56,9 @@ class Router:
 
     def build_app(self) -> web.Application:
         key = self.settings.api_key
-        middlewares = [openai_errors] + ([api_key_middleware(key)] if key is not None else [])
+        key_refusal = api_key_refusal(key) if key is not None else None
+        middlewares: list[Middleware] = [openai_errors]
+        middlewares += [api_key_middleware(key_refusal)] if key_refusal is not None else []
         app = web.Application(
             client_max_size=self.settings.max_request_body_bytes, middlewares=middlewares
         )
@@ -69,7 +71,6 @@ class Router:
         # a missing or wrong key's first (aiohttp calls it before the middlewares): a client
         # without the key is not invited to send its body.
         body_expect = RequestBody(self.settings).expect
-        key_refusal = api_key_refusal(key) if key is not None else None
 
         async def expect(request: web.Request) -> web.StreamResponse | None:
             refused = key_refusal(request) if key_refusal is not None else None

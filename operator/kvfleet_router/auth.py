@@ -49,9 +49,8 @@ def api_key_refusal(api_key: str) -> Callable[[web.Request], web.Response | None
     return refused
 
 
-def api_key_middleware(api_key: str) -> Middleware:
-    """An aiohttp middleware that answers 401 to a request without `api_key`."""
-    refused = api_key_refusal(api_key)
+def api_key_middleware(refused: Callable[[web.Request], web.Response | None]) -> Middleware:
+    """An aiohttp middleware that answers what `refused` (api_key_refusal's check) says."""
 
     @web.middleware
     async def require_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:

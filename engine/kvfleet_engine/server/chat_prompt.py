@@ -33,24 +33,21 @@ def chat_prompt_ids(
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     check_length(sum(len(m["content"]) for m in messages), "messages", max_chars)
     special = special_token_pattern(tokenizer)
-    markers: dict[str, str] = {}  # marker -> the special token's string a message held
+    marker_of: dict[str, str] = {}  # a special token's string a message held -> its marker
     tag = uuid.uuid4().hex  # no client can have written it
     if special is not None:
-        marker_of: dict[str, str] = {}
 
         def marked(match: re.Match[str]) -> str:
-            if match[0] not in marker_of:
-                marker_of[match[0]] = f"\ue000{tag}.{len(marker_of)}\ue001"
-                markers[marker_of[match[0]]] = match[0]
-            return marker_of[match[0]]
+            return marker_of.setdefault(match[0], f"\ue000{tag}.{len(marker_of)}\ue001")
 
         for message in messages:
             message["content"] = special.sub(marked, message["content"])
     text = _render(tokenizer, messages, body.add_generation_prompt)
-    if not markers:
+    if not marker_of:
         return encode(tokenizer, text, "messages", add_special_tokens=False, max_chars=max_chars)
     assert special is not None
     check_length(len(text), "messages", max_chars)
+    markers = {marker: string for string, marker in marker_of.items()}
     marker = re.compile(f"\ue000{tag}[.][0-9]+\ue001")
     ids: list[int] = []
     for k, piece in enumerate(special.split(text)):  # text, token, text, ..., text
