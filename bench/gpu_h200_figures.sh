@@ -143,15 +143,18 @@ case ${1:-} in
   targets)  # issue 16's open served targets from one server of this tree (c64, c256 after
     # c64, the shared prefix; then c64 and the shared prefix from kvfleet bench serve), then
     # the shared-prefix load from AB_TREE's (its engine and operator, this tree's bench/), one
-    # server after the other (≈ 5.5 minutes)
+    # server after the other (≈ 5.5 minutes). AB_LOADS: AB_TREE's serve_client.py loads
+    # (default: shared), AB_CAP its cap in seconds (240); BENCH_LOADS=none: no bench serve
+    # loads from this tree's server (default: c64 shared)
     wheels=$(cd "${WHEELS:-.whl/server}" && pwd)
-    CLIENT_LOADS="c64 c256 shared" BENCH_LOADS="c64 shared" OFFLINE=0 WHEELS=$wheels \
+    CLIENT_LOADS="c64 c256 shared" BENCH_LOADS=${BENCH_LOADS:-c64 shared} OFFLINE=0 WHEELS=$wheels \
       OUT=$OUT/new timeout -k 5 330 bash bench/gpu_serve_core.sh 2>&1 | grep -v Warning \
       | tail -16
     if [ -n "${AB_TREE:-}" ]; then
       ln -sfn "$PWD/bench" "$AB_TREE/bench"
-      (cd "$AB_TREE" && CLIENT_LOADS=shared BENCH_SERVE=0 OFFLINE=0 WHEELS=$wheels \
-        OUT=$OUT/old timeout -k 5 240 bash bench/gpu_serve_core.sh 2>&1 | grep -v Warning \
+      (cd "$AB_TREE" && CLIENT_LOADS=${AB_LOADS:-shared} BENCH_SERVE=0 OFFLINE=0 WHEELS=$wheels \
+        OUT=$OUT/old timeout -k 5 "${AB_CAP:-240}" bash bench/gpu_serve_core.sh 2>&1 \
+        | grep -v Warning \
         | tail -6)
     fi ;;
   *) echo "usage: bash bench/gpu_h200_figures.sh offline|quant|serve|budget|gemm|autotune|splits|prefix|prefix-serve|targets" >&2
