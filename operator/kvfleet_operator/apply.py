@@ -56,6 +56,18 @@ CRD_CACHE_SECONDS = 30.0
 RETRY_STATUSES = frozenset({429})
 MAX_RETRIES = 5
 MAX_RETRY_AFTER_SECONDS = 10.0
+# A request the API server does not answer in this time fails (TimeoutError). Without it a
+# connection that hangs (a black-holed network, a half-open socket after a control-plane node
+# died) blocked its caller for good: kubernetes_asyncio sets no timeout of its own.
+REQUEST_TIMEOUT_SECONDS = 30.0
+# A child is read before the first apply of this process (and again after this long) to see
+# that it is not someone else's object of the same name; in between, applies trust the check.
+OWNER_CHECK_SECONDS = 300.0
+
+
+class NotOwned(Exception):
+    """An object of a child's name exists and another owner (or none) controls it: applying
+    would adopt it (and the garbage collector would delete it with the InferenceDeployment)."""
 
 
 class Cluster:
@@ -65,6 +77,8 @@ class Cluster:
         self._client = api_client
         self._crds: dict[str, tuple[float, bool]] = {}
         self._served: dict[tuple[str, str], tuple[float, bool]] = {}
+        # (apiVersion, kind, namespace, name) -> (owner uid, when) of children checked ours
+        self._checked: dict[tuple[str, str, str, str], tuple[str, float]] = {}
 
     @classmethod
     async def connect(cls) -> Cluster:
@@ -159,17 +173,43 @@ class Cluster:
         field_manager: str = api.FIELD_MANAGER,
     ) -> Manifest:
         """Server-side apply `manifest` (with `owner` as its controller), forced. An unchanged
-        manifest is a no-op on the server: the object's resourceVersion stays the same."""
-        if owner is not None:
-            manifest = with_owner(manifest, owner)
+        manifest is a no-op on the server: the object's resourceVersion stays the same. With
+        `owner`, NotOwned when an object of the name exists that `owner` does not control
+        (`foreign_controller`): it is left as it is."""
         meta = manifest["metadata"]
+        key = (manifest["apiVersion"], manifest["kind"], meta.get("namespace") or "", meta["name"])
+        checked_at = 0.0
+        if owner is not None:
+            checked_at = await self._check_owner(key, owner)
+            manifest = with_owner(manifest, owner)
         path = _path(manifest["apiVersion"], manifest["kind"], meta.get("namespace"), meta["name"])
         query = {"fieldManager": field_manager, "force": "true"}
         result = await self._request(
             "PATCH", path, body=manifest, query=query, content_type="application/apply-patch+yaml"
         )
-        assert result is not None
+        if result is None:  # 404: its namespace is gone (being deleted)
+            raise RuntimeError(f"{manifest['kind']} {meta['name']}: its namespace is not found")
+        if owner is not None:
+            self._checked[key] = (owner["metadata"]["uid"], checked_at)
         return result
+
+    async def _check_owner(self, key: tuple[str, str, str, str], owner: Manifest) -> float:
+        """When the child `key` was last found absent or `owner`'s: now, after a read, unless
+        an earlier check is recent enough. NotOwned when someone else's is there."""
+        uid = owner["metadata"]["uid"]
+        checked = self._checked.get(key)
+        if checked and checked[0] == uid and time.monotonic() - checked[1] < OWNER_CHECK_SECONDS:
+            return checked[1]
+        checked_at = time.monotonic()
+        api_version, kind, namespace, name = key
+        found = await self.get(api_version, kind, name, namespace or None)
+        other = None if found is None else foreign_controller(found, owner)
+        if other is not None:
+            raise NotOwned(
+                f"{kind} {name} exists and is not this InferenceDeployment's ({other}); it is "
+                "left as it is: delete or rename it, or rename the InferenceDeployment"
+            )
+        return checked_at
 
     async def create(self, manifest: Manifest, *, owner: Manifest) -> bool:
         """Create `manifest` with `owner` as its controller; False when an object of its name
@@ -313,17 +353,23 @@ class Cluster:
     ) -> Manifest | None:
         for attempt in range(MAX_RETRIES + 1):
             try:
-                response = await self._client.call_api(
-                    path,
-                    method,
-                    query_params=list((query or {}).items()),
-                    header_params={"Accept": "application/json", "Content-Type": content_type},
-                    body=body,
-                    auth_settings=["BearerToken"],
-                    response_types_map={200: "object", 201: "object"},
-                    _return_http_data_only=True,
-                )
+                async with asyncio.timeout(REQUEST_TIMEOUT_SECONDS):
+                    response = await self._client.call_api(
+                        path,
+                        method,
+                        query_params=list((query or {}).items()),
+                        header_params={"Accept": "application/json", "Content-Type": content_type},
+                        body=body,
+                        auth_settings=["BearerToken"],
+                        response_types_map={200: "object", 201: "object"},
+                        _return_http_data_only=True,
+                    )
                 break
+            except TimeoutError:
+                raise TimeoutError(
+                    f"{method} {path}: no answer from the API server in "
+                    f"{REQUEST_TIMEOUT_SECONDS:g} s"
+                ) from None
             except ApiException as exc:
                 if exc.status == 404 and method in ("GET", "PATCH"):
                     return None
@@ -429,6 +475,27 @@ def secret_key_digest(secret: Manifest, key: str) -> str | None:
         return None
     digest = hashlib.sha256(f"{secret['metadata'].get('uid', '')}/{key}/{encoded}".encode())
     return digest.hexdigest()[:32]
+
+
+def foreign_controller(found: Manifest, owner: Manifest) -> str | None:
+    """Who controls `found` when `owner` (an InferenceDeployment) does not and must not take
+    it over, in words; None when it may be applied: controlled by `owner`, or by an earlier
+    InferenceDeployment of the same name (deleted: the garbage collector is removing what it
+    left, and the apply takes it over)."""
+    owners = (found.get("metadata") or {}).get("ownerReferences") or []
+    controller = next((ref for ref in owners if ref.get("controller")), None)
+    if controller is None:
+        return "it has no controller" if not owners else "it has no controller among its owners"
+    if controller.get("uid") == owner["metadata"]["uid"]:
+        return None
+    group = str(controller.get("apiVersion", "")).split("/")[0]
+    same_kind = (group, controller.get("kind")) == (
+        owner["apiVersion"].split("/")[0],
+        owner["kind"],
+    )
+    if same_kind and controller.get("name") == owner["metadata"]["name"]:
+        return None
+    return f"controlled by {controller.get('kind')} {controller.get('name')}"
 
 
 def with_owner(manifest: Manifest, owner: Manifest) -> Manifest:

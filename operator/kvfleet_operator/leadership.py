@@ -80,13 +80,26 @@ class Leadership:
     async def run(self, on_lost: Callable[[str], None]) -> None:
         """Campaign, then renew, until cancelled; `on_lost(reason)` when leadership is lost."""
         while True:
-            await self._round()
+            try:  # a renewal that hangs ends in time for the deadline, as client-go's does
+                async with asyncio.timeout(self._round_seconds()):
+                    await self._round()
+            except TimeoutError:
+                log.warning("the Lease %s/%s: the API server did not answer in time",
+                            self.namespace, self.name)  # fmt: skip
             if self.leading and time.monotonic() - self._renewed_at > RENEW_DEADLINE_SECONDS:
                 self.leading = False
                 on_lost(f"could not renew the Lease {self.namespace}/{self.name} for "
                         f"{RENEW_DEADLINE_SECONDS:.0f} s")  # fmt: skip
                 return
             await asyncio.sleep(RENEW_SECONDS)
+
+    def _round_seconds(self) -> float:
+        """How long one round may take: a leader's, until its renew deadline (it must stop
+        leading then, not whenever an unanswered request gives up); a standby's, the deadline."""
+        if not self.leading:
+            return RENEW_DEADLINE_SECONDS
+        left = RENEW_DEADLINE_SECONDS - (time.monotonic() - self._renewed_at)
+        return max(left, 0.0) + 0.01
 
     async def _round(self) -> None:
         try:

@@ -19,6 +19,7 @@ from kvfleet_operator import api
 from kvfleet_operator.accelerators import resolve_accelerator
 from kvfleet_operator.apply import (
     Cluster,
+    NotOwned,
     api_error_summary,
     conflicted,
     patch_status_as_read,
@@ -125,7 +126,7 @@ async def _reconcile(
         EXTERNAL_KIND.get(controller) if spec.effective_replicas() is None else None
     )
     found = await read_workloads(
-        cluster, namespace, name,
+        cluster, body,
         leader_worker_set=features.leader_worker_set, router=spec.routing.enabled,
         autoscaler=external_autoscaler,
     )  # fmt: skip
@@ -181,6 +182,10 @@ async def _reconcile(
                 recorded.update(start_where_deleted(child, before, old_status, autoscaling))
             try:
                 applied = await cluster.apply(child, owner=body)
+            except NotOwned as exc:  # someone else's object of the name: left as it is
+                taken = dataclasses.replace(plan, problems=(Problem("NameInUse", str(exc)),))
+                await _write_status(cluster, body, status_of(taken, found))
+                raise
             except Exception as exc:
                 if not refused(exc):  # conflicts, throttling, server errors: only retried
                     raise
@@ -222,7 +227,7 @@ async def _reconcile(
         if old_status.get("observedGeneration") != generation:  # the spec changed (or is new)
             await prune_optional(cluster, namespace, name, children, meta["uid"])
         found = await read_workloads(
-            cluster, namespace, name,
+            cluster, body,
             leader_worker_set=features.leader_worker_set, router=spec.routing.enabled,
             autoscaler=external_autoscaler,
         )  # fmt: skip

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfleet_operator import api
-from kvfleet_operator.apply import Cluster
+from kvfleet_operator.apply import Cluster, foreign_controller
 from kvfleet_operator.autoscaling.actuators import EXTERNAL_KINDS
 from kvfleet_operator.render import selector_string
 from kvfleet_operator.render_router import router_name
@@ -97,30 +97,40 @@ class Workloads:
 
 async def read_workloads(
     cluster: Cluster,
-    namespace: str,
-    name: str,
+    owner: Manifest,
     *,
     leader_worker_set: bool,
     router: bool,
     autoscaler: tuple[str, str] | None = None,
 ) -> Workloads:
-    """The workload objects and pods of `name`; the LeaderWorkerSet only where it is served,
-    the router's Deployment only where routing is enabled, the external autoscaler
-    ((apiVersion, kind) of the HPA or ScaledObject) where the spec has one."""
+    """The workload objects and pods of the InferenceDeployment `owner`; the LeaderWorkerSet
+    only where it is served, the router's Deployment only where routing is enabled, the external
+    autoscaler ((apiVersion, kind) of the HPA or ScaledObject) where the spec has one. An object
+    of a child's name that another owner controls is not its (`foreign_controller`): absent."""
+    name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
     selector = selector_string(name)
+
+    async def get(api_version: str, kind: str, child: str) -> Manifest | None:
+        obj = await cluster.get(api_version, kind, child, namespace)
+        return obj if obj is None or foreign_controller(obj, owner) is None else None
+
     found = Workloads(
-        deployment=await cluster.get("apps/v1", "Deployment", name, namespace),
-        statefulsets=await cluster.list("apps/v1", "StatefulSet", namespace, selector),
-        rank_service=await cluster.get("v1", "Service", group_name(name), namespace),
+        deployment=await get("apps/v1", "Deployment", name),
+        statefulsets=[
+            sts
+            for sts in await cluster.list("apps/v1", "StatefulSet", namespace, selector)
+            if foreign_controller(sts, owner) is None
+        ],
+        rank_service=await get("v1", "Service", group_name(name)),
         pods=await cluster.list("v1", "Pod", namespace, selector),
     )
     if router:
-        found.router = await cluster.get("apps/v1", "Deployment", router_name(name), namespace)
+        found.router = await get("apps/v1", "Deployment", router_name(name))
     if autoscaler is not None:
-        found.autoscaler = await cluster.get(*autoscaler, name, namespace)
+        found.autoscaler = await get(*autoscaler, name)
     if leader_worker_set:
-        found.leader_worker_set = await cluster.get(
-            api.LEADER_WORKER_SET_API, "LeaderWorkerSet", group_name(name), namespace
+        found.leader_worker_set = await get(
+            api.LEADER_WORKER_SET_API, "LeaderWorkerSet", group_name(name)
         )
     for sts in found.statefulsets:  # the items of a list carry no apiVersion or kind
         sts.setdefault("apiVersion", "apps/v1")

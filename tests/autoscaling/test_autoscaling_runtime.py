@@ -43,6 +43,11 @@ def pod(name: str, ip: str, ready: bool = True, unschedulable: bool = False) -> 
     }
 
 
+# The controller reference the reconciler puts on every child of the InferenceDeployment.
+OWNER = {"apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceDeployment", "name": NAME,
+         "uid": "u1", "controller": True}  # fmt: skip
+
+
 class FakeCluster:
     """The subset of kvfleet_operator.apply.Cluster the autoscaler uses, recording writes."""
 
@@ -54,7 +59,10 @@ class FakeCluster:
             "spec": {"model": {"uri": "file:///m"}, "autoscaling": autoscaling},
             "status": {"conditions": [{"type": "Ready", "status": "True"}]},
         }
-        self.deployment: dict[str, Any] | None = {"spec": {"replicas": replicas}}
+        self.deployment: dict[str, Any] | None = {
+            "metadata": {"name": NAME, "namespace": NS, "ownerReferences": [OWNER]},
+            "spec": {"replicas": replicas},
+        }
         self.statefulsets: list[dict[str, Any]] = []  # StatefulSet groups (no Deployment)
         self.pods = pods
         self.pod_selector = f"kvfleet.io/deployment={NAME}"
@@ -344,7 +352,7 @@ async def test_statefulset_groups_scale_by_their_leaders_metrics() -> None:
     the current replicas, and the desired count goes to status for the reconciler to render."""
     cluster = FakeCluster(SPEC, 1, [pod("llama-group-0-0", "127.1.0.2")])
     cluster.deployment = None
-    cluster.statefulsets = [{"metadata": {"name": "llama-group-0"}}]
+    cluster.statefulsets = [{"metadata": {"name": "llama-group-0", "ownerReferences": [OWNER]}}]
     cluster.pod_selector = f"kvfleet.io/deployment={NAME},apps.kubernetes.io/pod-index=0"
     decision = None
     for now, generated in ((T0, 0.0), (T0 + 5, 1000.0)):  # 200 tok/s on one group

@@ -83,7 +83,9 @@ class ZeroCluster:
         if kind == "InferenceDeployment":
             return copy.deepcopy(self.infd)
         if kind == "Deployment":
-            return {"spec": {"replicas": self.replicas}}
+            owner = {"apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceDeployment",
+                     "name": "m", "uid": "u", "controller": True}  # fmt: skip
+            return {"metadata": {"ownerReferences": [owner]}, "spec": {"replicas": self.replicas}}
         return None
 
     async def list(self, api_version: str, kind: str, namespace=None, selector: str = ""):

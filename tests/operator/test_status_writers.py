@@ -14,6 +14,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from test_reconcile import MemoryCluster, conflict, infd
 
 from kvfleet_operator import api
+from kvfleet_operator.apply import with_owner
 from kvfleet_operator.autoscaling.autoscaler import autoscale_once
 from kvfleet_operator.header_cache import HeaderCache
 from kvfleet_operator.reconcile import reconcile
@@ -60,8 +61,9 @@ class TickCluster:
     def __init__(self, replicas: int, pods: list[dict[str, Any]]) -> None:
         self.infd = infd(autoscaling=BUILTIN)
         self.infd["metadata"]["resourceVersion"] = "1"
+        owner = with_owner({"metadata": {}}, self.infd)["metadata"]["ownerReferences"]
         self.deployment = {"apiVersion": "apps/v1", "kind": "Deployment",
-                           "metadata": {"name": NAME, "namespace": NS},
+                           "metadata": {"name": NAME, "namespace": NS, "ownerReferences": owner},
                            "spec": {"replicas": replicas}}  # fmt: skip
         self.pods = {p["metadata"]["name"]: p for p in pods}
         self.events: list[str] = []

@@ -31,6 +31,7 @@ from kvfleet_operator import api, metrics
 from kvfleet_operator.apply import (
     Cluster,
     api_error_summary,
+    foreign_controller,
     patch_status_as_read,
     read_again,
 )
@@ -106,7 +107,7 @@ async def autoscale_once(
         return idle
     raw_spec = body.get("spec") or {}
     await _remove_external_autoscalers(cluster, body)
-    workload = await scaled_workload(cluster, namespace, name)
+    workload = await scaled_workload(cluster, body)
     if workload is None:
         return idle
 
@@ -196,21 +197,28 @@ class ScaledWorkload:
     pod_selector: str  # the pods whose metrics count: every pod, or the groups' leaders
 
 
-async def scaled_workload(cluster: Cluster, namespace: str, name: str) -> ScaledWorkload | None:
-    """The child workload of `name`, or None while none exists yet."""
+async def scaled_workload(cluster: Cluster, body: dict[str, Any]) -> ScaledWorkload | None:
+    """The child workload of the InferenceDeployment `body`, or None while none exists yet.
+    An object of its name that another owner controls is not scaled: the reconciler reports
+    it (NameInUse)."""
+    name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
     pods = selector_string(name)
     deployment = await cluster.get("apps/v1", "Deployment", name, namespace)
-    if deployment is not None:
+    if deployment is not None and foreign_controller(deployment, body) is None:
         replicas = int(deployment.get("spec", {}).get("replicas", 1))
         return ScaledWorkload("Deployment", "apps/v1", name, replicas, pods)
-    groups = await cluster.list("apps/v1", "StatefulSet", namespace, pods)
+    groups = [
+        sts
+        for sts in await cluster.list("apps/v1", "StatefulSet", namespace, pods)
+        if foreign_controller(sts, body) is None
+    ]
     if groups:
         leaders = _with_labels(pods, leader_selector("StatefulSet"))
         return ScaledWorkload("StatefulSet", "apps/v1", name, len(groups), leaders)
     lws = await cluster.get(
         api.LEADER_WORKER_SET_API, "LeaderWorkerSet", group_name(name), namespace
     )
-    if lws is not None:
+    if lws is not None and foreign_controller(lws, body) is None:
         replicas = int(lws.get("spec", {}).get("replicas", 1))
         leaders = _with_labels(pods, leader_selector("LeaderWorkerSet"))
         return ScaledWorkload(
