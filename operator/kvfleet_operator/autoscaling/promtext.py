@@ -75,7 +75,8 @@ TPOT = "kvfleet_inter_token_latency_seconds"
 ROUTER_QUEUED = "kvfleet_router_queued_requests"
 ROUTER_IN_FLIGHT = "kvfleet_router_requests_in_flight"
 ROUTER_IDLE = "kvfleet_router_idle_seconds"
-# The series each reader cannot do without: absent or not finite, the pod has no data.
+# The series each reader cannot do without: absent, not finite or negative, the pod has no data
+# (each is a count, a counter or a ratio: below zero it is a broken exporter, not an idle one).
 _ENGINE_REQUIRED = (GENERATION_TOKENS, PROMPT_TOKENS, KV_CACHE_USAGE, REQUESTS_WAITING)
 _ROUTER_REQUIRED = (ROUTER_QUEUED, ROUTER_IN_FLIGHT, ROUTER_IDLE)
 
@@ -85,17 +86,25 @@ _PROMPT_KINDS = {"prompt", "prefill"}
 _GENERATION_KINDS = {"generation", "decode"}
 
 
+# A KV-cache usage ratio above 1 by more than rounding is not one (a percentage, a count).
+_RATIO_SLACK = 1e-6
+
+
 def engine_sample(samples: list[Sample], time: float) -> EngineSample:
     """The autoscaler's view of one engine's /metrics. Raises ParseError when a metric the
-    autoscaler needs is absent or not a finite number (NaN, ±Inf), so a wrong target or a broken
-    exporter shows up as missing metrics (the pod has no data), never as zero or a crash."""
+    autoscaler needs is absent, not a finite number (NaN, ±Inf), negative, or (the KV-cache
+    ratio) above 1, or when its series add up past what a float holds, so a wrong target or a
+    broken exporter shows up as missing metrics (the pod has no data), never as zero load, as
+    load to scale up for, or as a crash."""
     totals: dict[str, float] = {}
     capacity_prompt = capacity_generation = None
     ttft: dict[float, float] = {}
     tpot: dict[float, float] = {}
-    _require_finite(samples, _ENGINE_REQUIRED)
+    _require_sane(samples, _ENGINE_REQUIRED)
     for sample in samples:
-        if not math.isfinite(sample.value):  # optional series (running, capacity, buckets)
+        if sample.name == KV_CACHE_USAGE and sample.value > 1 + _RATIO_SLACK:
+            raise ParseError(f"{sample.name} is {sample.value:g} (not a ratio from 0 to 1)")
+        if not math.isfinite(sample.value) or sample.value < 0:  # optional series: left out
             continue
         if sample.name in (GENERATION_TOKENS, PROMPT_TOKENS, REQUESTS_WAITING, REQUESTS_RUNNING):
             totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
@@ -121,11 +130,14 @@ def engine_sample(samples: list[Sample], time: float) -> EngineSample:
     missing = [name for name in _ENGINE_REQUIRED if name not in totals]
     if missing:
         raise ParseError(f"missing metrics: {', '.join(missing)}")
+    overflown = [name for name, total in totals.items() if not math.isfinite(total)]
+    if overflown:
+        raise ParseError(f"{', '.join(overflown)}: the series add up past a float's range")
     return EngineSample(
         time=time,
         generation_tokens_total=totals[GENERATION_TOKENS],
         prompt_tokens_total=totals[PROMPT_TOKENS],
-        kv_cache_usage=totals[KV_CACHE_USAGE],
+        kv_cache_usage=min(totals[KV_CACHE_USAGE], 1.0),
         requests_waiting=totals[REQUESTS_WAITING],
         requests_running=totals.get(REQUESTS_RUNNING, 0.0),
         capacity_generation=_finite(capacity_generation),
@@ -139,17 +151,20 @@ def _finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) and value > 0 else None
 
 
-def _require_finite(samples: list[Sample], names: tuple[str, ...]) -> None:
-    """ParseError naming the first sample of `names` whose value is NaN or infinite."""
+def _require_sane(samples: list[Sample], names: tuple[str, ...]) -> None:
+    """ParseError naming the first sample of `names` whose value is NaN, infinite or
+    negative."""
     for sample in samples:
         if sample.name in names and not math.isfinite(sample.value):
             raise ParseError(f"{sample.name} is {sample.value} (not a finite number)")
+        if sample.name in names and sample.value < 0:
+            raise ParseError(f"{sample.name} is {sample.value:g} (below zero)")
 
 
 def router_demand(samples: list[Sample]) -> RouterDemand:
-    """The demand signal out of one router's /metrics; ParseError when a gauge is missing or
-    not a finite number."""
-    _require_finite(samples, _ROUTER_REQUIRED)
+    """The demand signal out of one router's /metrics; ParseError when a gauge is missing, not
+    a finite number or negative."""
+    _require_sane(samples, _ROUTER_REQUIRED)
     values = {s.name: s.value for s in samples if s.name in _ROUTER_REQUIRED}
     missing = [n for n in _ROUTER_REQUIRED if n not in values]
     if missing:

@@ -7,6 +7,7 @@ is the same for both: Prometheus only replaces the HTTP scrape, the windows stay
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 from collections import defaultdict
@@ -20,7 +21,12 @@ from kvfleet_operator.autoscaling.samples import EngineSample, RouterDemand
 
 log = logging.getLogger(__name__)
 
+# A read (an engine's /metrics, a router's, a Prometheus query) gets this long in all: a server
+# that trickles its answer holds no tick, since httpx's own timeout is per socket read. Its
+# answer may be this large: a wrong target that serves a huge file costs no memory.
 SCRAPE_TIMEOUT_SECONDS = 2.0
+QUERY_TIMEOUT_SECONDS = 2 * SCRAPE_TIMEOUT_SECONDS
+MAX_BODY_BYTES = 16 * 1024 * 1024
 # The Prometheus source reads each series' raw samples of the last LOOKBACK_SECONDS (a range
 # selector, so each comes with the time it was scraped: an instant query would stamp a target's
 # last value with the evaluation time for 5 minutes after its scrapes stop, and a frozen counter
@@ -49,17 +55,48 @@ async def scrape_pods(
     return {pod.name: sample for pod, sample in zip(ready, results, strict=True)}
 
 
+class BadAnswer(ValueError):
+    """An answer that is not what the source serves: too large, or not in its shape."""
+
+
+# What a read of a source may end in, besides an answer: each means "no data" for its pods.
+READ_ERRORS = (httpx.HTTPError, TimeoutError, BadAnswer, promtext.ParseError)
+
+
+async def _read(
+    http: httpx.AsyncClient,
+    url: str,
+    timeout: float,
+    params: dict[str, str] | None = None,
+) -> str:
+    """The body of GET `url`: httpx.HTTPError on an error status, TimeoutError when the whole
+    answer takes longer than `timeout`, BadAnswer past MAX_BODY_BYTES."""
+    chunks, size = [], 0
+    async with asyncio.timeout(timeout):
+        async with http.stream("GET", url, params=params, timeout=timeout) as response:
+            response.raise_for_status()
+            async for chunk in response.aiter_bytes():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise BadAnswer(f"the answer is larger than {MAX_BODY_BYTES} bytes")
+                chunks.append(chunk)
+    return b"".join(chunks).decode("utf-8", errors="replace")
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__  # a TimeoutError has no text of its own
+
+
 async def _scrape(
     http: httpx.AsyncClient, pod: PodFacts, now: float, port: int
 ) -> EngineSample | None:
     host = f"[{pod.ip}]" if pod.ip and ":" in pod.ip else pod.ip
     url = f"http://{host}:{port}/metrics"
     try:
-        response = await http.get(url, timeout=SCRAPE_TIMEOUT_SECONDS)
-        response.raise_for_status()
-        return promtext.engine_sample(promtext.parse(response.text), time=now)
-    except (httpx.HTTPError, promtext.ParseError) as exc:
-        log.info("no metrics from pod %s (%s): %s", pod.name, url, exc)
+        text = await _read(http, url, SCRAPE_TIMEOUT_SECONDS)
+        return promtext.engine_sample(promtext.parse(text), time=now)
+    except READ_ERRORS as exc:
+        log.info("no metrics from pod %s (%s): %s", pod.name, url, _describe(exc))
         return None
 
 
@@ -87,11 +124,10 @@ async def _scrape_router(http: httpx.AsyncClient, pod: PodFacts, port: int) -> R
     host = f"[{pod.ip}]" if pod.ip and ":" in pod.ip else pod.ip
     url = f"http://{host}:{port}/metrics"
     try:
-        response = await http.get(url, timeout=SCRAPE_TIMEOUT_SECONDS)
-        response.raise_for_status()
-        return promtext.router_demand(promtext.parse(response.text))
-    except (httpx.HTTPError, promtext.ParseError) as exc:
-        log.info("no demand from router pod %s (%s): %s", pod.name, url, exc)
+        text = await _read(http, url, SCRAPE_TIMEOUT_SECONDS)
+        return promtext.router_demand(promtext.parse(text))
+    except READ_ERRORS as exc:
+        log.info("no demand from router pod %s (%s): %s", pod.name, url, _describe(exc))
         return None
 
 
@@ -107,7 +143,11 @@ async def query_prometheus(
 ) -> dict[str, EngineSample | None]:
     """One query for the contract's series of the ready pods (by `namespace` and `pod` target
     labels) over the last LOOKBACK_SECONDS; each pod's sample carries the scrape time of its
-    newest series, and a pod scraped last more than STALE_SECONDS ago has none."""
+    newest series, and a pod scraped last more than STALE_SECONDS ago has none. A series whose
+    scrapes stopped that long ago is left out of its pod's sample: a pod created again under its
+    name (a StatefulSet group's) has a new series beside its predecessor's for a while. An
+    answer Prometheus would not give (an error, HTML, another shape, too large or too slow)
+    is no data for every pod."""
     ready = [pod for pod in pods if pod.ready_since is not None]
     if not ready:
         return {}
@@ -116,29 +156,22 @@ async def query_prometheus(
     query = (
         f'{{__name__=~"{names}",namespace="{namespace}",pod=~"{pod_names}"}}[{LOOKBACK_SECONDS}s]'
     )
+    url = base_url.rstrip("/") + "/api/v1/query"
     try:
-        response = await http.get(
-            base_url.rstrip("/") + "/api/v1/query",
-            params={"query": query, "time": f"{now:.3f}"},
-            timeout=SCRAPE_TIMEOUT_SECONDS * 2,
+        text = await _read(
+            http, url, QUERY_TIMEOUT_SECONDS, params={"query": query, "time": f"{now:.3f}"}
         )
-        response.raise_for_status()
-        body = response.json()
-        if body.get("status") != "success":
-            raise ValueError(body.get("error", "query failed"))
-        series = body["data"]["result"]
-    except (httpx.HTTPError, ValueError, KeyError) as exc:
-        log.warning("Prometheus query at %s failed: %s", base_url, exc)
+        series = _newest_samples(text)
+    except READ_ERRORS as exc:
+        log.warning("Prometheus query at %s failed: %s", base_url, _describe(exc))
         return {pod.name: None for pod in ready}
     by_pod: dict[str, list[promtext.Sample]] = defaultdict(list)
     newest: dict[str, float] = defaultdict(float)
-    for item in series:
-        labels = dict(item["metric"])
-        pod_name = labels.get("pod", "")
-        # A range selector answers a matrix ("values", oldest first); take each series' newest.
-        timestamp, value = (item.get("values") or [item.get("value")])[-1]
-        by_pod[pod_name].append(promtext.Sample(labels.pop("__name__"), labels, float(value)))
-        newest[pod_name] = max(newest[pod_name], float(timestamp))
+    for sample, timestamp in series:
+        pod_name = sample.labels.get("pod", "")
+        newest[pod_name] = max(newest[pod_name], timestamp)
+        if now - timestamp <= STALE_SECONDS:
+            by_pod[pod_name].append(sample)
     samples: dict[str, EngineSample | None] = {}
     for pod in ready:
         if pod.name in newest and now - newest[pod.name] > STALE_SECONDS:
@@ -155,3 +188,26 @@ async def query_prometheus(
             log.info("incomplete series for pod %s in Prometheus: %s", pod.name, exc)
             samples[pod.name] = None
     return samples
+
+
+def _newest_samples(text: str) -> list[tuple[promtext.Sample, float]]:
+    """Each series of a Prometheus query answer, its newest sample and that sample's time.
+    BadAnswer for anything but a successful vector or matrix of named series."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        raise BadAnswer(f"not JSON: {text[:80]!r}") from None
+    if not isinstance(body, dict) or body.get("status") != "success":
+        error = body.get("error") if isinstance(body, dict) else None
+        raise BadAnswer(str(error or f"not a successful query answer: {text[:80]!r}"))
+    try:
+        found = []
+        for item in body["data"]["result"]:
+            labels = {str(k): str(v) for k, v in dict(item["metric"]).items()}
+            # A range selector answers a matrix ("values", oldest first); take the newest.
+            timestamp, value = (item.get("values") or [item.get("value")])[-1]
+            name = labels.pop("__name__")
+            found.append((promtext.Sample(name, labels, float(value)), float(timestamp)))
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        raise BadAnswer(f"a series not in the shape of a query answer ({exc!r})") from None
+    return found
