@@ -196,3 +196,25 @@ async def test_someone_elses_deployment_of_the_childs_name_is_not_scaled() -> No
             decision, _ = await autoscale_once(cluster, http, NS, NAME, now)  # type: ignore[arg-type]
         assert decision is None
     assert cluster.writes == [] and cluster.deployment == before
+
+
+def test_a_clock_stepped_back_an_hour_does_not_hold_the_fleet_for_an_hour() -> None:
+    """A burst scales to 8, then load drops to half a replica's; the clock steps back an hour
+    (an NTP step, the operator restarted on a node whose clock is behind). Before, the state
+    saved "in the future" kept the fleet in panic at 8 replicas for the whole hour; now it
+    counts as just recorded and the fleet scales down once the usual windows pass."""
+    from autoscaling_fleet import Fleet
+
+    from kvfleet_operator.autoscaling.spec import AutoscalingSpec
+
+    spec = AutoscalingSpec.model_validate(
+        {**SPEC, "maxReplicas": 10, "behavior": {"warmupSeconds": 0}}
+    )
+    fleet = Fleet(spec, demand=lambda t: 800 if 0 <= t < 200 else 50, startup=0)
+    fleet.run(until=300)
+    assert fleet.replicas == 8
+    start = 300 - 3600
+    fleet.run(until=start + 900, start=start)
+    down = [t - start for t, replicas, _ in fleet.timeline if t < 0 and replicas < 8]
+    assert down and down[0] <= 400  # the 300 s scale-down stabilization window, and a tick
+    assert fleet.replicas == 1

@@ -73,6 +73,7 @@ def decide(spec: AutoscalingSpec, observation: Observation, state: ScalerState) 
     now = observation.now
     current = observation.replicas
     ready = observation.ready_replicas
+    state = state.no_later_than(now, behavior.stable_window_seconds)
 
     tick = make_tick(spec, observation, state.snapshots)
     snapshots = {p.name: snapshot(p.sample) for p in observation.pods if p.sample is not None}

@@ -4,7 +4,7 @@ restart picks up the windows, stabilization history and recent decisions where t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvfleet_operator.autoscaling.samples import Buckets
@@ -62,6 +62,36 @@ class ScalerState:
     panic_until: float = 0.0  # panic mode lasts until this time
     drain: Drain | None = None  # a scale-down waiting on pods to drain
     limited: str = ""  # the current ScalingLimited reason, "" when not limited
+
+    def no_later_than(self, now: float, panic_seconds: float) -> ScalerState:
+        """The state with every time after `now` moved back to `now` (panic: to at most
+        `panic_seconds` after it). The clock stepped back (an NTP step, an operator restarted on
+        a node whose clock is behind): what was recorded "later" then held the windows,
+        stabilization, panic and drains for as long as the step, an hour for an hour; now it
+        counts as just recorded and ages out within one window, as it would have."""
+        if now >= self.latest():
+            return self
+        drain = self.drain
+        return replace(
+            self,
+            snapshots={pod: replace(s, time=min(s.time, now)) for pod, s in self.snapshots.items()},
+            ticks=tuple(replace(t, time=min(t.time, now)) for t in self.ticks),
+            recommendations=tuple((min(t, now), r) for t, r in self.recommendations),
+            events=tuple(replace(e, time=min(e.time, now)) for e in self.events),
+            panic_until=min(self.panic_until, now + panic_seconds),
+            drain=None if drain is None else replace(drain, started=min(drain.started, now)),
+        )
+
+    def latest(self) -> float:
+        """The latest time the state records (panic_until aside: it is meant to be ahead)."""
+        times = [
+            *(s.time for s in self.snapshots.values()),
+            *(t.time for t in self.ticks),
+            *(t for t, _ in self.recommendations),
+            *(e.time for e in self.events),
+            *(() if self.drain is None else (self.drain.started,)),
+        ]
+        return max(times, default=0.0)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-compatible form for the status subresource."""
