@@ -17,7 +17,13 @@ def load_tokenizer(model: ModelConfig) -> Any:
         return gguf_tokenizer(model.path)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model.path)
+    try:
+        return AutoTokenizer.from_pretrained(model.path)
+    except Exception as error:  # transformers raises whatever its file readers raise
+        raise ValueError(
+            f"model: {model.path}: the tokenizer (tokenizer.json, tokenizer_config.json, "
+            f"chat template) cannot be loaded: {type(error).__name__}: {error}"
+        ) from error
 
 
 def byte_symbols() -> list[str]:

@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from kvfleet_engine.config.checks import check, is_int
+from kvfleet_engine.config.model_checks import check_hf_config, check_sizes, eos_token_ids
 from kvfleet_engine.loaders.gguf_metadata import find_gguf_file, gguf_eos_token_ids, gguf_hf_config
-from kvfleet_engine.loaders.gguf_names import gguf_linear_types
+from kvfleet_engine.loaders.gguf_names import gguf_linear_types, gguf_tensor_shapes
+from kvfleet_engine.loaders.safetensors_header import FLOAT_DTYPES, checkpoint_headers
 from kvfleet_engine.models.registry import check_architecture
 from kvfleet_engine.quant.config import (
     QuantConfig,
@@ -59,6 +61,9 @@ class ModelConfig:
         gguf_file = find_gguf_file(path)
         if gguf_file is not None:
             hf_config = gguf_hf_config(str(gguf_file))
+            check_hf_config(hf_config, str(gguf_file))
+            shapes = gguf_tensor_shapes(str(gguf_file))
+            check_sizes(hf_config, shapes, gguf_file.stat().st_size, str(gguf_file))
             return cls(
                 path=str(gguf_file),
                 format="gguf",
@@ -78,13 +83,13 @@ class ModelConfig:
                 f"model: {path!r} is neither a model directory (no config.json) nor a GGUF file"
             )
         hf_config = _read_json(config_file)
-        _check_hf_config(hf_config, config_file)
-        architectures = hf_config.get("architectures") or [None]
-        check_architecture(architectures[0])
+        check_hf_config(hf_config, str(config_file))
+        check_architecture(hf_config["architectures"][0])
+        _check_safetensors_sizes(hf_config, directory, str(config_file))
         return cls(
             path=str(directory),
             format="safetensors",
-            architecture=architectures[0],
+            architecture=hf_config["architectures"][0],
             dtype=_resolve_dtype(dtype, hf_config),
             max_model_len=_resolve_max_model_len(max_model_len, hf_config),
             eos_token_ids=_eos_token_ids(directory, hf_config),
@@ -119,18 +124,6 @@ class ModelConfig:
         return int(self.hf_config["vocab_size"])
 
 
-# config.json's keys the engine reads as counts: those it needs (>= 1), and those it may do
-# without (absent, null or 0).
-_REQUIRED_COUNTS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
-_OPTIONAL_COUNTS = (
-    "num_key_value_heads",
-    "head_dim",
-    "intermediate_size",
-    "max_position_embeddings",
-    "sliding_window",
-)
-
-
 def _read_json(file: Path) -> Any:
     try:
         return json.loads(file.read_text())
@@ -138,23 +131,20 @@ def _read_json(file: Path) -> Any:
         raise ValueError(f"model: {file} is not valid JSON: {exc}") from None
 
 
-def _check_hf_config(hf_config: Any, file: Path) -> None:
-    """config.json is an object whose counts are positive integers; ValueError naming the file
-    and the key otherwise."""
-    if not isinstance(hf_config, dict):
-        raise ValueError(f"model: {file} must hold a JSON object, got {type(hf_config).__name__}")
-    for key in _REQUIRED_COUNTS:
-        if key not in hf_config:
-            raise ValueError(f"model: {file} has no {key!r}")
-        _check_count(file, key, hf_config[key], 1)
-    for key in _OPTIONAL_COUNTS:
-        if hf_config.get(key) is not None:
-            _check_count(file, key, hf_config[key], 0)
-
-
-def _check_count(file: Path, key: str, value: Any, low: int) -> None:
-    if not is_int(value) or value < low:
-        raise ValueError(f"model: {file}: {key!r} must be an integer >= {low}, got {value!r}")
+def _check_safetensors_sizes(hf_config: dict[str, Any], directory: Path, source: str) -> None:
+    """config.json's sizes against the tensors' headers; a checkpoint without quantization_config
+    holds float tensors only (an int8 tensor would load as its codes)."""
+    headers = checkpoint_headers(directory)
+    if hf_config.get("quantization_config") is None:
+        for name, header in headers.items():
+            if header.dtype not in FLOAT_DTYPES:
+                raise ValueError(
+                    f"model: {header.file}: tensor {name!r} has dtype {header.dtype}, but "
+                    f"{source} has no quantization_config; plain weights are "
+                    f"{', '.join(sorted(FLOAT_DTYPES))}"
+                )
+    shapes = {name: header.shape for name, header in headers.items()}
+    check_sizes(hf_config, shapes, sum(h.num_bytes for h in headers.values()), source)
 
 
 def _resolve_dtype(dtype: str, hf_config: dict[str, Any] | None) -> str:
@@ -190,12 +180,10 @@ def _resolve_max_model_len(requested: int | None, hf_config: dict[str, Any]) -> 
 
 
 def _eos_token_ids(directory: Path, hf_config: dict[str, Any]) -> frozenset[int]:
-    value = hf_config.get("eos_token_id")
+    """generation_config.json's eos_token_id, else config.json's."""
     generation_file = directory / "generation_config.json"
     if generation_file.is_file():
         generation = _read_json(generation_file)
-        if isinstance(generation, dict):
-            value = generation.get("eos_token_id", value)
-    if value is None:
-        return frozenset()
-    return frozenset([value] if isinstance(value, int) else value)
+        if isinstance(generation, dict) and "eos_token_id" in generation:
+            return eos_token_ids(generation["eos_token_id"], str(generation_file))
+    return eos_token_ids(hf_config.get("eos_token_id"), str(directory / "config.json"))

@@ -46,6 +46,15 @@ def hf_name(gguf_name: str) -> str:
     return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}"
 
 
+def gguf_tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Hugging Face name -> shape ([out, in] for a linear) of every model tensor in the file."""
+    return {
+        hf_name(tensor.name): tuple(int(n) for n in reversed(tensor.shape))  # innermost first
+        for tensor in open_gguf(path).tensors
+        if tensor.name not in CONFIG_TENSORS
+    }
+
+
 def gguf_linear_types(path: str) -> dict[str, str]:
     """Hugging Face module name of each transformer-block linear (q/k/v/o, gate/up/down) -> the
     GGML type name of its weight, e.g. {"model.layers.0.self_attn.q_proj": "Q4_K"}. The

@@ -1,8 +1,8 @@
-"""A Hugging Face checkpoint directory's tensors: *.safetensors files, sharded or not."""
+"""A Hugging Face checkpoint directory's tensors: *.safetensors files, sharded or not (the files
+and their headers: safetensors_header.py, checked when the config is read)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -10,15 +10,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-
-def checkpoint_files(directory: Path) -> list[Path]:
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        return [directory / name for name in sorted(set(_weight_map(index).values()))]
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model: no *.safetensors files in {directory}")
-    return files
+from kvfleet_engine.loaders.safetensors_header import checkpoint_files
 
 
 def safetensors_tensors(
@@ -30,7 +22,7 @@ def safetensors_tensors(
         with _open(file, read_device) as f:
             for name in f.keys():
                 if "rotary_emb.inv_freq" not in name:
-                    yield name, f.get_tensor(name)
+                    yield name, _get_tensor(f, file, name)
 
 
 def _open(file: Path, device: str) -> Any:
@@ -41,11 +33,9 @@ def _open(file: Path, device: str) -> Any:
         raise ValueError(f"model: {file} is not a readable safetensors file: {exc}") from None
 
 
-def _weight_map(index: Path) -> dict[str, str]:
+def _get_tensor(f: Any, file: Path, name: str) -> torch.Tensor:
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise ValueError(f"model: {index} has no readable weight_map: {exc!r}") from None
-    if not isinstance(weight_map, dict):
-        raise ValueError(f"model: {index}: weight_map must be a JSON object")
-    return weight_map
+        tensor: torch.Tensor = f.get_tensor(name)
+    except (SafetensorError, OSError, TypeError) as exc:
+        raise ValueError(f"model: {file}: tensor {name!r} cannot be read: {exc}") from None
+    return tensor
