@@ -4,7 +4,9 @@ the raw bytes each token stands for (OpenAI's logprobs `bytes`)."""
 from __future__ import annotations
 
 import functools
+import json
 import re
+from pathlib import Path
 from typing import Any
 
 from kvfleet_engine.config import ModelConfig
@@ -17,13 +19,30 @@ def load_tokenizer(model: ModelConfig) -> Any:
         return gguf_tokenizer(model.path)
     from transformers import AutoTokenizer
 
+    _check_json_files(Path(model.path))
     try:
         return AutoTokenizer.from_pretrained(model.path)
     except Exception as error:  # transformers raises whatever its file readers raise
         raise ValueError(
-            f"model: {model.path}: the tokenizer (tokenizer.json, tokenizer_config.json, "
-            f"chat template) cannot be loaded: {type(error).__name__}: {error}"
+            f"model: {model.path}: the tokenizer files cannot be loaded: "
+            f"{type(error).__name__}: {error}"
         ) from error
+
+
+# The tokenizer's JSON files (transformers names none of them when one is broken).
+_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _check_json_files(directory: Path) -> None:
+    for file in (directory / name for name in _JSON_FILES):
+        if not file.is_file():
+            continue
+        try:
+            value = json.loads(file.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"model: {file} is not valid JSON: {error}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"model: {file} must hold a JSON object, got {type(value).__name__}")
 
 
 def byte_symbols() -> list[str]:

@@ -80,8 +80,10 @@ def gguf_hf_config(path: str) -> dict[str, Any]:
             raise ValueError(f"model: GGUF metadata lacks {arch}.{key}")
         return value
 
-    hidden = int(required("embedding_length"))
+    hidden = _count(path, f"{arch}.embedding_length", required("embedding_length"))
     num_heads, num_kv_heads = head_counts(reader, arch)
+    _count(path, f"{arch}.attention.head_count", num_heads)
+    _count(path, f"{arch}.attention.head_count_kv", num_kv_heads)
     head_dim = int(field(reader, f"{arch}.attention.key_length") or hidden // num_heads)
     rope_dim = int(field(reader, f"{arch}.rope.dimension_count") or head_dim)
     if rope_dim != head_dim:
@@ -94,7 +96,7 @@ def gguf_hf_config(path: str) -> dict[str, Any]:
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
         "model_type": arch,
-        "num_hidden_layers": int(required("block_count")),
+        "num_hidden_layers": _count(path, f"{arch}.block_count", required("block_count")),
         "hidden_size": hidden,
         "intermediate_size": int(_uniform(required("feed_forward_length"), "feed_forward_length")),
         "num_attention_heads": num_heads,
@@ -110,6 +112,13 @@ def gguf_hf_config(path: str) -> dict[str, Any]:
         "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
     }
     return config
+
+
+def _count(path: str, key: str, value: Any) -> int:
+    """A metadata size the model is built from: an integer >= 1."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"model: {path}: GGUF {key} must be >= 1, got {value!r}")
+    return value
 
 
 def head_counts(reader: Any, arch: str) -> tuple[int, int]:

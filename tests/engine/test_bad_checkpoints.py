@@ -1,0 +1,266 @@
+"""Hostile or broken checkpoints: a ValueError naming the file and what is wrong in it, before
+anything is allocated — never a hang on a billion layers, an allocation of terabytes trusted
+from a size field, a tensor silently loaded as something else, or a read outside the model
+directory."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gguf
+import pytest
+import torch
+from engine_cases import write_checkpoint
+from engine_checkpoints import Checkpoints
+from gguf_files import write_gguf
+from safetensors.torch import load_file, save_file
+
+from kvfleet_engine.config import EngineConfig
+from kvfleet_engine.tokenizer import load_tokenizer
+
+Edit = Callable[[Path], None]
+
+
+def _config(**changes: Any) -> Edit:
+    def edit(directory: Path) -> None:
+        config_file = directory / "config.json"
+        config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **changes}))
+
+    return edit
+
+
+def _without(key: str) -> Edit:
+    def edit(directory: Path) -> None:
+        config_file = directory / "config.json"
+        config = json.loads(config_file.read_text())
+        del config[key]
+        config_file.write_text(json.dumps(config))
+
+    return edit
+
+
+def _tensors(change: Callable[[dict[str, torch.Tensor]], None]) -> Edit:
+    def edit(directory: Path) -> None:
+        tensors = load_file(directory / "model.safetensors")
+        change(tensors)
+        save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+
+    return edit
+
+
+def _as_int8(tensors: dict[str, torch.Tensor]) -> None:
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors[name] = (tensors[name] * 100).to(torch.int8)
+
+
+def _write(name: str, text: str) -> Edit:
+    return lambda directory: (directory / name).write_text(text)
+
+
+CONFIG = "config.json"
+CASES: dict[str, tuple[Edit, str]] = {
+    "a billion layers": (
+        _config(num_hidden_layers=10**9),
+        f"{CONFIG}: 'num_hidden_layers' is 1000000000, but the checkpoint's tensors hold 2 layers",
+    ),
+    "a vocabulary of 10**12": (
+        _config(vocab_size=10**12),
+        rf"{CONFIG}: 'vocab_size' and 'hidden_size' are \[1000000000000, 64\], but the "
+        r"checkpoint's model.embed_tokens.weight has shape \[260, 64\]",
+    ),
+    "an MLP of 10**9": (
+        _config(intermediate_size=10**9),
+        rf"{CONFIG}: its sizes .* make 384000024576 layer weights, more than the checkpoint's "
+        r"\d+ bytes of tensors can hold",
+    ),
+    "10**12 positions": (
+        _config(max_position_embeddings=10**12),
+        rf"{CONFIG}: 'max_position_embeddings' must be at most 16777216, got 1000000000000",
+    ),
+    "KV heads that do not divide the heads": (
+        _config(num_key_value_heads=3),
+        rf"{CONFIG}: 'num_key_value_heads' \(3\) must divide 'num_attention_heads' \(4\)",
+    ),
+    "hidden size not a multiple of the heads": (
+        _config(hidden_size=66, head_dim=None),
+        rf"{CONFIG}: 'hidden_size' \(66\) must be a multiple of 'num_attention_heads' \(4\)",
+    ),
+    "architectures a number": (
+        _config(architectures=5),
+        rf"{CONFIG}: 'architectures' must be a list like \[\"LlamaForCausalLM\"\], got 5",
+    ),
+    "architectures a string": (
+        _config(architectures="LlamaForCausalLM"),
+        rf"{CONFIG}: 'architectures' must be a list",
+    ),
+    "no rms_norm_eps": (
+        _without("rms_norm_eps"),
+        rf"{CONFIG}: 'rms_norm_eps' must be a number in \(0, 1\), got None",
+    ),
+    "tie_word_embeddings a string": (
+        _config(tie_word_embeddings="false"),
+        rf"{CONFIG}: 'tie_word_embeddings' must be true or false, got 'false'",
+    ),
+    "rope_parameters a string": (
+        _config(rope_parameters="x"),
+        rf"{CONFIG}: 'rope_parameters' must be an object or null, got 'x'",
+    ),
+    "llama3 rope without its factor": (
+        _config(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5}),
+        rf"{CONFIG}: rope_parameters.factor must be a number > 0 for llama3 rope scaling",
+    ),
+    "eos_token_id a float": (
+        lambda d: (_config(eos_token_id=1.5)(d), (d / "generation_config.json").unlink()),
+        rf"{CONFIG}: 'eos_token_id' must be a token id or a list of them, got 1.5",
+    ),
+    "generation_config eos_token_id a string": (
+        _write("generation_config.json", json.dumps({"eos_token_id": "</s>"})),
+        "generation_config.json: 'eos_token_id' must be a token id or a list of them, got '</s>'",
+    ),
+    "an int8 tensor in a plain checkpoint": (
+        _tensors(_as_int8),
+        "model.safetensors: tensor 'model.layers.0.self_attn.q_proj.weight' has dtype I8, but "
+        f".*{CONFIG} has no quantization_config",
+    ),
+    "a header length of 2**63": (
+        lambda d: (d / "model.safetensors").write_bytes(
+            (2**63).to_bytes(8, "little") + (d / "model.safetensors").read_bytes()[8:]
+        ),
+        "model.safetensors is not a readable safetensors file: header length "
+        r"9223372036854775808 does not fit the file \(\d+ bytes\)",
+    ),
+    "a truncated file": (
+        lambda d: (d / "model.safetensors").write_bytes(
+            (d / "model.safetensors").read_bytes()[:-1000]
+        ),
+        "model.safetensors is not a readable safetensors file: tensor '.*' .* has data_offsets "
+        r"\[\d+, \d+\], which do not hold its \d+ bytes inside the file's \d+ data bytes",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_broken_checkpoint_is_named_before_anything_loads(
+    checkpoints: Checkpoints, tmp_path: Path, case: str
+) -> None:
+    edit, message = CASES[case]
+    directory = tmp_path / "m"
+    shutil.copytree(checkpoints.path("llama3"), directory)
+    edit(directory)
+    with pytest.raises(ValueError, match=f"^model: {directory}/{message}"):
+        EngineConfig.create(str(directory), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("sharded")
+    write_checkpoint("llama3", directory, max_shard_size="100KB")
+    return directory
+
+
+def _index(change: Callable[[dict[str, str]], None]) -> Edit:
+    def edit(directory: Path) -> None:
+        index_file = directory / "model.safetensors.index.json"
+        index = json.loads(index_file.read_text())
+        change(index["weight_map"])
+        index_file.write_text(json.dumps(index))
+
+    return edit
+
+
+def _duplicate(directory: Path) -> None:
+    first, *_, last = sorted(directory.glob("model-*.safetensors"))
+    tensors = load_file(last)
+    name, tensor = next(iter(load_file(first).items()))
+    save_file({**tensors, name: torch.zeros_like(tensor)}, last, metadata={"format": "pt"})
+
+
+INDEX = "model.safetensors.index.json"
+SHARD_CASES: dict[str, tuple[Edit, str]] = {
+    "a shard outside the directory": (
+        _index(lambda m: m.update({"model.norm.weight": "../../../../etc/passwd"})),
+        f"{INDEX}: tensor 'model.norm.weight' is mapped to '../../../../etc/passwd'; a shard "
+        "must be a file name inside the model directory",
+    ),
+    "an absolute shard path": (
+        _index(lambda m: m.update({"model.norm.weight": "/dev/zero"})),
+        f"{INDEX}: tensor 'model.norm.weight' is mapped to '/dev/zero'",
+    ),
+    "a shard that does not exist": (
+        _index(lambda m: m.update({"model.norm.weight": "model-00009-of-00009.safetensors"})),
+        f"{INDEX} names shard 'model-00009-of-00009.safetensors', which does not exist",
+    ),
+    "a tensor in two shards": (
+        _duplicate,
+        r"tensor '.*' is in both .*/model-00001-of-00005.safetensors and "
+        r".*/model-00005-of-00005.safetensors",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SHARD_CASES))
+def test_a_broken_sharded_checkpoint_is_named(sharded: Path, tmp_path: Path, case: str) -> None:
+    edit, message = SHARD_CASES[case]
+    directory = tmp_path / "m"
+    shutil.copytree(sharded, directory)
+    edit(directory)
+    with pytest.raises(ValueError, match=f"^model: (.*/)?{message}"):
+        EngineConfig.create(str(directory), device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("file", "text", "message"),
+    [
+        ("tokenizer.json", "{not json", "tokenizer.json is not valid JSON: Expecting property"),
+        ("tokenizer_config.json", "[1, 2]", "tokenizer_config.json must hold a JSON object"),
+        (
+            "tokenizer.json",
+            '{"model": 5}',
+            ": the tokenizer files cannot be loaded: KeyError: 'added_tokens'",
+        ),
+    ],
+)
+def test_a_broken_tokenizer_file_is_named(
+    checkpoints: Checkpoints, tmp_path: Path, file: str, text: str, message: str
+) -> None:
+    directory = tmp_path / "m"
+    shutil.copytree(checkpoints.path("llama3"), directory)
+    (directory / file).write_text(text)
+    config = EngineConfig.create(str(directory), device="cpu")
+    with pytest.raises(ValueError, match=f"^model: {directory}/?{message}"):
+        load_tokenizer(config.model)
+
+
+def _override(key: str, value: int) -> Callable[[gguf.GGUFWriter], None]:
+    def metadata(writer: gguf.GGUFWriter) -> None:
+        for kv in writer.kv_data:
+            kv.pop(key, None)
+        writer.add_uint32(key, value)
+
+    return metadata
+
+
+GGUF_CASES = {
+    "llama.block_count": (10**9, "'num_hidden_layers' is 1000000000, but the checkpoint's"),
+    "llama.attention.head_count": (0, "GGUF llama.attention.head_count must be >= 1, got 0"),
+    "llama.embedding_length": (2**31, r"'vocab_size' and 'hidden_size' are \[260, 2147483648\]"),
+    "llama.context_length": (2**32 - 1, "'max_position_embeddings' must be at most 16777216"),
+}
+
+
+@pytest.fixture(scope="module")
+def gguf_source(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The transformers model the GGUF files are written from."""
+    return write_checkpoint("llama2-tied", tmp_path_factory.mktemp("gguf-source"))
+
+
+@pytest.mark.parametrize("key", list(GGUF_CASES))
+def test_a_hostile_gguf_size_is_named(gguf_source: Any, tmp_path: Path, key: str) -> None:
+    value, message = GGUF_CASES[key]
+    path = write_gguf(gguf_source, tmp_path / "m.gguf", metadata=_override(key, value))
+    with pytest.raises(ValueError, match=f"^model: {path}: {message}"):
+        EngineConfig.create(str(path), device="cpu")
