@@ -143,3 +143,43 @@ def test_unsupported_checkpoints_are_refused_by_name(stored: dict[str, Any], mes
 def test_gptq_8_bit_runs_as_int8() -> None:
     config = _resolve(None, {**GPTQ, "bits": 8, "desc_act": False})
     assert config.scheme_for("m.up_proj") == WeightScheme("int8", "gptq", 128, True, True)
+
+
+@pytest.mark.parametrize(
+    ("stored", "message"),
+    [
+        ("awq", r"quantization_config must be a JSON object, got 'awq'"),
+        (
+            {"quant_method": "compressed-tensors", "config_groups": [{"weights": W4}]},
+            r"compressed-tensors config_groups must be a JSON object",
+        ),
+        (
+            {"quant_method": "compressed-tensors", "config_groups": {"g": "W4A16"}},
+            r"compressed-tensors group 'g' must be a JSON object, got 'W4A16'",
+        ),
+        (_ct("int4", "pack-quantized"), r"group 'group_0' must be a JSON object, got 'int4'"),
+        ({**GPTQ, "bits": 8, "group_size": "a"}, r"GPTQ group_size must be an integer, got 'a'"),
+        ({**AWQ, "bits": "4"}, r"AWQ bits must be an integer, got '4'"),
+        (
+            _ct(W4, "pack-quantized", ignore=["re:["]),
+            r"compressed-tensors ignore: 're:\[' is not a regular expression",
+        ),
+        (
+            {
+                **_ct(W4, "pack-quantized"),
+                "config_groups": {"g": {"targets": "Linear", "weights": W4}},
+            },
+            r"group 'g' targets must be a list of module names, got 'Linear'",
+        ),
+        (
+            {**AWQ, "modules_to_not_convert": "lm_head"},
+            r"AWQ modules_to_not_convert must be a list",
+        ),
+        ({"quant_method": "fp8", "ignored_layers": [1]}, r"fp8 ignored_layers must be a list"),
+    ],
+)
+def test_malformed_quantization_configs_are_refused_by_name(stored: Any, message: str) -> None:
+    """A quantization_config of the wrong JSON shape is a ValueError naming the key, not an
+    AttributeError, a TypeError or a re.error from deep in the parsing."""
+    with pytest.raises(ValueError, match=message):
+        resolve_quantization(None, {"quantization_config": stored})

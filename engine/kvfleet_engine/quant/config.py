@@ -7,6 +7,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kvfleet_engine.config.checks import is_int
+
 METHODS = ("none", "fp8", "int8", "awq", "gptq", "compressed-tensors", "gguf")
 # The operator's names (InferenceDeployment quantization.weights) for the int4 methods.
 ALIASES = {"int4-awq": "awq", "int4-gptq": "gptq"}
@@ -87,6 +89,8 @@ def resolve_quantization(
             f"quantization must be one of auto, {', '.join(METHODS)}, got {requested!r}"
         )
     stored = (hf_config or {}).get("quantization_config")
+    if stored is not None and not isinstance(stored, dict):
+        raise ValueError(f"quantization_config must be a JSON object, got {stored!r:.80}")
     if requested == "gguf":
         raise ValueError(
             "quantization='gguf' needs a GGUF file; the model is a safetensors directory"
@@ -184,7 +188,8 @@ def _awq(stored: dict[str, Any]) -> QuantConfig:
         raise ValueError("AWQ with zero_point false is not supported; supported: zero_point true")
     _check_int(bits, group_size, "AWQ", allow_8=False)
     scheme = WeightScheme("int4", "awq", group_size=group_size, symmetric=False)
-    ignore = tuple(f"re:.*{re.escape(name)}" for name in stored.get("modules_to_not_convert") or ())
+    names = _names(stored.get("modules_to_not_convert"), "AWQ modules_to_not_convert")
+    ignore = tuple(f"re:.*{re.escape(name)}" for name in names)
     return QuantConfig("awq", ((("Linear",), scheme),), ignore=ignore)
 
 
@@ -222,21 +227,24 @@ def _fp8(stored: dict[str, Any]) -> QuantConfig:
             f"fp8 weight_block_size {stored['weight_block_size']} (block-wise scales) is not "
             "supported; supported: per-tensor or per-channel weight_scale"
         )
-    ignore = tuple(stored.get("ignored_layers") or stored.get("modules_to_not_convert") or ())
+    key = "ignored_layers" if stored.get("ignored_layers") else "modules_to_not_convert"
+    ignore = _names(stored.get(key), f"fp8 {key}")
     return QuantConfig("fp8", ((("Linear",), WeightScheme("fp8", "ct-float")),), ignore=ignore)
 
 
 def _compressed_tensors(stored: dict[str, Any]) -> QuantConfig:
     default_format = stored.get("format")
     groups = []
-    for name, group in (stored.get("config_groups") or {}).items():
-        weights = group.get("weights")
+    config_groups = _object(stored.get("config_groups") or {}, "compressed-tensors config_groups")
+    for name, group in config_groups.items():
+        where = f"compressed-tensors group {name!r}"
+        weights = _object(group, where).get("weights")
         if weights is None:
-            raise ValueError(f"compressed-tensors group {name!r} has no weights scheme")
+            raise ValueError(f"{where} has no weights scheme")
         groups.append(
             (
-                tuple(group.get("targets") or ()),
-                _ct_scheme(group.get("format") or default_format, weights),
+                _names(group.get("targets"), f"{where} targets"),
+                _ct_scheme(group.get("format") or default_format, _object(weights, where)),
             )
         )
     if not groups:
@@ -248,7 +256,7 @@ def _compressed_tensors(stored: dict[str, Any]) -> QuantConfig:
     return QuantConfig(
         "compressed-tensors",
         tuple(groups),
-        ignore=tuple(stored.get("ignore") or ()),
+        ignore=_names(stored.get("ignore"), "compressed-tensors ignore"),
         quantize_lm_head=True,  # lm_head is quantized when a target matches and ignore doesn't
     )
 
@@ -303,6 +311,10 @@ def _ct_scheme(format_name: str | None, weights: dict[str, Any]) -> WeightScheme
 
 
 def _check_int(bits: Any, group_size: Any, source: str, allow_8: bool) -> None:
+    if not is_int(bits):
+        raise ValueError(f"{source} bits must be an integer, got {bits!r:.80}")
+    if group_size is not None and not is_int(group_size):
+        raise ValueError(f"{source} group_size must be an integer, got {group_size!r:.80}")
     if bits == 8 and allow_8:
         if group_size is not None and (group_size <= 0 or group_size % 8):
             raise ValueError(
@@ -319,6 +331,27 @@ def _check_int(bits: Any, group_size: Any, source: str, allow_8: bool) -> None:
             f"{source} 4-bit {what} not supported; supported: group size "
             f"{', '.join(map(str, INT4_GROUP_SIZES))}"
         )
+
+
+def _object(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be a JSON object, got {value!r:.80}")
+    return value
+
+
+def _names(value: Any, where: str) -> tuple[str, ...]:
+    """A list of module names or patterns (null: none); a "re:" pattern must compile."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+        raise ValueError(f"{where} must be a list of module names, got {value!r:.80}")
+    for name in value:
+        if name.startswith("re:"):
+            try:
+                re.compile(name[3:])
+            except re.error as exc:
+                raise ValueError(f"{where}: {name!r} is not a regular expression: {exc}") from None
+    return tuple(value)
 
 
 def _matches(name: str, pattern: str) -> bool:
