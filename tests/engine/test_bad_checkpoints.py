@@ -20,6 +20,7 @@ from gguf_files import write_gguf
 from safetensors.torch import load_file, save_file
 
 from kvfleet_engine.config import EngineConfig
+from kvfleet_engine.llm import LLM
 from kvfleet_engine.tokenizer import load_tokenizer
 
 Edit = Callable[[Path], None]
@@ -264,3 +265,16 @@ def test_a_hostile_gguf_size_is_named(gguf_source: Any, tmp_path: Path, key: str
     path = write_gguf(gguf_source, tmp_path / "m.gguf", metadata=_override(key, value))
     with pytest.raises(ValueError, match=f"^model: {path}: {message}"):
         EngineConfig.create(str(path), device="cpu")
+
+
+def test_a_tensor_of_the_wrong_shape_is_named_with_its_checkpoint(
+    checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    """A layer weight the config's sizes pass but the layer cannot take fails the load with the
+    checkpoint and the tensor named."""
+    name = "model.layers.1.mlp.down_proj.weight"
+    directory = tmp_path / "m"
+    shutil.copytree(checkpoints.path("llama3"), directory)
+    _tensors(lambda tensors: tensors.update({name: tensors[name][:, :-2].contiguous()}))(directory)
+    with pytest.raises(ValueError, match=rf"^model: {directory}: checkpoint tensor '{name}': "):
+        LLM(str(directory), device="cpu", max_model_len=64)

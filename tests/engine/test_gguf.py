@@ -139,7 +139,8 @@ BROKEN = {
     "not-gguf": "is not a readable GGUF file",
     "truncated": "is not a readable GGUF file",
     "architecture": "GGUF architecture 'gemma' is not supported; supported: llama, qwen2, qwen3",
-    "missing-tensor": r"lacks weights for: \['model.layers.1.mlp.gate_up_proj.weight \(up\)'\]",
+    "missing-tensor": r"^model: .*\.gguf: the checkpoint lacks weights for: "
+    r"\['model.layers.1.mlp.gate_up_proj.weight \(up\)'\]",
     "wrong-hidden-size": r"'vocab_size' and 'hidden_size' are \[260, 32\], but the checkpoint's "
     r"model.embed_tokens.weight has shape \[260, 64\]",
     "tensor-type": "has type IQ4_NL, which kvfleet does not read; supported: F32, F16",

@@ -161,17 +161,19 @@ def load_weights(
                 continue
             if name == "lm_head.weight" and "lm_head.weight" not in params:
                 continue
-            raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            raise ValueError(
+                f"model: {source}: checkpoint tensor {name!r} has no place in the model"
+            )
         try:
             getattr(param, "weight_loader", _copy_whole)(param, tensor, shard)
         except ValueError as error:
-            raise ValueError(f"checkpoint tensor {name!r}: {error}") from error
+            raise ValueError(f"model: {source}: checkpoint tensor {name!r}: {error}") from error
         unloaded.discard((target, shard))
     if getattr(model, "tie_word_embeddings", False):
         unloaded.discard(("lm_head.weight", None))
     if unloaded:
         missing = sorted(name if shard is None else f"{name} ({shard})" for name, shard in unloaded)
-        raise ValueError(f"checkpoint {source} lacks weights for: {missing[:5]}")
+        raise ValueError(f"model: {source}: the checkpoint lacks weights for: {missing[:5]}")
 
 
 def _copy_whole(param: torch.Tensor, loaded: torch.Tensor, shard: str | None) -> None:
