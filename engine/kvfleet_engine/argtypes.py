@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import re
 
 from kvfleet_engine.sampling import MAX_SEED
 
@@ -51,6 +53,43 @@ def positive_float(text: str) -> float:
 
 def port_number(text: str) -> int:
     return _integer(text, 1, 65535, "a port number", "a port number in 1..65535")
+
+
+def served_model_name(text: str) -> str:
+    """The name clients send as `model`: 1 to 253 characters, no whitespace (it is also a
+    metric label and a log field; the operator's servedModelName takes the same)."""
+    if not re.fullmatch(r"\S{1,253}", text):
+        raise argparse.ArgumentTypeError(
+            f"expected 1 to 253 characters without whitespace, got {text!r}"
+        )
+    return text
+
+
+def api_key(text: str) -> str:
+    """A bearer key a client can send: printable ASCII without spaces at either end (an
+    Authorization header cannot carry a newline, and the server strips the spaces)."""
+    if not re.fullmatch(r"[!-~]([ -~]*[!-~])?", text):
+        raise argparse.ArgumentTypeError(
+            "expected a non-empty key of printable ASCII characters, not starting or ending "
+            "with a space (unset: no authentication)"
+        )
+    return text
+
+
+def api_key_or_environment(
+    parser: argparse.ArgumentParser, given: str | None, variable: str
+) -> str | None:
+    """--api-key's value, else the environment `variable` checked as the flag is (set but empty
+    is refused, not read as no authentication), else None."""
+    if given is not None:
+        return given
+    value = os.environ.get(variable)
+    if value is None:
+        return None
+    try:
+        return api_key(value)
+    except argparse.ArgumentTypeError as error:
+        parser.error(f"${variable}: {error}")
 
 
 def non_negative_seconds(text: str) -> float:

@@ -29,14 +29,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import httpx
 
-from kvfleet_engine.argtypes import non_negative_float, positive_float, positive_int, seed
+from kvfleet_engine.argtypes import (
+    api_key,
+    api_key_or_environment,
+    non_negative_float,
+    positive_float,
+    positive_int,
+    seed,
+)
 from kvfleet_engine.bench.results import writable_file
 from kvfleet_engine.bench.serve_counters import fetch_counters, format_counters, load_counters
 from kvfleet_engine.bench.serve_load import (
@@ -184,7 +190,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_ENV),
+        type=api_key,
         help=f"bearer key sent with every request (default: ${API_KEY_ENV}); never recorded",
     )
 
@@ -195,6 +201,7 @@ def main(argv: list[str]) -> int:
     )
     add_arguments(parser)
     args = parser.parse_args(argv)
+    args.api_key = api_key_or_environment(parser, args.api_key, API_KEY_ENV)
     if not 0 <= args.random_range_ratio < 1:
         parser.error("--random-range-ratio: must be in [0, 1)")
     if not 0 <= args.random_prefix_len < args.random_input_len:

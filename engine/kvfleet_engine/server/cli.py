@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import socket
 import sys
 import threading
@@ -32,10 +31,13 @@ import uvicorn
 
 from kvfleet_engine import logs
 from kvfleet_engine.argtypes import (
+    api_key,
+    api_key_or_environment,
     non_negative_seconds,
     port_number,
     positive_float,
     positive_int,
+    served_model_name,
 )
 from kvfleet_engine.core import heap
 from kvfleet_engine.server.admission import AdmissionConfig
@@ -77,7 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     server = parser.add_argument_group("server")
-    server.add_argument("--served-model-name", help="model name clients send (default: --model)")
+    server.add_argument(
+        "--served-model-name",
+        type=served_model_name,
+        help="model name clients send (default: --model)",
+    )
     server.add_argument("--host", default="0.0.0.0", help="address to listen on")
     server.add_argument("--port", type=port_number, default=8000, help="port to listen on")
     server.add_argument(
@@ -130,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     server.add_argument(
         "--api-key",
+        type=api_key,
         default=None,
         help="require 'Authorization: Bearer KEY' on every route but /health, /ready and "
         f"/metrics (default: the {API_KEY_ENV} environment variable; unset: no authentication)",
@@ -152,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.api_key = api_key_or_environment(parser, args.api_key, API_KEY_ENV)
     logs.configure(args.log_level)
     if args.model is None:
         from kvfleet_engine.model_store import DEFAULT_MODEL, FetchError, fetch
@@ -245,7 +253,7 @@ def _serve_on(listener: socket.socket, args: argparse.Namespace, config: EngineC
         drain_timeout_s=args.drain_timeout,
         max_request_body_bytes=args.max_request_body_bytes,
         body_timeout_s=args.body_timeout,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=args.api_key,
         log_requests=args.log_requests,
     )
     engine = AsyncEngine(client, tokenizer, metrics)
