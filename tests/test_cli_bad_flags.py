@@ -4,6 +4,8 @@ value accepted and then ignored."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvfleet_cli.main import main
@@ -70,3 +72,57 @@ def test_serve_refuses_a_served_model_name_clients_cannot_use(
         "kvfleet serve: error: argument --served-model-name: expected 1 to 253 characters "
         f"without whitespace, got {name!r}"
     )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--dataset-path", __file__], "--dataset-path is read only with --dataset jsonl"),
+        (["--chat-output-len", "8"], "--chat-output-len is read only with --dataset chat"),
+        (
+            ["--dataset", "chat", "--random-input-len", "8"],
+            "--random-input-len is read only with --dataset random",
+        ),
+        (
+            ["--dataset", "chat", "--random-output-len", "8"],
+            "--random-output-len is read only with --dataset random or jsonl",
+        ),
+        (
+            ["--dataset", "jsonl", "--dataset-path", __file__, "--random-token-range", "3:9"],
+            "--random-token-range is read only with --dataset random",
+        ),
+    ],
+)
+def test_bench_serve_refuses_a_flag_its_dataset_ignores(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--dataset-path F` without `--dataset jsonl` had sent random prompts and exited 0."""
+    line = _error([*_SERVE, *argv], capsys)
+    assert line.startswith(f"kvfleet bench serve: error: {message}, not --dataset ")
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        (
+            '{"prompt": "hi", "output_len": "abc"}',
+            "\"output_len\" must be an integer >= 1, got 'abc'",
+        ),
+        ('{"prompt": "hi", "output_len": 0}', '"output_len" must be an integer >= 1, got 0'),
+        ('{"prompt": "hi", "output_len": 2.5}', '"output_len" must be an integer >= 1, got 2.5'),
+        ('{"prompt": 5}', '"prompt" must be a non-empty string or list of token ids, got 5'),
+        ('{"prompt": ""}', "\"prompt\" must be a non-empty string or list of token ids, got ''"),
+        ('{"prompt": [1, -2]}', '"prompt" must be a non-empty string or list of token ids'),
+        ("[1, 2]", 'expected {"prompt": ...}, got [1, 2]'),
+        ("{bad", "not JSON: "),
+    ],
+)
+def test_bench_serve_names_the_line_of_a_bad_jsonl_row(
+    row: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bad output_len had been a bare `invalid literal for int()`, or a load of 400s."""
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text('{"prompt": "fine", "output_len": 4}\n\n' + row + "\n")
+    argv = [*_SERVE, "--model", "m", "--dataset", "jsonl", "--dataset-path", str(dataset)]
+    line = _error([*argv, "--num-prompts", "5"], capsys)
+    assert line.startswith(f"kvfleet bench serve: error: {dataset}:3: {message}")

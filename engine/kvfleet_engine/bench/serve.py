@@ -138,29 +138,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="random",
         help="random token ids, a jsonl file of prompts, or built-in chat questions",
     )
+    # The dataset flags' defaults are _DATASET_FLAGS' (None here: given or not).
     parser.add_argument("--dataset-path", type=_readable_file, help="jsonl dataset file")
     parser.add_argument(
-        "--chat-output-len", type=positive_int, default=128, help="max_tokens of each chat answer"
+        "--chat-output-len",
+        type=positive_int,
+        help="max_tokens of each chat answer (default: 128)",
     )
-    parser.add_argument("--random-input-len", type=positive_int, default=256)
-    parser.add_argument("--random-output-len", type=positive_int, default=128)
+    parser.add_argument("--random-input-len", type=positive_int, help="(default: 256)")
+    parser.add_argument(
+        "--random-output-len",
+        type=positive_int,
+        help="max_tokens of each random prompt, and of a jsonl prompt without its own "
+        "output_len (default: 128)",
+    )
     parser.add_argument(
         "--random-range-ratio",
         type=float,
-        default=0.0,
-        help="random prompt and output lengths drawn from len x [1 - R, 1 + R] (0: exact)",
+        help="random prompt and output lengths drawn from len x [1 - R, 1 + R] (default 0: exact)",
     )
     parser.add_argument(
         "--random-prefix-len",
         type=int,
-        default=0,
-        help="the first N tokens of every random prompt are shared (prefix caching)",
+        help="the first N tokens of every random prompt are shared (prefix caching; default 0)",
     )
     parser.add_argument(
         "--random-token-range",
         type=_token_range,
-        default="3:250",
-        help="LOW:HIGH token ids for random prompts (fits every vocabulary by default)",
+        help="LOW:HIGH token ids for random prompts (default 3:250: fits every vocabulary)",
     )
     parser.add_argument(
         "--temperature",
@@ -195,6 +200,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# Flags only some datasets read -> (those datasets, the default). Given with another dataset, a
+# flag would be ignored, so it is refused.
+_DATASET_FLAGS: dict[str, tuple[tuple[str, ...], object]] = {
+    "dataset_path": (("jsonl",), None),
+    "chat_output_len": (("chat",), 128),
+    "random_input_len": (("random",), 256),
+    "random_output_len": (("random", "jsonl"), 128),
+    "random_range_ratio": (("random",), 0.0),
+    "random_prefix_len": (("random",), 0),
+    "random_token_range": (("random",), (3, 250)),
+}
+
+
+def _dataset_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a dataset flag the chosen --dataset does not read; give the others' defaults."""
+    for dest, (datasets, default) in _DATASET_FLAGS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
+        elif args.dataset not in datasets:
+            parser.error(
+                f"--{dest.replace('_', '-')} is read only with --dataset "
+                f"{' or '.join(datasets)}, not --dataset {args.dataset}"
+            )
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="kvfleet bench serve", description=__doc__.split("\n\n")[0] if __doc__ else None
@@ -202,6 +232,7 @@ def main(argv: list[str]) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     args.api_key = api_key_or_environment(parser, args.api_key, API_KEY_ENV)
+    _dataset_flags(parser, args)
     if not 0 <= args.random_range_ratio < 1:
         parser.error("--random-range-ratio: must be in [0, 1)")
     if not 0 <= args.random_prefix_len < args.random_input_len:

@@ -6,6 +6,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvfleet_engine.bench.chat import QUESTIONS
 
@@ -44,23 +45,43 @@ def random_requests(
 
 
 def jsonl_requests(path: Path, num: int, default_output_len: int) -> list[BenchRequest]:
-    """One JSON object per line: {"prompt": str, "output_len": int (optional)}."""
+    """One JSON object per line: {"prompt": str or token ids, "output_len": int (optional)};
+    ValueError naming the file, the line and the key otherwise."""
     requests = []
     with path.open() as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            where = f"{path}:{line_no}"
             try:
                 row = json.loads(line)
-                prompt = row["prompt"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{line_no}: expected {{'prompt': ...}}: {exc}") from exc
-            requests.append(BenchRequest(prompt, 0, int(row.get("output_len", default_output_len))))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: not JSON: {exc}") from None
+            if not isinstance(row, dict) or "prompt" not in row:
+                raise ValueError(f'{where}: expected {{"prompt": ...}}, got {line.strip()[:80]}')
+            requests.append(_jsonl_request(where, row, default_output_len))
             if len(requests) == num:
                 break
     if not requests:
         raise ValueError(f"{path}: no prompts found")
     return requests
+
+
+def _jsonl_request(where: str, row: dict[str, Any], default_output_len: int) -> BenchRequest:
+    prompt, output_len = row["prompt"], row.get("output_len", default_output_len)
+    is_text = isinstance(prompt, str) and prompt != ""
+    is_token_ids = isinstance(prompt, list) and prompt != [] and all(map(_is_count, prompt))
+    if not (is_text or is_token_ids):
+        raise ValueError(
+            f'{where}: "prompt" must be a non-empty string or list of token ids, got {prompt!r}'
+        )
+    if not (_is_count(output_len) and output_len >= 1):
+        raise ValueError(f'{where}: "output_len" must be an integer >= 1, got {output_len!r}')
+    return BenchRequest(prompt, 0 if is_text else len(prompt), output_len)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def chat_requests(num: int, output_len: int) -> list[BenchRequest]:
