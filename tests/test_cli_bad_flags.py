@@ -126,3 +126,25 @@ def test_bench_serve_names_the_line_of_a_bad_jsonl_row(
     argv = [*_SERVE, "--model", "m", "--dataset", "jsonl", "--dataset-path", str(dataset)]
     line = _error([*argv, "--num-prompts", "5"], capsys)
     assert line.startswith(f"kvfleet bench serve: error: {dataset}:3: {message}")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--batch-size", "4", "--max-num-seqs", "2"],
+            "--batch-size (4) must be <= --max-num-seqs (2): the batch is decoded together",
+        ),
+        (
+            ["--batch-size", "2", "--peer", "transformers"],
+            "--peer transformers decodes batch 1 only: leave --batch-size at 1",
+        ),
+    ],
+)
+def test_bench_latency_refuses_a_batch_it_would_not_measure(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A batch over --max-num-seqs had been timed as two smaller ones (and on CUDA ended in a
+    StopIteration looking up its graph); the peer had been skipped without a word."""
+    line = _error(["bench", "latency", "--shape", "tiny", *argv], capsys)
+    assert line == f"kvfleet bench latency: error: {message}"

@@ -213,6 +213,13 @@ def latency_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.output_len < 2:
         parser.error("--output-len must be >= 2 (a decode rate needs two tokens)")
+    if args.batch_size > args.max_num_seqs:
+        parser.error(
+            f"--batch-size ({args.batch_size}) must be <= --max-num-seqs ({args.max_num_seqs}): "
+            "the batch is decoded together"
+        )
+    if args.peer == "transformers" and args.batch_size > 1:
+        parser.error("--peer transformers decodes batch 1 only: leave --batch-size at 1")
     check_engine_flags(parser, args, longest_input=args.input_len)
     return args
 
