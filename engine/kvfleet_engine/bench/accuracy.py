@@ -100,6 +100,8 @@ def main(argv: list[str]) -> int:
             parser.error(f"{name!r} is not a --config name; one of {names}")
     if args.stride >= args.window:
         parser.error(f"--stride ({args.stride}) must be < --window ({args.window})")
+    if args.max_tokens < 2:
+        parser.error("--max-tokens must be >= 2 (every token but the first is scored)")
     if args.prompts > len(PROMPTS):
         parser.error(f"--prompts must be <= {len(PROMPTS)}")
     from kvfleet_engine.model_runner import resolve_device
@@ -125,14 +127,20 @@ def main(argv: list[str]) -> int:
 def check_config(config: Config, args: argparse.Namespace) -> None:
     """What LLM(...) and the chat prompts would fail on, from the config file and tokenizer
     alone (no weights loaded); ValueError naming the --config or the flag."""
+    from kvfleet_engine.bench.perplexity import evaluation_tokens
     from kvfleet_engine.config import EngineConfig
     from kvfleet_engine.tokenizer import load_tokenizer
 
     try:
         engine = EngineConfig.create(config.path, **{"device": args.device, **config.options})
-        prompts = chat_prompts(load_tokenizer(engine.model), args.prompts)
+        tokenizer = load_tokenizer(engine.model)
+        prompts = chat_prompts(tokenizer, args.prompts)
     except (ValueError, TypeError, OSError) as error:
         raise ValueError(f"--config {config.name}: {error}") from None
+    try:
+        evaluation_tokens(tokenizer, args.max_tokens)
+    except ValueError as error:
+        raise ValueError(f"--max-tokens: {error} (--config {config.name})") from None
     limit = engine.model.max_model_len
     if args.window > limit:
         raise ValueError(f"--window ({args.window}) must be <= {limit} (--config {config.name})")

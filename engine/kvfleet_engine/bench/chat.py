@@ -70,9 +70,12 @@ def main(argv: list[str]) -> int:
 
     from kvfleet_engine.bench.results import Row, format_table, gpu_name, write_results
     from kvfleet_engine.model_runner import resolve_device
-    from kvfleet_engine.model_store import DEFAULT_MODEL, fetch
+    from kvfleet_engine.model_store import DEFAULT_MODEL, FetchError, fetch
 
-    model = args.model or str(fetch(DEFAULT_MODEL))
+    try:
+        model = args.model or str(fetch(DEFAULT_MODEL))
+    except FetchError as error:
+        parser.exit(2, f"{parser.prog}: error: no --model given and {error}\n")
     try:
         resolve_device(args.device)
     except ValueError as error:
@@ -90,6 +93,14 @@ def main(argv: list[str]) -> int:
         )
         for q in (QUESTIONS * args.concurrency)[: args.concurrency]
     ]
+    room = llm.engine.model_config.max_model_len - max(len(p) for p in prompts)
+    if args.output_len > room:
+        parser.exit(
+            2,
+            f"{parser.prog}: error: --output-len ({args.output_len}) must be <= {room}: the "
+            f"longest chat prompt and its answer must fit max_model_len "
+            f"({llm.engine.model_config.max_model_len})\n",
+        )
     contestants = [Contestant(KVFLEET, lambda p, n: _kvfleet_generate(llm, p, n))]
     if not args.no_peer:
         dtype = torch.float32 if args.device == "cpu" else torch.bfloat16

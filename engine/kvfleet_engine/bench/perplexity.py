@@ -51,7 +51,7 @@ def evaluation_tokens(tokenizer: Any, max_tokens: int) -> list[int]:
     """The first max_tokens tokens of evaluation_text() (no BOS or other special tokens)."""
     token_ids = list(tokenizer.encode(evaluation_text(), add_special_tokens=False))
     if len(token_ids) < max_tokens:
-        raise ValueError(f"max_tokens={max_tokens}: the text has only {len(token_ids)} tokens")
+        raise ValueError(f"{max_tokens} tokens asked for; the evaluation text has {len(token_ids)}")
     return token_ids[:max_tokens]
 
 
