@@ -44,6 +44,8 @@ class LLM:
         with n completions. Runs the engine until all of them finish. Bad input raises
         TypeError or ValueError naming the argument; whatever fails, this call's requests are
         aborted, so the LLM stays usable."""
+        if not isinstance(use_tqdm, bool):
+            raise TypeError(f"use_tqdm must be True or False, got {use_tqdm!r}")
         texts, token_lists = self._prompts(prompts, prompt_token_ids)
         params_list = self._params(sampling_params, len(token_lists))
         priorities = self._priorities(priority, len(token_lists))

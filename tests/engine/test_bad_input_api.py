@@ -129,6 +129,14 @@ def test_generate_names_the_argument_of_the_wrong_type(
     _assert_still_works(llm)
 
 
+@pytest.mark.parametrize("use_tqdm", ["no", 0, None])
+def test_use_tqdm_is_a_bool(llm: LLM, use_tqdm: Any) -> None:
+    """ "no" had shown the progress bar, 0 and None had hidden it."""
+    with pytest.raises(TypeError, match=f"^use_tqdm must be True or False, got {use_tqdm!r}$"):
+        llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=use_tqdm)
+    _assert_still_works(llm)
+
+
 def test_numpy_token_ids_are_token_ids(llm: LLM) -> None:
     as_numpy = [np.array(prompt, dtype=np.int64) for prompt in PROMPTS]
     assert _tokens(llm, prompt_token_ids=as_numpy) == _tokens(llm)
