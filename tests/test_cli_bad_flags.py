@@ -5,6 +5,7 @@ value accepted and then ignored."""
 from __future__ import annotations
 
 import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -224,3 +225,20 @@ def test_tiny_model_seed_in_range(
         f"got {seed}"
     )
     assert not (tmp_path / "m").exists()
+
+
+def test_serve_names_a_kv_cache_too_small_by_its_flags(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused by the engine core as it starts: named as flags, as the settings refused
+    before it are (it had said kv_cache_blocks / gpu_memory_utilization / max_model_len)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    argv = ["serve", "--model", str(tiny_model), "--device", "cpu", "--host", "127.0.0.1"]
+    line = _error([*argv, "--port", str(port), "--kv-cache-blocks", "1"], capsys)
+    assert line == (
+        "kvfleet serve: the KV cache holds 1 blocks x 16 tokens = 16 tokens, fewer than "
+        "--max-model-len (2048); raise --kv-cache-blocks / --gpu-memory-utilization or lower "
+        "--max-model-len"
+    )

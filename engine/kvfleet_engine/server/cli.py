@@ -201,6 +201,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def _serve_on(listener: socket.socket, args: argparse.Namespace, config: EngineConfig) -> int:
     from kvfleet_engine.async_engine import AsyncEngine
     from kvfleet_engine.client.core_client import CoreClient, CoreStartError
+    from kvfleet_engine.config.cli import in_flag_words
     from kvfleet_engine.metrics import EngineInfo, EngineMetrics
     from kvfleet_engine.server.app import build_app
     from kvfleet_engine.server.draining import DrainingServer
@@ -215,8 +216,11 @@ def _serve_on(listener: socket.socket, args: argparse.Namespace, config: EngineC
     try:
         client.start()
     except CoreStartError as exc:  # user error: a checkpoint that does not match its config
-        print(f"kvfleet serve: {exc}", file=sys.stderr)
-        return 2 if exc.user_error else 1
+        if not exc.user_error:
+            print(f"kvfleet serve: {exc}", file=sys.stderr)
+            return 1
+        print(f"kvfleet serve: {in_flag_words(str(exc))}", file=sys.stderr)
+        return 2
     try:
         tokenizer = tokenizer_loader.result()
     except Exception as exc:
