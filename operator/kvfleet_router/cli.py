@@ -168,10 +168,10 @@ def main(argv: list[str]) -> int:
             body_timeout_s=args.body_timeout,
             keep_alive_timeout_s=args.keep_alive_timeout,
             max_request_body_bytes=args.max_request_body_bytes,
-            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+            api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV),
         )
     except ValueError as exc:
-        parser.error(_flag_message(str(exc)))
+        parser.error(_flag_message(str(exc), key_from_environment=args.api_key is None))
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -204,9 +204,12 @@ _FLAGS = {
 }
 
 
-def _flag_message(message: str) -> str:
-    """A settings error in flag names: 'queue_size: ...' -> '--queue-size: ...'."""
+def _flag_message(message: str, *, key_from_environment: bool) -> str:
+    """A settings error in flag names: 'queue_size: ...' -> '--queue-size: ...' (the key read
+    from the environment: '$KVFLEET_API_KEY: ...')."""
     field, sep, rest = message.partition(": ")
+    if sep and field == "api_key":
+        return f"{'$' + API_KEY_ENV if key_from_environment else '--api-key'}: {rest}"
     if sep and field in _FLAGS:
         return f"{_FLAGS[field]}: {rest}"
     if message.startswith("set either deployment"):

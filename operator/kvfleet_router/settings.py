@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
 StrategyName = Literal["prefix", "least-load", "round-robin"]
 STRATEGY_NAMES: tuple[StrategyName, ...] = ("prefix", "least-load", "round-robin")
+# A bearer key a client can send, as the engine's --api-key takes it: printable ASCII without a
+# space at either end (a header cannot carry a newline, and servers strip the spaces).
+SENDABLE_KEY = re.compile(r"[!-~]([ -~]*[!-~])?")
 ENGINE_PORT = 8000  # the engine's container port (the `http` port of its Service)
 
 
@@ -100,8 +104,11 @@ class RouterSettings:
         for name, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"{name}: must be {allowed}, got {getattr(self, name)!r}")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key: must be a non-empty string (or leave it unset)")
+        if self.api_key is not None and not SENDABLE_KEY.fullmatch(self.api_key):
+            raise ValueError(
+                "api_key: must be a non-empty key of printable ASCII characters, not starting or "
+                "ending with a space (unset: no authentication)"
+            )
 
     @property
     def retry_after_s(self) -> int:

@@ -113,8 +113,40 @@ def test_the_key_comes_from_the_environment_and_is_never_shown(
     assert settings.api_key == KEY
     assert KEY not in repr(settings)
     assert "KVFLEET_API_KEY" in build_parser().format_help()
-    with pytest.raises(ValueError, match="api_key: must be a non-empty string"):
+    with pytest.raises(ValueError, match="api_key: must be a non-empty key"):
         RouterSettings(backends=("http://127.0.0.1:1",), api_key="")
+
+
+@pytest.mark.parametrize(
+    ("argv", "environment", "named"),
+    [
+        (["--api-key="], None, "--api-key"),
+        (["--api-key", "key\n"], None, "--api-key"),
+        (["--api-key", " key"], None, "--api-key"),
+        ([], "", "$KVFLEET_API_KEY"),  # an empty Secret key: refused, not "no authentication"
+        ([], "schl\u00fcssel", "$KVFLEET_API_KEY"),
+    ],
+)
+def test_a_key_no_client_can_send_stops_the_router(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    environment: str | None,
+    named: str,
+) -> None:
+    """The router never starts without authentication, or with a key every client fails, when
+    a key was given: exit 2 naming the flag or the variable, and the key not echoed."""
+    monkeypatch.setattr("kvfleet_router.app.run", lambda settings: pytest.fail("it started"))
+    if environment is None:
+        monkeypatch.delenv("KVFLEET_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("KVFLEET_API_KEY", environment)
+    with pytest.raises(SystemExit) as exit_info:
+        router_main(["--backend", "http://127.0.0.1:1", *argv])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert f"{named}: must be a non-empty key of printable ASCII characters" in error
+    assert "key\n" not in error and "schl" not in error
 
 
 async def test_an_authorization_header_that_is_not_utf8_is_a_401_not_a_500(
