@@ -37,6 +37,13 @@ from kvfleet_engine.config import EngineConfig
         ({"async_scheduling": 1}, "async_scheduling must be True or False"),
         ({"block_size": True}, "block_size must be a power of two"),
         ({"dtype": ["float32"]}, "dtype must be"),
+        ({"master_port": "x"}, r"master_port must be an integer in \[1, 65534\], got 'x'"),
+        ({"master_port": 1.5}, r"master_port must be an integer in \[1, 65534\], got 1.5"),
+        ({"master_addr": 5}, "master_addr must be a host name or IP, got 5"),
+        ({"node_rank": "0"}, r"node_rank must be an integer in \[0, 1\), got '0'"),
+        ({"node_rank": None}, r"node_rank must be an integer in \[0, 1\), got None"),
+        ({"tensor_parallel_size": True}, "tensor_parallel_size must be an integer >= 1, got True"),
+        ({"parallel_join_timeout_s": True}, "parallel_join_timeout_s must be a finite number"),
     ],
 )
 def test_settings_of_the_wrong_type_or_range(

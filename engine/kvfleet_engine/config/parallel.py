@@ -3,10 +3,9 @@ and the check that the model's heads, MLP and layers divide over them."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from kvfleet_engine.config.checks import check
+from kvfleet_engine.config.checks import check, is_int, is_number
 from kvfleet_engine.config.model import ModelConfig
 
 
@@ -47,9 +46,9 @@ class ParallelConfig:
 def check_parallel(parallel: ParallelConfig) -> None:
     """The sizes, the host index, the port and the join timeout (before any model is read)."""
     tp, pp, nnodes = parallel.tensor_parallel_size, parallel.pipeline_parallel_size, parallel.nnodes
-    check(isinstance(tp, int) and tp >= 1, "tensor_parallel_size", tp, "an integer >= 1")
-    check(isinstance(pp, int) and pp >= 1, "pipeline_parallel_size", pp, "an integer >= 1")
-    check(isinstance(nnodes, int) and nnodes >= 1, "nnodes", nnodes, "an integer >= 1")
+    check(is_int(tp) and tp >= 1, "tensor_parallel_size", tp, "an integer >= 1")
+    check(is_int(pp) and pp >= 1, "pipeline_parallel_size", pp, "an integer >= 1")
+    check(is_int(nnodes) and nnodes >= 1, "nnodes", nnodes, "an integer >= 1")
     check(
         parallel.world_size % nnodes == 0,
         "nnodes",
@@ -57,11 +56,13 @@ def check_parallel(parallel: ParallelConfig) -> None:
         f"a divisor of the world size tensor_parallel_size x pipeline_parallel_size = "
         f"{tp} x {pp} = {parallel.world_size} (every node runs as many ranks)",
     )
-    check(0 <= parallel.node_rank < nnodes, "node_rank", parallel.node_rank, f"in [0, {nnodes})")
-    check(1 <= parallel.master_port <= 65534, "master_port", parallel.master_port, "in [1, 65534]")
+    rank, port, addr = parallel.node_rank, parallel.master_port, parallel.master_addr
+    check(is_int(rank) and 0 <= rank < nnodes, "node_rank", rank, f"an integer in [0, {nnodes})")
+    check(is_int(port) and 1 <= port <= 65534, "master_port", port, "an integer in [1, 65534]")
+    check(isinstance(addr, str) and addr.strip() != "", "master_addr", addr, "a host name or IP")
     timeout = parallel.join_timeout_s
     check(
-        isinstance(timeout, (int, float)) and timeout > 0 and math.isfinite(timeout),
+        is_number(timeout) and timeout > 0,
         "parallel_join_timeout_s",
         timeout,
         "a finite number of seconds > 0",
