@@ -242,3 +242,20 @@ def test_serve_names_a_kv_cache_too_small_by_its_flags(
         "--max-model-len (2048); raise --kv-cache-blocks / --gpu-memory-utilization or lower "
         "--max-model-len"
     )
+
+
+def test_serve_refuses_a_kv_cache_larger_than_memory(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A trillion blocks had been a torch allocation traceback from the engine core (exit 1);
+    now exit 2 naming the flag and the memory it would need."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    argv = ["serve", "--model", str(tiny_model), "--device", "cpu", "--host", "127.0.0.1"]
+    line = _error([*argv, "--port", str(port), "--kv-cache-blocks", str(10**12)], capsys)
+    assert line.startswith(
+        "kvfleet serve: --kv-cache-blocks=1000000000000 needs 7,629,394.5 GiB of KV cache "
+        "(8192 bytes a block)"
+    )
+    assert "more than the host's physical memory" in line

@@ -217,6 +217,7 @@ class ModelExecutor:
         blocks_per_seq = -(-self.config.model.max_model_len // self.block_size)
         enough = 2 * blocks_per_seq * self.config.scheduler.max_num_seqs
         if requested is not None:
+            kv_memory.check_fits(requested, self.block_bytes, self.device)
             return requested
         if self.device.type == "cuda":
             return min(self._profile_free_blocks(), enough)

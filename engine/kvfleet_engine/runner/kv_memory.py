@@ -3,6 +3,7 @@ for a quantized cache, scales) bound to it. A rank holds only its own layers and
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 
 import torch
@@ -72,4 +73,23 @@ def check_holds_a_sequence(num_blocks: int, block_size: int, max_model_len: int)
             f"{num_blocks * block_size} tokens, fewer than max_model_len "
             f"({max_model_len}); raise kv_cache_blocks / gpu_memory_utilization or lower "
             f"max_model_len"
+        )
+
+
+def check_fits(num_blocks: int, block_bytes: int, device: torch.device) -> None:
+    """A requested kv_cache_blocks must fit the device's memory (a GPU's free memory now, the
+    host's physical memory on the CPU); beyond it the allocation would fail deep in torch, or
+    the kernel's OOM killer would end the process as the zeros are written."""
+    if device.type == "cuda":
+        capacity, what = torch.cuda.mem_get_info(device)[0], f"free memory of {device}"
+    else:
+        capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        what = "host's physical memory"
+    needed = num_blocks * block_bytes
+    if needed > capacity:
+        raise ValueError(
+            f"kv_cache_blocks={num_blocks} needs {needed / 2**30:,.1f} GiB of KV cache "
+            f"({block_bytes} bytes a block), more than the {what} ({capacity / 2**30:,.1f} GiB); "
+            "lower kv_cache_blocks, or leave it unset to size the cache from "
+            "gpu_memory_utilization"
         )
