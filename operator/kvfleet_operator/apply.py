@@ -408,11 +408,16 @@ async def patch_status_as_read(
 
 
 async def read_again(cluster: Cluster, body: Manifest) -> dict[str, Any] | None:
-    """The InferenceDeployment `body` as the API server has it now (None: deleted)."""
+    """The InferenceDeployment `body` as the API server has it now; None when it is gone:
+    deleted, or deleted and created anew under its name (another uid: what was decided on the
+    old one's spec is not the new one's to get)."""
     meta = body["metadata"]
-    return await cluster.get(
+    fresh = await cluster.get(
         api.API_VERSION, api.INFERENCE_DEPLOYMENT, meta["name"], meta["namespace"]
     )
+    if fresh is None or fresh["metadata"].get("uid") != meta.get("uid"):
+        return None
+    return fresh
 
 
 def refused(exc: BaseException) -> bool:

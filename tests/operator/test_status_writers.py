@@ -187,3 +187,17 @@ async def test_the_reconciler_keeps_the_condition_the_autoscaler_wrote_during_it
     assert conditions["ScalingLimited"]["reason"] == "DesiredAboveMax"
     assert conditions["Ready"]["reason"] == "RollingOut" and status["observedGeneration"] == 1
     assert cluster.events == ["Created"], "told once, not once per try"
+
+
+async def test_a_tick_writes_nothing_on_an_object_created_anew_under_its_name() -> None:
+    """Deleted and created again (another uid) during the tick: the old object's decision is
+    not written on the new one after the conflict (it had been, until the next tick)."""
+    cluster = TickCluster(1, [engine_pod("p1", "127.1.0.2")])
+
+    def created_anew() -> None:
+        cluster.infd = infd(autoscaling={**BUILTIN, "minReplicas": 3, "maxReplicas": 5})
+        cluster.infd["metadata"].update(uid="u-2", resourceVersion="7")
+
+    async with engines(cluster, {"127.1.0.2": engine_metrics(0.0)}, created_anew) as http:
+        await autoscale_once(cluster, http, NS, NAME, T0)  # type: ignore[arg-type]
+    assert "status" not in cluster.infd, cluster.infd["status"]
