@@ -218,3 +218,19 @@ def test_a_clock_stepped_back_an_hour_does_not_hold_the_fleet_for_an_hour() -> N
     down = [t - start for t, replicas, _ in fleet.timeline if t < 0 and replicas < 8]
     assert down and down[0] <= 400  # the 300 s scale-down stabilization window, and a tick
     assert fleet.replicas == 1
+
+
+async def test_prometheus_refusing_the_query_is_logged_with_its_reason(caplog) -> None:
+    """A 4xx/5xx from Prometheus had been logged as httpx's status line alone; its JSON names
+    what was wrong (a bad label matcher, a query past its limits)."""
+    error = {"status": "error", "errorType": "bad_data", "error": 'parse error: unexpected "}"'}
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(400, json=error)
+
+    pods = [pod_facts(p) for p in three_pods()]
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as http:
+        with caplog.at_level("WARNING", logger="kvfleet_operator.autoscaling.sources"):
+            samples = await query_prometheus(http, "http://prometheus:9090", NS, pods, T0)
+    assert set(samples.values()) == {None}
+    assert '400 Bad Request: parse error: unexpected "}"' in caplog.text

@@ -69,18 +69,31 @@ async def _read(
     timeout: float,
     params: dict[str, str] | None = None,
 ) -> str:
-    """The body of GET `url`: httpx.HTTPError on an error status, TimeoutError when the whole
-    answer takes longer than `timeout`, BadAnswer past MAX_BODY_BYTES."""
+    """The body of GET `url`: BadAnswer on an error status (with the source's own error text:
+    Prometheus says what was wrong with the query) and past MAX_BODY_BYTES, TimeoutError when
+    the whole answer takes longer than `timeout`."""
     chunks, size = [], 0
     async with asyncio.timeout(timeout):
         async with http.stream("GET", url, params=params, timeout=timeout) as response:
-            response.raise_for_status()
             async for chunk in response.aiter_bytes():
                 size += len(chunk)
                 if size > MAX_BODY_BYTES:
                     raise BadAnswer(f"the answer is larger than {MAX_BODY_BYTES} bytes")
                 chunks.append(chunk)
-    return b"".join(chunks).decode("utf-8", errors="replace")
+    text = b"".join(chunks).decode("utf-8", errors="replace")
+    if response.is_error:
+        raise BadAnswer(f"{response.status_code} {response.reason_phrase}: {_error_text(text)}")
+    return text
+
+
+def _error_text(body: str) -> str:
+    """An error answer's message: Prometheus' `error` field, else the body's first line."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        error = None
+    text = error if isinstance(error, str) else (body.strip().splitlines() or [""])[0]
+    return text[:200] or "(no body)"
 
 
 def _describe(exc: BaseException) -> str:
