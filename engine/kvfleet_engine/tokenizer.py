@@ -13,20 +13,61 @@ from kvfleet_engine.config import ModelConfig
 
 
 def load_tokenizer(model: ModelConfig) -> Any:
+    """The model's tokenizer, its chat template compiled: a template that is not Jinja is refused
+    here, naming its file, not at the first chat request."""
     if model.format == "gguf":
         from kvfleet_engine.loaders.gguf_tokenizer import gguf_tokenizer
 
-        return gguf_tokenizer(model.path)
+        tokenizer = gguf_tokenizer(model.path)
+        _compile_chat_template(tokenizer.chat_template, f"{model.path}: tokenizer.chat_template")
+        return tokenizer
     from transformers import AutoTokenizer
 
-    _check_json_files(Path(model.path))
+    directory = Path(model.path)
+    _check_json_files(directory)
     try:
-        return AutoTokenizer.from_pretrained(model.path)
+        tokenizer = AutoTokenizer.from_pretrained(model.path)
     except Exception as error:  # transformers raises whatever its file readers raise
         raise ValueError(
             f"model: {model.path}: the tokenizer files cannot be loaded: "
             f"{type(error).__name__}: {error}"
         ) from error
+    templates = tokenizer.chat_template
+    named = templates.items() if isinstance(templates, dict) else [(None, templates)]
+    for name, template in named:
+        _compile_chat_template(template, _template_source(directory, name))
+    return tokenizer
+
+
+def _compile_chat_template(template: Any, source: str) -> None:
+    """Compile the template (None: the model has none) with transformers' compiler, whose cache
+    `apply_chat_template` then reads at each chat request."""
+    if template is None:
+        return
+    if not isinstance(template, str):
+        raise ValueError(f"model: {source} must be a string, got {template!r:.80}")
+    from jinja2 import TemplateSyntaxError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(template)
+    except TemplateSyntaxError as error:
+        raise ValueError(
+            f"model: {source} is not a valid template: {error.message} (line {error.lineno})"
+        ) from None
+
+
+def _template_source(directory: Path, name: str | None) -> str:
+    """Where transformers read the chat template named `name` (None: the only one) from: its
+    .jinja file, else tokenizer_config.json's chat_template."""
+    default = name in (None, "default")
+    jinja = directory / (
+        "chat_template.jinja" if default else f"additional_chat_templates/{name}.jinja"
+    )
+    if jinja.is_file():
+        return f"{jinja}:"
+    key = "chat_template" if name is None else f"chat_template {name!r}"
+    return f"{directory / 'tokenizer_config.json'}: {key}"
 
 
 # The tokenizer's JSON files (transformers names none of them when one is broken).
@@ -34,6 +75,9 @@ _JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.js
 
 
 def _check_json_files(directory: Path) -> None:
+    """Each JSON file is an object; tokenizer_config.json's chat_template, where it has one, is
+    a template or a list of named ones (transformers would fail on it with a KeyError, or keep
+    it until a chat request)."""
     for file in (directory / name for name in _JSON_FILES):
         if not file.is_file():
             continue
@@ -43,6 +87,23 @@ def _check_json_files(directory: Path) -> None:
             raise ValueError(f"model: {file} is not valid JSON: {error}") from None
         if not isinstance(value, dict):
             raise ValueError(f"model: {file} must hold a JSON object, got {type(value).__name__}")
+        template = value.get("chat_template")
+        if file.name == "tokenizer_config.json" and not _is_chat_template(template):
+            raise ValueError(
+                f'model: {file}: chat_template must be a string or a list of {{"name": ..., '
+                f'"template": ...}} objects, got {template!r:.80}'
+            )
+
+
+def _is_chat_template(value: Any) -> bool:
+    if value is None or isinstance(value, str):
+        return True
+    return isinstance(value, list) and all(
+        isinstance(entry, dict)
+        and isinstance(entry.get("name"), str)
+        and isinstance(entry.get("template"), str)
+        for entry in value
+    )
 
 
 def byte_symbols() -> list[str]:

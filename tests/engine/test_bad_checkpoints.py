@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,7 @@ import torch
 from engine_cases import write_checkpoint
 from engine_checkpoints import Checkpoints
 from gguf_files import write_gguf
+from parallel_cases import free_port_pair
 from safetensors.torch import load_file, save_file
 
 from kvfleet_engine.config import EngineConfig
@@ -114,6 +118,33 @@ CASES: dict[str, tuple[Edit, str]] = {
         _config(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5}),
         rf"{CONFIG}: rope_parameters.factor must be a number > 0 for llama3 rope scaling",
     ),
+    "rope_parameters of an unknown type": (
+        _config(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
+        rf"{CONFIG}: rope_parameters: rope type 'yarn' is not supported; supported: default, "
+        "llama3, frequency_factors",
+    ),
+    "rope_scaling of an unknown type": (
+        _config(rope_parameters=None, rope_scaling={"type": "linear", "factor": 2.0}),
+        rf"{CONFIG}: rope_scaling: rope type 'linear' is not supported",
+    ),
+    "dtype int8": (
+        _config(dtype="int8"),
+        rf"{CONFIG}: 'dtype' must be one of float32, float16, bfloat16, float64 or null, "
+        "got 'int8'",
+    ),
+    "torch_dtype a number": (
+        _config(dtype=None, torch_dtype=5),
+        rf"{CONFIG}: 'torch_dtype' must be one of float32, float16, bfloat16, float64 or null, "
+        "got 5",
+    ),
+    "eos_token_id past the vocabulary": (
+        lambda d: (_config(eos_token_id=260)(d), (d / "generation_config.json").unlink()),
+        rf"{CONFIG}: 'eos_token_id' 260 is not a token id: 'vocab_size' is 260",
+    ),
+    "generation_config eos_token_id past the vocabulary": (
+        _write("generation_config.json", json.dumps({"eos_token_id": [257, 10**6]})),
+        "generation_config.json: 'eos_token_id' 1000000 is not a token id: 'vocab_size' is 260",
+    ),
     "eos_token_id a float": (
         lambda d: (_config(eos_token_id=1.5)(d), (d / "generation_config.json").unlink()),
         rf"{CONFIG}: 'eos_token_id' must be a token id or a list of them, got 1.5",
@@ -154,6 +185,26 @@ def test_a_broken_checkpoint_is_named_before_anything_loads(
     edit(directory)
     with pytest.raises(ValueError, match=f"^model: {directory}/{message}"):
         EngineConfig.create(str(directory), device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("saved", "served"),
+    [
+        ({"dtype": "float32"}, "float32"),
+        ({"dtype": "float16"}, "float16"),
+        ({"dtype": "bfloat16"}, "bfloat16"),
+        ({"dtype": None, "torch_dtype": "bfloat16"}, "bfloat16"),
+        ({"dtype": "float64"}, "float32"),
+        ({"dtype": None}, "float32"),
+    ],
+)
+def test_dtype_auto_serves_the_checkpoints_dtype(
+    checkpoints: Checkpoints, tmp_path: Path, saved: dict[str, Any], served: str
+) -> None:
+    directory = tmp_path / "m"
+    shutil.copytree(checkpoints.path("llama3"), directory)
+    _config(**saved)(directory)
+    assert EngineConfig.create(str(directory), device="cpu").model.dtype == served
 
 
 @pytest.fixture(scope="module")
@@ -236,6 +287,84 @@ def test_a_broken_tokenizer_file_is_named(
         load_tokenizer(config.model)
 
 
+BAD_TEMPLATE = "{% for message in messages %}{{ message.content }"
+
+
+def _tokenizer_config(**changes: Any) -> Edit:
+    """Keys of tokenizer_config.json changed; its chat_template used, as in checkpoints saved
+    before transformers wrote chat_template.jinja (which takes its place)."""
+
+    def edit(directory: Path) -> None:
+        config_file = directory / "tokenizer_config.json"
+        config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **changes}))
+        (directory / "chat_template.jinja").unlink()
+
+    return edit
+
+
+TOKENIZER_CONFIG = "tokenizer_config.json"
+TEMPLATE_CASES: dict[str, tuple[Edit, str]] = {
+    "not Jinja": (
+        _tokenizer_config(chat_template=BAD_TEMPLATE),
+        rf"{TOKENIZER_CONFIG}: chat_template is not a valid template: unexpected '}}' \(line 1\)$",
+    ),
+    "a named template that is not Jinja": (
+        _tokenizer_config(
+            chat_template=[
+                {"name": "default", "template": "{{ messages }}"},
+                {"name": "tool_use", "template": "{% if tools %}"},
+            ]
+        ),
+        rf"{TOKENIZER_CONFIG}: chat_template 'tool_use' is not a valid template: Unexpected end "
+        "of template",
+    ),
+    "a number": (
+        _tokenizer_config(chat_template=5),
+        rf"{TOKENIZER_CONFIG}: chat_template must be a string or a list of "
+        r'{"name": ..., "template": ...} objects, got 5$',
+    ),
+    "a list of strings": (
+        _tokenizer_config(chat_template=["{{ messages }}"]),
+        rf"{TOKENIZER_CONFIG}: chat_template must be a string or a list of ",
+    ),
+    "a chat_template.jinja that is not Jinja": (
+        _write("chat_template.jinja", "line one\n{% endfor %}"),
+        r"chat_template.jinja: is not a valid template: Encountered unknown tag 'endfor'. "
+        r"\(line 2\)$",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(TEMPLATE_CASES))
+def test_a_broken_chat_template_is_refused_at_start_up(
+    checkpoints: Checkpoints, tmp_path: Path, case: str
+) -> None:
+    """Not at the first chat request (a 400 for every client of a server that looked ready)."""
+    edit, message = TEMPLATE_CASES[case]
+    directory = tmp_path / "m"
+    shutil.copytree(checkpoints.path("llama3"), directory)
+    edit(directory)
+    config = EngineConfig.create(str(directory), device="cpu")
+    with pytest.raises(ValueError, match=f"^model: {directory}/{message}"):
+        load_tokenizer(config.model)
+
+
+def test_serve_names_a_broken_chat_template_in_one_line(
+    checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    directory = tmp_path / "m"
+    shutil.copytree(checkpoints.path("llama3"), directory)
+    _tokenizer_config(chat_template=BAD_TEMPLATE)(directory)
+    command = [sys.executable, "-m", "kvfleet_cli", "serve", "--model", str(directory)]
+    command += ["--device", "cpu", "--kv-cache-blocks", "64", "--port", str(free_port_pair())]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        f"kvfleet serve: model: {directory}/tokenizer_config.json: chat_template is not a valid "
+        "template: unexpected '}' (line 1)"
+    )
+
+
 def _override(key: str, value: int) -> Callable[[gguf.GGUFWriter], None]:
     def metadata(writer: gguf.GGUFWriter) -> None:
         for kv in writer.kv_data:
@@ -264,6 +393,98 @@ def test_a_hostile_gguf_size_is_named(gguf_source: Any, tmp_path: Path, key: str
     value, message = GGUF_CASES[key]
     path = write_gguf(gguf_source, tmp_path / "m.gguf", metadata=_override(key, value))
     with pytest.raises(ValueError, match=f"^model: {path}: {message}"):
+        EngineConfig.create(str(path), device="cpu")
+
+
+def test_a_gguf_chat_template_that_is_not_jinja_is_named(gguf_source: Any, tmp_path: Path) -> None:
+    def template(writer: gguf.GGUFWriter) -> None:
+        for kv in writer.kv_data:
+            kv.pop("tokenizer.chat_template", None)
+        writer.add_chat_template(BAD_TEMPLATE)
+
+    path = write_gguf(gguf_source, tmp_path / "m.gguf", metadata=template)
+    config = EngineConfig.create(str(path), device="cpu")
+    with pytest.raises(
+        ValueError,
+        match=rf"^model: {path}: tokenizer.chat_template is not a valid template: unexpected '}}'",
+    ):
+        load_tokenizer(config.model)
+
+
+@pytest.fixture(scope="module")
+def gguf_files(gguf_source: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    """A GGUF file's bytes, of float32 tensors and of Q8_0 ones."""
+    directory = tmp_path_factory.mktemp("gguf")
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    return {
+        "F32": write_gguf(gguf_source, directory / "f32.gguf").read_bytes(),
+        "Q8_0": write_gguf(gguf_source, directory / "q8_0.gguf", lambda *_: q8_0).read_bytes(),
+    }
+
+
+def _set(name: str, skip: int, value: int) -> Callable[[bytes], bytes]:
+    """`value` as a uint64, `skip` bytes after the key or tensor name `name` (or at byte `skip`
+    with no name)."""
+
+    def edit(data: bytes) -> bytes:
+        key = name.encode()
+        start = data.index(struct.pack("<Q", len(key)) + key) + 8 + len(key) if name else 0
+        return data[: start + skip] + struct.pack("<Q", value) + data[start + skip + 8 :]
+
+    return edit
+
+
+FITS = r"more than the \d+ bytes left in the file can hold$"
+PAST_THE_END = r"needs \d+ bytes at byte \d+, past the file's end \(\d+ bytes\)$"
+HOSTILE_GGUF_CASES: dict[str, tuple[str, Callable[[bytes], bytes], str]] = {
+    "a tensor count of 2**63": (
+        "F32",
+        _set("", 8, 2**63),
+        f"the tensor count is 9223372036854775808, {FITS}",
+    ),
+    "a key-value count of 2**63": (
+        "F32",
+        _set("", 16, 2**63),
+        f"the key-value count is 9223372036854775808, {FITS}",
+    ),
+    "a key length of 2**62": (
+        "F32",
+        _set("", 24, 2**62),
+        f"key-value 0's key's length is 4611686018427387904, {FITS}",
+    ),
+    "a string array's count of 2**62": (
+        "F32",
+        _set("tokenizer.ggml.tokens", 8, 2**62),
+        f"tokenizer.ggml.tokens's item count is 4611686018427387904, {FITS}",
+    ),
+    "an int32 array's count of 2**62": (  # the reader looped on it forever
+        "F32",
+        _set("tokenizer.ggml.token_type", 8, 2**62),
+        f"tokenizer.ggml.token_type's item count is 4611686018427387904, {FITS}",
+    ),
+    "tensor dims of 2**40": (
+        "F32",
+        _set("token_embd.weight", 4, 2**40),
+        rf"tensor 'token_embd.weight' \(F32 \[1099511627776, 260\]\) {PAST_THE_END}",
+    ),
+    "a truncated Q8_0 file": (
+        "Q8_0",
+        lambda data: data[:-1000],
+        rf"tensor 'blk.1.ffn_down.weight' \(Q8_0 \[128, 64\]\) {PAST_THE_END}",
+    ),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", list(HOSTILE_GGUF_CASES))
+def test_a_hostile_gguf_header_is_named(
+    gguf_files: dict[str, bytes], tmp_path: Path, case: str
+) -> None:
+    """Each count and length against the file's size, before gguf.GGUFReader trusts it."""
+    kind, edit, message = HOSTILE_GGUF_CASES[case]
+    path = tmp_path / "m.gguf"
+    path.write_bytes(edit(gguf_files[kind]))
+    with pytest.raises(ValueError, match=f"^model: {path}: is not a readable GGUF file: {message}"):
         EngineConfig.create(str(path), device="cpu")
 
 

@@ -155,10 +155,8 @@ def _resolve_dtype(dtype: str, hf_config: dict[str, Any] | None) -> str:
     check(dtype in DTYPES, "dtype", dtype, " | ".join(DTYPES))
     if dtype != "auto" or hf_config is None:
         return dtype
-    saved = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
-    return (
-        _DTYPE_ALIASES.get(saved, saved) if saved in DTYPES + tuple(_DTYPE_ALIASES) else "float32"
-    )
+    saved = hf_config.get("dtype") or hf_config.get("torch_dtype")  # checked: CHECKPOINT_DTYPES
+    return saved if saved in DTYPES else "float32"  # absent, or float64
 
 
 def _resolve_max_model_len(requested: int | None, hf_config: dict[str, Any]) -> int:
@@ -185,5 +183,9 @@ def _eos_token_ids(directory: Path, hf_config: dict[str, Any]) -> frozenset[int]
     if generation_file.is_file():
         generation = _read_json(generation_file)
         if isinstance(generation, dict) and "eos_token_id" in generation:
-            return eos_token_ids(generation["eos_token_id"], str(generation_file))
-    return eos_token_ids(hf_config.get("eos_token_id"), str(directory / "config.json"))
+            return eos_token_ids(
+                generation["eos_token_id"], str(generation_file), hf_config["vocab_size"]
+            )
+    return eos_token_ids(
+        hf_config.get("eos_token_id"), str(directory / "config.json"), hf_config["vocab_size"]
+    )

@@ -29,6 +29,12 @@ _LLAMA3_ROPE_KEYS = (
     "high_freq_factor",
     "original_max_position_embeddings",
 )
+# Rope types layers/rotary.py implements. "frequency_factors": each frequency divided by a
+# stored factor (how GGUF files keep Llama 3.1's scaling: the `rope_freqs` tensor).
+ROPE_TYPES = ("default", "llama3", "frequency_factors")
+# The dtypes config.json's `dtype` (older: `torch_dtype`) may name; `dtype="auto"` serves the
+# checkpoint in it (float64: in float32).
+CHECKPOINT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 _EMBEDDING = "model.embed_tokens.weight"
 _LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
 # The fewest bits a checkpoint stores per layer weight (GGUF Q2_K: 2.6).
@@ -69,12 +75,19 @@ def check_hf_config(hf_config: Any, source: str) -> None:
             raise ValueError(
                 f"model: {source}: {key!r} must be true or false, got {hf_config[key]!r}"
             )
+    for key in ("dtype", "torch_dtype"):
+        if hf_config.get(key) is not None and hf_config[key] not in CHECKPOINT_DTYPES:
+            raise ValueError(
+                f"model: {source}: {key!r} must be one of {', '.join(CHECKPOINT_DTYPES)} or null, "
+                f"got {hf_config[key]!r}"
+            )
     _check_rope(hf_config, source)
-    eos_token_ids(hf_config.get("eos_token_id"), source)
+    eos_token_ids(hf_config.get("eos_token_id"), source, hf_config["vocab_size"])
 
 
-def eos_token_ids(value: Any, source: str) -> frozenset[int]:
-    """An `eos_token_id` value (an id, a list of ids or null) as a set of ids."""
+def eos_token_ids(value: Any, source: str, vocab_size: int) -> frozenset[int]:
+    """An `eos_token_id` value (an id, a list of ids or null) as a set of ids, each one of the
+    vocabulary's (an id past it would never be sampled, so generation would never stop on it)."""
     ids = [value] if is_int(value) else value
     if ids is None:
         return frozenset()
@@ -82,6 +95,12 @@ def eos_token_ids(value: Any, source: str) -> frozenset[int]:
         raise ValueError(
             f"model: {source}: 'eos_token_id' must be a token id or a list of them, got {value!r}"
         )
+    for token_id in ids:
+        if token_id >= vocab_size:
+            raise ValueError(
+                f"model: {source}: 'eos_token_id' {token_id} is not a token id: 'vocab_size' is "
+                f"{vocab_size}"
+            )
     return frozenset(ids)
 
 
@@ -149,7 +168,13 @@ def _check_rope(hf_config: dict[str, Any], source: str) -> None:
             continue
         if not isinstance(params, dict):
             raise ValueError(f"model: {source}: {key!r} must be an object or null, got {params!r}")
-        if params.get("rope_type", params.get("type")) == "llama3":
+        rope_type = rope_type_of(params)
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"model: {source}: {key}: rope type {rope_type!r} is not supported; supported: "
+                f"{', '.join(ROPE_TYPES)}"
+            )
+        if rope_type == "llama3":
             for name in _LLAMA3_ROPE_KEYS:
                 if not is_number(params.get(name)) or params[name] <= 0:
                     raise ValueError(
@@ -168,6 +193,11 @@ def _check_rope(hf_config: dict[str, Any], source: str) -> None:
     theta = hf_config.get("rope_theta")
     if theta is not None and (not is_number(theta) or theta <= 0):
         raise ValueError(f"model: {source}: 'rope_theta' must be a number > 0, got {theta!r}")
+
+
+def rope_type_of(params: dict[str, Any]) -> Any:
+    """A rope_parameters / rope_scaling object's type: `rope_type`, or the older `type`."""
+    return params.get("rope_type") or params.get("type") or "default"
 
 
 def _layer_weights(hf_config: dict[str, Any]) -> int:

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
-# "frequency_factors": each frequency divided by a stored factor (how GGUF files keep Llama 3.1's
-# scaling: the `rope_freqs` tensor).
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "frequency_factors")
+# ROPE_TYPES: the types implemented below. It lives with config.json's checks (which import no
+# torch), so a checkpoint of another type is refused before the model is built.
+from kvfleet_engine.config.model_checks import ROPE_TYPES, rope_type_of
 
 
 def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
@@ -19,9 +19,9 @@ def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
     `rope_theta` + `rope_scaling`)."""
     params = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
     params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        supported = ", ".join(SUPPORTED_ROPE_TYPES)
+    rope_type = rope_type_of(params)
+    if rope_type not in ROPE_TYPES:
+        supported = ", ".join(ROPE_TYPES)
         raise ValueError(f"rope type {rope_type!r} is not supported; supported: {supported}")
     params["rope_type"] = rope_type
     return params

@@ -8,6 +8,8 @@ import functools
 from pathlib import Path
 from typing import Any
 
+from kvfleet_engine.loaders.gguf_header import check_gguf_header
+
 # GGUF `general.architecture` -> the Hugging Face architecture our model code implements.
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -46,13 +48,15 @@ def _has_gguf_magic(path: Path) -> bool:
 @functools.lru_cache(maxsize=2)
 def open_gguf(path: str) -> Any:
     """The file's `gguf.GGUFReader` (memory-mapped; one per file, shared by the config, tokenizer
-    and weight loaders). A file that is not GGUF, or is cut short, is a ValueError."""
+    and weight loaders), once its header is checked against the file's size. A file that is not
+    GGUF, is cut short or holds a count no file can: a ValueError naming the file and the field."""
     import gguf
 
     try:
+        check_gguf_header(Path(path))
         return gguf.GGUFReader(path)
     except (ValueError, OSError, IndexError, KeyError, TypeError) as error:
-        raise ValueError(f"model: {path!r} is not a readable GGUF file ({error})") from error
+        raise ValueError(f"model: {path}: is not a readable GGUF file: {error}") from None
 
 
 def field(reader: Any, key: str, default: Any = None) -> Any:

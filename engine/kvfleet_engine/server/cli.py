@@ -311,6 +311,8 @@ def _tokenizer_error(model_path: str, exc: Exception) -> str:
             f"{', '.join(_TOKENIZER_FILES)}); copy them from the model's repository"
         )
     lines = str(exc).strip().splitlines()
+    if isinstance(exc, ValueError) and lines and lines[0].startswith("model: "):
+        return lines[0]  # load_tokenizer's own message names the file and what is wrong in it
     return f"--model {model_path}: cannot load its tokenizer: {lines[0] if lines else repr(exc)}"
 
 
