@@ -47,8 +47,11 @@ def _compile_chat_template(template: Any, source: str) -> None:
     if not isinstance(template, str):
         raise ValueError(f"model: {source} must be a string, got {template!r:.80}")
     from jinja2 import TemplateSyntaxError
-    from transformers.utils.chat_template_utils import _compile_jinja_template
 
+    try:  # private: a transformers without it leaves the template to the first chat request
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        return
     try:
         _compile_jinja_template(template)
     except TemplateSyntaxError as error:
