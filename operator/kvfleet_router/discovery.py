@@ -26,29 +26,47 @@ DEPLOYMENT_LABEL = "kvfleet.io/deployment"  # the engine pods' (and their Servic
 DISCOVERY_SOURCES = ("endpointslices", "pods")
 PORT_NAME = "http"
 WATCH_TIMEOUT_S = 300  # the API server ends a watch after this; then list again
+# The client gives up on a list, and on a watch this long past WATCH_TIMEOUT_S: an API server
+# that fell silent (a half-open connection) held discovery on its last view for ever.
+LIST_TIMEOUT_S = 30.0
+WATCH_GRACE_S = 30.0
 RETRY_S = 2.0  # after a failed list or watch
 
 
 def ready_endpoints(slices: Iterable[dict[str, Any]]) -> dict[str, str]:
     """host:port -> pod name of every ready, not terminating endpoint in the EndpointSlices
     (dicts as the API returns them; an endpoint without a pod targetRef is named by its
-    host:port). An absent `ready` means ready (the API's rule)."""
-    endpoints = {}
+    host:port). An absent `ready` means ready (the API's rule).
+
+    One replica per pod: an endpoint's several addresses are one endpoint (the API's rule),
+    and a pod in several slices (one per address family on a dual-stack Service, or two while
+    the controller moves it) keeps its lowest address. Before, each was a replica of its own,
+    and the pod got twice its share of the traffic."""
+    addresses: dict[str, str] = {}  # pod name (or address) -> its address
     for endpoint_slice in slices:
-        ports = endpoint_slice.get("ports") or []
-        port = next((p.get("port") for p in ports if p.get("name") == PORT_NAME), None)
-        if port is None:
-            port = ports[0].get("port") if len(ports) == 1 else ENGINE_PORT
+        port = _slice_port(endpoint_slice.get("ports") or [])
         for endpoint in endpoint_slice.get("endpoints") or []:
             conditions = endpoint.get("conditions") or {}
             if conditions.get("ready") is False or conditions.get("terminating") is True:
                 continue
+            ips = endpoint.get("addresses") or []
+            if not ips or not isinstance(ips[0], str):
+                continue
+            address = f"[{ips[0]}]:{port}" if ":" in ips[0] else f"{ips[0]}:{port}"
             target = endpoint.get("targetRef") or {}
-            pod = target.get("name") if target.get("kind") == "Pod" else None
-            for ip in endpoint.get("addresses") or []:
-                address = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
-                endpoints[address] = pod or address
-    return endpoints
+            pod = (target.get("name") if target.get("kind") == "Pod" else None) or address
+            if pod not in addresses or address < addresses[pod]:
+                addresses[pod] = address
+    return {address: pod for pod, address in addresses.items()}
+
+
+def _slice_port(ports: list[dict[str, Any]]) -> int:
+    """The engine's port in a slice: the one named http, else its only port, else 8000 (a
+    port without a number, which the API allows, made the address "10.0.0.1:None")."""
+    named = [p.get("port") for p in ports if p.get("name") == PORT_NAME]
+    numbers = named or ([p.get("port") for p in ports] if len(ports) == 1 else [])
+    port = numbers[0] if numbers else None
+    return port if isinstance(port, int) and 0 < port < 65536 else ENGINE_PORT
 
 
 def ready_pod_endpoints(pods: Iterable[dict[str, Any]]) -> dict[str, str]:
@@ -132,7 +150,10 @@ class KubernetesDiscovery:
 
     async def _list(self, list_func: Any) -> str:
         response = await list_func(
-            self._namespace, label_selector=self._selector, _preload_content=False
+            self._namespace,
+            label_selector=self._selector,
+            _preload_content=False,
+            _request_timeout=LIST_TIMEOUT_S,
         )
         listing = json.loads(await response.read())
         self._objects = {item["metadata"]["name"]: item for item in listing.get("items", [])}
@@ -142,18 +163,30 @@ class KubernetesDiscovery:
         return version
 
     async def _watch(self, list_func: Any, watcher: Any, version: str) -> None:
+        """Follow changes until the watch ends; a 410 Gone (the version is too old, as after
+        the API server compacted its history) ends it too, to list again at once."""
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        try:
+            await self._follow(list_func, watcher, version)
+        except ApiException as exc:
+            if exc.status != 410:
+                raise
+            log.info(
+                "%s watch of %s expired (410 Gone): listing again", self._source, self._selector
+            )
+
+    async def _follow(self, list_func: Any, watcher: Any, version: str) -> None:
         async with watcher.stream(
             list_func,
             self._namespace,
             label_selector=self._selector,
             resource_version=version,
             timeout_seconds=WATCH_TIMEOUT_S,
+            _request_timeout=WATCH_TIMEOUT_S + WATCH_GRACE_S,
         ) as events:
             async for event in events:
                 kind, raw = event["type"], event["raw_object"]
-                if kind == "ERROR":
-                    log.info("%s watch ended: %s", self._source, raw.get("message", raw))
-                    return
                 name = raw["metadata"]["name"]
                 if kind == "DELETED":
                     self._objects.pop(name, None)

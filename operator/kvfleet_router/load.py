@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 SCRAPE_TIMEOUT_S = 1.0
 # A replica that times out this many reads in a row is taken out (a refused connection: at once).
 MAX_MISSED_SCRAPES = 3
+# A larger /metrics answer is not an engine's (vLLM's, histograms and all, is ~100 KB): one
+# that never ended was read whole for the scrape's second, hundreds of MB ten times a second.
+MAX_METRICS_BYTES = 4 << 20
 
 _GAUGES = {
     "kvfleet_requests_waiting": "waiting",
@@ -40,7 +43,8 @@ _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 def parse_load(text: str) -> LoadSample:
     """The router's gauges out of a Prometheus text exposition. Raises ValueError when the
-    queue gauge is absent: such an endpoint is not an engine the router can route to."""
+    queue gauge is absent or a gauge is NaN, infinite or negative: such an endpoint is not an
+    engine the router can route to. A KV usage past 1 reads as 1."""
     values: dict[str, float] = {}
     first: dict[str, str] = {}  # gauge kind -> the metric name that gave it (kvfleet_ first)
     models: set[str] = set()
@@ -64,6 +68,9 @@ def parse_load(text: str) -> LoadSample:
             value = float(line.rsplit(" ", 1)[1])
         except (IndexError, ValueError):
             raise ValueError(f"bad sample line: {line[:80]!r}") from None
+        if not value >= 0 or value == math.inf:
+            # A NaN made every load comparison false, a negative queue drew all the traffic.
+            raise ValueError(f"{name} is {value}: no engine exports that")
         values[kind] = (
             max(values.get(kind, 0.0), value)
             if kind == "kv_usage"
@@ -76,7 +83,7 @@ def parse_load(text: str) -> LoadSample:
     return LoadSample(
         waiting=values["waiting"],
         running=values.get("running", 0.0),
-        kv_usage=values.get("kv_usage", 0.0),
+        kv_usage=min(values.get("kv_usage", 0.0), 1.0),
         num_gpu_blocks=_positive_int(cache.get("num_gpu_blocks")),
         block_size=_positive_int(cache.get("block_size")),
         model_names=frozenset(models),
@@ -137,16 +144,34 @@ class LoadScraper:
             started = time.monotonic()
             sample: LoadSample | None = None
             refused = False
+            failure = "timed out"
             try:
                 async with self._session.get(url, timeout=timeout) as response:
                     if response.status == 200:
-                        sample = parse_load(await response.text())
+                        sample = parse_load(await _read_text(response, MAX_METRICS_BYTES))
+                    else:
+                        failure = f"answered {response.status}"
             except (TimeoutError, ValueError, aiohttp.ClientPayloadError) as exc:
                 log.debug("scrape of %s failed: %s", url, exc)  # busy, or not an engine
-            except aiohttp.ClientError:
+                failure = str(exc) or type(exc).__name__
+            except aiohttp.ClientError as exc:
                 refused = True  # nothing listens there (any more)
+                failure = str(exc) or type(exc).__name__
             missed = 0 if sample is not None else missed + 1
             if sample is not None or refused or missed >= MAX_MISSED_SCRAPES:
+                was = replica.reachable
                 self._pool.observe_scrape(replica, sample)
+                if was and not replica.reachable:
+                    log.warning("replica %s (%s) out: its /metrics %s", replica.name, url, failure)
             elapsed = time.monotonic() - started
             await asyncio.sleep(max(0.0, self._interval_s - elapsed))
+
+
+async def _read_text(response: aiohttp.ClientResponse, limit: int) -> str:
+    """The body as text, if it is at most `limit` bytes (ValueError past that)."""
+    data = bytearray()
+    while chunk := await response.content.read(limit + 1 - len(data)):
+        data += chunk
+        if len(data) > limit:
+            raise ValueError(f"answer is over {limit} bytes")
+    return data.decode("utf-8", "replace")

@@ -11,13 +11,17 @@ from collections.abc import Sequence
 
 CHARS_PER_TOKEN = 4  # English text, roughly: converts the engine's token blocks to ours
 DEFAULT_CAPACITY_BLOCKS = 16384  # when the engine does not say how large its cache is
+# The most blocks kept per replica (64 M characters, about 16 M tokens of KV cache; some 100 MB
+# here), whatever its num_gpu_blocks says: 1e18 let the index grow with every prompt routed.
+MAX_CAPACITY_BLOCKS = 1 << 20
 
 
 def capacity_blocks(num_gpu_blocks: int | None, block_size: int | None, block_chars: int) -> int:
     """How many of our blocks the replica's KV cache holds (vllm:cache_config_info)."""
     if num_gpu_blocks is None or block_size is None:
         return DEFAULT_CAPACITY_BLOCKS
-    return max(1, num_gpu_blocks * block_size * CHARS_PER_TOKEN // block_chars)
+    blocks = num_gpu_blocks * block_size * CHARS_PER_TOKEN // block_chars
+    return max(1, min(blocks, MAX_CAPACITY_BLOCKS))
 
 
 class PrefixIndex:

@@ -199,6 +199,8 @@ class Proxy:
             for replica in ranking.replicas:
                 if attempts >= settings.max_attempts:
                     break
+                if not self._pool.is_available(replica):
+                    continue  # it left, or went out, while an earlier attempt was on its way
                 answer = await self._try(request, replica, url_path, raw, headers, routed, result)
                 if answer is None:
                     continue  # the connection failed: the replica is out

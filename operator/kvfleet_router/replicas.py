@@ -88,7 +88,17 @@ class ReplicaPool:
     def available(self, now: float | None = None) -> list[Replica]:
         """Members that may get a new request now."""
         now = time.monotonic() if now is None else now
-        return [r for r in self.members.values() if r.reachable and r.cool_until <= now]
+        return [r for r in self.members.values() if self.is_available(r, now)]
+
+    def is_available(self, replica: Replica, now: float | None = None) -> bool:
+        """Whether `replica` may get a new request now: still a member (not removed, not
+        replaced by a new pod at its address), reachable and not cooling down."""
+        now = time.monotonic() if now is None else now
+        return (
+            self.members.get(replica.address) is replica
+            and replica.reachable
+            and replica.cool_until <= now
+        )
 
     def observe_scrape(self, replica: Replica, sample: LoadSample | None) -> None:
         """A scrape result: a sample makes the replica reachable again, None unreachable."""
