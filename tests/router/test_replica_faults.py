@@ -348,3 +348,19 @@ async def test_a_replica_that_left_while_a_request_was_on_another_gets_no_retry(
     response = await sent
     assert leaving.bodies == []
     assert response.status == 504
+
+
+async def test_a_large_fleet_is_scraped_at_a_bounded_total_rate(
+    start_engines: StartEngines, start_router: StartRouter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each replica was read ten times a second however many there were: thousands of
+    endpoints kept the router's event loop busy with scrapes instead of requests."""
+    from kvfleet_router import load
+
+    monkeypatch.setattr(load, "MAX_SCRAPES_PER_S", 20.0)  # 4 replicas: 5 Hz each, not 10
+    engines = await start_engines(4)
+    await start_router([e.url for e in engines])
+    before = [e.metrics_reads for e in engines]
+    await asyncio.sleep(2.0)
+    rates = [(e.metrics_reads - b) / 2.0 for e, b in zip(engines, before, strict=True)]
+    assert all(2.5 <= rate <= 6.5 for rate in rates), rates
