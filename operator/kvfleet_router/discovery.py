@@ -31,6 +31,7 @@ WATCH_TIMEOUT_S = 300  # the API server ends a watch after this; then list again
 LIST_TIMEOUT_S = 30.0
 WATCH_GRACE_S = 30.0
 RETRY_S = 2.0  # after a failed list or watch
+MAX_NAMES_LOGGED = 10  # replicas named in a log line of a change, each way
 
 
 def ready_endpoints(slices: Iterable[dict[str, Any]]) -> dict[str, str]:
@@ -200,7 +201,25 @@ class KubernetesDiscovery:
             endpoints = ready_endpoints(objects)
         else:
             endpoints = ready_pod_endpoints(objects)
-        if endpoints != {a: r.name for a, r in self._pool.members.items()}:
-            listed = ", ".join(f"{name} ({a})" for a, name in sorted(endpoints.items()))
-            log.info("replicas of %s: %s", self._selector, listed or "none")
-        self._pool.set_members(endpoints, reachable=True)
+        members = {a: r.name for a, r in self._pool.members.items()}
+        if endpoints != members or not self.synced:  # the first list is logged, even empty
+            log.info("replicas of %s: %s", self._selector, describe_change(members, endpoints))
+            self._pool.set_members(endpoints, reachable=True)
+
+
+def describe_change(old: dict[str, str], new: dict[str, str]) -> str:
+    """What a log line says of a change of replicas (address -> pod name): up to
+    MAX_NAMES_LOGGED of them, the list; past that how many there are and which came and went,
+    at most MAX_NAMES_LOGGED of each (the whole list, on every change, was 80 KB a line at
+    2,000 endpoints)."""
+    if len(new) <= MAX_NAMES_LOGGED:
+        return ", ".join(f"{name} ({a})" for a, name in sorted(new.items())) or "none"
+    added = sorted(f"{name} ({a})" for a, name in new.items() if old.get(a) != name)
+    removed = sorted(f"{name} ({a})" for a, name in old.items() if new.get(a) != name)
+    parts = [f"{len(new)} ready"]
+    for sign, names in (("+", added), ("-", removed)):
+        if names:
+            more = len(names) - MAX_NAMES_LOGGED
+            shown = ", ".join(names[:MAX_NAMES_LOGGED]) + (f" and {more} more" if more > 0 else "")
+            parts.append(f"{sign}{len(names)}: {shown}")
+    return "; ".join(parts)

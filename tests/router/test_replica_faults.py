@@ -364,3 +364,39 @@ async def test_a_large_fleet_is_scraped_at_a_bounded_total_rate(
     await asyncio.sleep(2.0)
     rates = [(e.metrics_reads - b) / 2.0 for e, b in zip(engines, before, strict=True)]
     assert all(2.5 <= rate <= 6.5 for rate in rates), rates
+
+
+async def test_thousands_of_endpoints_log_what_changed_not_the_whole_list(
+    api_server: FakeApiServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every change logged the whole list of replicas: 80 KB a line at 2,000 endpoints, one
+    line per pod a rollout moves."""
+    caplog.set_level(logging.INFO, logger="kvfleet_router.discovery")
+    pods = [(f"llama-{i}", f"10.0.{i // 250}.{i % 250 + 1}") for i in range(2000)]
+    api_server.slices = [
+        endpoint_slice(f"llama-{n}", *pods[n * 100 : (n + 1) * 100]) for n in range(20)
+    ]
+    moved = endpoint_slice("llama-0", ("llama-new", "10.9.9.9"), *pods[1:100])
+    api_server.watch_events = [{"type": "MODIFIED", "object": moved}]
+    pool, task = await _discover(api_server)
+    try:
+        await _until(lambda: "10.9.9.9:8000" in pool.members)
+    finally:
+        task.cancel()
+    assert len(pool.members) == 2000
+    lines = [r.getMessage() for r in caplog.records if "replicas of" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert "2000 ready; +2000: llama-0 (10.0.0.1:8000), " in lines[0]
+    assert lines[0].endswith(" and 1990 more")
+    assert lines[1].endswith(
+        "2000 ready; +1: llama-new (10.9.9.9:8000); -1: llama-0 (10.0.0.1:8000)"
+    )
+
+
+def test_a_few_replicas_are_logged_by_name() -> None:
+    from kvfleet_router.discovery import describe_change
+
+    assert describe_change({}, {"10.0.0.1:8000": "a", "10.0.0.2:8000": "b"}) == (
+        "a (10.0.0.1:8000), b (10.0.0.2:8000)"
+    )
+    assert describe_change({"10.0.0.1:8000": "a"}, {}) == "none"
