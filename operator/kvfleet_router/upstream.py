@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import json
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -94,23 +95,59 @@ class Answer:
             if upstream.content_length is not None and "Content-Encoding" not in self._headers:
                 stream.content_length = upstream.content_length  # relayed byte for byte
             await stream.prepare(request)
+            last = b"\n\n"  # the end of the last chunk relayed
             try:
                 while chunk := await _next_chunk(upstream, self._idle_timeout_s):
                     await stream.write(chunk)
+                    last = chunk[-2:]
                 await stream.write_eof()  # fails too if the client left just as the stream ended
             except (*_BROKEN, TimeoutError) as exc:
                 upstream.close()
-                transport = request.transport
-                if transport is None or transport.is_closing():
+                timed_out = isinstance(exc, TimeoutError)
+                if not await self._break(request, stream, timed_out, last == b"\n\n"):
                     return stream, m.DISCONNECTED  # the write to the client failed
-                transport.abort()
-                return stream, m.TIMEOUT if isinstance(exc, TimeoutError) else m.BROKEN
+                return stream, m.TIMEOUT if timed_out else m.BROKEN
             return stream, outcome(self.status)
         except BaseException:
             upstream.close()  # the client went away: drop the upstream connection now
             raise
         finally:
             upstream.release()
+
+    async def _break(
+        self, request: web.Request, stream: web.StreamResponse, timed_out: bool, at_event: bool
+    ) -> bool:
+        """End the client's answer broken (False: the client had left): its connection closes
+        before the body's end, so no client takes it for a whole answer. An event stream gets
+        an error event first, as the engine ends a stream it gives up on, so an OpenAI client
+        raises the reason instead of a bare connection error."""
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            return False
+        headers = self._headers
+        event_stream = headers.get("Content-Type", "").startswith("text/event-stream")
+        if event_stream and "Content-Encoding" not in headers:
+            replica = headers[REPLICA_HEADER]
+            if timed_out:
+                type_ = "gateway_timeout"
+                message = (
+                    f"replica {replica} sent nothing for {self._idle_timeout_s:g} s "
+                    "(--upstream-idle-timeout); the answer is cut"
+                )
+            else:
+                type_ = "bad_gateway"
+                message = f"replica {replica} closed the stream before its end; the answer is cut"
+            error = {"message": message, "type": type_, "param": None, "code": None}
+            event = json.dumps({"error": error}).encode()
+            try:
+                cut = b"" if at_event else b"\n\n"  # ends the event the replica left half-sent
+                await stream.write(cut + b"data: " + event + b"\n\n")
+            except (ConnectionError, RuntimeError):
+                return False
+            transport.close()  # after the event is sent, unlike abort()
+        else:
+            transport.abort()
+        return True
 
 
 class Upstream:

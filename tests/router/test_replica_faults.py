@@ -12,6 +12,7 @@ import math
 import time
 import tracemalloc
 
+import aiohttp
 import pytest
 from aiohttp import web
 from fake_engine import MODEL
@@ -400,3 +401,36 @@ def test_a_few_replicas_are_logged_by_name() -> None:
         "a (10.0.0.1:8000), b (10.0.0.2:8000)"
     )
     assert describe_change({"10.0.0.1:8000": "a"}, {}) == "none"
+
+
+@pytest.mark.parametrize("fault", ["dies", "falls silent"])
+async def test_a_stream_cut_by_its_replica_ends_with_an_error_event_then_broken(
+    start_engines: StartEngines, start_router: StartRouter, fault: str
+) -> None:
+    """The client's connection was aborted with no word: an OpenAI client raised a bare
+    connection error. Now it reads an error event, as the engine sends when it gives up on a
+    stream, and the body still ends broken (never a short answer that looks whole)."""
+    (engine,) = await start_engines(1)
+    if fault == "dies":
+        engine.die_mid_stream = True
+    else:
+        engine.stream_gate = asyncio.Event()  # never set
+    router = await start_router([engine.url], upstream_idle_timeout_s=0.3)
+    stream = json.dumps({"model": MODEL, "prompt": "Hello", "stream": True}).encode()
+    response = await router.post("/v1/completions", stream)
+    assert response.status == 200
+    assert await response.content.readuntil(b"\n\n") == b'data: {"n": 1}\n\n'
+    event = await asyncio.wait_for(response.content.readuntil(b"\n\n"), 3)
+    error = json.loads(event.removeprefix(b"data: "))["error"]
+    replica = engine.url.removeprefix("http://")
+    if fault == "dies":
+        assert error["type"] == "bad_gateway"
+        assert (
+            error["message"]
+            == f"replica {replica} closed the stream before its end; the answer is cut"
+        )
+    else:
+        assert error["type"] == "gateway_timeout"
+        assert "--upstream-idle-timeout" in error["message"]
+    with pytest.raises(aiohttp.ClientPayloadError):
+        await asyncio.wait_for(response.content.read(), 2)
