@@ -24,6 +24,7 @@ from parallel_cases import free_port_pair
 from safetensors.torch import load_file, save_file
 
 from kvfleet_engine.config import EngineConfig
+from kvfleet_engine.config.model_checks import check_sizes
 from kvfleet_engine.llm import LLM
 from kvfleet_engine.tokenizer import load_tokenizer
 
@@ -196,6 +197,7 @@ def test_a_broken_checkpoint_is_named_before_anything_loads(
         ({"dtype": None, "torch_dtype": "bfloat16"}, "bfloat16"),
         ({"dtype": "float64"}, "float32"),
         ({"dtype": None}, "float32"),
+        ({"dtype": "bf16"}, "bfloat16"),  # an alias, as the dtype setting takes them
     ],
 )
 def test_dtype_auto_serves_the_checkpoints_dtype(
@@ -205,6 +207,41 @@ def test_dtype_auto_serves_the_checkpoints_dtype(
     shutil.copytree(checkpoints.path("llama3"), directory)
     _config(**saved)(directory)
     assert EngineConfig.create(str(directory), device="cpu").model.dtype == served
+
+
+def test_a_config_dtype_no_setting_reads_is_not_refused(
+    checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    """config.json's dtype is read only for dtype auto: with another setting it is not used."""
+    directory = tmp_path / "m"
+    shutil.copytree(checkpoints.path("llama3"), directory)
+    _config(dtype="float8_e4m3fn")(directory)
+    config = EngineConfig.create(str(directory), device="cpu", dtype="float32")
+    assert config.model.dtype == "float32"
+
+
+def test_gguf_sizes_are_checked_by_their_shapes_whatever_the_bits() -> None:
+    """A GGUF file of 1-2 bits a weight (IQ1_S, IQ1_M, TQ1_0) holds fewer bytes than a 2-bit
+    bound allows: its logical shapes are what is checked (Llama 3.1 70B's)."""
+    hidden, inner, heads, kv_heads, layers = 8192, 28672, 64, 8, 80
+    config = {"num_hidden_layers": layers, "vocab_size": 128256, "hidden_size": hidden,
+              "intermediate_size": inner, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads}  # fmt: skip
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (128256, hidden)}
+    for i in range(layers):
+        layer = f"model.layers.{i}"
+        shapes |= {
+            f"{layer}.self_attn.q_proj.weight": (hidden, hidden),
+            f"{layer}.self_attn.k_proj.weight": (1024, hidden),
+            f"{layer}.self_attn.v_proj.weight": (1024, hidden),
+            f"{layer}.self_attn.o_proj.weight": (hidden, hidden),
+            f"{layer}.mlp.gate_proj.weight": (inner, hidden),
+            f"{layer}.mlp.up_proj.weight": (inner, hidden),
+            f"{layer}.mlp.down_proj.weight": (hidden, inner),
+        }
+    check_sizes(config, shapes, None, "70b-IQ1_S.gguf")  # 15.4 GB: under 2 bits a weight
+    with pytest.raises(ValueError, match=r"more than the checkpoint's \d+ layer weights"):
+        check_sizes({**config, "intermediate_size": 4 * inner}, shapes, None, "70b-IQ1_S.gguf")
 
 
 @pytest.fixture(scope="module")

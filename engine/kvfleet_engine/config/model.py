@@ -23,6 +23,9 @@ from kvfleet_engine.quant.config import (
 log = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The dtypes config.json's `dtype` (older: `torch_dtype`) may name, aliases aside; `dtype="auto"`
+# serves the checkpoint in it (float64: in float32).
+CHECKPOINT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 _DTYPE_ALIASES = {
     "fp32": "float32",
     "float": "float32",
@@ -63,7 +66,7 @@ class ModelConfig:
             hf_config = gguf_hf_config(str(gguf_file))
             check_hf_config(hf_config, str(gguf_file))
             shapes = gguf_tensor_shapes(str(gguf_file))
-            check_sizes(hf_config, shapes, gguf_file.stat().st_size, str(gguf_file))
+            check_sizes(hf_config, shapes, None, str(gguf_file))
             return cls(
                 path=str(gguf_file),
                 format="gguf",
@@ -90,7 +93,7 @@ class ModelConfig:
             path=str(directory),
             format="safetensors",
             architecture=hf_config["architectures"][0],
-            dtype=_resolve_dtype(dtype, hf_config),
+            dtype=_resolve_dtype(dtype, hf_config, str(config_file)),
             max_model_len=_resolve_max_model_len(max_model_len, hf_config),
             eos_token_ids=_eos_token_ids(directory, hf_config),
             hf_config=hf_config,
@@ -147,16 +150,27 @@ def _check_safetensors_sizes(hf_config: dict[str, Any], directory: Path, source:
     check_sizes(hf_config, shapes, sum(h.num_bytes for h in headers.values()), source)
 
 
-def _resolve_dtype(dtype: str, hf_config: dict[str, Any] | None) -> str:
+def _resolve_dtype(dtype: str, hf_config: dict[str, Any] | None, source: str = "") -> str:
     """The dtype setting, with `auto` replaced by the checkpoint's dtype (hf_config None: a GGUF
-    file, whose quantized tensors have none)."""
+    file, whose quantized tensors have none); config.json's `dtype` (older: `torch_dtype`) is
+    read, and so checked, only then."""
     check(isinstance(dtype, str), "dtype", dtype, " | ".join(DTYPES))
     dtype = _DTYPE_ALIASES.get(dtype, dtype)
     check(dtype in DTYPES, "dtype", dtype, " | ".join(DTYPES))
     if dtype != "auto" or hf_config is None:
         return dtype
-    saved = hf_config.get("dtype") or hf_config.get("torch_dtype")  # checked: CHECKPOINT_DTYPES
-    return saved if saved in DTYPES else "float32"  # absent, or float64
+    for key in ("dtype", "torch_dtype"):
+        saved = hf_config.get(key)
+        if saved is None:
+            continue
+        served = _DTYPE_ALIASES.get(saved, saved) if isinstance(saved, str) else saved
+        if served not in CHECKPOINT_DTYPES:
+            raise ValueError(
+                f"model: {source}: {key!r} must be one of {', '.join(CHECKPOINT_DTYPES)} or null, "
+                f"got {saved!r} (dtype auto serves the checkpoint's; set dtype to serve another)"
+            )
+        return "float32" if served == "float64" else str(served)
+    return "float32"
 
 
 def _resolve_max_model_len(requested: int | None, hf_config: dict[str, Any]) -> int:

@@ -5,6 +5,7 @@ an allocation of terabytes or a loop over a billion layers. No torch."""
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -32,12 +33,10 @@ _LLAMA3_ROPE_KEYS = (
 # Rope types layers/rotary.py implements. "frequency_factors": each frequency divided by a
 # stored factor (how GGUF files keep Llama 3.1's scaling: the `rope_freqs` tensor).
 ROPE_TYPES = ("default", "llama3", "frequency_factors")
-# The dtypes config.json's `dtype` (older: `torch_dtype`) may name; `dtype="auto"` serves the
-# checkpoint in it (float64: in float32).
-CHECKPOINT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 _EMBEDDING = "model.embed_tokens.weight"
 _LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
-# The fewest bits a checkpoint stores per layer weight (GGUF Q2_K: 2.6).
+# The fewest bits a safetensors checkpoint stores per layer weight (int4 packed: 4, with its
+# scales more), with room to spare; GGUF files (down to 1.1 bits) are checked by their shapes.
 _MIN_BITS_PER_WEIGHT = 2
 
 
@@ -75,12 +74,6 @@ def check_hf_config(hf_config: Any, source: str) -> None:
             raise ValueError(
                 f"model: {source}: {key!r} must be true or false, got {hf_config[key]!r}"
             )
-    for key in ("dtype", "torch_dtype"):
-        if hf_config.get(key) is not None and hf_config[key] not in CHECKPOINT_DTYPES:
-            raise ValueError(
-                f"model: {source}: {key!r} must be one of {', '.join(CHECKPOINT_DTYPES)} or null, "
-                f"got {hf_config[key]!r}"
-            )
     _check_rope(hf_config, source)
     eos_token_ids(hf_config.get("eos_token_id"), source, hf_config["vocab_size"])
 
@@ -105,11 +98,16 @@ def eos_token_ids(value: Any, source: str, vocab_size: int) -> frozenset[int]:
 
 
 def check_sizes(
-    hf_config: dict[str, Any], shapes: dict[str, tuple[int, ...]], num_bytes: int, source: str
+    hf_config: dict[str, Any],
+    shapes: dict[str, tuple[int, ...]],
+    num_bytes: int | None,
+    source: str,
 ) -> None:
-    """The config's sizes against the checkpoint's tensors (Hugging Face name -> shape; num_bytes:
-    their stored size): its layers, its embedding, and no more layer weights than those bytes
-    can hold. Runs before the model is built, which trusts the config's sizes."""
+    """The config's sizes against the checkpoint's tensors (Hugging Face name -> shape): its
+    layers, its embedding, and no more layer weights than the tensors hold: than their
+    `num_bytes` can hold (safetensors, whose packed quantized shapes are not the weights'), or,
+    with None, than the shapes count (GGUF, whose shapes are the weights' whatever their type).
+    Runs before the model is built, which trusts the config's sizes."""
     layers = {int(match[1]) for name in shapes if (match := _LAYER_TENSOR.match(name))}
     num_layers = max(layers) + 1 if layers else 0
     if hf_config["num_hidden_layers"] != num_layers:
@@ -127,11 +125,16 @@ def check_sizes(
             f"checkpoint's {_EMBEDDING} has shape {list(embedding)}"
         )
     num_weights = num_layers * _layer_weights(hf_config)
-    if num_weights * _MIN_BITS_PER_WEIGHT > 8 * num_bytes:
+    if num_bytes is None:
+        held = sum(math.prod(shape) for name, shape in shapes.items() if _LAYER_TENSOR.match(name))
+        too_many, limit = num_weights > held, f"the checkpoint's {held} layer weights"
+    else:
+        too_many = num_weights * _MIN_BITS_PER_WEIGHT > 8 * num_bytes
+        limit = f"the checkpoint's {num_bytes} bytes of tensors can hold"
+    if too_many:
         raise ValueError(
             f"model: {source}: its sizes (hidden_size, intermediate_size, num_attention_heads, "
-            f"num_key_value_heads, head_dim) make {num_weights} layer weights, more than the "
-            f"checkpoint's {num_bytes} bytes of tensors can hold"
+            f"num_key_value_heads, head_dim) make {num_weights} layer weights, more than {limit}"
         )
 
 
