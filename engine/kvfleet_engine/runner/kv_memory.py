@@ -4,6 +4,7 @@ for a quantized cache, scales) bound to it. A rank holds only its own layers and
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -77,14 +78,15 @@ def check_holds_a_sequence(num_blocks: int, block_size: int, max_model_len: int)
 
 
 def check_fits(num_blocks: int, block_bytes: int, device: torch.device) -> None:
-    """A requested kv_cache_blocks must fit the device's memory (a GPU's free memory now, the
-    host's physical memory on the CPU); beyond it the allocation would fail deep in torch, or
-    the kernel's OOM killer would end the process as the zeros are written."""
+    """A requested kv_cache_blocks must fit the device's memory (on a GPU what is free now,
+    counting what torch's cache holds unused; on the CPU the host's memory or the container's
+    limit, whichever is less); beyond it the allocation would fail deep in torch, or the OOM
+    killer would end the process as the zeros are written."""
     if device.type == "cuda":
-        capacity, what = torch.cuda.mem_get_info(device)[0], f"free memory of {device}"
+        unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        capacity, what = torch.cuda.mem_get_info(device)[0] + unused, f"free memory of {device}"
     else:
-        capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        what = "host's physical memory"
+        capacity, what = _host_memory_bytes()
     needed = num_blocks * block_bytes
     if needed > capacity:
         raise ValueError(
@@ -93,3 +95,15 @@ def check_fits(num_blocks: int, block_bytes: int, device: torch.device) -> None:
             "lower kv_cache_blocks, or leave it unset to size the cache from "
             "gpu_memory_utilization"
         )
+
+
+def _host_memory_bytes() -> tuple[int, str]:
+    """The host's physical memory, or the cgroup v2 limit of this container where lower."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        limit = "max"
+    if limit.isdigit() and int(limit) < physical:
+        return int(limit), "container's memory limit"
+    return physical, "host's physical memory"
