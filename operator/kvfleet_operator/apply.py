@@ -63,6 +63,8 @@ REQUEST_TIMEOUT_SECONDS = 30.0
 # A child is read before the first apply of this process (and again after this long) to see
 # that it is not someone else's object of the same name; in between, applies trust the check.
 OWNER_CHECK_SECONDS = 300.0
+# Checks remembered before the stale ones are dropped.
+MAX_OWNER_CHECKS = 4096
 
 
 class NotOwned(Exception):
@@ -177,39 +179,43 @@ class Cluster:
         `owner`, NotOwned when an object of the name exists that `owner` does not control
         (`foreign_controller`): it is left as it is."""
         meta = manifest["metadata"]
-        key = (manifest["apiVersion"], manifest["kind"], meta.get("namespace") or "", meta["name"])
-        checked_at = 0.0
         if owner is not None:
-            checked_at = await self._check_owner(key, owner)
+            await self.check_owned(manifest, owner)
             manifest = with_owner(manifest, owner)
         path = _path(manifest["apiVersion"], manifest["kind"], meta.get("namespace"), meta["name"])
         query = {"fieldManager": field_manager, "force": "true"}
         result = await self._request(
             "PATCH", path, body=manifest, query=query, content_type="application/apply-patch+yaml"
         )
-        if result is None:  # 404: its namespace is gone (being deleted)
-            raise RuntimeError(f"{manifest['kind']} {meta['name']}: its namespace is not found")
-        if owner is not None:
-            self._checked[key] = (owner["metadata"]["uid"], checked_at)
+        if result is None:  # 404: its namespace is gone, or its kind is no longer served
+            raise RuntimeError(
+                f"{manifest['kind']} {meta['name']}: not found (its namespace is gone, or its "
+                "kind is not served)"
+            )
         return result
 
-    async def _check_owner(self, key: tuple[str, str, str, str], owner: Manifest) -> float:
-        """When the child `key` was last found absent or `owner`'s: now, after a read, unless
-        an earlier check is recent enough. NotOwned when someone else's is there."""
-        uid = owner["metadata"]["uid"]
+    async def check_owned(self, manifest: Manifest, owner: Manifest) -> None:
+        """NotOwned when an object of the child `manifest`'s name exists that `owner` does not
+        control (`foreign_controller`). The object is read unless an earlier check for the
+        same owner is younger than OWNER_CHECK_SECONDS."""
+        meta, uid = manifest["metadata"], owner["metadata"]["uid"]
+        key = (manifest["apiVersion"], manifest["kind"], meta.get("namespace") or "", meta["name"])
+        now = time.monotonic()
         checked = self._checked.get(key)
-        if checked and checked[0] == uid and time.monotonic() - checked[1] < OWNER_CHECK_SECONDS:
-            return checked[1]
-        checked_at = time.monotonic()
-        api_version, kind, namespace, name = key
-        found = await self.get(api_version, kind, name, namespace or None)
+        if checked and checked[0] == uid and now - checked[1] < OWNER_CHECK_SECONDS:
+            return
+        found = await self.get(key[0], key[1], key[3], key[2] or None)
         other = None if found is None else foreign_controller(found, owner)
         if other is not None:
             raise NotOwned(
-                f"{kind} {name} exists and is not this InferenceDeployment's ({other}); it is "
-                "left as it is: delete or rename it, or rename the InferenceDeployment"
+                f"{key[1]} {key[3]} exists and is not this InferenceDeployment's ({other}); it "
+                "is left as it is: delete or rename it, or rename the InferenceDeployment"
             )
-        return checked_at
+        if len(self._checked) >= MAX_OWNER_CHECKS:  # children of deleted objects: forgotten
+            self._checked = {
+                k: v for k, v in self._checked.items() if now - v[1] < OWNER_CHECK_SECONDS
+            }
+        self._checked[key] = (uid, now)
 
     async def create(self, manifest: Manifest, *, owner: Manifest) -> bool:
         """Create `manifest` with `owner` as its controller; False when an object of its name

@@ -175,6 +175,13 @@ async def _reconcile(
             await hand_replicas_to_autoscaler(cluster, before, autoscaling.min_replicas)
         main = _main_child(children, planned, name)
         told = old_status.get("workloadGeneration")
+        try:  # every child before any is applied: a pass stopped here leaves nothing half done
+            for child in children:
+                await cluster.check_owned(child, body)
+        except NotOwned as exc:  # someone else's object of the name: left as it is
+            taken = dataclasses.replace(plan, problems=(Problem("NameInUse", str(exc)),))
+            await _write_status(cluster, body, status_of(taken, found))
+            raise
         for child in children:
             if child is main and leaving:
                 continue
@@ -182,10 +189,6 @@ async def _reconcile(
                 recorded.update(start_where_deleted(child, before, old_status, autoscaling))
             try:
                 applied = await cluster.apply(child, owner=body)
-            except NotOwned as exc:  # someone else's object of the name: left as it is
-                taken = dataclasses.replace(plan, problems=(Problem("NameInUse", str(exc)),))
-                await _write_status(cluster, body, status_of(taken, found))
-                raise
             except Exception as exc:
                 if not refused(exc):  # conflicts, throttling, server errors: only retried
                     raise

@@ -231,3 +231,17 @@ async def test_the_ownership_check_is_made_again_after_owner_check_seconds(monke
     now[0] += 1
     with pytest.raises(NotOwned):
         await reconcile(cluster, "ns", "llama", HeaderCache())
+
+
+async def test_a_foreign_object_among_the_children_stops_the_pass_before_any_apply() -> None:
+    """Someone else's NetworkPolicy of the name (the last child): before, the Deployment,
+    Service and PodDisruptionBudget were applied first, on every retry, leaving a half-applied
+    InferenceDeployment; now nothing is applied until the name is free."""
+    store = MemoryCluster()
+    store.add(infd(replicas=1, routing={"enabled": False}))
+    store.add({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+               "metadata": {"name": "llama", "namespace": "ns"}, "spec": {}})  # fmt: skip
+    cluster = Cluster(Transport(store))  # type: ignore[arg-type]
+    with pytest.raises(NotOwned, match="NetworkPolicy llama exists"):
+        await reconcile(cluster, "ns", "llama", HeaderCache())
+    assert sorted(kind for kind, _, _ in store.objects) == ["InferenceDeployment", "NetworkPolicy"]

@@ -13,7 +13,7 @@ import pytest
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from kvfleet_operator import api
-from kvfleet_operator.apply import secret_key_digest, with_owner
+from kvfleet_operator.apply import NotOwned, foreign_controller, secret_key_digest, with_owner
 from kvfleet_operator.header_cache import HeaderCache
 from kvfleet_operator.reconcile import reconcile
 from status_patch import merge_patch
@@ -65,6 +65,14 @@ class MemoryCluster:
             and (namespace is None or ns == namespace)
             and wanted.items() <= (o["metadata"].get("labels") or {}).items()
         ]
+
+    async def check_owned(self, manifest: dict[str, Any], owner: dict[str, Any]) -> None:
+        """As apply.Cluster's: NotOwned for an object of the name another owner controls."""
+        meta = manifest["metadata"]
+        found = self.objects.get((manifest["kind"], meta.get("namespace") or "", meta["name"]))
+        other = None if found is None else foreign_controller(found, owner)
+        if other is not None:
+            raise NotOwned(f"{manifest['kind']} {meta['name']} exists ({other})")
 
     async def has_crd(self, name: str) -> bool:
         return False
