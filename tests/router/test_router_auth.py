@@ -12,7 +12,7 @@ from router_fixtures import StartEngines, StartRouter
 
 from kvfleet_router.cli import build_parser
 from kvfleet_router.cli import main as router_main
-from kvfleet_router.settings import RouterSettings
+from kvfleet_router.settings import SENDABLE_KEY, RouterSettings
 
 KEY = "sk-router-0123456789abcdef"
 COMPLETION = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 4}).encode()
@@ -186,3 +186,21 @@ async def test_a_client_without_the_key_is_not_invited_to_send_its_body(
     writer.close()
     assert head.startswith(b"HTTP/1.1 401 "), head
     assert engine.bodies == []
+
+
+@pytest.mark.parametrize(
+    "key", ["sk-local-123", "a", "k e y", "", " key", "key ", "key\n", "schl\u00fcssel", "\x7f"]
+)
+def test_the_router_takes_the_keys_kvfleet_serve_takes(key: str) -> None:
+    """The router may not import the engine, so its key rule is a copy of `kvfleet serve`'s
+    (engine argtypes.api_key): one table of keys through both, so the copies cannot drift."""
+    import argparse
+
+    from kvfleet_engine.argtypes import api_key
+
+    try:
+        api_key(key)
+        engine_takes = True
+    except argparse.ArgumentTypeError:
+        engine_takes = False
+    assert (SENDABLE_KEY.fullmatch(key) is not None) == engine_takes
