@@ -122,3 +122,14 @@ def test_notes_apply_the_sample_to_a_watched_namespace_not_to_a_pattern(
         check=False,
     ).stdout  # fmt: skip
     assert f"kubectl apply -n {sample} -f manifests/samples/small.yaml" in out
+
+
+def test_the_chart_takes_the_namespace_patterns_the_operator_takes() -> None:
+    """The schema's watchNamespaces rule is the operator's --namespace rule (kvfleet_operator.
+    flags), so a value helm admits never stops the operator at start, and the reverse."""
+    import json
+
+    from kvfleet_operator.flags import NAMESPACE_PATTERN
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert schema["properties"]["watchNamespaces"]["items"]["pattern"] == NAMESPACE_PATTERN
