@@ -240,7 +240,7 @@ def test_gguf_sizes_are_checked_by_their_shapes_whatever_the_bits() -> None:
             f"{layer}.mlp.down_proj.weight": (hidden, inner),
         }
     check_sizes(config, shapes, None, "70b-IQ1_S.gguf")  # 15.4 GB: under 2 bits a weight
-    with pytest.raises(ValueError, match=r"more than the checkpoint's \d+ layer weights"):
+    with pytest.raises(ValueError, match=r"more than twice the checkpoint's \d+ layer weights"):
         check_sizes({**config, "intermediate_size": 4 * inner}, shapes, None, "70b-IQ1_S.gguf")
 
 

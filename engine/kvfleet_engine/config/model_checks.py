@@ -106,7 +106,9 @@ def check_sizes(
     """The config's sizes against the checkpoint's tensors (Hugging Face name -> shape): its
     layers, its embedding, and no more layer weights than the tensors hold: than their
     `num_bytes` can hold (safetensors, whose packed quantized shapes are not the weights'), or,
-    with None, than the shapes count (GGUF, whose shapes are the weights' whatever their type).
+    with None, than twice what the shapes count (GGUF, whose shapes are the weights' whatever
+    their type). The bounds stop sizes that would allocate far more than the checkpoint holds;
+    a tensor of the wrong shape, or a missing one, is named as the weights load.
     Runs before the model is built, which trusts the config's sizes."""
     layers = {int(match[1]) for name in shapes if (match := _LAYER_TENSOR.match(name))}
     num_layers = max(layers) + 1 if layers else 0
@@ -125,9 +127,9 @@ def check_sizes(
             f"checkpoint's {_EMBEDDING} has shape {list(embedding)}"
         )
     num_weights = num_layers * _layer_weights(hf_config)
-    if num_bytes is None:
+    if num_bytes is None:  # twice: a missing tensor is the loader's to name, not a size here
         held = sum(math.prod(shape) for name, shape in shapes.items() if _LAYER_TENSOR.match(name))
-        too_many, limit = num_weights > held, f"the checkpoint's {held} layer weights"
+        too_many, limit = num_weights > 2 * held, f"twice the checkpoint's {held} layer weights"
     else:
         too_many = num_weights * _MIN_BITS_PER_WEIGHT > 8 * num_bytes
         limit = f"the checkpoint's {num_bytes} bytes of tensors can hold"
