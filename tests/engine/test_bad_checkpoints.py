@@ -67,6 +67,14 @@ def _write(name: str, text: str) -> Edit:
     return lambda directory: (directory / name).write_text(text)
 
 
+def _edited(source: Path, tmp_path: Path, edit: Edit) -> Path:
+    """A copy of the checkpoint `source` with `edit` made to it."""
+    directory = tmp_path / "m"
+    shutil.copytree(source, directory)
+    edit(directory)
+    return directory
+
+
 CONFIG = "config.json"
 CASES: dict[str, tuple[Edit, str]] = {
     "a billion layers": (
@@ -181,9 +189,7 @@ def test_a_broken_checkpoint_is_named_before_anything_loads(
     checkpoints: Checkpoints, tmp_path: Path, case: str
 ) -> None:
     edit, message = CASES[case]
-    directory = tmp_path / "m"
-    shutil.copytree(checkpoints.path("llama3"), directory)
-    edit(directory)
+    directory = _edited(checkpoints.path("llama3"), tmp_path, edit)
     with pytest.raises(ValueError, match=f"^model: {directory}/{message}"):
         EngineConfig.create(str(directory), device="cpu")
 
@@ -203,9 +209,7 @@ def test_a_broken_checkpoint_is_named_before_anything_loads(
 def test_dtype_auto_serves_the_checkpoints_dtype(
     checkpoints: Checkpoints, tmp_path: Path, saved: dict[str, Any], served: str
 ) -> None:
-    directory = tmp_path / "m"
-    shutil.copytree(checkpoints.path("llama3"), directory)
-    _config(**saved)(directory)
+    directory = _edited(checkpoints.path("llama3"), tmp_path, _config(**saved))
     assert EngineConfig.create(str(directory), device="cpu").model.dtype == served
 
 
@@ -213,9 +217,7 @@ def test_a_config_dtype_no_setting_reads_is_not_refused(
     checkpoints: Checkpoints, tmp_path: Path
 ) -> None:
     """config.json's dtype is read only for dtype auto: with another setting it is not used."""
-    directory = tmp_path / "m"
-    shutil.copytree(checkpoints.path("llama3"), directory)
-    _config(dtype="float8_e4m3fn")(directory)
+    directory = _edited(checkpoints.path("llama3"), tmp_path, _config(dtype="float8_e4m3fn"))
     config = EngineConfig.create(str(directory), device="cpu", dtype="float32")
     assert config.model.dtype == "float32"
 
@@ -294,9 +296,7 @@ SHARD_CASES: dict[str, tuple[Edit, str]] = {
 @pytest.mark.parametrize("case", list(SHARD_CASES))
 def test_a_broken_sharded_checkpoint_is_named(sharded: Path, tmp_path: Path, case: str) -> None:
     edit, message = SHARD_CASES[case]
-    directory = tmp_path / "m"
-    shutil.copytree(sharded, directory)
-    edit(directory)
+    directory = _edited(sharded, tmp_path, edit)
     with pytest.raises(ValueError, match=f"^model: (.*/)?{message}"):
         EngineConfig.create(str(directory), device="cpu")
 
@@ -316,9 +316,7 @@ def test_a_broken_sharded_checkpoint_is_named(sharded: Path, tmp_path: Path, cas
 def test_a_broken_tokenizer_file_is_named(
     checkpoints: Checkpoints, tmp_path: Path, file: str, text: str, message: str
 ) -> None:
-    directory = tmp_path / "m"
-    shutil.copytree(checkpoints.path("llama3"), directory)
-    (directory / file).write_text(text)
+    directory = _edited(checkpoints.path("llama3"), tmp_path, _write(file, text))
     config = EngineConfig.create(str(directory), device="cpu")
     with pytest.raises(ValueError, match=f"^model: {directory}/?{message}"):
         load_tokenizer(config.model)
@@ -378,9 +376,7 @@ def test_a_broken_chat_template_is_refused_at_start_up(
 ) -> None:
     """Not at the first chat request (a 400 for every client of a server that looked ready)."""
     edit, message = TEMPLATE_CASES[case]
-    directory = tmp_path / "m"
-    shutil.copytree(checkpoints.path("llama3"), directory)
-    edit(directory)
+    directory = _edited(checkpoints.path("llama3"), tmp_path, edit)
     config = EngineConfig.create(str(directory), device="cpu")
     with pytest.raises(ValueError, match=f"^model: {directory}/{message}"):
         load_tokenizer(config.model)
@@ -389,9 +385,9 @@ def test_a_broken_chat_template_is_refused_at_start_up(
 def test_serve_names_a_broken_chat_template_in_one_line(
     checkpoints: Checkpoints, tmp_path: Path
 ) -> None:
-    directory = tmp_path / "m"
-    shutil.copytree(checkpoints.path("llama3"), directory)
-    _tokenizer_config(chat_template=BAD_TEMPLATE)(directory)
+    directory = _edited(
+        checkpoints.path("llama3"), tmp_path, _tokenizer_config(chat_template=BAD_TEMPLATE)
+    )
     command = [sys.executable, "-m", "kvfleet_cli", "serve", "--model", str(directory)]
     command += ["--device", "cpu", "--kv-cache-blocks", "64", "--port", str(free_port_pair())]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
@@ -531,8 +527,10 @@ def test_a_tensor_of_the_wrong_shape_is_named_with_its_checkpoint(
     """A layer weight the config's sizes pass but the layer cannot take fails the load with the
     checkpoint and the tensor named."""
     name = "model.layers.1.mlp.down_proj.weight"
-    directory = tmp_path / "m"
-    shutil.copytree(checkpoints.path("llama3"), directory)
-    _tensors(lambda tensors: tensors.update({name: tensors[name][:, :-2].contiguous()}))(directory)
+    directory = _edited(
+        checkpoints.path("llama3"),
+        tmp_path,
+        _tensors(lambda tensors: tensors.update({name: tensors[name][:, :-2].contiguous()})),
+    )
     with pytest.raises(ValueError, match=rf"^model: {directory}: checkpoint tensor '{name}': "):
         LLM(str(directory), device="cpu", max_model_len=64)
